@@ -1,0 +1,1 @@
+"""The reference backend: every backend op in plain torch on the CPU."""

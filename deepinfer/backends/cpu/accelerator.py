@@ -1,0 +1,106 @@
+"""CPUAccelerator: the reference backend and the embedded default on machines without a GPU."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from deepinfer.core.accelerator import Accelerator, Capabilities, MemoryStats
+from deepinfer.core.batch import ModelBatch, SamplerOutput
+from deepinfer.core.config import CacheConfig, ModelSpec, cpu_threads
+from deepinfer.core.sampler import Sampler
+from deepinfer.backends.cpu.attention import CPUAttentionMeta, CPUPagedAttention
+from deepinfer.backends.cpu.ops import CPUOps
+from deepinfer.models.loader import load_weights, resolve_dtype
+from deepinfer.models.model_config import ModelConfig
+from deepinfer.models.registry import model_class
+from deepinfer.models.rope import rope_cos_sin
+
+GIB = 1 << 30
+
+
+class CPUAccelerator(Accelerator):
+    name = "cpu"
+    capabilities = Capabilities(chunked_prefill=True, host_page_copy=True)
+
+    def __init__(self) -> None:
+        self.model: torch.nn.Module | None = None
+        self.model_config: ModelConfig | None = None
+        self.dtype = torch.float32
+        self.attention: CPUPagedAttention | None = None
+        self.sampler = Sampler()
+        self.block_size = 0
+
+    @classmethod
+    def is_available(cls) -> bool:
+        return True
+
+    def init_device(self, rank: int = 0, world_size: int = 1) -> None:
+        # Ranks on one host split its cores so they do not oversubscribe each other.
+        threads = cpu_threads() or max(1, (os.cpu_count() or 1) // max(1, world_size))
+        torch.set_num_threads(threads)
+
+    def load_model(self, spec: ModelSpec) -> None:
+        cfg = ModelConfig.from_dir(spec.path)
+        self.model_config = cfg
+        self.dtype = resolve_dtype(spec.dtype, cfg)
+        max_len = spec.max_model_len or cfg.max_position_embeddings
+        self.attention = CPUPagedAttention(cfg.num_layers)
+        cls = model_class(cfg.architecture)
+        # Build on the meta device so no time goes into random init of weights we overwrite.
+        with torch.device("meta"):
+            model = cls(cfg, CPUOps(self.attention), max_len)
+        model = model.to_empty(device="cpu").to(self.dtype)
+        load_weights(model, cfg, spec.path)
+        # Rotary tables are computed, not loaded, and stay float32.
+        model.rope_cos, model.rope_sin = rope_cos_sin(
+            cfg.rope, cfg.head_dim, cfg.max_position_embeddings, max_len)
+        self.model = model.eval()
+
+    def _bytes_per_block(self, block_size: int) -> int:
+        cfg = self.model_config
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * elem
+
+    def num_kv_blocks(self, cache: CacheConfig) -> int:
+        if cache.num_blocks is not None:
+            return cache.num_blocks
+        return max(2, int(cache.kv_cache_memory_gb * GIB) // self._bytes_per_block(cache.block_size))
+
+    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
+        cfg = self.model_config
+        self.block_size = block_size
+        self.attention.allocate(num_blocks * block_size, cfg.num_kv_heads, cfg.head_dim, self.dtype)
+        self.num_blocks = num_blocks
+
+    @torch.inference_mode()
+    def forward_logits(self, batch: ModelBatch, all_tokens: bool = False) -> torch.Tensor:
+        """Logits of each sampled sequence's last token (or of every token), float32."""
+        meta = CPUAttentionMeta.from_batch(batch)
+        input_ids = torch.tensor(batch.input_ids, dtype=torch.long)
+        positions = torch.tensor(batch.positions, dtype=torch.long)
+        hidden = self.model(input_ids, positions, meta)
+        if all_tokens:
+            return self.model.compute_logits(hidden)
+        last = [meta.query_starts[i] + meta.query_lens[i] - 1 for i in batch.sample_indices]
+        return self.model.compute_logits(hidden[torch.tensor(last, dtype=torch.long)])
+
+    def execute(self, batch: ModelBatch) -> SamplerOutput:
+        logits = self.forward_logits(batch)
+        if not batch.sample_indices:
+            return SamplerOutput(token_ids=[], logprobs=[])
+        with torch.inference_mode():
+            return self.sampler.sample(logits, batch.sampling)
+
+    def memory_stats(self) -> MemoryStats:
+        weights = sum(p.numel() * p.element_size() for p in self.model.parameters()) \
+            if self.model is not None else 0
+        kv = sum(t.numel() * t.element_size()
+                 for t in (self.attention.k_cache + self.attention.v_cache)) if self.attention else 0
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        return MemoryStats(device_total_bytes=total, weights_bytes=weights, kv_cache_bytes=kv)
+
+    def shutdown(self) -> None:
+        self.model = None
+        if self.attention is not None:
+            self.attention.k_cache, self.attention.v_cache = [], []

@@ -1,0 +1,58 @@
+"""Reference implementations of the model ops (norms, rotary, activation) in torch."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from deepinfer.backends.cpu.attention import CPUPagedAttention
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # float32 accumulation, then cast back before the weight, as the reference models do.
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    rot = cos.shape[-1]
+    if rot == x.shape[-1]:
+        return x * cos + rotate_half(x) * sin
+    # Partial rotary: only the first `rot` dims rotate.
+    head, tail = x[..., :rot], x[..., rot:]
+    return torch.cat((head * cos + rotate_half(head) * sin, tail), dim=-1)
+
+
+class CPUOps:
+    """ModelOps over torch; attention goes to the paged KV cache."""
+
+    def __init__(self, attention: CPUPagedAttention) -> None:
+        self.paged = attention
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return rms_norm(x, weight, eps)
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        summed = x + residual
+        return rms_norm(summed, weight, eps), summed
+
+    def rotary(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
+               cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        c = cos[positions].unsqueeze(1).to(q.dtype)
+        s = sin[positions].unsqueeze(1).to(q.dtype)
+        return apply_rotary(q, c, s), apply_rotary(k, c, s)
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return torch.nn.functional.silu(gate) * up
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
+                  meta: Any) -> torch.Tensor:
+        return self.paged.forward(q, k, v, layer, meta)

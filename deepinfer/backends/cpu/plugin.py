@@ -1,0 +1,34 @@
+"""The CPU backend's plugin module: registered through the "deepinfer" entry point group exactly
+like a third-party backend (pyproject: `[project.entry-points.deepinfer] cpu = ...`)."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from deepinfer.core.plugins import AcceleratorInfo, hookimpl
+
+if TYPE_CHECKING:
+    from deepinfer.core.accelerator import Accelerator
+
+LLAMA = "deepinfer.models.llama:LlamaForCausalLM"
+
+
+def _load_cpu() -> type["Accelerator"]:
+    # Imported on demand: listing plugins must not pay for (or fail on) building the backend.
+    from deepinfer.backends.cpu.accelerator import CPUAccelerator
+
+    return CPUAccelerator
+
+
+@hookimpl
+def deepinfer_register_accelerators() -> list[AcceleratorInfo]:
+    return [AcceleratorInfo(
+        name="cpu", aliases=(), priority=0, load=_load_cpu,
+        description="reference backend: plain torch ops on the host CPU; always available",
+    )]
+
+
+@hookimpl
+def deepinfer_register_models() -> dict[str, str]:
+    # One implementation serves the llama family: these differ only in config fields.
+    return {arch: LLAMA for arch in (
+        "LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")}

@@ -1,0 +1,1 @@
+"""Backend-neutral core: imports nothing from deepinfer.backends or deepinfer.serve."""

@@ -1,0 +1,72 @@
+"""Messages between the scheduler and a backend. Plain host data: the scheduler never sees a
+device tensor, and a backend never sees a Request, only this description of one step."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from deepinfer.core.sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class SamplingRow:
+    """Everything the sampler needs for one sequence whose next token is sampled this step."""
+
+    params: SamplingParams
+    # Effective seed: the request's own, or one drawn for it at arrival. Noise for output
+    # position `step` depends on (seed, step) only, so a seeded request samples the same tokens
+    # whatever else shares its batch.
+    seed: int
+    step: int
+    prompt_token_ids: Sequence[int]
+    output_token_ids: Sequence[int]
+    eos_token_ids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class ModelBatch:
+    """One forward pass over a flattened set of sequences (prefill chunks and decodes).
+
+    Sequence i contributes query_lens[i] new tokens at positions
+    [seq_lens[i] - query_lens[i], seq_lens[i]); its KV lives in block_tables[i].
+    """
+
+    input_ids: list[int]
+    positions: list[int]
+    query_lens: list[int]
+    seq_lens: list[int]
+    block_tables: list[list[int]]
+    slot_mapping: list[int]  # flat KV slot (block_id * block_size + offset) of each input token
+    block_size: int
+    # Indices (into the sequence list) whose last token's logits are sampled: decodes and
+    # prefills whose final chunk is in this step. Partial prefill chunks sample nothing.
+    sample_indices: list[int]
+    sampling: list[SamplingRow]  # parallel to sample_indices
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.query_lens)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.input_ids)
+
+    @property
+    def is_decode_only(self) -> bool:
+        return all(q == 1 for q in self.query_lens)
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    token_id: int
+    logprob: float
+    rank: int  # 1-based rank of the sampled token in the (unprocessed) distribution
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class SamplerOutput:
+    """One sampled token (and optional logprobs) per row of ModelBatch.sampling."""
+
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None]

@@ -1,0 +1,70 @@
+"""Frozen configuration dataclasses; the one place that reads DEEPINFER_* environment variables."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+ENV_ACCELERATOR = "DEEPINFER_ACCELERATOR"
+ENV_CACHE_DIR = "DEEPINFER_CACHE_DIR"
+ENV_CPU_THREADS = "DEEPINFER_CPU_THREADS"
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Which checkpoint to run and how: an HF folder (config.json + safetensors + tokenizer)."""
+
+    path: str
+    dtype: str = "auto"  # auto: the checkpoint's torch_dtype, float32 if none
+    max_model_len: int | None = None  # None: the checkpoint's max_position_embeddings
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 128
+    num_blocks: int | None = None  # None: sized by the backend from kv_cache_memory_gb
+    kv_cache_memory_gb: float = 1.0
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.num_blocks is not None and self.num_blocks < 2:
+            raise ValueError("num_blocks must be >= 2 (block 0 is the null block)")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_batched_tokens: int = 2048  # the per-step token budget
+    max_num_seqs: int = 64
+    enable_chunked_prefill: bool = True
+    # A prefill longer than this is cut into chunks even when the budget has room, so that
+    # decodes of other requests keep flowing (0: no cap beyond the budget).
+    long_prefill_token_threshold: int = 0
+
+    def __post_init__(self) -> None:
+        if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
+            raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelSpec
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    accelerator: str | None = None  # None: DEEPINFER_ACCELERATOR, else probe
+    seed: int = 0
+
+
+def accelerator_from_env() -> str | None:
+    value = os.environ.get(ENV_ACCELERATOR, "").strip().lower()
+    return value or None
+
+
+def cache_dir() -> str:
+    default = os.path.join(os.path.expanduser("~"), ".cache", "deepinfer")
+    return os.environ.get(ENV_CACHE_DIR, default)
+
+
+def cpu_threads() -> int | None:
+    value = os.environ.get(ENV_CPU_THREADS)
+    return int(value) if value else None

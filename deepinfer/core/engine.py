@@ -1,0 +1,168 @@
+"""The engine: add_request / step / abort. One per rank process.
+
+    step():  schedule -> accelerator.execute(batch) -> scheduler.update -> detokenize
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from deepinfer.core.accelerator import Accelerator
+from deepinfer.core.config import EngineConfig
+from deepinfer.core.detokenizer import IncrementalDetokenizer
+from deepinfer.core.kv.manager import KVCacheManager
+from deepinfer.core.outputs import RequestOutput
+from deepinfer.core.request import FinishReason, Request
+from deepinfer.core.sampling import SamplingParams
+from deepinfer.core.scheduler import Scheduler, TokenUpdate
+from deepinfer.models.model_config import ModelConfig
+
+
+@dataclass
+class _Sample:
+    """One of a request's n samples, with its streaming text state."""
+
+    request: Request
+    parent_id: str
+    index: int
+    detok: IncrementalDetokenizer | None
+    text: str = ""
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, accelerator: Accelerator | None = None,
+                 tokenizer: Any = None, load_tokenizer: bool = True) -> None:
+        self.config = config
+        self.model_config = ModelConfig.from_dir(config.model.path)
+        self.accelerator = accelerator or _select_accelerator(config)
+        self.tokenizer = tokenizer if tokenizer is not None or not load_tokenizer \
+            else load_hf_tokenizer(config.model.path)
+        self.accelerator.init_device()
+        self.accelerator.load_model(config.model)
+        num_blocks = self.accelerator.num_kv_blocks(config.cache)
+        self.accelerator.allocate_kv_cache(num_blocks, config.cache.block_size)
+        self.kv = KVCacheManager(num_blocks, config.cache.block_size,
+                                 config.cache.enable_prefix_caching)
+        self.max_model_len = min(config.model.max_model_len or self.model_config.max_position_embeddings,
+                                 self.model_config.sliding_window or 1 << 62)
+        self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
+        self._samples: dict[str, _Sample] = {}  # child request id -> sample
+        self._children: dict[str, list[str]] = {}  # request id -> child ids
+        self._rng = random.Random(config.seed)
+
+    # ---- requests ------------------------------------------------------------------------
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        ids = set(self.model_config.eos_token_ids)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return tuple(sorted(ids))
+
+    def token_limit(self) -> int:
+        """Most tokens one sequence can hold: the context length, or the whole KV pool."""
+        return min(self.max_model_len, self.kv.pool.num_usable * self.kv.block_size)
+
+    def add_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams,
+                    prefix_cache: bool = True) -> None:
+        if request_id in self._children:
+            raise ValueError(f"request id {request_id!r} is already in flight")
+        prompt_ids = self._prompt_ids(prompt)
+        limit = self.token_limit()
+        if len(prompt_ids) >= limit:
+            raise ValueError(f"prompt has {len(prompt_ids)} tokens; this model's context "
+                             f"length is {limit} tokens, leaving no room to generate")
+        max_tokens = min(params.max_tokens or limit, limit - len(prompt_ids))
+        base_seed = params.seed if params.seed is not None else self._rng.getrandbits(62)
+        children = []
+        for i in range(params.n):
+            child_id = request_id if params.n == 1 else f"{request_id}#{i}"
+            req = Request(child_id, prompt_ids, params, seed=base_seed + i, max_tokens=max_tokens,
+                          eos_token_ids=self.eos_token_ids, use_prefix_cache=prefix_cache)
+            detok = None if self.tokenizer is None else \
+                IncrementalDetokenizer(self.tokenizer, prompt_ids, params)
+            self._samples[child_id] = _Sample(req, request_id, i, detok)
+            self.scheduler.add(req)
+            children.append(child_id)
+        self._children[request_id] = children
+
+    def _prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this engine has no tokenizer; pass token ids")
+            ids = self.tokenizer.encode(prompt, add_special_tokens=True)
+        else:
+            ids = [int(t) for t in prompt]
+        if not ids:
+            raise ValueError("the prompt is empty")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"token ids out of range [0, {vocab}): {bad[:5]}")
+        return ids
+
+    def abort(self, request_id: str) -> None:
+        for child_id in self._children.pop(request_id, []):
+            sample = self._samples.pop(child_id)
+            self.scheduler.finish(sample.request, FinishReason.ABORT)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    # ---- the loop ------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        scheduled = self.scheduler.schedule()
+        if not scheduled.seqs:
+            return []
+        sampled = self.accelerator.execute(self.scheduler.build_batch(scheduled))
+        updates = self.scheduler.update(scheduled, sampled)
+        return [out for u in updates if (out := self._output(u)) is not None]
+
+    def _output(self, update: TokenUpdate) -> RequestOutput | None:
+        if update.token_id is None:
+            return None
+        req = update.request
+        sample = self._samples[req.request_id]
+        new_text = ""
+        if sample.detok is not None:
+            new_text = sample.detok.add_token(update.token_id) or ""
+            if sample.detok.stopped_by is not None and not req.is_finished:
+                self.scheduler.finish(req, FinishReason.STOP, sample.detok.stopped_by)
+            if req.is_finished:
+                new_text += sample.detok.flush()
+            sample.text += new_text
+        if req.is_finished:
+            self._forget(sample)
+        return RequestOutput(
+            request_id=sample.parent_id, index=sample.index,
+            prompt_token_ids=req.prompt_token_ids, new_token_ids=[update.token_id],
+            new_text=new_text, token_ids=req.output_token_ids, text=sample.text,
+            finished=req.is_finished,
+            finish_reason=req.finish_reason.value if req.finish_reason else None,
+            stop_reason=req.stop_reason,
+            new_logprobs=[update.logprobs] if update.logprobs is not None else [],
+            num_cached_tokens=max(req.num_cached_tokens, 0))
+
+    def _forget(self, sample: _Sample) -> None:
+        self._samples.pop(sample.request.request_id, None)
+        siblings = self._children.get(sample.parent_id, [])
+        if all(c not in self._samples for c in siblings):
+            self._children.pop(sample.parent_id, None)
+
+    def reset_prefix_cache(self) -> int:
+        return self.kv.reset_prefix_cache()
+
+    def shutdown(self) -> None:
+        self.accelerator.shutdown()
+
+
+def load_hf_tokenizer(path: str) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+def _select_accelerator(config: EngineConfig) -> Accelerator:
+    from deepinfer.core.plugins import load_plugins, select_accelerator
+
+    return select_accelerator(load_plugins(), config.accelerator)()

@@ -1,0 +1,1 @@
+"""Paged KV bookkeeping: block pool, hash chain, per-request block manager."""

@@ -1,0 +1,189 @@
+"""Sampler: turns one step's logits into one token (and optional logprobs) per SamplingRow.
+
+Order of operations, per row:
+  1. logprobs from the RAW logits (what the model said, before any request processing);
+  2. repetition / frequency / presence penalties;
+  3. min_tokens: EOS and stop token ids are banned until enough tokens were generated;
+  4. greedy rows take the argmax;
+  5. other rows: temperature, top-k, top-p, min-p, then an exponential race.
+
+The race (argmax of probs / E, E ~ Exp(1)) draws a token with probability exactly probs, and its
+noise comes from a generator seeded by (seed, step) only, so a seeded request samples the same
+tokens whatever else shares its batch and wherever its row sits. All math runs in float32 on
+the logits' device; the only host syncs are the final .tolist() calls.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from deepinfer.core.batch import SamplerOutput, SamplingRow, TokenLogprobs
+
+_SEED_MULTIPLIER = 1_000_003
+_SEED_MODULUS = 2**63
+
+
+def noise_seed(seed: int, step: int) -> int:
+    """Generator seed for a row's noise: a function of (seed, step) only."""
+    return (seed * _SEED_MULTIPLIER + step) % _SEED_MODULUS
+
+
+class Sampler:
+    """Stateless: every call depends only on its arguments, so one instance serves all steps."""
+
+    def sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
+        if logits.dim() != 2 or logits.shape[0] != len(rows):
+            raise ValueError(f"logits {tuple(logits.shape)} do not match {len(rows)} rows")
+        if not rows:
+            return SamplerOutput(token_ids=[], logprobs=[])
+        if all(_is_plain_greedy(row) for row in rows):
+            # argmax is unchanged by an exact upcast, so skip the float32 copy entirely.
+            return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * len(rows))
+
+        # A private float32 copy: the steps below edit it in place, never the caller's tensor.
+        logits = logits.detach().to(torch.float32, copy=True)
+        device = logits.device
+        logprob_rows = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
+        raw_logprobs = (torch.log_softmax(logits[_index(logprob_rows, device)], dim=-1)
+                        if logprob_rows else None)
+
+        _apply_min_tokens(logits, rows)
+
+        tokens = logits.argmax(dim=-1)  # final for greedy rows
+        random_rows = [i for i, row in enumerate(rows) if not row.params.greedy]
+        if random_rows:
+            index = _index(random_rows, device)
+            tokens[index] = _sample_random(logits[index], [rows[i] for i in random_rows])
+
+        logprobs: list[TokenLogprobs | None] = [None] * len(rows)
+        if raw_logprobs is not None:
+            _fill_logprobs(logprobs, raw_logprobs, tokens, rows, logprob_rows)
+        return SamplerOutput(token_ids=tokens.tolist(), logprobs=logprobs)
+
+
+def _is_plain_greedy(row: SamplingRow) -> bool:
+    params = row.params
+    return (params.greedy and not params.uses_penalties and params.logprobs is None
+            and len(row.output_token_ids) >= params.min_tokens)
+
+
+def _index(positions: list[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(positions, dtype=torch.long, device=device)
+
+
+def _column(values: list[float], device: torch.device,
+            dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Per-row parameters as a [rows, 1] tensor that broadcasts over the vocabulary."""
+    return torch.tensor(values, dtype=dtype, device=device).unsqueeze(-1)
+
+
+def _token_counts(token_lists: list[Sequence[int]], vocab: int,
+                  device: torch.device) -> torch.Tensor:
+    """[rows, vocab] float32 occurrence counts; ids outside the vocabulary are ignored."""
+    flat = [row * vocab + token for row, tokens in enumerate(token_lists)
+            for token in tokens if 0 <= token < vocab]
+    size = len(token_lists) * vocab
+    if not flat:
+        return torch.zeros(len(token_lists), vocab, device=device)
+    counts = torch.bincount(_index(flat, device), minlength=size)
+    return counts.view(len(token_lists), vocab).to(torch.float32)
+
+
+def _apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+    """Repetition (HF/vLLM, over prompt + output), then frequency and presence (OpenAI, over
+    output only). In place, on the penalized rows only."""
+    penalized = [i for i, row in enumerate(rows) if row.params.uses_penalties]
+    if not penalized:
+        return
+    device, vocab = logits.device, logits.shape[-1]
+    params = [rows[i].params for i in penalized]
+    output_counts = _token_counts([rows[i].output_token_ids for i in penalized], vocab, device)
+    # The prompt only matters to the repetition penalty; skip flattening it otherwise.
+    prompt_counts = _token_counts(
+        [rows[i].prompt_token_ids if p.repetition_penalty != 1.0 else ()
+         for i, p in zip(penalized, params)], vocab, device)
+
+    index = _index(penalized, device)
+    sub = logits[index]
+    repetition = _column([p.repetition_penalty for p in params], device)
+    seen = (output_counts + prompt_counts) > 0
+    # Dividing a positive logit and multiplying a negative one both push it down for p > 1.
+    sub = torch.where(seen, torch.where(sub > 0, sub / repetition, sub * repetition), sub)
+    sub = sub - _column([p.frequency_penalty for p in params], device) * output_counts
+    sub = sub - _column([p.presence_penalty for p in params], device) * (output_counts > 0)
+    logits[index] = sub
+
+
+def _apply_min_tokens(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+    """Ban EOS and stop token ids for rows that have not yet generated min_tokens tokens."""
+    vocab = logits.shape[-1]
+    banned = [(i, token) for i, row in enumerate(rows)
+              if len(row.output_token_ids) < row.params.min_tokens
+              for token in (*row.eos_token_ids, *row.params.stop_token_ids)
+              if 0 <= token < vocab]
+    if banned:
+        row_ids, token_ids = torch.tensor(banned, dtype=torch.long, device=logits.device).T
+        logits[row_ids, token_ids] = float("-inf")
+
+
+def _sample_random(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """Temperature, filters, then the exponential race; returns one token id per row."""
+    device = logits.device
+    logits = logits / _column([row.params.temperature for row in rows], device)
+    keep = _keep_mask(logits, rows)
+    probs = torch.softmax(logits.masked_fill(~keep, float("-inf")), dim=-1)
+    noise = torch.stack([_exponential_noise(row, logits.shape[-1], device) for row in rows])
+    return (probs / noise).argmax(dim=-1)
+
+
+def _keep_mask(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """Tokens surviving top-k, then top-p, then min-p, for all rows at once with one sort."""
+    device, vocab = logits.device, logits.shape[-1]
+    params = [row.params for row in rows]
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+
+    top_k = _column([p.top_k if p.top_k > 0 else vocab for p in params], device, torch.long)
+    keep = torch.arange(vocab, device=device) < top_k
+    probs = torch.softmax(sorted_logits.masked_fill(~keep, float("-inf")), dim=-1)
+
+    # Nucleus: keep a token while the mass ranked strictly above it is < top_p, which is the
+    # smallest prefix reaching top_p and always includes the top token. top_p == 1 is skipped
+    # so that float32 rounding in the cumsum can never drop tail tokens.
+    top_p = _column([p.top_p for p in params], device)
+    mass_above = probs.cumsum(dim=-1) - probs
+    keep &= (mass_above < top_p) | (top_p >= 1.0)
+
+    # min-p compares with the top token; the earlier filters rescale both sides equally.
+    min_p = _column([p.min_p for p in params], device)
+    keep &= probs >= min_p * probs[:, :1]
+    return torch.zeros_like(keep).scatter(-1, order, keep)
+
+
+def _exponential_noise(row: SamplingRow, vocab: int, device: torch.device) -> torch.Tensor:
+    generator = torch.Generator(device=device)
+    generator.manual_seed(noise_seed(row.seed, row.step))
+    noise = torch.empty(vocab, dtype=torch.float32, device=device)
+    noise.exponential_(generator=generator)
+    # A zero draw would turn probs / noise into inf or nan; clamping changes nothing measurable.
+    return noise.clamp_min_(torch.finfo(torch.float32).tiny)
+
+
+def _fill_logprobs(out: list[TokenLogprobs | None], raw_logprobs: torch.Tensor,
+                   tokens: torch.Tensor, rows: Sequence[SamplingRow],
+                   logprob_rows: list[int]) -> None:
+    """Sampled-token logprob, its rank and the top-N list, all from the raw distribution."""
+    chosen = tokens[_index(logprob_rows, tokens.device)].unsqueeze(-1)
+    chosen_logprob = raw_logprobs.gather(-1, chosen)
+    # Rank 1 + the number of strictly more likely tokens: the argmax is always rank 1.
+    ranks = (raw_logprobs > chosen_logprob).sum(dim=-1) + 1
+    widest = min(max(rows[i].params.logprobs for i in logprob_rows), raw_logprobs.shape[-1])
+    top_values, top_ids = raw_logprobs.topk(widest, dim=-1)
+
+    chosen_list, chosen_logprob_list = chosen.squeeze(-1).tolist(), chosen_logprob.squeeze(-1).tolist()
+    rank_list, top_value_list, top_id_list = ranks.tolist(), top_values.tolist(), top_ids.tolist()
+    for j, i in enumerate(logprob_rows):
+        n = rows[i].params.logprobs
+        out[i] = TokenLogprobs(
+            token_id=chosen_list[j], logprob=chosen_logprob_list[j], rank=rank_list[j],
+            top=list(zip(top_id_list[j][:n], top_value_list[j][:n])))

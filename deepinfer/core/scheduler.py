@@ -1,0 +1,200 @@
+"""Continuous batching with one token budget per step.
+
+Each step: running requests first (decodes, then the next chunk of any prefill in progress),
+then waiting requests in arrival order, with prefix-cache hits skipping their computed pages.
+When blocks run out, the newest running request is preempted and recomputed later; preempted
+requests go back to the head of the queue, so nothing starves.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from deepinfer.core.batch import ModelBatch, SamplerOutput, SamplingRow, TokenLogprobs
+from deepinfer.core.config import SchedulerConfig
+from deepinfer.core.kv.manager import KVCacheManager
+from deepinfer.core.request import FinishReason, Request, RequestStatus
+
+
+@dataclass(frozen=True)
+class ScheduledSeq:
+    request: Request
+    num_new_tokens: int
+    sampled: bool
+
+
+@dataclass
+class SchedulerOutput:
+    seqs: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.seqs)
+
+
+@dataclass(frozen=True)
+class TokenUpdate:
+    """What one step produced for one request."""
+
+    request: Request
+    token_id: int | None  # None for a prefill chunk that sampled nothing
+    logprobs: TokenLogprobs | None
+    finished: bool
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int) -> None:
+        self.config = config
+        self.kv = kv
+        self.max_model_len = max_model_len
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    # ---- requests in and out -------------------------------------------------------------
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def finish(self, req: Request, reason: FinishReason, stop_reason: str | int | None = None) -> None:
+        if req.is_finished:
+            return
+        if req.status is RequestStatus.RUNNING:
+            self.running.remove(req)
+        else:
+            self.waiting.remove(req)
+        self.kv.free(req)
+        req.status, req.finish_reason, req.stop_reason = RequestStatus.FINISHED, reason, stop_reason
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    # ---- one step ------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        budget = self._schedule_running(out, budget)
+        if not out.preempted:
+            self._schedule_waiting(out, budget)
+        return out
+
+    def _chunk(self, req: Request, budget: int) -> int:
+        remaining = req.num_tokens - req.num_computed_tokens
+        cap = self.config.long_prefill_token_threshold
+        if cap > 0:
+            remaining = min(remaining, cap)
+        if not self.config.enable_chunked_prefill and remaining > budget:
+            return 0
+        return min(remaining, budget)
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        scheduled: set[int] = set()
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = self._chunk(req, budget)
+            if num_new == 0:
+                i += 1
+                continue
+            while not self.kv.allocate(req, num_new):
+                victim = self.running[-1]
+                if id(victim) in scheduled:
+                    # Never preempt work already placed in this step's batch.
+                    victim = req
+                self._preempt(victim, out)
+                if victim is req:
+                    break
+            else:
+                out.seqs.append(ScheduledSeq(req, num_new, self._will_sample(req, num_new)))
+                scheduled.add(id(req))
+                budget -= num_new
+                i += 1
+        return budget
+
+    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        self.running.remove(req)
+        self.kv.free(req)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.PREEMPTED
+        self.waiting.appendleft(req)
+        out.preempted.append(req)
+        self.num_preemptions += 1
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            cached = self.kv.find_cached_prefix(req)
+            hit_tokens = len(cached) * self.kv.block_size
+            req.num_computed_tokens = 0
+            remaining = req.num_tokens - hit_tokens
+            if not self.config.enable_chunked_prefill and remaining > budget:
+                break
+            num_new = min(remaining, budget)
+            if self.config.long_prefill_token_threshold > 0:
+                num_new = min(num_new, self.config.long_prefill_token_threshold)
+            if not self.kv.allocate(req, num_new, cached):
+                break
+            self.waiting.popleft()
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = hit_tokens
+                self.kv.record_lookup(req.num_tokens, hit_tokens)
+            req.num_computed_tokens = hit_tokens
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            out.seqs.append(ScheduledSeq(req, num_new, self._will_sample(req, num_new)))
+            budget -= num_new
+
+    @staticmethod
+    def _will_sample(req: Request, num_new: int) -> bool:
+        return req.num_computed_tokens + num_new == req.num_tokens
+
+    # ---- the batch a backend sees --------------------------------------------------------
+    def build_batch(self, out: SchedulerOutput) -> ModelBatch:
+        bs = self.kv.block_size
+        ids, positions, qlens, slens, tables, slots = [], [], [], [], [], []
+        sample_indices, rows = [], []
+        for i, seq in enumerate(out.seqs):
+            req, start = seq.request, seq.request.num_computed_tokens
+            end = start + seq.num_new_tokens
+            table = self.kv.block_ids(req.request_id)
+            ids.extend(req.token_slice(start, end))
+            positions.extend(range(start, end))
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            qlens.append(seq.num_new_tokens)
+            slens.append(end)
+            tables.append(table)
+            if seq.sampled:
+                sample_indices.append(i)
+                rows.append(SamplingRow(req.params, req.seed, len(req.output_token_ids),
+                                        req.prompt_token_ids, req.output_token_ids,
+                                        req.eos_token_ids))
+        return ModelBatch(ids, positions, qlens, slens, tables, slots, bs, sample_indices, rows)
+
+    # ---- results back --------------------------------------------------------------------
+    def update(self, out: SchedulerOutput, sampled: SamplerOutput) -> list[TokenUpdate]:
+        updates = []
+        k = 0
+        for seq in out.seqs:
+            req = seq.request
+            req.num_computed_tokens += seq.num_new_tokens
+            token, logprobs = None, None
+            if seq.sampled:
+                token, logprobs = sampled.token_ids[k], sampled.logprobs[k]
+                k += 1
+                req.output_token_ids.append(token)
+            self.kv.cache_computed_pages(req)
+            if token is not None:
+                self._check_stop(req, token)
+            updates.append(TokenUpdate(req, token, logprobs, req.is_finished))
+        return updates
+
+    def _check_stop(self, req: Request, token: int) -> None:
+        params, n_out = req.params, len(req.output_token_ids)
+        if n_out >= params.min_tokens:
+            if not params.ignore_eos and token in req.eos_token_ids:
+                return self.finish(req, FinishReason.STOP, token)
+            if token in params.stop_token_ids:
+                return self.finish(req, FinishReason.STOP, token)
+        if n_out >= req.max_tokens or req.num_tokens >= self.max_model_len:
+            self.finish(req, FinishReason.LENGTH)

@@ -1,0 +1,120 @@
+"""Offline API: LLM(model=...).generate(prompts, SamplingParams) and .chat(messages)."""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from deepinfer.core.batch import TokenLogprobs
+from deepinfer.core.config import CacheConfig, EngineConfig, ModelSpec, SchedulerConfig
+from deepinfer.core.engine import Engine
+from deepinfer.core.sampling import SamplingParams
+
+Prompt = str | Sequence[int]
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    stop_reason: str | int | None = None
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+
+
+@dataclass
+class GenerateOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    num_cached_tokens: int = 0
+
+
+def resolve_model_path(model: str | None) -> str:
+    """An HF folder as is; a .gguf file converted once; None: the embedded default model."""
+    if model is None:
+        from deepinfer.models.default_model import ensure_default_model
+
+        return ensure_default_model()
+    if model.endswith(".gguf"):
+        from deepinfer.models.gguf_convert import convert_gguf
+
+        return convert_gguf(model)
+    return model
+
+
+class LLM:
+    def __init__(self, model: str | None = None, *, dtype: str = "auto",
+                 accelerator: str | None = None, block_size: int = 128,
+                 num_blocks: int | None = None, kv_cache_memory_gb: float = 1.0,
+                 max_model_len: int | None = None, max_num_batched_tokens: int = 2048,
+                 max_num_seqs: int = 64, enable_prefix_caching: bool = True,
+                 enable_chunked_prefill: bool = True, seed: int = 0,
+                 load_tokenizer: bool = True) -> None:
+        config = EngineConfig(
+            model=ModelSpec(resolve_model_path(model), dtype, max_model_len),
+            cache=CacheConfig(block_size, num_blocks, kv_cache_memory_gb, enable_prefix_caching),
+            scheduler=SchedulerConfig(max_num_batched_tokens, max_num_seqs,
+                                      enable_chunked_prefill),
+            accelerator=accelerator, seed=seed)
+        self.engine = Engine(config, load_tokenizer=load_tokenizer)
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 prefix_cache: bool = True) -> list[GenerateOutput]:
+        prompt_list = _as_prompt_list(prompts)
+        params = sampling_params or SamplingParams()
+        param_list = [params] * len(prompt_list) if isinstance(params, SamplingParams) \
+            else list(params)
+        if len(param_list) != len(prompt_list):
+            raise ValueError("need one SamplingParams per prompt")
+        order = []
+        for prompt, p in zip(prompt_list, param_list):
+            rid = str(next(self._ids))
+            self.engine.add_request(rid, prompt, p, prefix_cache=prefix_cache)
+            order.append(rid)
+        return self._run(order)
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | None = None, tools: list[dict] | None = None,
+             add_generation_prompt: bool = True, **template_kwargs: Any) -> list[GenerateOutput]:
+        """Render each conversation with the checkpoint's chat template, then generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self.tokenizer.apply_chat_template(
+            conv, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=False,
+            **template_kwargs) for conv in conversations]
+        # The template already holds BOS where the model wants it: encode without adding more.
+        ids = [self.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
+        return self.generate(ids, sampling_params)
+
+    def _run(self, order: list[str]) -> list[GenerateOutput]:
+        results: dict[str, GenerateOutput] = {}
+        logprobs: dict[tuple[str, int], list[TokenLogprobs]] = {}
+        while self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                key = (out.request_id, out.index)
+                logprobs.setdefault(key, []).extend(out.new_logprobs)
+                if not out.finished:
+                    continue
+                result = results.setdefault(out.request_id, GenerateOutput(
+                    out.request_id, out.prompt_token_ids, [], out.num_cached_tokens))
+                result.outputs.append(CompletionOutput(
+                    out.index, out.text, list(out.token_ids), out.finish_reason,
+                    out.stop_reason, logprobs.pop(key)))
+        for result in results.values():
+            result.outputs.sort(key=lambda c: c.index)
+        return [results[rid] for rid in order]
+
+
+def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    if prompts and isinstance(prompts[0], int):
+        return [prompts]  # one prompt given as token ids
+    return list(prompts)

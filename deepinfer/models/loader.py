@@ -1,0 +1,103 @@
+"""Build a model from an HF folder and load its safetensors weights into it."""
+from __future__ import annotations
+
+import glob
+import os
+import re
+from typing import Callable, Iterator
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from deepinfer.models.model_config import ModelConfig
+
+# checkpoint name pattern -> (our parameter name, fused shard index or None)
+_FUSED = {
+    "self_attn.q_proj": ("self_attn.qkv_proj", 0),
+    "self_attn.k_proj": ("self_attn.qkv_proj", 1),
+    "self_attn.v_proj": ("self_attn.qkv_proj", 2),
+    "mlp.gate_proj": ("mlp.gate_up_proj", 0),
+    "mlp.up_proj": ("mlp.gate_up_proj", 1),
+}
+_RENAMES = {
+    "input_layernorm.weight": "input_layernorm",
+    "post_attention_layernorm.weight": "post_attention_layernorm",
+    "self_attn.q_norm.weight": "self_attn.q_norm",
+    "self_attn.k_norm.weight": "self_attn.k_norm",
+}
+
+
+def resolve_dtype(name: str, cfg: ModelConfig) -> torch.dtype:
+    name = cfg.torch_dtype if name == "auto" else name
+    table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+             "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+    if name not in table:
+        raise ValueError(f"unsupported dtype {name!r}; choose one of {sorted(table)}")
+    return table[name]
+
+
+def iter_checkpoint(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {path}")
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def _shard_slices(cfg: ModelConfig, fused: str) -> list[tuple[int, int]]:
+    if "qkv_proj" in fused:
+        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        return [(0, q), (q, q + kv), (q + kv, q + 2 * kv)]
+    f = cfg.intermediate_size
+    return [(0, f), (f, 2 * f)]
+
+
+def map_name(name: str) -> tuple[str, int | None] | None:
+    """Checkpoint tensor name -> (parameter name in our model, fused shard), None to skip."""
+    name = name.removeprefix("model.")
+    if name.startswith("lm_head."):
+        return name, None
+    if name == "norm.weight":
+        return "norm", None
+    match = re.match(r"layers\.(\d+)\.(.+)", name)
+    if not match:
+        return name, None
+    prefix, rest = f"layers.{match.group(1)}.", match.group(2)
+    if rest in _RENAMES:
+        return prefix + _RENAMES[rest], None
+    module, _, kind = rest.rpartition(".")
+    if module in _FUSED:
+        target, shard = _FUSED[module]
+        return f"{prefix}{target}.{kind}", shard
+    if "rotary_emb" in rest:
+        return None
+    return prefix + rest, None
+
+
+def load_weights(model: nn.Module, cfg: ModelConfig, path: str,
+                 progress: Callable[[str], None] | None = None) -> None:
+    params = dict(model.named_parameters())
+    loaded: set[str] = set()
+    for ckpt_name, tensor in iter_checkpoint(path):
+        mapped = map_name(ckpt_name)
+        if mapped is None or (cfg.tie_word_embeddings and mapped[0].startswith("lm_head")):
+            continue
+        target, shard = mapped
+        if target not in params:
+            raise KeyError(f"checkpoint tensor {ckpt_name!r} has no place in the model")
+        param = params[target]
+        with torch.no_grad():
+            if shard is None:
+                param.copy_(tensor)
+            else:
+                start, end = _shard_slices(cfg, target)[shard]
+                param[start:end].copy_(tensor)
+        loaded.add(target)
+        if progress:
+            progress(ckpt_name)
+    missing = set(params) - loaded
+    if missing:
+        raise KeyError(f"checkpoint lacks weights for: {sorted(missing)[:8]}")
