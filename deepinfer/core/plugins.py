@@ -22,7 +22,7 @@ from deepinfer.core.config import accelerator_from_env
 PROJECT = "deepinfer"
 ENTRY_POINT_GROUP = "deepinfer"
 # Registered directly as well, so that a source checkout that was never pip-installed (and so
-# has no entry points) still finds its own backends. Entry points win when both are present.
+# has no entry points) still finds its own backends; their own entry points are then skipped.
 BUILTIN_PLUGINS: tuple[tuple[str, str], ...] = (("cpu", "deepinfer.backends.cpu.plugin"),)
 
 hookspec = pluggy.HookspecMarker(PROJECT)
@@ -136,10 +136,10 @@ class PluginRegistry:
                 self.report(name, _error_text(exc))
 
     def call_each(self, hook_name: str, **kwargs: Any) -> list[tuple[str, Any]]:
-        """(plugin name, result) of each implementation, in pluggy's call order."""
+        """(plugin name, result) of each implementation, in registration order."""
         caller = getattr(self.pm.hook, hook_name)
         results = []
-        for impl in reversed(caller.get_hookimpls()):  # pluggy calls the last one first
+        for impl in caller.get_hookimpls():
             if impl.hookwrapper or impl.wrapper:
                 continue  # wrappers only make sense inside pm.hook's own call loop
             try:
@@ -152,7 +152,7 @@ class PluginRegistry:
         return results
 
     def accelerators(self) -> list[AcceleratorInfo]:
-        """Every announced backend; on a name clash the first in call order wins."""
+        """Every announced backend; on a name clash the first registered plugin wins."""
         found: dict[str, AcceleratorInfo] = {}
         for plugin_name, infos in self.call_each("deepinfer_register_accelerators"):
             for info in infos:
@@ -165,7 +165,7 @@ class PluginRegistry:
         return list(found.values())
 
     def models(self) -> dict[str, str]:
-        """HF architecture -> "module:Class"; on a clash the first in call order wins."""
+        """HF architecture -> "module:Class"; on a clash the first registered plugin wins."""
         merged: dict[str, str] = {}
         for _, mapping in self.call_each("deepinfer_register_models"):
             for arch, path in mapping.items():
@@ -191,8 +191,8 @@ class PluginRegistry:
 def load_plugins(group: str = ENTRY_POINT_GROUP) -> PluginRegistry:
     """A fresh registry with every installed plugin (entry points) and the built-in backends."""
     registry = PluginRegistry()
+    registry.load_builtins()  # first, so that no plugin can take over a built-in's names
     registry.load_entry_points(group)
-    registry.load_builtins()
     return registry
 
 
@@ -225,7 +225,7 @@ def select_accelerator(registry: PluginRegistry, name: str | None = None) -> typ
         if not available:
             raise AcceleratorError(f"accelerator {info.name!r} is not available on this machine")
         return cls
-    for info in sorted(infos, key=lambda i: -i.priority):  # stable: ties keep call order
+    for info in sorted(infos, key=lambda i: -i.priority):  # stable: ties keep registration order
         try:
             cls = info.load()
             if _probe(cls):

@@ -48,6 +48,7 @@ class Sampler:
         raw_logprobs = (torch.log_softmax(logits[_index(logprob_rows, device)], dim=-1)
                         if logprob_rows else None)
 
+        _apply_penalties(logits, rows)
         _apply_min_tokens(logits, rows)
 
         tokens = logits.argmax(dim=-1)  # final for greedy rows
@@ -180,7 +181,8 @@ def _fill_logprobs(out: list[TokenLogprobs | None], raw_logprobs: torch.Tensor,
     widest = min(max(rows[i].params.logprobs for i in logprob_rows), raw_logprobs.shape[-1])
     top_values, top_ids = raw_logprobs.topk(widest, dim=-1)
 
-    chosen_list, chosen_logprob_list = chosen.squeeze(-1).tolist(), chosen_logprob.squeeze(-1).tolist()
+    chosen_list = chosen.squeeze(-1).tolist()
+    chosen_logprob_list = chosen_logprob.squeeze(-1).tolist()
     rank_list, top_value_list, top_id_list = ranks.tolist(), top_values.tolist(), top_ids.tolist()
     for j, i in enumerate(logprob_rows):
         n = rows[i].params.logprobs

@@ -74,6 +74,7 @@ def convert_gguf(gguf_path: str, out_dir: str | None = None, progress: bool = Tr
     os.makedirs(parent, exist_ok=True)
     tmp_dir = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.tmp-", dir=parent)
     try:
+        os.chmod(tmp_dir, 0o755)  # mkdtemp's 0700 would carry over to the final folder
         _convert_into(gguf_path, tmp_dir, progress)
         try:
             os.rename(tmp_dir, out_dir)

@@ -1,5 +1,11 @@
-"""The CPU backend passes the conformance suite that plugin authors run on theirs."""
+"""The CPU backend passes the conformance suite that plugin authors run on theirs, and the suite
+rejects a backend that gets paged KV wrong."""
+import dataclasses
+
+import pytest
+
 from deepinfer.backends.cpu.accelerator import CPUAccelerator
+from deepinfer.core.batch import ModelBatch, SamplerOutput
 from deepinfer.core.testing import AcceleratorConformance, run_conformance
 
 
@@ -7,5 +13,25 @@ class TestCPUConformance(AcceleratorConformance):
     accelerator_cls = CPUAccelerator
 
 
-def test_run_conformance_function(tmp_path):
-    run_conformance(CPUAccelerator, str(tmp_path))
+class MisplacedKV(CPUAccelerator):
+    """Writes each token's KV one block past its slot, so reads through the block table miss it."""
+
+    def execute(self, batch: ModelBatch) -> SamplerOutput:
+        shifted = [slot + batch.block_size for slot in batch.slot_mapping]
+        return super().execute(dataclasses.replace(batch, slot_mapping=shifted))
+
+
+class SamplesEverySequence(CPUAccelerator):
+    """Ignores sample_indices: partial prefill chunks get a token too."""
+
+    def execute(self, batch: ModelBatch) -> SamplerOutput:
+        out = super().execute(batch)
+        extra = batch.num_seqs - len(out.token_ids)
+        return SamplerOutput(out.token_ids + [0] * extra, out.logprobs + [None] * extra)
+
+
+@pytest.mark.parametrize("broken, check", [(MisplacedKV, "batched greedy decode"),
+                                           (SamplesEverySequence, "chunked prefill")])
+def test_suite_rejects_broken_backend(tmp_path, broken, check):
+    with pytest.raises(AssertionError, match=check):
+        run_conformance(broken, str(tmp_path))

@@ -210,7 +210,8 @@ def test_held_back_text_is_released_when_it_cannot_start_a_stop():
 
 
 def test_skip_special_tokens():
-    ids = pieces("hi") + [TOK.convert_tokens_to_ids(IM_START)] + pieces(" there") + [TOK.eos_token_id]
+    im_start = TOK.convert_tokens_to_ids(IM_START)
+    ids = pieces("hi") + [im_start] + pieces(" there") + [TOK.eos_token_id]
     assert streamed(ids, skip_special_tokens=True) == TOK.decode(ids, skip_special_tokens=True) \
         == "hi there"
     assert streamed(ids, skip_special_tokens=False) == TOK.decode(ids) \

@@ -1,0 +1,1 @@
+"""An example DeepInfer backend plugin: see plugin.py (discovery) and accelerator.py (the work)."""
