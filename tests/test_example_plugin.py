@@ -4,6 +4,7 @@ import importlib.metadata
 
 import pytest
 
+from deepinfer.core.config import ENV_ACCELERATOR
 from deepinfer.core.plugins import describe, load_plugins, select_accelerator
 from deepinfer.core.testing import run_conformance
 
@@ -14,7 +15,8 @@ except importlib.metadata.PackageNotFoundError:
                 allow_module_level=True)
 
 
-def test_example_plugin_is_discovered_and_never_wins_the_probe():
+def test_example_plugin_is_discovered_and_never_wins_the_probe(monkeypatch):
+    monkeypatch.delenv(ENV_ACCELERATOR, raising=False)
     registry = load_plugins()
     rows = {row.name: row for row in describe(registry)}
     assert rows["example"].status == "available" and rows["example"].priority < 0

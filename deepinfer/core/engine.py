@@ -32,13 +32,14 @@ class _Sample:
 
 class Engine:
     def __init__(self, config: EngineConfig, accelerator: Accelerator | None = None,
-                 tokenizer: Any = None, load_tokenizer: bool = True) -> None:
+                 tokenizer: Any = None, load_tokenizer: bool = True, rank: int = 0,
+                 world_size: int = 1) -> None:
         self.config = config
         self.model_config = ModelConfig.from_dir(config.model.path)
         self.accelerator = accelerator or _select_accelerator(config)
         self.tokenizer = tokenizer if tokenizer is not None or not load_tokenizer \
             else load_hf_tokenizer(config.model.path)
-        self.accelerator.init_device()
+        self.accelerator.init_device(rank, world_size)
         self.accelerator.load_model(config.model)
         num_blocks = self.accelerator.num_kv_blocks(config.cache)
         self.accelerator.allocate_kv_cache(num_blocks, config.cache.block_size)

@@ -155,7 +155,7 @@ class PluginRegistry:
         """Every announced backend; on a name clash the first registered plugin wins."""
         found: dict[str, AcceleratorInfo] = {}
         for plugin_name, infos in self.call_each("deepinfer_register_accelerators"):
-            for info in infos:
+            for info in infos if isinstance(infos, (list, tuple)) else [infos]:
                 if not isinstance(info, AcceleratorInfo):
                     self.report(plugin_name, f"not an AcceleratorInfo: {info!r}")
                 elif info.name.lower() in found:
@@ -167,7 +167,10 @@ class PluginRegistry:
     def models(self) -> dict[str, str]:
         """HF architecture -> "module:Class"; on a clash the first registered plugin wins."""
         merged: dict[str, str] = {}
-        for _, mapping in self.call_each("deepinfer_register_models"):
+        for plugin_name, mapping in self.call_each("deepinfer_register_models"):
+            if not isinstance(mapping, dict):
+                self.report(plugin_name, f"deepinfer_register_models returned {mapping!r}")
+                continue
             for arch, path in mapping.items():
                 merged.setdefault(arch, path)
         return merged
@@ -213,7 +216,9 @@ def select_accelerator(registry: PluginRegistry, name: str | None = None) -> typ
     infos = registry.accelerators()
     requested = name or accelerator_from_env()
     if requested:
-        info = next((i for i in infos if i.matches(requested)), None)
+        # An exact name beats another backend's alias.
+        info = next((i for i in infos if i.name.lower() == requested.strip().lower()),
+                    next((i for i in infos if i.matches(requested)), None))
         if info is None:
             raise ValueError(f"unknown accelerator {requested!r}; {_summary(registry, infos)}")
         try:

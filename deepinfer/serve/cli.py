@@ -1,0 +1,108 @@
+"""deepinfer-serve: the OpenAI-compatible server.
+
+With no --model it serves the embedded default (SmolLM2-135M-Instruct, fetched once from PyPI
+and converted into the local cache); with no accelerator the CPU backend serves it.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+from typing import Sequence
+
+from deepinfer.core.config import CacheConfig, EngineConfig, ModelSpec, SchedulerConfig
+
+log = logging.getLogger("deepinfer.serve")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="deepinfer-serve", description=__doc__,
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model", default=None,
+                   help="HF folder or .gguf file; default: the embedded SmolLM2-135M-Instruct")
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=os.environ.get("DEEPINFER_API_KEY"))
+    p.add_argument("--accelerator", default=None,
+                   help="cpu, nvidia/cuda, neuron or a plugin's name (else "
+                        "DEEPINFER_ACCELERATOR, else probe)")
+    p.add_argument("--list-accelerators", action="store_true")
+    p.add_argument("--dp", type=int, default=1, help="engine processes (one per device)")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--block-size", type=int, default=128)
+    p.add_argument("--num-kv-blocks", type=int, default=None)
+    p.add_argument("--kv-cache-memory-gb", type=float, default=1.0)
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--log-level", default="info")
+    return p
+
+
+def engine_config(args: argparse.Namespace, model_dir: str) -> EngineConfig:
+    return EngineConfig(
+        model=ModelSpec(model_dir, args.dtype, args.max_model_len),
+        cache=CacheConfig(args.block_size, args.num_kv_blocks, args.kv_cache_memory_gb,
+                          not args.no_prefix_caching),
+        scheduler=SchedulerConfig(args.max_num_batched_tokens, args.max_num_seqs),
+        accelerator=args.accelerator, seed=args.seed)
+
+
+async def serve(args: argparse.Namespace, model_dir: str) -> None:
+    import time
+
+    import uvicorn
+    from transformers import AutoTokenizer
+
+    from deepinfer.serve.app import ServerState, create_app
+    from deepinfer.serve.engine_client import EngineClient
+    from deepinfer.serve.metrics import ServerMetrics
+
+    name = args.served_model_name or os.path.basename(os.path.normpath(args.model or model_dir))
+    client = EngineClient(engine_config(args, model_dir), args.dp)
+    try:
+        ready = await client.start()
+        log.info("%d rank(s) ready on %s: %d KV blocks of %d tokens, context %d", len(ready),
+                 ready[0].accelerator, ready[0].num_blocks, ready[0].block_size,
+                 ready[0].max_model_len)
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        state = ServerState(client, tokenizer, name, model_dir, ready[0].max_model_len,
+                            ServerMetrics(name), args.api_key, int(time.time()))
+        config = uvicorn.Config(create_app(state), host=args.host, port=args.port,
+                                log_level=args.log_level, timeout_graceful_shutdown=5)
+        await uvicorn.Server(config).serve()
+    finally:
+        await client.shutdown()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from deepinfer.core.plugins import describe, load_plugins
+
+    registry = load_plugins()
+    parser = build_parser()
+    registry.add_cli_args(parser)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    if args.list_accelerators:
+        from deepinfer.cli import print_plugins
+
+        print_plugins(registry)
+        return 0
+    from deepinfer.llm import resolve_model_path
+
+    try:
+        model_dir = resolve_model_path(args.model)
+    except (RuntimeError, FileNotFoundError) as exc:
+        print(f"deepinfer-serve: {exc}", file=sys.stderr)
+        return 2
+    asyncio.run(serve(args, model_dir))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,114 @@
+"""The rank process: owns one Engine and runs its step loop, fed over ZMQ.
+
+It never blocks on the API: when idle it waits on its input socket, otherwise it drains what
+arrived since the last step, steps, and pushes the deltas. It exits when its parent dies.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import traceback
+from dataclasses import dataclass
+
+import zmq
+
+from deepinfer.core.config import EngineConfig
+from deepinfer.core.engine import Engine
+from deepinfer.core.outputs import RequestOutput
+from deepinfer.serve.ipc import (AbortRequest, AddRequest, Control, ControlReply, EngineStats,
+                                 Failed, Ready, RequestError, StepResult, TokenDelta)
+
+IDLE_POLL_MS = 200  # how often an idle rank checks that its parent is alive
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    rank: int
+    world_size: int
+    config: EngineConfig
+    input_addr: str  # the API process PUSHes requests here
+    output_addr: str  # the rank PUSHes results here
+
+
+def run_rank(spec: RankSpec) -> None:
+    """Entry point of a rank process (multiprocessing spawn target)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the API process decides when we stop
+    parent = os.getppid()
+    ctx = zmq.Context()
+    inbox = ctx.socket(zmq.PULL)
+    inbox.connect(spec.input_addr)
+    outbox = ctx.socket(zmq.PUSH)
+    outbox.connect(spec.output_addr)
+    try:
+        engine = _start_engine(spec)
+    except Exception:  # noqa: BLE001 - report any start-up failure to the API process
+        outbox.send_pyobj(Failed(spec.rank, traceback.format_exc()))
+        return
+    outbox.send_pyobj(Ready(spec.rank, engine.kv.pool.num_usable + 1, engine.kv.block_size,
+                            engine.token_limit(), engine.accelerator.name))
+    try:
+        _loop(engine, spec.rank, inbox, outbox, parent)
+    finally:
+        engine.shutdown()
+        ctx.destroy(linger=0)
+
+
+def _start_engine(spec: RankSpec) -> Engine:
+    from deepinfer.core.plugins import load_plugins, select_accelerator
+
+    accelerator = select_accelerator(load_plugins(), spec.config.accelerator)()
+    return Engine(spec.config, accelerator, rank=spec.rank, world_size=spec.world_size)
+
+
+def _loop(engine: Engine, rank: int, inbox: zmq.Socket, outbox: zmq.Socket, parent: int) -> None:
+    poller = zmq.Poller()
+    poller.register(inbox, zmq.POLLIN)
+    while True:
+        timeout = 0 if engine.has_unfinished_requests() else IDLE_POLL_MS
+        errors: list[RequestError] = []
+        while poller.poll(timeout):
+            timeout = 0
+            message = inbox.recv_pyobj()
+            if isinstance(message, Control) and message.command == "shutdown":
+                outbox.send_pyobj(ControlReply(message.call_id, True))
+                return
+            _handle(engine, message, outbox, errors)
+        if os.getppid() != parent:
+            return  # orphaned: the API process is gone
+        outputs = engine.step() if engine.has_unfinished_requests() else []
+        if outputs or errors:
+            outbox.send_pyobj(StepResult(rank, [_delta(o) for o in outputs], errors, _stats(engine)))
+
+
+def _handle(engine: Engine, message: object, outbox: zmq.Socket,
+            errors: list[RequestError]) -> None:
+    if isinstance(message, AddRequest):
+        try:
+            engine.add_request(message.request_id, message.prompt_token_ids, message.params,
+                               prefix_cache=message.prefix_cache)
+        except ValueError as exc:
+            errors.append(RequestError(message.request_id, str(exc)))
+    elif isinstance(message, AbortRequest):
+        engine.abort(message.request_id)
+    elif isinstance(message, Control):
+        outbox.send_pyobj(ControlReply(message.call_id, _control(engine, message.command)))
+
+
+def _control(engine: Engine, command: str) -> object:
+    if command == "reset_prefix_cache":
+        return engine.reset_prefix_cache()
+    if command == "stats":
+        return _stats(engine)
+    return f"unknown command {command!r}"
+
+
+def _delta(out: RequestOutput) -> TokenDelta:
+    return TokenDelta(out.request_id, out.index, out.new_token_ids, out.new_text, out.finished,
+                      out.finish_reason, out.stop_reason, out.new_logprobs,
+                      len(out.prompt_token_ids), out.num_cached_tokens)
+
+
+def _stats(engine: Engine) -> EngineStats:
+    kv, sched = engine.kv, engine.scheduler
+    return EngineStats(len(sched.running), len(sched.waiting), kv.usage, kv.pool.num_usable,
+                       kv.stats.queries, kv.stats.hits, sched.num_preemptions)

@@ -1,0 +1,35 @@
+"""OpenAI-style error bodies; every user mistake becomes one of these, never a traceback."""
+from __future__ import annotations
+
+from http import HTTPStatus
+
+from fastapi.responses import JSONResponse
+
+
+class APIError(Exception):
+    def __init__(self, message: str, status: int = 400, param: str | None = None,
+                 err_type: str | None = None) -> None:
+        super().__init__(message)
+        self.message, self.status, self.param = message, status, param
+        self.err_type = err_type or ("invalid_request_error" if status == 400 else
+                                     HTTPStatus(status).phrase.replace(" ", ""))
+
+
+def error_response(message: str, status: int = 400, param: str | None = None,
+                   err_type: str | None = None) -> JSONResponse:
+    err = APIError(message, status, param, err_type)
+    body = {"error": {"message": err.message, "type": err.err_type, "param": err.param,
+                      "code": status}}
+    return JSONResponse(body, status_code=status)
+
+
+def validation_message(errors: list[dict]) -> tuple[str, str | None]:
+    """Summarise pydantic errors in one line, naming the first offending field."""
+    parts, param = [], None
+    for e in errors[:3]:
+        loc = [str(x) for x in e.get("loc", ()) if x != "body"]
+        if param is None and loc:
+            param = ".".join(loc)
+        where = ".".join(loc) or "body"
+        parts.append(f"{where}: {e.get('msg', 'invalid value')}")
+    return "; ".join(parts) or "invalid request body", param

@@ -1,0 +1,90 @@
+"""Running one engine request for the API: collect deltas, time them, and check limits."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+from deepinfer.core.batch import TokenLogprobs
+from deepinfer.core.sampling import SamplingParams
+from deepinfer.serve.engine_client import EngineClient, EngineRequestError
+from deepinfer.serve.errors import APIError
+from deepinfer.serve.ipc import TokenDelta
+from deepinfer.serve.metrics import ServerMetrics
+
+
+@dataclass
+class Choice:
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+
+@dataclass
+class Generation:
+    """All samples of one prompt, filled in as deltas arrive."""
+
+    prompt_token_ids: list[int]
+    choices: list[Choice]
+    num_cached_tokens: int = 0
+    start: float = field(default_factory=time.monotonic)
+    first_token: float | None = None
+    last_token: float | None = None
+    itls: list[float] = field(default_factory=list)
+
+    def apply(self, delta: TokenDelta) -> Choice:
+        now = time.monotonic()
+        if self.first_token is None:
+            self.first_token = now
+        elif self.last_token is not None:
+            self.itls.append(now - self.last_token)
+        self.last_token = now
+        choice = self.choices[delta.index]
+        choice.text += delta.new_text
+        choice.token_ids.extend(delta.new_token_ids)
+        choice.logprobs.extend(delta.logprobs)
+        if delta.finished:
+            choice.finish_reason, choice.stop_reason = delta.finish_reason, delta.stop_reason
+        self.num_cached_tokens = delta.num_cached_tokens
+        return choice
+
+    @property
+    def num_output_tokens(self) -> int:
+        return sum(len(c.token_ids) for c in self.choices)
+
+
+def check_length(prompt_len: int, params: SamplingParams, limit: int) -> None:
+    if prompt_len >= limit:
+        raise APIError(f"This model's maximum context length is {limit} tokens. However, "
+                       f"your prompt has {prompt_len} tokens.", param="messages")
+    if params.max_tokens is not None and prompt_len + params.max_tokens > limit:
+        raise APIError(f"This model's maximum context length is {limit} tokens. However, you "
+                       f"requested {prompt_len + params.max_tokens} tokens ({prompt_len} in "
+                       f"the prompt, {params.max_tokens} for the completion). Please reduce "
+                       "the prompt or max_tokens.", param="max_tokens")
+
+
+async def stream_generation(client: EngineClient, metrics: ServerMetrics, request_id: str,
+                            prompt_ids: list[int], params: SamplingParams, prefix_cache: bool,
+                            gen: Generation) -> AsyncIterator[tuple[TokenDelta, Choice]]:
+    """Yield (delta, its choice); record metrics once the whole generation is over."""
+    try:
+        async for delta in client.generate(request_id, prompt_ids, params, prefix_cache):
+            yield delta, gen.apply(delta)
+    except EngineRequestError as exc:
+        raise APIError(str(exc)) from exc
+    reasons = [c.finish_reason or "abort" for c in gen.choices]
+    metrics.observe_request(reasons[0], len(prompt_ids), gen.num_output_tokens,
+                            None if gen.first_token is None else gen.first_token - gen.start,
+                            gen.itls, time.monotonic() - gen.start)
+
+
+def usage(gens: list[Generation]) -> dict[str, Any]:
+    prompt = sum(len(g.prompt_token_ids) for g in gens)
+    completion = sum(g.num_output_tokens for g in gens)
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(g.num_cached_tokens for g in gens)}}

@@ -1,0 +1,93 @@
+"""Messages between the API process and a rank's engine process (pickled over ZMQ).
+
+Only what changed crosses the wire: a request once, then per step the new tokens and text.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from deepinfer.core.batch import TokenLogprobs
+from deepinfer.core.sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class AddRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    prefix_cache: bool = True
+
+
+@dataclass(frozen=True)
+class AbortRequest:
+    request_id: str
+
+
+@dataclass(frozen=True)
+class Control:
+    """A command answered with a ControlReply of the same id (reset cache, stats, shutdown)."""
+
+    command: str
+    call_id: int
+
+
+@dataclass(frozen=True)
+class ControlReply:
+    call_id: int
+    result: object
+
+
+@dataclass(frozen=True)
+class TokenDelta:
+    request_id: str
+    index: int
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: str | None
+    stop_reason: str | int | None
+    logprobs: list[TokenLogprobs]
+    num_prompt_tokens: int
+    num_cached_tokens: int
+
+
+@dataclass(frozen=True)
+class RequestError:
+    """The engine refused a request (bad input it could only check there)."""
+
+    request_id: str
+    message: str
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    running: int
+    waiting: int
+    kv_usage: float
+    num_blocks: int
+    prefix_queries: int
+    prefix_hits: int
+    preemptions: int
+
+
+@dataclass(frozen=True)
+class StepResult:
+    rank: int
+    deltas: list[TokenDelta] = field(default_factory=list)
+    errors: list[RequestError] = field(default_factory=list)
+    stats: EngineStats | None = None
+
+
+@dataclass(frozen=True)
+class Ready:
+    rank: int
+    num_blocks: int
+    block_size: int
+    max_model_len: int
+    accelerator: str
+
+
+@dataclass(frozen=True)
+class Failed:
+    rank: int
+    error: str

@@ -1,0 +1,68 @@
+"""Prometheus metrics of the API process, named as vLLM names them where they mean the same, so
+existing dashboards and scorers read them. Engine gauges are refreshed from rank stats."""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from deepinfer.serve.ipc import EngineStats
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        self.model_name = model_name
+        r, labels = self.registry, ["model_name"]
+        self.requests = Counter("vllm:request_success", "Finished requests by finish reason",
+                                labels + ["finished_reason"], registry=r)
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens processed", labels,
+                                     registry=r)
+        self.generation_tokens = Counter("vllm:generation_tokens", "Tokens generated", labels,
+                                         registry=r)
+        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token",
+                              labels, buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("vllm:inter_token_latency_seconds", "Time between output tokens",
+                             labels, buckets=_LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Request latency end to end",
+                             labels, buckets=_LATENCY_BUCKETS, registry=r)
+        self.running = Gauge("vllm:num_requests_running", "Requests in a batch", labels,
+                             registry=r)
+        self.waiting = Gauge("vllm:num_requests_waiting", "Requests queued", labels, registry=r)
+        self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "Fraction of KV blocks in use",
+                              labels, registry=r)
+        self.prefix_queries = Gauge("vllm:prefix_cache_queries", "Prompt tokens looked up in "
+                                    "the prefix cache", labels, registry=r)
+        self.prefix_hits = Gauge("vllm:prefix_cache_hits", "Prompt tokens served from the "
+                                 "prefix cache", labels, registry=r)
+        self.preemptions = Gauge("vllm:num_preemptions", "Requests preempted so far", labels,
+                                 registry=r)
+        self.bad_requests = Counter("deepinfer:bad_requests", "Requests answered with 400",
+                                    labels, registry=r)
+
+    def observe_engine(self, stats: list[EngineStats | None]) -> None:
+        live = [s for s in stats if s is not None]
+        m = self.model_name
+        self.running.labels(m).set(sum(s.running for s in live))
+        self.waiting.labels(m).set(sum(s.waiting for s in live))
+        if live:
+            self.kv_usage.labels(m).set(sum(s.kv_usage for s in live) / len(live))
+        self.prefix_queries.labels(m).set(sum(s.prefix_queries for s in live))
+        self.prefix_hits.labels(m).set(sum(s.prefix_hits for s in live))
+        self.preemptions.labels(m).set(sum(s.preemptions for s in live))
+
+    def observe_request(self, finish_reason: str, prompt_tokens: int, output_tokens: int,
+                        ttft: float | None, itls: list[float], e2e: float) -> None:
+        m = self.model_name
+        self.requests.labels(m, finish_reason).inc()
+        self.prompt_tokens.labels(m).inc(prompt_tokens)
+        self.generation_tokens.labels(m).inc(output_tokens)
+        if ttft is not None:
+            self.ttft.labels(m).observe(ttft)
+        for gap in itls:
+            self.itl.labels(m).observe(gap)
+        self.e2e.labels(m).observe(e2e)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

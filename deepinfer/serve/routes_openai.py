@@ -1,0 +1,283 @@
+"""/v1/chat/completions and /v1/completions, streaming and not."""
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from typing import Any, AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from deepinfer.core.batch import TokenLogprobs
+from deepinfer.core.sampling import SamplingParams
+from deepinfer.serve.chat import may_become_tool_call, parse_tool_calls, render_chat
+from deepinfer.serve.errors import APIError
+from deepinfer.serve.generation import Choice, Generation, check_length, stream_generation, usage
+from deepinfer.serve.protocol import ChatCompletionRequest, CompletionRequest
+
+
+def _params(body: ChatCompletionRequest | CompletionRequest) -> SamplingParams:
+    try:
+        return body.to_sampling_params()
+    except ValueError as exc:
+        raise APIError(str(exc)) from exc
+
+
+def _sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+async def _until_disconnect(request: Request, work: asyncio.Future) -> Any:
+    """Await `work`, cancelling it (and so aborting its engine requests) if the client leaves."""
+    task = asyncio.ensure_future(work)
+    while not task.done():
+        done, _ = await asyncio.wait({task}, timeout=0.5)
+        if not done and await request.is_disconnected():
+            task.cancel()
+            raise APIError("client disconnected", status=499)
+    return task.result()
+
+
+# ---- chat ----------------------------------------------------------------------------------
+async def chat_completions(state, body: ChatCompletionRequest, request: Request):
+    params = _params(body)
+    if body.response_format is not None and body.response_format.type != "text":
+        raise APIError("response_format other than text is not supported yet",
+                       param="response_format")
+    tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+    if body.tool_choice not in (None, "none", "auto") and not tools:
+        raise APIError("tool_choice needs tools", param="tool_choice")
+    names = {t["function"]["name"] for t in tools or []}
+    if hasattr(body.tool_choice, "function") and body.tool_choice.function.get("name") not in names:
+        raise APIError("tool_choice names a function that is not in tools", param="tool_choice")
+    try:
+        rendered = await asyncio.to_thread(
+            render_chat, state.tokenizer, state.model_dir,
+            [m.for_template() for m in body.messages], tools,
+            body.tool_choice.model_dump() if hasattr(body.tool_choice, "function")
+            else body.tool_choice, body.add_generation_prompt, body.chat_template_kwargs)
+    except (ValueError, TypeError) as exc:
+        raise APIError(f"could not render the chat: {exc}", param="messages") from exc
+    except Exception as exc:  # template errors (jinja raise_exception) are user errors too
+        raise APIError(f"the chat template rejected the messages: {exc}",
+                       param="messages") from exc
+    prompt_ids = await asyncio.to_thread(state.tokenizer.encode, rendered.prompt,
+                                         add_special_tokens=False)
+    check_length(len(prompt_ids), params, state.max_model_len)
+    rid = f"chatcmpl-{uuid.uuid4().hex}"
+    gen = Generation(prompt_ids, [Choice(i) for i in range(params.n)])
+    stream = stream_generation(state.client, state.metrics, rid, prompt_ids, params,
+                               body.prefix_cache, gen)
+    use_tools = bool(tools) and body.tool_choice != "none"
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        chunks = _chat_chunks(state, rid, gen, stream, rendered.forced_prefix, names if use_tools
+                              else None, include_usage, body.logprobs)
+        return StreamingResponse(chunks, media_type="text/event-stream")
+
+    async def collect() -> None:
+        async for _ in stream:
+            pass
+
+    await _until_disconnect(request, collect())
+    choices = [_chat_choice(state, c, rendered.forced_prefix, names if use_tools else None,
+                            body.logprobs) for c in gen.choices]
+    return {"id": rid, "object": "chat.completion", "created": _now(),
+            "model": state.model_name, "choices": choices, "usage": usage([gen])}
+
+
+def _chat_choice(state, c: Choice, forced: str, tool_names: set[str] | None,
+                 want_logprobs: bool) -> dict:
+    message: dict[str, Any] = {"role": "assistant", "content": c.text}
+    reason = c.finish_reason
+    if tool_names is not None:
+        parsed = parse_tool_calls(forced + c.text, tool_names)
+        if parsed.tool_calls:
+            message = {"role": "assistant", "content": parsed.content,
+                       "tool_calls": parsed.tool_calls}
+            reason = "tool_calls"
+    return {"index": c.index, "message": message, "finish_reason": reason,
+            "logprobs": _chat_logprobs(state, c.logprobs) if want_logprobs else None}
+
+
+async def _chat_chunks(state, rid: str, gen: Generation, stream: AsyncIterator,
+                       forced: str, tool_names: set[str] | None, include_usage: bool,
+                       want_logprobs: bool) -> AsyncIterator[str]:
+    created = _now()
+
+    def chunk(index: int, delta: dict, reason: str | None = None, logprobs=None) -> str:
+        return _sse({"id": rid, "object": "chat.completion.chunk", "created": created,
+                     "model": state.model_name, "choices": [{
+                         "index": index, "delta": delta, "finish_reason": reason,
+                         "logprobs": logprobs}]})
+
+    for c in gen.choices:
+        yield chunk(c.index, {"role": "assistant", "content": ""})
+    sent = {c.index: 0 for c in gen.choices}  # chars of c.text already streamed
+    try:
+        async for delta, c in stream:
+            lp = _chat_logprobs(state, delta.logprobs) if want_logprobs and delta.logprobs \
+                else None
+            holding = tool_names is not None and (forced or may_become_tool_call(c.text))
+            if not holding and len(c.text) > sent[c.index]:
+                yield chunk(c.index, {"content": c.text[sent[c.index]:]}, None, lp)
+                sent[c.index] = len(c.text)
+            if delta.finished:
+                yield _final_chat_chunk(chunk, c, forced, tool_names, sent[c.index])
+    except APIError as exc:
+        yield _sse({"error": {"message": exc.message, "type": exc.err_type, "code": exc.status}})
+        return
+    if include_usage:
+        yield _sse({"id": rid, "object": "chat.completion.chunk", "created": created,
+                    "model": state.model_name, "choices": [], "usage": usage([gen])})
+    yield "data: [DONE]\n\n"
+
+
+def _final_chat_chunk(chunk, c: Choice, forced: str, tool_names: set[str] | None,
+                      sent: int) -> str:
+    if tool_names is not None:
+        parsed = parse_tool_calls(forced + c.text, tool_names)
+        if parsed.tool_calls:
+            calls = [{"index": i, **call} for i, call in enumerate(parsed.tool_calls)]
+            delta: dict[str, Any] = {"tool_calls": calls}
+            if parsed.content:
+                delta["content"] = parsed.content[sent:] if sent else parsed.content
+            return chunk(c.index, delta, "tool_calls")
+    rest = (forced if sent == 0 and tool_names is not None else "") + c.text[sent:]
+    return chunk(c.index, {"content": rest} if rest else {}, c.finish_reason)
+
+
+def _token_text(state, token_id: int) -> str:
+    return state.tokenizer.decode([token_id])
+
+
+def _chat_logprobs(state, items: list[TokenLogprobs]) -> dict:
+    def entry(tid: int, lp: float) -> dict:
+        text = _token_text(state, tid)
+        return {"token": text, "logprob": lp, "bytes": list(text.encode())}
+
+    return {"content": [{**entry(i.token_id, i.logprob),
+                         "top_logprobs": [entry(t, lp) for t, lp in i.top]} for i in items]}
+
+
+# ---- completions ---------------------------------------------------------------------------
+async def completions(state, body: CompletionRequest, request: Request):
+    params = _params(body)
+    if body.suffix:
+        raise APIError("suffix is not supported", param="suffix")
+    prompts = []
+    for p in body.prompts():
+        if isinstance(p, str):
+            ids = await asyncio.to_thread(state.tokenizer.encode, p)
+        else:
+            vocab = len(state.tokenizer)
+            if not p or any(not 0 <= t < vocab for t in p):
+                raise APIError(f"prompt token ids must be non-empty and in [0, {vocab})",
+                               param="prompt")
+            ids = list(p)
+        check_length(len(ids), params, state.max_model_len)
+        prompts.append(ids)
+    rid = f"cmpl-{uuid.uuid4().hex}"
+    gens = [Generation(ids, [Choice(i) for i in range(params.n)]) for ids in prompts]
+    streams = [stream_generation(state.client, state.metrics, f"{rid}-{k}", ids, params,
+                                 body.prefix_cache, g) for k, (ids, g) in
+               enumerate(zip(prompts, gens))]
+    echo = [state.tokenizer.decode(ids) if body.echo else "" for ids in prompts]
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return StreamingResponse(
+            _completion_chunks(state, rid, gens, streams, echo, params.n, include_usage,
+                               body.logprobs is not None), media_type="text/event-stream")
+
+    async def collect() -> None:
+        async for _ in _merge(streams):
+            pass
+
+    await _until_disconnect(request, collect())
+    choices = []
+    for k, gen in enumerate(gens):
+        for c in gen.choices:
+            choices.append({"index": k * params.n + c.index, "text": echo[k] + c.text,
+                            "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+                            "logprobs": _completion_logprobs(state, c.logprobs)
+                            if body.logprobs is not None else None})
+    return {"id": rid, "object": "text_completion", "created": _now(),
+            "model": state.model_name, "choices": choices, "usage": usage(gens)}
+
+
+async def _completion_chunks(state, rid: str, gens: list[Generation], streams: list,
+                             echo: list[str], n: int, include_usage: bool,
+                             want_logprobs: bool) -> AsyncIterator[str]:
+    created = _now()
+    echoed: set[tuple[int, int]] = set()
+    try:
+        async for k, (delta, c) in _merge(streams):
+            text = delta.new_text
+            if (k, c.index) not in echoed:
+                echoed.add((k, c.index))
+                text = echo[k] + text
+            yield _sse({"id": rid, "object": "text_completion", "created": created,
+                        "model": state.model_name, "choices": [{
+                            "index": k * n + c.index, "text": text,
+                            "finish_reason": delta.finish_reason if delta.finished else None,
+                            "logprobs": _completion_logprobs(state, delta.logprobs)
+                            if want_logprobs else None}]})
+    except APIError as exc:
+        yield _sse({"error": {"message": exc.message, "type": exc.err_type, "code": exc.status}})
+        return
+    if include_usage:
+        yield _sse({"id": rid, "object": "text_completion", "created": created,
+                    "model": state.model_name, "choices": [], "usage": usage(gens)})
+    yield "data: [DONE]\n\n"
+
+
+def _completion_logprobs(state, items: list[TokenLogprobs]) -> dict:
+    tokens = [_token_text(state, i.token_id) for i in items]
+    offsets, pos = [], 0
+    for t in tokens:
+        offsets.append(pos)
+        pos += len(t)
+    return {"tokens": tokens, "token_logprobs": [i.logprob for i in items],
+            "top_logprobs": [{_token_text(state, t): lp for t, lp in i.top} for i in items],
+            "text_offset": offsets}
+
+
+async def _merge(streams: list[AsyncIterator]) -> AsyncIterator[tuple[int, Any]]:
+    """Interleave several async iterators, tagging items with the index of their source."""
+    if len(streams) == 1:
+        async for item in streams[0]:
+            yield 0, item
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(k: int, it: AsyncIterator) -> None:
+        try:
+            async for item in it:
+                await queue.put((k, item))
+        except Exception as exc:  # noqa: BLE001 - re-raised in the consumer
+            await queue.put(exc)
+        finally:
+            await queue.put(done)
+
+    tasks = [asyncio.create_task(pump(k, s)) for k, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield item
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+def _now() -> int:
+    import time
+
+    return int(time.time())

@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# Install DeepInfer with its test extras and the example backend plugin, then run the tests.
+# torch is pinned so that pip takes the CPU wheel where one is on hand instead of a CUDA build.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python3 -m pip install -q --disable-pip-version-check "torch==2.13.0"
+python3 -m pip install -q --disable-pip-version-check -e ".[test]" ./examples/plugin
+python3 -m pytest -q tests
