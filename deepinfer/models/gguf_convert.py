@@ -92,6 +92,7 @@ def _convert_into(gguf_path: str, out_dir: str, progress: bool) -> None:
     config = _hf_config(reader, meta)
     plan = _tensor_plan(reader, config)
     dtype = _choose_dtype(reader)
+    # transformers 5 reads "dtype", older readers "torch_dtype".
     config["torch_dtype"] = config["dtype"] = str(dtype).removeprefix("torch.")
     _write_safetensors(os.path.join(out_dir, "model.safetensors"), plan, dtype, config, progress)
     _write_json(os.path.join(out_dir, "config.json"), config)
@@ -272,6 +273,8 @@ def _write_safetensors(path: str, plan: list[_PlannedTensor], dtype: torch.dtype
         f.write(encoded)
         for item in bar:
             _write_tensor(f, item.load().to(dtype))
+        if f.tell() != 8 + len(encoded) + offset:  # a shape/dtype mismatch would corrupt the file
+            raise RuntimeError(f"wrote {f.tell()} bytes to {path}, header promised more or less")
 
 
 def _write_tensor(f: BinaryIO, tensor: torch.Tensor) -> None:

@@ -9,6 +9,7 @@ import argparse
 import asyncio
 import logging
 import os
+import signal
 import sys
 from typing import Sequence
 
@@ -75,9 +76,18 @@ async def serve(args: argparse.Namespace, model_dir: str) -> None:
                             ServerMetrics(name), args.api_key, int(time.time()))
         config = uvicorn.Config(create_app(state), host=args.host, port=args.port,
                                 log_level=args.log_level, timeout_graceful_shutdown=5)
+        # uvicorn handles SIGINT/SIGTERM while it serves, then restores the previous handlers
+        # and re-raises the signal; with the default handlers that kills the process before
+        # the `finally` below can stop the ranks (orphaned ranks, leaked IPC folder).
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, _swallow_signal)
         await uvicorn.Server(config).serve()
     finally:
         await client.shutdown()
+
+
+def _swallow_signal(signum: int, frame: object) -> None:
+    log.info("stopping on signal %d", signum)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -39,24 +39,29 @@ def run_rank(spec: RankSpec) -> None:
     inbox.connect(spec.input_addr)
     outbox = ctx.socket(zmq.PUSH)
     outbox.connect(spec.output_addr)
+    from deepinfer.core.plugins import load_plugins
+
+    registry = load_plugins()
     try:
-        engine = _start_engine(spec)
+        engine = _start_engine(spec, registry)
     except Exception:  # noqa: BLE001 - report any start-up failure to the API process
         outbox.send_pyobj(Failed(spec.rank, traceback.format_exc()))
         return
+    registry.engine_started(spec.config)
     outbox.send_pyobj(Ready(spec.rank, engine.kv.pool.num_usable + 1, engine.kv.block_size,
                             engine.token_limit(), engine.accelerator.name))
     try:
         _loop(engine, spec.rank, inbox, outbox, parent)
     finally:
         engine.shutdown()
+        registry.engine_stopped(spec.config)
         ctx.destroy(linger=0)
 
 
-def _start_engine(spec: RankSpec) -> Engine:
-    from deepinfer.core.plugins import load_plugins, select_accelerator
+def _start_engine(spec: RankSpec, registry) -> Engine:
+    from deepinfer.core.plugins import select_accelerator
 
-    accelerator = select_accelerator(load_plugins(), spec.config.accelerator)()
+    accelerator = select_accelerator(registry, spec.config.accelerator)()
     return Engine(spec.config, accelerator, rank=spec.rank, world_size=spec.world_size)
 
 
@@ -66,6 +71,7 @@ def _loop(engine: Engine, rank: int, inbox: zmq.Socket, outbox: zmq.Socket, pare
     while True:
         timeout = 0 if engine.has_unfinished_requests() else IDLE_POLL_MS
         errors: list[RequestError] = []
+        handled = False
         while poller.poll(timeout):
             timeout = 0
             message = inbox.recv_pyobj()
@@ -73,10 +79,13 @@ def _loop(engine: Engine, rank: int, inbox: zmq.Socket, outbox: zmq.Socket, pare
                 outbox.send_pyobj(ControlReply(message.call_id, True))
                 return
             _handle(engine, message, outbox, errors)
+            handled = True
         if os.getppid() != parent:
             return  # orphaned: the API process is gone
         outputs = engine.step() if engine.has_unfinished_requests() else []
-        if outputs or errors:
+        # Also report after handled messages: an abort frees blocks without any step output,
+        # and the API's gauges (running, KV usage) would otherwise keep the stale numbers.
+        if outputs or errors or handled:
             outbox.send_pyobj(StepResult(rank, [_delta(o) for o in outputs], errors, _stats(engine)))
 
 

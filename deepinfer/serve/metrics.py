@@ -32,12 +32,14 @@ class ServerMetrics:
         self.waiting = Gauge("vllm:num_requests_waiting", "Requests queued", labels, registry=r)
         self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "Fraction of KV blocks in use",
                               labels, registry=r)
-        self.prefix_queries = Gauge("vllm:prefix_cache_queries", "Prompt tokens looked up in "
-                                    "the prefix cache", labels, registry=r)
-        self.prefix_hits = Gauge("vllm:prefix_cache_hits", "Prompt tokens served from the "
-                                 "prefix cache", labels, registry=r)
-        self.preemptions = Gauge("vllm:num_preemptions", "Requests preempted so far", labels,
-                                 registry=r)
+        self.prefix_queries = Counter("vllm:prefix_cache_queries", "Prompt tokens looked up "
+                                      "in the prefix cache", labels, registry=r)
+        self.prefix_hits = Counter("vllm:prefix_cache_hits", "Prompt tokens served from the "
+                                   "prefix cache", labels, registry=r)
+        self.preemptions = Counter("vllm:num_preemptions", "Requests preempted", labels,
+                                   registry=r)
+        # Ranks report running totals; counters advance by the change since the last report.
+        self._seen: dict[tuple[int, str], int] = {}
         self.bad_requests = Counter("deepinfer:bad_requests", "Requests answered with 400",
                                     labels, registry=r)
 
@@ -48,9 +50,18 @@ class ServerMetrics:
         self.waiting.labels(m).set(sum(s.waiting for s in live))
         if live:
             self.kv_usage.labels(m).set(sum(s.kv_usage for s in live) / len(live))
-        self.prefix_queries.labels(m).set(sum(s.prefix_queries for s in live))
-        self.prefix_hits.labels(m).set(sum(s.prefix_hits for s in live))
-        self.preemptions.labels(m).set(sum(s.preemptions for s in live))
+        for rank, s in enumerate(stats):
+            if s is None:
+                continue
+            self._advance(self.prefix_queries, rank, "queries", s.prefix_queries)
+            self._advance(self.prefix_hits, rank, "hits", s.prefix_hits)
+            self._advance(self.preemptions, rank, "preemptions", s.preemptions)
+
+    def _advance(self, counter: Counter, rank: int, key: str, total: int) -> None:
+        last = self._seen.get((rank, key), 0)
+        if total > last:
+            counter.labels(self.model_name).inc(total - last)
+        self._seen[(rank, key)] = total
 
     def observe_request(self, finish_reason: str, prompt_tokens: int, output_tokens: int,
                         ttft: float | None, itls: list[float], e2e: float) -> None:

