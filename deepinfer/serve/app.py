@@ -47,13 +47,8 @@ def create_app(state: ServerState) -> FastAPI:
         message, param = validation_message(exc.errors())
         return error_response(message, 400, param)
 
-    @app.middleware("http")
-    async def _auth(request: Request, call_next):
-        if state.api_key and request.url.path.startswith("/v1"):
-            if request.headers.get("authorization") != f"Bearer {state.api_key}":
-                return error_response("Incorrect API key provided.", 401, None,
-                                      "invalid_api_key")
-        return await call_next(request)
+    if state.api_key:
+        app.add_middleware(_APIKeyMiddleware, api_key=state.api_key)
 
     @app.post("/v1/chat/completions")
     async def _chat(body: ChatCompletionRequest, request: Request):
@@ -100,6 +95,25 @@ def create_app(state: ServerState) -> FastAPI:
         return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
 
     return app
+
+
+class _APIKeyMiddleware:
+    """Rejects /v1 requests without `Authorization: Bearer <key>`. Plain ASGI on purpose:
+    Starlette's BaseHTTPMiddleware (@app.middleware) hides client disconnects from
+    request.is_disconnected(), so abandoned non-streaming requests would keep generating."""
+
+    def __init__(self, app, api_key: str) -> None:
+        self.app, self.expected = app, f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            auth = dict(scope["headers"]).get(b"authorization")
+            if auth != self.expected:
+                response = error_response("Incorrect API key provided.", 401, None,
+                                          "invalid_api_key")
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 def check_model(state: ServerState, model: str | None) -> None:

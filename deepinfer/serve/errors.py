@@ -11,8 +11,16 @@ class APIError(Exception):
                  err_type: str | None = None) -> None:
         super().__init__(message)
         self.message, self.status, self.param = message, status, param
-        self.err_type = err_type or ("invalid_request_error" if status == 400 else
-                                     HTTPStatus(status).phrase.replace(" ", ""))
+        self.err_type = err_type or _default_type(status)
+
+
+def _default_type(status: int) -> str:
+    if status == 400:
+        return "invalid_request_error"
+    try:
+        return HTTPStatus(status).phrase.replace(" ", "")
+    except ValueError:  # not a standard status, e.g. nginx's 499 (client closed the request)
+        return "ClientClosedRequest" if status == 499 else "error"
 
 
 def error_response(message: str, status: int = 400, param: str | None = None,

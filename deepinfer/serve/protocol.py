@@ -125,7 +125,8 @@ class ChatCompletionRequest(_Request):
         return v
 
     def to_sampling_params(self) -> SamplingParams:
-        max_tokens = self.max_completion_tokens or self.max_tokens
+        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None \
+            else self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         return self.sampling_params(max_tokens, logprobs)
 

@@ -89,7 +89,8 @@ async def chat_completions(state, body: ChatCompletionRequest, request: Request)
 
 def _chat_choice(state, c: Choice, forced: str, tool_names: set[str] | None,
                  want_logprobs: bool) -> dict:
-    message: dict[str, Any] = {"role": "assistant", "content": c.text}
+    # The forced tool-call opening is part of the output (streaming sends it too).
+    message: dict[str, Any] = {"role": "assistant", "content": forced + c.text}
     reason = c.finish_reason
     if tool_names is not None:
         parsed = parse_tool_calls(forced + c.text, tool_names)
