@@ -3,7 +3,7 @@ device tensor, and a backend never sees a Request, only this description of one 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Sequence
 
 from deepinfer.core.sampling import SamplingParams
 
@@ -21,6 +21,9 @@ class SamplingRow:
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]
     eos_token_ids: tuple[int, ...] = ()
+    # Structured output: packed int32 bitmask of the allowed next tokens (bit t of word t//32),
+    # a host tensor; None when the request is unconstrained.
+    token_bitmask: Any = None
 
 
 @dataclass(frozen=True)

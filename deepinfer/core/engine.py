@@ -4,6 +4,7 @@
 """
 from __future__ import annotations
 
+import dataclasses
 import random
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -15,7 +16,8 @@ from deepinfer.core.kv.manager import KVCacheManager
 from deepinfer.core.outputs import RequestOutput
 from deepinfer.core.request import FinishReason, Request
 from deepinfer.core.sampling import SamplingParams
-from deepinfer.core.scheduler import Scheduler, TokenUpdate
+from deepinfer.core.scheduler import Scheduler, SchedulerOutput, TokenUpdate
+from deepinfer.core.structured import GrammarCompiler, RequestGrammar
 from deepinfer.models.model_config import ModelConfig
 
 
@@ -27,6 +29,7 @@ class _Sample:
     parent_id: str
     index: int
     detok: IncrementalDetokenizer | None
+    grammar: RequestGrammar | None = None
     text: str = ""
 
 
@@ -51,6 +54,7 @@ class Engine:
         self._samples: dict[str, _Sample] = {}  # child request id -> sample
         self._children: dict[str, list[str]] = {}  # request id -> child ids
         self._rng = random.Random(config.seed)
+        self._grammars: GrammarCompiler | None = None  # built on the first constrained request
 
     # ---- requests ------------------------------------------------------------------------
     @property
@@ -76,16 +80,27 @@ class Engine:
         max_tokens = min(params.max_tokens or limit, limit - len(prompt_ids))
         base_seed = params.seed if params.seed is not None else self._rng.getrandbits(62)
         children = []
+        grammars = [self._grammar(params) for _ in range(params.n)]
         for i in range(params.n):
             child_id = request_id if params.n == 1 else f"{request_id}#{i}"
             req = Request(child_id, prompt_ids, params, seed=base_seed + i, max_tokens=max_tokens,
                           eos_token_ids=self.eos_token_ids, use_prefix_cache=prefix_cache)
             detok = None if self.tokenizer is None else \
                 IncrementalDetokenizer(self.tokenizer, prompt_ids, params)
-            self._samples[child_id] = _Sample(req, request_id, i, detok)
+            self._samples[child_id] = _Sample(req, request_id, i, detok, grammars[i])
             self.scheduler.add(req)
             children.append(child_id)
         self._children[request_id] = children
+
+    def _grammar(self, params: SamplingParams) -> RequestGrammar | None:
+        if params.structured is None:
+            return None
+        if self.tokenizer is None:
+            raise ValueError("structured outputs need the model's tokenizer")
+        if self._grammars is None:
+            self._grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size,
+                                             self.eos_token_ids)
+        return self._grammars.matcher(params.structured)
 
     def _prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -115,15 +130,31 @@ class Engine:
         scheduled = self.scheduler.schedule()
         if not scheduled.seqs:
             return []
-        sampled = self.accelerator.execute(self.scheduler.build_batch(scheduled))
+        sampled = self.accelerator.execute(self._constrain(scheduled))
         updates = self.scheduler.update(scheduled, sampled)
         return [out for u in updates if (out := self._output(u)) is not None]
+
+    def _constrain(self, scheduled: SchedulerOutput):
+        """The step's batch, with allowed-token bitmasks on rows under a grammar."""
+        batch = self.scheduler.build_batch(scheduled)
+        if self._grammars is None:
+            return batch
+        rows = list(batch.sampling)
+        for k, i in enumerate(batch.sample_indices):
+            grammar = self._samples[scheduled.seqs[i].request.request_id].grammar
+            if grammar is not None:
+                rows[k] = dataclasses.replace(rows[k], token_bitmask=grammar.next_bitmask())
+        return dataclasses.replace(batch, sampling=rows)
 
     def _output(self, update: TokenUpdate) -> RequestOutput | None:
         if update.token_id is None:
             return None
         req = update.request
         sample = self._samples[req.request_id]
+        if sample.grammar is not None and not req.is_finished:
+            # The grammar is complete once it accepts a stop token; nothing may follow.
+            if not sample.grammar.accept(update.token_id) or sample.grammar.terminated:
+                self.scheduler.finish(req, FinishReason.STOP)
         new_text = ""
         if sample.detok is not None:
             new_text = sample.detok.add_token(update.token_id) or ""

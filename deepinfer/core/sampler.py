@@ -50,6 +50,7 @@ class Sampler:
 
         _apply_penalties(logits, rows)
         _apply_min_tokens(logits, rows)
+        _apply_bitmasks(logits, rows)
 
         tokens = logits.argmax(dim=-1)  # final for greedy rows
         random_rows = [i for i, row in enumerate(rows) if not row.params.greedy]
@@ -66,7 +67,24 @@ class Sampler:
 def _is_plain_greedy(row: SamplingRow) -> bool:
     params = row.params
     return (params.greedy and not params.uses_penalties and params.logprobs is None
-            and len(row.output_token_ids) >= params.min_tokens)
+            and len(row.output_token_ids) >= params.min_tokens and row.token_bitmask is None)
+
+
+def unpack_bitmask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Packed int32 words -> bool [vocab], True where the token is allowed."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    bits = (bitmask.to(torch.int32)[:, None] >> shifts) & 1
+    allowed = bits.flatten().bool()
+    if allowed.numel() < vocab:  # tokens the grammar's vocabulary lacks are never allowed
+        allowed = torch.cat([allowed, allowed.new_zeros(vocab - allowed.numel())])
+    return allowed[:vocab]
+
+
+def _apply_bitmasks(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+    for i, row in enumerate(rows):
+        if row.token_bitmask is not None:
+            allowed = unpack_bitmask(row.token_bitmask.to(logits.device), logits.shape[1])
+            logits[i].masked_fill_(~allowed, float("-inf"))
 
 
 def _index(positions: list[int], device: torch.device) -> torch.Tensor:

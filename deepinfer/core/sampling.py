@@ -5,6 +5,22 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20
+STRUCTURED_KINDS = ("json_object", "json_schema", "regex", "ebnf")
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """A constraint on the output text: any JSON object, a JSON schema, a regex or an EBNF
+    grammar (spec holds the schema as JSON text, the regex or the grammar)."""
+
+    kind: str
+    spec: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in STRUCTURED_KINDS:
+            raise ValueError(f"structured output kind must be one of {STRUCTURED_KINDS}")
+        if self.kind != "json_object" and not self.spec:
+            raise ValueError(f"structured output {self.kind!r} needs a spec")
 
 
 @dataclass
@@ -26,6 +42,7 @@ class SamplingParams:
     logprobs: int | None = None  # number of top logprobs besides the sampled token
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

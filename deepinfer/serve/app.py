@@ -27,6 +27,16 @@ class ServerState:
     metrics: ServerMetrics
     api_key: str | None = None
     created: int = 0
+    grammars: Any = None  # a GrammarCompiler, built on the first constrained request
+
+    def check_constraint(self, spec: Any) -> None:
+        """Compile (and cache) a constraint here, so a bad one is a 400 before streaming."""
+        from deepinfer.core.structured import GrammarCompiler
+
+        if self.grammars is None:
+            eos = (self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id is not None else ()
+            self.grammars = GrammarCompiler(self.tokenizer, len(self.tokenizer), eos)
+        self.grammars.matcher(spec)
 
 
 def create_app(state: ServerState) -> FastAPI:

@@ -15,6 +15,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from deepinfer.core.sampling import StructuredOutput
+
 TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
 _CALL_RE = re.compile(re.escape(TOOL_OPEN) + r"\s*(.*?)\s*(?:" + re.escape(TOOL_CLOSE) + r"|$)",
                       re.DOTALL)
@@ -46,12 +48,37 @@ def render_chat(tokenizer: Any, model_dir: str, messages: list[dict], tools: lis
 
 
 def _forced_prefix(tool_choice: Any) -> str:
-    if tool_choice == "required":
-        return TOOL_OPEN + '\n{"name": "'
-    if isinstance(tool_choice, dict) or hasattr(tool_choice, "function"):
-        fn = tool_choice["function"] if isinstance(tool_choice, dict) else tool_choice.function
-        return TOOL_OPEN + '\n{"name": ' + json.dumps(fn["name"]) + ', "arguments": '
+    if tool_choice == "required" or _named(tool_choice):
+        return TOOL_OPEN + "\n"
     return ""
+
+
+def _named(tool_choice: Any) -> str | None:
+    if isinstance(tool_choice, dict):
+        return tool_choice.get("function", {}).get("name")
+    return None
+
+
+def tool_call_constraint(tools: list[dict] | None, tool_choice: Any) -> StructuredOutput | None:
+    """For tool_choice "required" or a named function: the JSON of one call, as a schema.
+
+    The assistant turn was opened with TOOL_OPEN (see _forced_prefix), so the constrained text
+    is exactly the call's {"name": ..., "arguments": {...}} object.
+    """
+    if not tools or not (tool_choice == "required" or _named(tool_choice)):
+        return None
+    wanted = _named(tool_choice)
+    options = [_call_schema(t["function"]) for t in tools
+               if wanted is None or t["function"]["name"] == wanted]
+    schema = options[0] if len(options) == 1 else {"anyOf": options}
+    return StructuredOutput("json_schema", json.dumps(schema))
+
+
+def _call_schema(function: dict) -> dict:
+    parameters = function.get("parameters") or {"type": "object"}
+    return {"type": "object", "properties": {"name": {"const": function["name"]},
+                                             "arguments": parameters},
+            "required": ["name", "arguments"], "additionalProperties": False}
 
 
 def _encoding_module(model_dir: str) -> Any:

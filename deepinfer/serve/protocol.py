@@ -1,11 +1,12 @@
 """OpenAI request bodies (pydantic), and their translation into SamplingParams."""
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from deepinfer.core.sampling import SamplingParams
+from deepinfer.core.sampling import SamplingParams, StructuredOutput
 
 
 class _Request(BaseModel):
@@ -77,6 +78,16 @@ class ResponseFormat(BaseModel):
     type: Literal["text", "json_object", "json_schema"] = "text"
     json_schema: dict[str, Any] | None = None
 
+    def constraint(self) -> StructuredOutput | None:
+        if self.type == "json_object":
+            return StructuredOutput("json_object")
+        if self.type == "json_schema":
+            schema = (self.json_schema or {}).get("schema")
+            if not isinstance(schema, dict):
+                raise ValueError("response_format.json_schema.schema must be a JSON schema object")
+            return StructuredOutput("json_schema", json.dumps(schema))
+        return None
+
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
@@ -128,7 +139,9 @@ class ChatCompletionRequest(_Request):
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None \
             else self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self.sampling_params(max_tokens, logprobs)
+        params = self.sampling_params(max_tokens, logprobs)
+        params.structured = self.response_format.constraint() if self.response_format else None
+        return params
 
 
 class CompletionRequest(_Request):

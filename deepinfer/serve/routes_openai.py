@@ -11,7 +11,8 @@ from fastapi.responses import StreamingResponse
 
 from deepinfer.core.batch import TokenLogprobs
 from deepinfer.core.sampling import SamplingParams
-from deepinfer.serve.chat import may_become_tool_call, parse_tool_calls, render_chat
+from deepinfer.serve.chat import (may_become_tool_call, parse_tool_calls, render_chat,
+                                  tool_call_constraint)
 from deepinfer.serve.errors import APIError
 from deepinfer.serve.generation import Choice, Generation, check_length, stream_generation, usage
 from deepinfer.serve.protocol import ChatCompletionRequest, CompletionRequest
@@ -42,9 +43,6 @@ async def _until_disconnect(request: Request, work: asyncio.Future) -> Any:
 # ---- chat ----------------------------------------------------------------------------------
 async def chat_completions(state, body: ChatCompletionRequest, request: Request):
     params = _params(body)
-    if body.response_format is not None and body.response_format.type != "text":
-        raise APIError("response_format other than text is not supported yet",
-                       param="response_format")
     tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
     if body.tool_choice not in (None, "none", "auto") and not tools:
         raise APIError("tool_choice needs tools", param="tool_choice")
@@ -62,6 +60,16 @@ async def chat_completions(state, body: ChatCompletionRequest, request: Request)
     except Exception as exc:  # template errors (jinja raise_exception) are user errors too
         raise APIError(f"the chat template rejected the messages: {exc}",
                        param="messages") from exc
+    choice = body.tool_choice.model_dump() if hasattr(body.tool_choice, "function") \
+        else body.tool_choice
+    constraint = tool_call_constraint(tools, choice)
+    if constraint is not None:
+        params.structured = constraint
+    if params.structured is not None:
+        try:
+            await asyncio.to_thread(state.check_constraint, params.structured)
+        except ValueError as exc:
+            raise APIError(str(exc), param="response_format") from exc
     prompt_ids = await asyncio.to_thread(state.tokenizer.encode, rendered.prompt,
                                          add_special_tokens=False)
     check_length(len(prompt_ids), params, state.max_model_len)

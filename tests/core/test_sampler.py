@@ -404,3 +404,29 @@ def test_sampling_params_normalizes_and_accepts_edges() -> None:
     assert params.top_k == 0 and params.stop == ["END"]
     assert SamplingParams(temperature=0.0).greedy and SamplingParams(top_k=1).greedy
     assert not SamplingParams().greedy and not SamplingParams().uses_penalties
+
+
+def test_token_bitmask_limits_greedy_and_sampled_choices():
+    from deepinfer.core.sampler import unpack_bitmask
+
+    vocab = 70
+    allowed = [3, 31, 32, 64, 69]
+    words = [0, 0, 0]
+    for t in allowed:
+        words[t // 32] |= 1 << (t % 32)
+    # int32 words, as grammar libraries pack them (bit 31 makes a word negative)
+    packed = torch.tensor([w - (1 << 32) if w >= 1 << 31 else w for w in words],
+                          dtype=torch.int32)
+    assert unpack_bitmask(packed, vocab).nonzero().flatten().tolist() == allowed
+    logits = torch.randn(1, vocab)
+    logits[0, 5] = 100.0  # the unconstrained favourite is not allowed
+    greedy = SamplingRow(SamplingParams(temperature=0), seed=0, step=0, prompt_token_ids=[],
+                         output_token_ids=[], token_bitmask=packed)
+    expected = max(allowed, key=lambda t: logits[0, t].item())
+    assert Sampler().sample(logits, [greedy]).token_ids == [expected]
+    seen = set()
+    for step in range(200):
+        row = SamplingRow(SamplingParams(temperature=1.0), seed=1, step=step,
+                          prompt_token_ids=[], output_token_ids=[], token_bitmask=packed)
+        seen.update(Sampler().sample(torch.zeros(1, vocab), [row]).token_ids)
+    assert seen == set(allowed)

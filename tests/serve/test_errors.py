@@ -70,8 +70,13 @@ CASES = {
     "top_logprobs=50": ("chat", chat_body(logprobs=True, top_logprobs=50), "top_logprobs"),
     "top_p=0": ("chat", chat_body(top_p=0), None),
     "empty stop string": ("chat", chat_body(stop=[""]), None),
-    "json response_format": ("chat", chat_body(response_format={"type": "json_object"}),
-                             "response_format"),
+    "json_schema without a schema": ("chat", chat_body(response_format={
+        "type": "json_schema", "json_schema": {"name": "x", "schema": "not a schema"}}), None),
+    "json_schema xgrammar rejects": ("chat", chat_body(response_format={
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}),
+        "response_format"),
+    "unknown response_format type": ("chat", chat_body(response_format={"type": "yaml"}),
+                                     "response_format.type"),
     "completions logprobs=50": ("completions", completion_body(logprobs=50), None),
     "completions token id out of range": ("completions", completion_body(prompt=[10**9]),
                                           "prompt"),
