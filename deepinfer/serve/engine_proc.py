@@ -19,6 +19,9 @@ from deepinfer.serve.ipc import (AbortRequest, AddRequest, Control, ControlReply
                                  Failed, Ready, RequestError, StepResult, TokenDelta)
 
 IDLE_POLL_MS = 200  # how often an idle rank checks that its parent is alive
+# When an idle rank wakes, it waits this long for the rest of a burst, so requests sent
+# together start in one step instead of each waiting out the step the first one began.
+ADMIT_WINDOW_MS = 3
 
 
 @dataclass(frozen=True)

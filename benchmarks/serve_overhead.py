@@ -1,0 +1,864 @@
+"""API-layer overhead: deepinfer-serve (HTTP + SSE + ZMQ rank process) vs the offline engine.
+
+Same model (the embedded SmolLM2-135M-Instruct, float32), same scheduler settings, same prompts
+(random token ids, different for every request, prefix cache off per request), greedy, EOS
+ignored, so both sides do exactly the same model work and the difference is the API layer.
+
+For each concurrency level C a *wave* is C requests submitted at once:
+
+  server   C streaming clients (httpx, or the official AsyncOpenAI client with --client openai)
+           POST /v1/completions {prompt: [token ids], stream: true} at the same instant; every
+           SSE chunk carries one token and is timestamped when the client reads it. Keep-alive
+           connections are opened before the wave, so no TCP set-up is timed.
+  offline  LLM(...).engine.add_request() for all C requests at t0, then step() until done;
+           every output is timestamped when step() returns it.
+
+  TTFT = submit -> first token, ITL = gaps between a request's tokens (pooled over all
+  requests of all repeats, p50/p99), output tok/s = output tokens of the wave / its wall time
+  (median over repeats). ratio = server / offline (TTFT/ITL: >1 is slower; tok/s: <1 is slower).
+
+The API layer's own latency is also measured directly: the server runs with a timestamp hook on
+Engine.add_request / Engine.step (see _install_engine_trace), which gives submit -> engine and
+step() -> client per token, free of the model's own time. The API process's and rank's CPU
+seconds per wave are recorded too (psutil), as is the CPU
+used by processes that are not part of the benchmark (this machine may be shared), so noisy
+numbers can be told apart from real overhead. --profile samples the API process with py-spy
+during one extra server wave at the highest level and stores its hottest frames in the JSON.
+
+    python benchmarks/serve_overhead.py               # levels 1,16,64; 128 prompt / 64 output
+    python benchmarks/serve_overhead.py --quick       # smoke run: levels 1,4; 32 / 8 tokens
+    python benchmarks/serve_overhead.py --profile     # + py-spy of the API process
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import datetime
+import json
+import os
+import platform
+import random
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+HEALTH_TIMEOUT_S = 300.0
+TRACE_ENV = "DEEPINFER_BENCH_TRACE_DIR"
+
+
+# ---- engine-side timestamps (server only) --------------------------------------------------------
+# The server is started as `python serve_overhead.py --serve ...` with TRACE_ENV set. Its rank
+# process is a multiprocessing "spawn" child, which imports this file as __mp_main__ before it
+# runs, so the hook below is installed in the rank too: Engine.add_request and Engine.step then
+# append one line per call (perf_counter, which is CLOCK_MONOTONIC and so comparable across
+# processes) to a file per process. The benchmark joins those lines with what its clients saw:
+#   request path = client submit -> engine.add_request   (HTTP, validation, ZMQ hop)
+#   token path   = step() returned the token -> client read its SSE chunk
+# Both are pure API-layer latency, measured without the model's own (noisy) time. The hook
+# costs a few microseconds a step; the server code itself is not changed.
+def _install_engine_trace(folder: str) -> None:
+    from deepinfer.core.engine import Engine
+
+    if getattr(Engine, "_bench_traced", False):
+        return
+    out = open(os.path.join(folder, f"engine-{os.getpid()}.log"), "a", buffering=1)
+    add, step = Engine.add_request, Engine.step
+
+    def traced_add(self, request_id, *a, **kw):
+        add(self, request_id, *a, **kw)
+        out.write(f"A {time.perf_counter():.6f} {request_id}\n")
+
+    def traced_step(self):
+        outputs = step(self)
+        if outputs:
+            now = time.perf_counter()
+            out.write(f"S {now:.6f} " + " ".join(
+                f"{o.request_id}:{len(o.new_token_ids)}" for o in outputs) + "\n")
+        return outputs
+
+    Engine.add_request, Engine.step, Engine._bench_traced = traced_add, traced_step, True
+
+    # In the API process: when a request's stream starts (parsed, validated, about to be sent
+    # to the rank), which splits the request path into HTTP/FastAPI and the hop to the rank.
+    from deepinfer.serve.engine_client import EngineClient
+
+    generate = EngineClient.generate
+
+    def traced_generate(self, request_id, *a, **kw):
+        out.write(f"G {time.perf_counter():.6f} {request_id}\n")
+        return generate(self, request_id, *a, **kw)
+
+    EngineClient.generate = traced_generate
+
+
+if os.environ.get(TRACE_ENV):
+    _install_engine_trace(os.environ[TRACE_ENV])
+
+
+def read_engine_trace(folder: str) -> tuple[dict[str, float], dict[str, list[float]],
+                                            dict[str, float]]:
+    """request id -> add_request time; -> the time of each of its tokens; -> API stream start."""
+    added: dict[str, float] = {}
+    started: dict[str, float] = {}
+    tokens: dict[str, list[float]] = collections.defaultdict(list)
+    for name in os.listdir(folder):
+        with open(os.path.join(folder, name)) as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) < 3 or not line.endswith("\n"):
+                    continue
+                t = float(parts[1])
+                if parts[0] == "A":
+                    added[parts[2]] = t
+                elif parts[0] == "G":
+                    started[parts[2]] = t
+                else:
+                    for item in parts[2:]:
+                        rid, _, n = item.rpartition(":")
+                        tokens[rid].extend([t] * int(n))
+    return added, tokens, started
+
+
+# ---- sizes -------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Sizes:
+    levels: tuple[int, ...] = (1, 16, 64)
+    prompt_len: int = 128
+    output_len: int = 64
+    # Timed waves per side and level; a 64-request wave takes ~50 s on 2 cores, so fewer.
+    repeats: tuple[int, ...] = (3, 2, 2)
+
+
+QUICK = Sizes(levels=(1, 4), prompt_len=32, output_len=8, repeats=(1, 1))
+
+
+# ---- one wave ----------------------------------------------------------------------------------
+@dataclass
+class Wave:
+    side: str  # "server" | "offline"
+    level: int
+    repeat: int
+    wall_s: float
+    output_tokens: int
+    ttft_s: list[float]
+    itl_s: list[float]
+    cpu: dict = field(default_factory=dict)  # seconds of CPU per process group during the wave
+    loadavg: tuple[float, float] | None = None  # 1-min load average before / after
+    request_path_s: list[float] = field(default_factory=list)  # server: submit -> add_request
+    http_path_s: list[float] = field(default_factory=list)  # server: submit -> API stream start
+    token_path_s: list[float] = field(default_factory=list)  # server: step() -> client
+
+    @property
+    def output_tok_s(self) -> float:
+        return self.output_tokens / self.wall_s
+
+    def as_dict(self) -> dict:
+        return {"side": self.side, "level": self.level, "repeat": self.repeat,
+                "wall_s": self.wall_s, "output_tokens": self.output_tokens,
+                "output_tok_s": self.output_tok_s, "cpu_s": self.cpu, "loadavg_1m": self.loadavg,
+                "ttft_ms": [round(t * 1e3, 2) for t in self.ttft_s],
+                "itl_ms_p50": _pct([t * 1e3 for t in self.itl_s], 50),
+                "itl_ms_p99": _pct([t * 1e3 for t in self.itl_s], 99),
+                "request_path_ms": [round(t * 1e3, 3) for t in self.request_path_s],
+                "http_path_ms": [round(t * 1e3, 3) for t in self.http_path_s],
+                "token_path_ms_p50": _pct([t * 1e3 for t in self.token_path_s], 50),
+                "token_path_ms_p99": _pct([t * 1e3 for t in self.token_path_s], 99)}
+
+
+def _pct(values: list[float], q: float) -> float | None:
+    """Percentile with linear interpolation (numpy's default)."""
+    if not values:
+        return None
+    s = sorted(values)
+    pos = (len(s) - 1) * q / 100
+    lo = int(pos)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+def random_prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    # Ids below 100 are SmolLM2's special tokens; every prompt differs, so nothing is shared.
+    rng = random.Random(seed)
+    return [[rng.randrange(100, vocab) for _ in range(length)] for _ in range(count)]
+
+
+def per_request(t0s: list[float], times: list[list[float]]) -> tuple[list[float], list[float]]:
+    ttft, itl = [], []
+    for t0, ts in zip(t0s, times):
+        if ts:
+            ttft.append(ts[0] - t0)
+            itl.extend(b - a for a, b in zip(ts, ts[1:]))
+    return ttft, itl
+
+
+# ---- CPU accounting ------------------------------------------------------------------------------
+class CpuMeter:
+    """CPU seconds of the API process, its rank(s), this process and everything else."""
+
+    def __init__(self, server_pid: int | None) -> None:
+        import psutil
+
+        self.psutil = psutil
+        self.me = psutil.Process()
+        self.api = psutil.Process(server_pid) if server_pid else None
+
+    def _proc(self, p) -> float:
+        try:
+            t = p.cpu_times()
+            return t.user + t.system
+        except self.psutil.Error:
+            return 0.0
+
+    def sample(self) -> dict:
+        ranks = 0.0
+        if self.api is not None:
+            for child in self.api.children(recursive=True):
+                ranks += self._proc(child)
+        t = self.psutil.cpu_times()
+        busy = sum(t) - t.idle - getattr(t, "iowait", 0.0)
+        return {"api": self._proc(self.api) if self.api else 0.0, "rank": ranks,
+                "bench": self._proc(self.me), "system_busy": busy}
+
+    @staticmethod
+    def delta(a: dict, b: dict) -> dict:
+        d = {k: round(b[k] - a[k], 3) for k in a}
+        d["other"] = round(max(0.0, d["system_busy"] - d["api"] - d["rank"] - d["bench"]), 3)
+        return d
+
+
+# ---- offline -------------------------------------------------------------------------------------
+def offline_wave(llm, prompts: list[list[int]], output_len: int, level: int, repeat: int,
+                 meter: CpuMeter) -> Wave:
+    from deepinfer import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    engine = llm.engine
+    rids = [f"off-{level}-{repeat}-{i}-{time.monotonic_ns()}" for i in range(len(prompts))]
+    times: dict[str, list[float]] = {rid: [] for rid in rids}
+    load0, cpu0 = os.getloadavg()[0], meter.sample()
+    t0 = time.perf_counter()
+    for rid, ids in zip(rids, prompts):
+        engine.add_request(rid, ids, params, prefix_cache=False)
+    while engine.has_unfinished_requests():
+        outs = engine.step()
+        now = time.perf_counter()
+        for out in outs:
+            times[out.request_id].extend([now] * len(out.new_token_ids))
+    end = time.perf_counter()
+    cpu = CpuMeter.delta(cpu0, meter.sample())
+    ttft, itl = per_request([t0] * len(rids), [times[r] for r in rids])
+    return Wave("offline", level, repeat, end - t0, sum(len(v) for v in times.values()), ttft,
+                itl, cpu, (load0, os.getloadavg()[0]))
+
+
+# ---- server --------------------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(model_dir: str, port: int, args: argparse.Namespace, log_path: str,
+                 trace_dir: str) -> subprocess.Popen:
+    cmd = [sys.executable, os.path.abspath(__file__), "--serve", "--model", model_dir, "--dtype",
+           args.dtype, "--host", "127.0.0.1", "--port", str(port),
+           "--max-num-seqs", str(args.max_num_seqs),
+           "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+           "--kv-cache-memory-gb", str(args.kv_cache_memory_gb), "--log-level", "warning"]
+    log = open(log_path, "w")
+    env = dict(os.environ, **{TRACE_ENV: trace_dir})
+    # Its own session, so SIGTERM reaches only the server (which stops its ranks itself).
+    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                            env=env)
+
+
+def wait_healthy(proc: subprocess.Popen, base: str, log_path: str) -> None:
+    import httpx
+
+    deadline = time.monotonic() + HEALTH_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"deepinfer-serve exited ({proc.returncode}):\n"
+                               + open(log_path).read()[-3000:])
+        try:
+            if httpx.get(f"{base}/health", timeout=2.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"deepinfer-serve not healthy after {HEALTH_TIMEOUT_S:.0f} s")
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    if proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=10)
+
+
+async def _httpx_request(client, base: str, body: dict) -> tuple[float, list[float], int, str]:
+    times: list[float] = []
+    usage = 0
+    cid = ""
+    t0 = time.perf_counter()
+    async with client.stream("POST", f"{base}/v1/completions", json=body) as resp:
+        if resp.status_code != 200:
+            raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread())[:500]!r}")
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            now = time.perf_counter()
+            data = line[6:]
+            if data == "[DONE]":
+                break
+            chunk = json.loads(data)
+            if "error" in chunk:
+                raise RuntimeError(f"stream error: {chunk['error']}")
+            if chunk.get("choices"):
+                times.append(now)  # one engine delta = one token per chunk
+                cid = chunk["id"]
+            if chunk.get("usage"):
+                usage = chunk["usage"]["completion_tokens"]
+    return t0, times, usage, cid
+
+
+async def _openai_request(client, model: str, body: dict) -> tuple[float, list[float], int, str]:
+    times: list[float] = []
+    usage = 0
+    cid = ""
+    t0 = time.perf_counter()
+    stream = await client.completions.create(
+        model=model, prompt=body["prompt"], max_tokens=body["max_tokens"], temperature=0.0,
+        stream=True, stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True, "prefix_cache": False})
+    async for chunk in stream:
+        now = time.perf_counter()
+        if chunk.choices:
+            times.append(now)
+            cid = chunk.id
+        if chunk.usage:
+            usage = chunk.usage.completion_tokens
+    return t0, times, usage, cid
+
+
+async def _server_wave_async(base: str, model: str, prompts: list[list[int]], output_len: int,
+                             client_kind: str) -> tuple[float, float, list[tuple]]:
+    import httpx
+
+    n = len(prompts)
+    limits = httpx.Limits(max_connections=n + 4, max_keepalive_connections=n + 4)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(None), limits=limits) as http:
+        # Open n keep-alive connections first: the wave then times no TCP set-up.
+        await asyncio.gather(*(http.get(f"{base}/health") for _ in range(n)))
+        bodies = [{"model": model, "prompt": ids, "max_tokens": output_len, "temperature": 0.0,
+                   "stream": True, "stream_options": {"include_usage": True},
+                   "ignore_eos": True, "prefix_cache": False} for ids in prompts]
+        if client_kind == "openai":
+            from openai import AsyncOpenAI
+
+            oai = AsyncOpenAI(base_url=f"{base}/v1", api_key="none", http_client=http,
+                              max_retries=0)
+            coros = [_openai_request(oai, model, b) for b in bodies]
+        else:
+            coros = [_httpx_request(http, base, b) for b in bodies]
+        start = time.perf_counter()
+        results = await asyncio.gather(*coros)
+        end = time.perf_counter()
+    return start, end, results
+
+
+def server_wave(base: str, model: str, prompts: list[list[int]], output_len: int, level: int,
+                repeat: int, client_kind: str, meter: CpuMeter, trace_dir: str) -> Wave:
+    load0, cpu0 = os.getloadavg()[0], meter.sample()
+    start, end, results = asyncio.run(
+        _server_wave_async(base, model, prompts, output_len, client_kind))
+    cpu = CpuMeter.delta(cpu0, meter.sample())
+    t0s, times, usage, cids = (list(x) for x in zip(*results))
+    streamed = [len(t) for t in times]
+    if streamed != usage or any(u != output_len for u in usage):
+        raise RuntimeError(f"token counts differ: streamed {streamed[:8]}, usage {usage[:8]}, "
+                           f"wanted {output_len} each")
+    ttft, itl = per_request(t0s, times)
+    wave = Wave("server", level, repeat, end - start, sum(usage), ttft, itl, cpu,
+                (load0, os.getloadavg()[0]))
+    # A completion of one prompt runs in the engine as "<completion id>-0".
+    added, engine_times, started = read_engine_trace(trace_dir)
+    for t0, ts, cid in zip(t0s, times, cids):
+        rid = f"{cid}-0"
+        if rid in added:
+            wave.request_path_s.append(added[rid] - t0)
+        if rid in started:
+            wave.http_path_s.append(started[rid] - t0)
+        steps = engine_times.get(rid, [])
+        if len(steps) == len(ts):
+            wave.token_path_s.extend(c - e for c, e in zip(ts, steps))
+    return wave
+
+
+# ---- profiling -----------------------------------------------------------------------------------
+def profile_api(pid: int, seconds: float, run_wave) -> dict:
+    """py-spy the API process (not its ranks) while run_wave() runs; return the hot frames."""
+    spy = shutil.which("py-spy")
+    if spy is None:
+        return {"error": "py-spy not found (pip install py-spy)"}
+    fd, raw = tempfile.mkstemp(suffix=".txt", prefix="serve-overhead-pyspy-")
+    os.close(fd)
+    proc = subprocess.Popen([spy, "record", "--pid", str(pid), "--duration", str(int(seconds)),
+                             "--rate", str(PYSPY_RATE), "--format", "raw", "--nonblocking",
+                             "--output", raw], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    time.sleep(1.0)  # let py-spy attach
+    t0 = time.perf_counter()
+    wave = run_wave()
+    sampled_s = min(seconds, time.perf_counter() - t0 + 1.0)
+    try:
+        _, err = proc.communicate(timeout=seconds + 30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        _, err = proc.communicate()
+    try:
+        summary = summarize_collapsed(raw)
+        summary["on_cpu_fraction"] = round(summary["samples"] / (PYSPY_RATE * sampled_s), 3)
+    except (OSError, ValueError) as exc:
+        summary = {"error": f"{exc}; py-spy: {err.decode(errors='replace')[-500:]}"}
+    finally:
+        if os.path.exists(raw):
+            os.unlink(raw)
+    summary["wave"] = wave.as_dict()
+    return summary
+
+
+PYSPY_RATE = 200  # samples a second
+
+
+def summarize_collapsed(path: str, top: int = 25) -> dict:
+    """Inclusive and self sample shares per frame from py-spy's collapsed ('raw') stacks.
+
+    py-spy without --idle records only threads that are on a CPU, so every sample is work."""
+    inclusive: collections.Counter = collections.Counter()
+    own: collections.Counter = collections.Counter()
+    total = 0
+    with open(path) as f:
+        for line in f:
+            stack, _, count = line.rstrip("\n").rpartition(" ")
+            if not stack:
+                continue
+            n = int(count)
+            frames = [fr for fr in stack.split(";") if fr]
+            # Skip the thread name py-spy puts first.
+            frames = [fr for fr in frames if "(" in fr]
+            if not frames:
+                continue
+            total += n
+            own[_short(frames[-1])] += n
+            for fr in set(map(_short, frames)):
+                inclusive[fr] += n
+    busy = max(1, total)
+    return {"samples": total,
+            "top_inclusive_pct": [(f, round(100 * c / busy, 1))
+                                  for f, c in inclusive.most_common(top)],
+            "top_self_pct": [(f, round(100 * c / busy, 1)) for f, c in own.most_common(top)]}
+
+
+def _short(frame: str) -> str:
+    # "func (path/to/file.py:123)" -> "func (file.py)"; the line number splits one function.
+    name, _, where = frame.partition(" (")
+    where = where.rstrip(")").rsplit(":", 1)[0]
+    parts = where.split("/")
+    return f"{name} ({'/'.join(parts[-2:])})"
+
+
+# ---- report --------------------------------------------------------------------------------------
+METRICS = ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "output_tok_s")
+
+
+def summarize(waves: list[Wave], levels: tuple[int, ...]) -> list[dict]:
+    rows = []
+    for level in levels:
+        row: dict = {"level": level}
+        for side in ("offline", "server"):
+            ws = [w for w in waves if w.side == side and w.level == level]
+            if not ws:
+                continue
+            ttft = [t * 1e3 for w in ws for t in w.ttft_s]
+            itl = [t * 1e3 for w in ws for t in w.itl_s]
+            req = [t * 1e3 for w in ws for t in w.request_path_s]
+            http = [t * 1e3 for w in ws for t in w.http_path_s]
+            tok = [t * 1e3 for w in ws for t in w.token_path_s]
+            cpu = {k: statistics.median(w.cpu[k] for w in ws) for k in ws[0].cpu}
+            tokens = sum(w.output_tokens for w in ws)
+
+            def per_token(key: str) -> float:
+                return round(1e3 * sum(w.cpu[key] for w in ws) / tokens, 3)
+
+            row[side] = {
+                "ttft_p50_ms": _pct(ttft, 50), "ttft_p99_ms": _pct(ttft, 99),
+                "itl_p50_ms": _pct(itl, 50), "itl_p99_ms": _pct(itl, 99),
+                "output_tok_s": statistics.median(w.output_tok_s for w in ws),
+                "wall_s": statistics.median(w.wall_s for w in ws), "waves": len(ws),
+                "requests": sum(len(w.ttft_s) for w in ws), "itl_samples": len(itl),
+                "cpu_s_median": cpu,
+                # CPU cost per output token, little affected by other load (no spinning at
+                # one thread): offline = the engine; server = rank + API process + clients.
+                "cpu_ms_per_token": ({"engine": per_token("bench")} if side == "offline" else
+                                     {"rank": per_token("rank"), "api": per_token("api"),
+                                      "client": per_token("bench")}),
+                # Pure API-layer latency (server only; see _install_engine_trace).
+                **({"request_path_p50_ms": _pct(req, 50), "request_path_p99_ms": _pct(req, 99),
+                    "http_path_p50_ms": _pct(http, 50), "http_path_p99_ms": _pct(http, 99),
+                    "token_path_p50_ms": _pct(tok, 50), "token_path_p99_ms": _pct(tok, 99),
+                    "token_path_samples": len(tok)} if side == "server" else {}),
+                # Cores kept busy by processes outside the benchmark (noise), wave average.
+                "other_cores_busy": round(statistics.median(w.cpu["other"] / w.wall_s
+                                                            for w in ws), 2),
+            }
+        if "offline" in row and "server" in row:
+            row["ratio_server_over_offline"] = {
+                m: (row["server"][m] / row["offline"][m]) if row["offline"][m] else None
+                for m in METRICS}
+        rows.append(row)
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    lines = [f"{'C':>3s} {'side':8s} {'TTFT p50':>9s} {'TTFT p99':>9s} {'ITL p50':>8s} "
+             f"{'ITL p99':>8s} {'out tok/s':>9s}  {'CPU ms/token':>20s}  {'noise':>5s}",
+             f"{'':12s} {'ms':>9s} {'ms':>9s} {'ms':>8s} {'ms':>8s} {'':9s}  "
+             f"{'(rank+api+client)':>20s}  {'cores':>5s}"]
+    f = lambda v: f"{v:.2f}x" if v else "-"  # noqa: E731
+    for r in rows:
+        for side in ("offline", "server"):
+            if side not in r:
+                continue
+            s = r[side]
+            lines.append(f"{r['level']:>3d} {side:8s} {s['ttft_p50_ms']:9.1f} "
+                         f"{s['ttft_p99_ms']:9.1f} {s['itl_p50_ms'] or 0:8.1f} "
+                         f"{s['itl_p99_ms'] or 0:8.1f} {s['output_tok_s']:9.1f}  "
+                         f"{_cpu_text(s['cpu_ms_per_token']):>20s}  "
+                         f"{s['other_cores_busy']:5.2f}")
+        if "ratio_server_over_offline" in r:
+            x = r["ratio_server_over_offline"]
+            lines.append(f"{r['level']:>3d} {'ratio':8s} {f(x['ttft_p50_ms']):>9s} "
+                         f"{f(x['ttft_p99_ms']):>9s} {f(x['itl_p50_ms']):>8s} "
+                         f"{f(x['itl_p99_ms']):>8s} {f(x['output_tok_s']):>9s}")
+    lines += ["", "API-layer latency measured directly (server; engine timestamps joined with "
+              "the clients'):",
+              f"{'C':>3s} {'submit->API handler':>20s} {'submit->engine':>15s} "
+              f"{'token: step()->client':>22s}   (ms, p50 / p99)"]
+    for r in rows:
+        s = r.get("server")
+        if s and s.get("token_path_p50_ms") is not None:
+            pair = lambda k: f"{s[k + '_p50_ms']:.1f} / {s[k + '_p99_ms']:.1f}"  # noqa: E731
+            lines.append(f"{r['level']:>3d} {pair('http_path'):>20s} {pair('request_path'):>15s} "
+                         f"{pair('token_path'):>22s}")
+    return "\n".join(lines)
+
+
+def _plot_api_latency(ax, rows: list[dict], levels: list[int]) -> None:
+    """The API layer's own latency: submit -> engine, and engine step -> client, per level."""
+    width = 0.27
+    parts = [("http_path", "submit -> API handler", "#8c564b"),
+             ("request_path", "submit -> engine.add_request", "#9467bd"),
+             ("token_path", "step() -> client reads token", "#ff7f0e")]
+    for j, (key, label, color) in enumerate(parts):
+        for i, r in enumerate(rows):
+            s = r.get("server", {})
+            v, hi = s.get(f"{key}_p50_ms"), s.get(f"{key}_p99_ms")
+            if v is None:
+                continue
+            x = i + (j - 1) * width
+            ax.bar(x, v, width, color=color, label=label if i == 0 else None,
+                   yerr=[[0], [max(0.0, hi - v)]], capsize=3)
+            ax.annotate(f"{v:.0f}" if v >= 10 else f"{v:.1f}", (x, hi), xytext=(0, 2), textcoords="offset points",
+                        ha="center", va="bottom", fontsize=7)
+    ax.set_yscale("log")
+    ax.set_xticks(range(len(levels)), [f"{c} client{'s' if c > 1 else ''}" for c in levels])
+    ax.set_title("API-layer latency, ms (bar p50, whisker p99)", fontsize=10)
+    ax.legend(fontsize=8, loc="upper left")
+
+
+def _cpu_text(c: dict) -> str:
+    if "engine" in c:
+        return f"{c['engine']:.1f}"
+    return f"{c['rank']:.1f}+{c['api']:.2f}+{c['client']:.2f}"
+
+
+def plot(rows: list[dict], path: str, env: dict, sizes: Sizes) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [("TTFT (ms)", "ttft"), ("ITL (ms)", "itl"), ("output tok/s", None)]
+    colors = {"offline": "#1f77b4", "server": "#d62728"}
+    levels = [r["level"] for r in rows]
+    fig, axes = plt.subplots(1, 4, figsize=(20, 4.8))
+    _plot_api_latency(axes[3], rows, levels)
+    for ax, (title, key) in zip(axes, panels):
+        width = 0.38
+        top = 0.0
+        for j, side in enumerate(("offline", "server")):
+            for i, r in enumerate(rows):
+                if side not in r:
+                    continue
+                s = r[side]
+                x = i + (j - 0.5) * width
+                if key is None:
+                    v, hi = s["output_tok_s"], s["output_tok_s"]
+                    ax.bar(x, v, width, color=colors[side], label=side if i == 0 else None)
+                else:
+                    v, hi = s[f"{key}_p50_ms"] or 0, s[f"{key}_p99_ms"] or 0
+                    ax.bar(x, v, width, color=colors[side], label=side if i == 0 else None,
+                           yerr=[[0], [max(0.0, hi - v)]], capsize=3)
+                top = max(top, hi)
+                text = f"{v:.0f}" if v >= 10 else f"{v:.1f}"
+                ratio = r.get("ratio_server_over_offline", {})
+                metric = "output_tok_s" if key is None else f"{key}_p50_ms"
+                if side == "server" and ratio.get(metric):
+                    text += f"\n{ratio[metric]:.2f}x"
+                ax.annotate(text, (x, hi), xytext=(0, 2), textcoords="offset points",
+                            ha="center", va="bottom", fontsize=7)
+        ax.set_xticks(range(len(levels)), [f"{c} client{'s' if c > 1 else ''}" for c in levels])
+        ax.set_ylim(0, top * 1.25 if top else 1)
+        sub = "bar p50, whisker p99" if key else "median over waves"
+        ax.set_title(f"{title} ({sub})", fontsize=10)
+        ax.legend(fontsize=8, loc="upper left")
+    fig.suptitle(f"deepinfer-serve vs offline engine: SmolLM2-135M float32 on {env['logical_cores']}"
+                 f" CPU cores; {sizes.prompt_len} prompt / {sizes.output_len} output tokens per "
+                 "request; label under value = server/offline\nother processes kept "
+                 f"{statistics.median(r[s]['other_cores_busy'] for r in rows for s in ('offline', 'server') if s in r):.1f}"
+                 " cores busy on average (noise)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def environment(model_dir: str, threads: int, client: str) -> dict:
+    import psutil
+    import torch
+
+    cpu = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    versions = {}
+    for mod in ("fastapi", "uvicorn", "httpx", "openai", "zmq", "uvloop", "httptools"):
+        try:
+            versions[mod] = __import__(mod).__version__
+        except Exception:  # noqa: BLE001 - absent is information too
+            versions[mod] = None
+    return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "cpu": cpu, "logical_cores": psutil.cpu_count(),
+            "memory_gb": round(psutil.virtual_memory().total / 2**30, 1),
+            "torch_threads": threads, "python": platform.python_version(),
+            "torch": torch.__version__, "versions": versions, "client": client,
+            "model": "SmolLM2-135M-Instruct", "model_path": model_dir}
+
+
+# ---- main ----------------------------------------------------------------------------------------
+def default_threads() -> int:
+    """All cores but one: the server's API process (and the clients) need a core of their own.
+
+    With every core given to torch, whatever else runs stalls its OpenMP regions (a descheduled
+    thread holds up every barrier), which on a small machine swamps what is being measured."""
+    return max(1, (os.cpu_count() or 1) - 1)
+
+
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help=f"smoke run: {QUICK}")
+    p.add_argument("--levels", default=None, help="comma-separated concurrency levels")
+    p.add_argument("--repeats", default=None,
+                   help="timed waves per side, one number or one per level (default 3,2,2)")
+    p.add_argument("--prompt-len", type=int, default=None)
+    p.add_argument("--output-len", type=int, default=None)
+    p.add_argument("--client", choices=("httpx", "openai"), default="httpx",
+                   help="httpx (lightest on a small machine) or the official AsyncOpenAI")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--kv-cache-memory-gb", type=float, default=1.0)
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads of the offline engine and of the server's rank "
+                        "(DEEPINFER_CPU_THREADS; default: all cores but one)")
+    p.add_argument("--port", type=int, default=0, help="0: a free port")
+    p.add_argument("--profile", action="store_true",
+                   help="py-spy the API process during one extra wave at the top level")
+    p.add_argument("--model", default=None, help="an HF folder (default: embedded SmolLM2)")
+    p.add_argument("--out", default=os.path.join(HERE, "results"))
+    args = p.parse_args(argv)
+    base = QUICK if args.quick else Sizes()
+    levels = tuple(int(x) for x in args.levels.split(",")) if args.levels else base.levels
+    if args.repeats:
+        reps = [int(x) for x in args.repeats.split(",")]
+        reps = reps * len(levels) if len(reps) == 1 else reps
+    elif levels == base.levels:
+        reps = list(base.repeats)
+    else:
+        reps = [1] * len(levels)
+    if len(reps) != len(levels):
+        p.error("--repeats needs one number or one per level")
+    args.sizes = Sizes(levels, args.prompt_len or base.prompt_len,
+                       args.output_len or base.output_len, tuple(reps))
+    if max(levels) > args.max_num_seqs:
+        p.error("a level above --max-num-seqs would queue on both sides; raise --max-num-seqs")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--serve"]:  # the server, with the engine trace installed at import
+        from deepinfer.serve.cli import main as serve_main
+
+        return serve_main(argv[1:])
+    args = parse_args(argv)
+    sizes: Sizes = args.sizes
+    threads = args.threads or default_threads()
+    # The same number of torch threads for the offline engine and the server's rank process.
+    os.environ["DEEPINFER_CPU_THREADS"] = str(threads)
+    if args.model:
+        model_dir = args.model
+    else:
+        from deepinfer.models.default_model import ensure_default_model
+
+        model_dir = ensure_default_model(progress=False)
+    port = args.port or free_port()
+    base = f"http://127.0.0.1:{port}"
+    os.makedirs(args.out, exist_ok=True)
+    server_log = os.path.join(tempfile.gettempdir(), f"serve_overhead-{port}.log")
+    log(f"model {model_dir}; {threads} torch threads; {sizes}; client {args.client}")
+    t_start = time.perf_counter()
+    trace_dir = tempfile.mkdtemp(prefix="serve-overhead-trace-")
+    proc = start_server(model_dir, port, args, server_log, trace_dir)
+    try:
+        from deepinfer import LLM
+        from deepinfer.models.model_config import ModelConfig
+
+        # Loads while the server starts; both engines take the same scheduler settings.
+        llm = LLM(model=model_dir, dtype=args.dtype, kv_cache_memory_gb=args.kv_cache_memory_gb,
+                  max_num_seqs=args.max_num_seqs,
+                  max_num_batched_tokens=args.max_num_batched_tokens)
+        vocab = ModelConfig.from_dir(model_dir).vocab_size
+        wait_healthy(proc, base, server_log)
+        import httpx
+
+        name = httpx.get(f"{base}/v1/models", timeout=10).json()["data"][0]["id"]
+        meter = CpuMeter(proc.pid)
+        log(f"server up on {base} ({time.perf_counter() - t_start:.0f} s)")
+
+        # Warm-up, untimed: a few requests through both, so first-call costs are not measured.
+        warm = random_prompts(4, sizes.prompt_len, vocab, seed=12345)
+        offline_wave(llm, warm, min(8, sizes.output_len), 0, 0, meter)
+        server_wave(base, name, warm, min(8, sizes.output_len), 0, 0, args.client, meter,
+                    trace_dir)
+        log(f"warmed up ({time.perf_counter() - t_start:.0f} s)")
+
+        waves: list[Wave] = []
+        for level, reps in zip(sizes.levels, sizes.repeats):
+            for rep in range(reps):
+                prompts = random_prompts(level, sizes.prompt_len, vocab, seed=1000 * level + rep)
+                runs = [("offline", lambda: offline_wave(llm, prompts, sizes.output_len, level,
+                                                         rep, meter)),
+                        ("server", lambda: server_wave(base, name, prompts, sizes.output_len,
+                                                       level, rep, args.client, meter,
+                                                       trace_dir))]
+                if rep % 2:
+                    runs.reverse()  # alternate who goes first
+                for side, run in runs:
+                    w = run()
+                    waves.append(w)
+                    log(f"  C={level:<3d} rep {rep} {side:7s} {w.wall_s:6.1f} s "
+                        f"{w.output_tok_s:7.1f} tok/s  TTFT p50 {_pct(w.ttft_s, 50) * 1e3:7.0f} ms"
+                        f"  ITL p50 {(_pct(w.itl_s, 50) or 0) * 1e3:6.1f} ms"
+                        + (f"  API: request {_pct(w.request_path_s, 50) * 1e3:.1f} ms, token "
+                           f"{_pct(w.token_path_s, 50) * 1e3:.2f} ms (p50)"
+                           if w.token_path_s and w.request_path_s else "")
+                        + f"  cpu {w.cpu}")
+        profile = None
+        if args.profile:
+            level = max(sizes.levels)
+            prompts = random_prompts(level, sizes.prompt_len, vocab, seed=999_999)
+            est = max(w.wall_s for w in waves if w.side == "server" and w.level == level)
+            log(f"profiling the API process for ~{est:.0f} s")
+            profile = profile_api(proc.pid, est + 2, lambda: server_wave(
+                base, name, prompts, sizes.output_len, level, -1, args.client, meter,
+                trace_dir))
+        elapsed = time.perf_counter() - t_start
+        env = environment(model_dir, threads, args.client)
+        llm.engine.shutdown()
+    finally:
+        stop_server(proc)
+        shutil.rmtree(trace_dir, ignore_errors=True)
+
+    rows = summarize(waves, sizes.levels)
+    report = {
+        "benchmark": "serve_overhead",
+        "environment": env,
+        "sizes": {"levels": list(sizes.levels), "prompt_len": sizes.prompt_len,
+                  "output_len": sizes.output_len, "repeats": list(sizes.repeats),
+                  "quick": args.quick},
+        "settings": {"dtype": args.dtype, "max_num_seqs": args.max_num_seqs,
+                     "max_num_batched_tokens": args.max_num_batched_tokens,
+                     "kv_cache_memory_gb": args.kv_cache_memory_gb, "torch_threads": threads,
+                     "prefix_cache": "off per request (and every prompt differs)"},
+        "elapsed_s": round(elapsed, 1),
+        "method": {
+            "wave": "C requests submitted at once; offline: engine.add_request x C at t0 then "
+                    "step() until done, tokens timestamped when step() returns; server: C "
+                    "concurrent streaming POST /v1/completions (token-id prompt, greedy, "
+                    "ignore_eos, prefix_cache false, keep-alive connections opened before the "
+                    "wave), tokens timestamped when the client reads their SSE chunk",
+            "ttft": "submit -> first token, per request; p50/p99 over all requests of all waves",
+            "itl": "gaps between consecutive tokens of a request; p50/p99 over all gaps",
+            "output_tok_s": "output tokens of the wave / wall time; median over waves",
+            "ratio": "server / offline (TTFT, ITL: above 1 is slower; tok/s: below 1 is slower)",
+            "order": "per repeat both sides once, the first side alternating; one untimed "
+                     "warm-up wave of 4 short requests per side",
+            "api_latency": "server only: the server runs with a hook (this file, imported by "
+                           "its rank process) that timestamps Engine.add_request and each "
+                           "token's Engine.step return; request path = client submit -> "
+                           "add_request, token path = step return -> client read the SSE chunk "
+                           "(perf_counter = CLOCK_MONOTONIC, shared by all processes)",
+            "cpu_s": "CPU seconds during a wave: api = the deepinfer-serve process, rank = its "
+                     "engine process(es), bench = this process (the offline engine or the "
+                     "HTTP clients), other = everything else on the machine (noise)",
+        },
+        "summary": rows,
+        "waves": [w.as_dict() for w in waves],
+        "api_profile": profile,
+    }
+    json_path = os.path.join(args.out, "serve_overhead.json")
+    with open(json_path, "w") as f:
+        json.dump(report, f, indent=2)
+    png_path = os.path.join(args.out, "serve_overhead.png")
+    plot(rows, png_path, env, sizes)
+    print(table(rows))
+    if profile and "top_self_pct" in profile:
+        print(f"\nAPI process during a C={max(sizes.levels)} wave (py-spy, {profile['samples']} "
+              f"on-CPU samples, on CPU {profile['on_cpu_fraction']:.0%} of the wave); "
+              "self time, % of on-CPU samples:")
+        for frame, pct in profile["top_self_pct"][:15]:
+            print(f"  {pct:5.1f}%  {frame}")
+    print(f"wrote {json_path} and {png_path} ({elapsed:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
