@@ -27,6 +27,7 @@ class ServerState:
     metrics: ServerMetrics
     api_key: str | None = None
     created: int = 0
+    prompt_tokenizer: Any = None  # a VerifiedTokenizer; encode(text, add_special_tokens)
     grammars: Any = None  # a GrammarCompiler, built on the first constrained request
 
     def check_constraint(self, spec: Any) -> None:
@@ -140,11 +141,10 @@ async def tokenize(state: ServerState, body: TokenizeRequest) -> dict:
     if body.messages is not None:
         rendered = render_chat(state.tokenizer, state.model_dir,
                                [m.for_template() for m in body.messages], None, None)
-        ids = await asyncio.to_thread(state.tokenizer.encode, rendered.prompt,
-                                      add_special_tokens=False)
+        ids = await asyncio.to_thread(state.prompt_tokenizer.encode, rendered.prompt, False)
     else:
-        ids = await asyncio.to_thread(state.tokenizer.encode, body.prompt,
-                                      add_special_tokens=body.add_special_tokens)
+        ids = await asyncio.to_thread(state.prompt_tokenizer.encode, body.prompt,
+                                      body.add_special_tokens)
     return {"tokens": ids, "count": len(ids), "max_model_len": state.max_model_len}
 
 

@@ -41,6 +41,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tokenizer-backend", default="auto",
+                   choices=["auto", "fastokens", "segment", "hf"],
+                   help="prompt tokenizer; auto probes and picks the first that equals hf")
+    p.add_argument("--tokenizer-verify-rate", type=float, default=0.005,
+                   help="fraction of prompts re-encoded with hf in the background")
+    p.add_argument("--tokenizer-cache-mb", type=int, default=512,
+                   help="byte budget of the segment backend's piece cache")
     p.add_argument("--log-level", default="info")
     return p
 
@@ -63,6 +70,7 @@ async def serve(args: argparse.Namespace, model_dir: str) -> None:
     from deepinfer.serve.app import ServerState, create_app
     from deepinfer.serve.engine_client import EngineClient
     from deepinfer.serve.metrics import ServerMetrics
+    from deepinfer.serve.tokenizer_metrics import TokenizerCollector
 
     name = args.served_model_name or os.path.basename(os.path.normpath(args.model or model_dir))
     client = EngineClient(engine_config(args, model_dir), args.dp)
@@ -72,8 +80,12 @@ async def serve(args: argparse.Namespace, model_dir: str) -> None:
                  ready[0].accelerator, ready[0].num_blocks, ready[0].block_size,
                  ready[0].max_model_len)
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        metrics = ServerMetrics(name)
+        prompt_tokenizer = build_prompt_tokenizer(args, tokenizer)
+        metrics.registry.register(TokenizerCollector(prompt_tokenizer, name))
         state = ServerState(client, tokenizer, name, model_dir, ready[0].max_model_len,
-                            ServerMetrics(name), args.api_key, int(time.time()))
+                            metrics, args.api_key, int(time.time()),
+                            prompt_tokenizer=prompt_tokenizer)
         config = uvicorn.Config(create_app(state), host=args.host, port=args.port,
                                 log_level=args.log_level, timeout_graceful_shutdown=5)
         # uvicorn handles SIGINT/SIGTERM while it serves, then restores the previous handlers
@@ -81,13 +93,34 @@ async def serve(args: argparse.Namespace, model_dir: str) -> None:
         # the `finally` below can stop the ranks (orphaned ranks, leaked IPC folder).
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, _swallow_signal)
-        await uvicorn.Server(config).serve()
+        try:
+            await uvicorn.Server(config).serve()
+        finally:
+            prompt_tokenizer.close()
     finally:
         await client.shutdown()
 
 
 def _swallow_signal(signum: int, frame: object) -> None:
     log.info("stopping on signal %d", signum)
+
+
+def build_prompt_tokenizer(args: argparse.Namespace, tokenizer):
+    """Probe the prompt tokenizer backends and wrap the winner in live verification."""
+    from deepinfer.core.tokenizer import VerifiedTokenizer, select_prompt_tokenizer
+
+    if not 0.0 <= args.tokenizer_verify_rate <= 1.0:
+        raise SystemExit("--tokenizer-verify-rate must be in [0, 1]")
+    primary, probes = select_prompt_tokenizer(tokenizer, args.tokenizer_backend,
+                                              cache_bytes=args.tokenizer_cache_mb << 20)
+    for probe in probes:
+        log.info("tokenizer backend %s: %s%s", probe.backend, "ok" if probe.ok else "rejected",
+                 f" ({probe.reason})" if probe.reason else "")
+    log.info("prompt tokenizer: %s (verify rate %g)", primary.name, args.tokenizer_verify_rate)
+    return VerifiedTokenizer(primary, tokenizer, rate=args.tokenizer_verify_rate,
+                             on_mismatch=lambda m: log.error(
+                                 "prompt tokenizer %s mismatched hf; now serving with hf",
+                                 m.backend))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -70,8 +70,7 @@ async def chat_completions(state, body: ChatCompletionRequest, request: Request)
             await asyncio.to_thread(state.check_constraint, params.structured)
         except ValueError as exc:
             raise APIError(str(exc), param="response_format") from exc
-    prompt_ids = await asyncio.to_thread(state.tokenizer.encode, rendered.prompt,
-                                         add_special_tokens=False)
+    prompt_ids = await asyncio.to_thread(state.prompt_tokenizer.encode, rendered.prompt, False)
     check_length(len(prompt_ids), params, state.max_model_len)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     gen = Generation(prompt_ids, [Choice(i) for i in range(params.n)])
@@ -178,7 +177,7 @@ async def completions(state, body: CompletionRequest, request: Request):
     prompts = []
     for p in body.prompts():
         if isinstance(p, str):
-            ids = await asyncio.to_thread(state.tokenizer.encode, p)
+            ids = await asyncio.to_thread(state.prompt_tokenizer.encode, p, True)
         else:
             vocab = len(state.tokenizer)
             if not p or any(not 0 <= t < vocab for t in p):

@@ -438,8 +438,12 @@ def test_metrics(client, http, tiny_server):
         assert r.status_code == 200
         for name in ("vllm:request_success", "vllm:prompt_tokens", "vllm:generation_tokens",
                      "vllm:time_to_first_token_seconds", "vllm:kv_cache_usage_perc",
-                     "vllm:prefix_cache_hits", "vllm:num_requests_running"):
+                     "vllm:prefix_cache_hits", "vllm:num_requests_running",
+                     "deepinfer_tokenizer:encode_seconds", "deepinfer_tokenizer:verify_checks"):
             assert name in r.text, name
+        # auto selection picks fastokens for the SmolLM2 tokenizer (it equals hf on the probes)
+        assert any(line.startswith("deepinfer_tokenizer:backend") and 'backend="fastokens"' in line
+                   and line.endswith(" 1.0") for line in r.text.splitlines()), r.text
     before = tiny_server.metrics()
     r = complete(client, "count me", max_tokens=3, extra_body={"ignore_eos": True})
     after = tiny_server.metrics()

@@ -236,19 +236,17 @@ def _chat_template_text(hf_tokenizer: Any) -> str:
     return template if isinstance(template, str) else ""
 
 
-_TOOLS = [{"type": "function", "function": {
-    "name": "get_weather", "description": "Weather for a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
-                   "required": ["city"]}}}]
-_TOOL_CALL = {"type": "function",
-              "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
-
-
 def _chat_renderings(hf_tokenizer: Any) -> list[str]:
     """The chat template applied to a tool-calling conversation (and to a plain one, for
     templates that reject tools); nothing when the tokenizer has no template."""
     if not _chat_template_text(hf_tokenizer):
         return []
+    tools = [{"type": "function", "function": {
+        "name": "get_weather", "description": "Weather for a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                       "required": ["city"]}}}]
+    call = {"type": "function",
+            "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
     plain = [
         {"role": "system", "content": "You are terse.\nAnswer in English."},
         {"role": "user", "content": "Weather in Paris?  Use °C.\n\n```py\nprint(1)\n```"},
@@ -256,15 +254,15 @@ def _chat_renderings(hf_tokenizer: Any) -> list[str]:
         {"role": "user", "content": "  And tomorrow?\t"},
     ]
     with_tools = plain[:3] + [
-        {"role": "assistant", "content": "", "tool_calls": [_TOOL_CALL]},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
         {"role": "tool", "name": "get_weather", "content": '{"temp_c": 21, "sky": "clear"}'},
         plain[3],
     ]
     rendered = []
-    for messages, tools in ((with_tools, _TOOLS), (plain, None)):
+    for messages, tool_list in ((with_tools, tools), (plain, None)):
         try:
             text = hf_tokenizer.apply_chat_template(
-                messages, tools=tools, tokenize=False, add_generation_prompt=True)
+                messages, tools=tool_list, tokenize=False, add_generation_prompt=True)
         except Exception:  # templates differ in what they accept; a probe is optional
             continue
         if isinstance(text, str):
