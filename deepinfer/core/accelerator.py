@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol, Sequence
 
 if TYPE_CHECKING:
     from deepinfer.core.batch import ModelBatch, SamplerOutput
@@ -25,6 +25,7 @@ class Capabilities:
     batch_buckets: tuple[int, ...] = ()
     token_buckets: tuple[int, ...] = ()
     graph_capture: bool = False
+    # Implements host_page_bytes / allocate_host_pool / copy_pages (HiCache's host tier).
     host_page_copy: bool = False
     dtypes: tuple[str, ...] = ("float32", "bfloat16")
 
@@ -35,6 +36,34 @@ class MemoryStats:
     weights_bytes: int
     kv_cache_bytes: int
     extra: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class HostPoolLayout:
+    """What a backend allocated for HiCache's host tier.
+
+    Pages are ids 0..num_pages-1; one page holds one block_size-token KV block of every layer,
+    stored page-first so a page moves as one large contiguous copy. State slots hold per-request
+    layer state besides pages (sliding-window KV, compressor carry-over) for models that have it.
+    """
+
+    num_pages: int
+    page_bytes: int
+    num_state_slots: int = 0
+    state_slot_bytes: int = 0  # 0: the model keeps no state besides its pages
+    pinned: bool = False  # page-locked memory (fast asynchronous DMA)
+
+    @property
+    def stateful(self) -> bool:
+        return self.state_slot_bytes > 0
+
+
+class CopyHandle(Protocol):
+    """An asynchronous copy in flight (a stream event on backends with streams)."""
+
+    def done(self) -> bool: ...
+
+    def wait(self) -> None: ...
 
 
 class Accelerator(ABC):
@@ -69,6 +98,28 @@ class Accelerator(ABC):
     @abstractmethod
     def execute(self, batch: "ModelBatch") -> "SamplerOutput":
         """Run the model on the batch, sample one token per sampled sequence."""
+
+    # ---- HiCache host tier (optional; Capabilities.host_page_copy says a backend has it) ------
+    def host_page_bytes(self) -> int:
+        """Bytes of one host page (one KV block of every layer), after allocate_kv_cache."""
+        raise NotImplementedError(f"the {self.name} backend has no host page copy")
+
+    def allocate_host_pool(self, num_pages: int, num_state_slots: int = 0) -> HostPoolLayout:
+        """Allocate host memory for num_pages pages (pinned where the backend can)."""
+        raise NotImplementedError(f"the {self.name} backend has no host page copy")
+
+    def copy_pages(self, host_pages: Sequence[int], device_blocks: Sequence[int],
+                   to_device: bool) -> CopyHandle | None:
+        """Copy host_pages[i] <-> device_blocks[i] (every layer). Backends with streams enqueue
+        the copy on the engine stream, so later steps see it in order, and return a handle the
+        caller polls before reusing the host pages; None means it is already done."""
+        raise NotImplementedError(f"the {self.name} backend has no host page copy")
+
+    def copy_state(self, host_slot: int, request_id: str, num_tokens: int,
+                   to_device: bool) -> CopyHandle | None:
+        """Models with state only: save (or restore) a request's layer state as of num_tokens
+        tokens, a page boundary, to (from) a host state slot."""
+        raise NotImplementedError(f"the {self.name} backend keeps no per-request state")
 
     def memory_stats(self) -> MemoryStats:
         return MemoryStats(device_total_bytes=0, weights_bytes=0, kv_cache_bytes=0)

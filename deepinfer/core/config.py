@@ -24,10 +24,19 @@ class CacheConfig:
     num_blocks: int | None = None  # None: sized by the backend from kv_cache_memory_gb
     kv_cache_memory_gb: float = 1.0
     enable_prefix_caching: bool = True
+    # HiCache: a host-memory pool of KV pages behind the device prefix cache (0 disables).
+    hicache_size_gb: float = 0.0
+    # Host slots for per-request layer state (models that keep state besides pages only).
+    hicache_state_slots: int = 0
+    # A host hit stops so that at least this many prompt tokens are recomputed.
+    yoco_keep_tokens: int = 140
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.hicache_size_gb < 0 or self.hicache_state_slots < 0 or self.yoco_keep_tokens < 0:
+            raise ValueError("hicache_size_gb, hicache_state_slots and yoco_keep_tokens "
+                             "must be >= 0")
         if self.num_blocks is not None and self.num_blocks < 2:
             raise ValueError("num_blocks must be >= 2 (block 0 is the null block)")
 

@@ -12,6 +12,7 @@ from typing import Any, Sequence
 from deepinfer.core.accelerator import Accelerator
 from deepinfer.core.config import EngineConfig
 from deepinfer.core.detokenizer import IncrementalDetokenizer
+from deepinfer.core.hicache import HiCache
 from deepinfer.core.kv.manager import KVCacheManager
 from deepinfer.core.outputs import RequestOutput
 from deepinfer.core.request import FinishReason, Request
@@ -50,7 +51,8 @@ class Engine:
                                  config.cache.enable_prefix_caching)
         self.max_model_len = min(config.model.max_model_len or self.model_config.max_position_embeddings,
                                  self.model_config.sliding_window or 1 << 62)
-        self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
+        self.hicache = HiCache.create(self.accelerator, config.cache)
+        self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, self.hicache)
         self._samples: dict[str, _Sample] = {}  # child request id -> sample
         self._children: dict[str, list[str]] = {}  # request id -> child ids
         self._rng = random.Random(config.seed)
@@ -127,6 +129,8 @@ class Engine:
 
     # ---- the loop ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        if self.hicache is not None:
+            self.hicache.poll()  # finished host copies: index stored pages, unpin
         scheduled = self.scheduler.schedule()
         if not scheduled.seqs:
             return []
@@ -182,9 +186,15 @@ class Engine:
             self._children.pop(sample.parent_id, None)
 
     def reset_prefix_cache(self) -> int:
-        return self.kv.reset_prefix_cache()
+        """Drop cached pages no request holds, on the device and in the host tier."""
+        dropped = self.kv.reset_prefix_cache()
+        if self.hicache is not None:
+            dropped += self.hicache.reset()
+        return dropped
 
     def shutdown(self) -> None:
+        if self.hicache is not None:
+            self.hicache.poll(wait=True)  # no copy may outlive the memory it targets
         self.accelerator.shutdown()
 
 

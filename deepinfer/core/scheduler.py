@@ -3,7 +3,9 @@
 Each step: running requests first (decodes, then the next chunk of any prefill in progress),
 then waiting requests in arrival order, with prefix-cache hits skipping their computed pages.
 When blocks run out, the newest running request is preempted and recomputed later; preempted
-requests go back to the head of the queue, so nothing starves.
+requests go back to the head of the queue, so nothing starves. With HiCache, admission also
+loads host pages that continue the device hit, and every finished prefill writes its prompt
+pages through to the host.
 """
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from dataclasses import dataclass, field
 
 from deepinfer.core.batch import ModelBatch, SamplerOutput, SamplingRow, TokenLogprobs
 from deepinfer.core.config import SchedulerConfig
+from deepinfer.core.hicache import HiCache
 from deepinfer.core.kv.manager import KVCacheManager
 from deepinfer.core.request import FinishReason, Request, RequestStatus
 
@@ -44,9 +47,11 @@ class TokenUpdate:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int) -> None:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int,
+                 hicache: HiCache | None = None) -> None:
         self.config = config
         self.kv = kv
+        self.hicache = hicache
         self.max_model_len = max_model_len
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -125,7 +130,10 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
             cached = self.kv.find_cached_prefix(req)
-            hit_tokens = len(cached) * self.kv.block_size
+            device_tokens = len(cached) * self.kv.block_size
+            host = self.hicache.match(req, len(cached)) if self.hicache is not None else None
+            host_tokens = host.num_tokens if host is not None else 0
+            hit_tokens = device_tokens + host_tokens
             req.num_computed_tokens = 0
             remaining = req.num_tokens - hit_tokens
             if not self.config.enable_chunked_prefill and remaining > budget:
@@ -133,12 +141,18 @@ class Scheduler:
             num_new = min(remaining, budget)
             if self.config.long_prefill_token_threshold > 0:
                 num_new = min(num_new, self.config.long_prefill_token_threshold)
-            if not self.kv.allocate(req, num_new, cached):
+            # Host-hit pages need device blocks too: allocated here with the first chunk's.
+            if not self.kv.allocate(req, host_tokens + num_new, cached):
                 break
             self.waiting.popleft()
+            if host is not None:
+                blocks = self.kv.block_ids(req.request_id)
+                self.hicache.load(req, host, blocks[len(cached):len(cached) + len(host.pages)])
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = hit_tokens
-                self.kv.record_lookup(req.num_tokens, hit_tokens)
+                self.kv.record_lookup(req.num_tokens, device_tokens)
+                if self.hicache is not None and req.use_prefix_cache:
+                    self.hicache.record_lookup(device_tokens, host_tokens)
             req.num_computed_tokens = hit_tokens
             req.status = RequestStatus.RUNNING
             self.running.append(req)
@@ -177,6 +191,7 @@ class Scheduler:
         k = 0
         for seq in out.seqs:
             req = seq.request
+            before = req.num_computed_tokens
             req.num_computed_tokens += seq.num_new_tokens
             token, logprobs = None, None
             if seq.sampled:
@@ -184,6 +199,10 @@ class Scheduler:
                 k += 1
                 req.output_token_ids.append(token)
             self.kv.cache_computed_pages(req)
+            if self.hicache is not None and \
+                    before < req.num_prompt_tokens <= req.num_computed_tokens:
+                # Write-through once the prompt is computed, before a stop can free the blocks.
+                self.hicache.store(req, self.kv.block_ids(req.request_id))
             if token is not None:
                 self._check_stop(req, token)
             updates.append(TokenUpdate(req, token, logprobs, req.is_finished))

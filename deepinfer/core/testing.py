@@ -221,6 +221,25 @@ class ConformanceSuite:
             decode(acc, [b, c])
             self.assert_matches("prefix reuse", b, c)
 
+    def check_host_page_copy(self) -> None:
+        """host_page_copy: B's shared blocks go to host and back into C's fresh blocks."""
+        if not self.accelerator_cls().capabilities.host_page_copy:
+            return
+        with self.loaded() as (acc, pool):
+            b = self.new_seq(pool, "B")
+            run_step(acc, [Chunk(b, len(b.prompt))])
+            acc.allocate_host_pool(4)
+            n = SHARED_PREFIX_LEN // BLOCK_SIZE
+            c_prompt = self.prompts["C"]
+            c = Seq("C", c_prompt, pool.take(len(c_prompt) + DECODE_STEPS), computed=n * BLOCK_SIZE)
+            for blocks, to_device in ((b.blocks[:n], False), (c.blocks[:n], True)):
+                handle = acc.copy_pages([3, 1], blocks, to_device)  # pages out of block order
+                if handle is not None:
+                    handle.wait()
+            run_step(acc, [Chunk(c, len(c_prompt) - SHARED_PREFIX_LEN)])
+            decode(acc, [c])
+            self.assert_matches("host page copy", c)
+
     def check_shutdown_idempotent(self) -> None:
         with self.loaded() as (acc, _):
             acc.shutdown()  # the context manager shuts it down a second time
@@ -230,6 +249,7 @@ class ConformanceSuite:
                 ("batched greedy decode", self.check_batched_greedy),
                 ("chunked prefill", self.check_chunked_prefill),
                 ("prefix reuse", self.check_prefix_reuse),
+                ("host page copy", self.check_host_page_copy),
                 ("shutdown is idempotent", self.check_shutdown_idempotent)]
 
 
@@ -271,6 +291,9 @@ class AcceleratorConformance:
 
     def test_prefix_reuse(self) -> None:
         self.suite.check_prefix_reuse()
+
+    def test_host_page_copy(self) -> None:
+        self.suite.check_host_page_copy()
 
     def test_shutdown_is_idempotent(self) -> None:
         self.suite.check_shutdown_idempotent()

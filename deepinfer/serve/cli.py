@@ -38,6 +38,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-kv-blocks", type=int, default=None)
     p.add_argument("--kv-cache-memory-gb", type=float, default=1.0)
     p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--hicache-size-gb", type=float, default=0.0,
+                   help="host memory per rank for HiCache, a host tier of KV pages behind the "
+                        "device prefix cache (0: off)")
+    p.add_argument("--hicache-state-slots", type=int, default=0,
+                   help="host slots for per-request layer state (models that keep state "
+                        "besides KV pages only)")
+    p.add_argument("--yoco-keep-tokens", type=int, default=140,
+                   help="a host-tier hit leaves at least this many prompt tokens to recompute")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--seed", type=int, default=0)
@@ -56,7 +64,9 @@ def engine_config(args: argparse.Namespace, model_dir: str) -> EngineConfig:
     return EngineConfig(
         model=ModelSpec(model_dir, args.dtype, args.max_model_len),
         cache=CacheConfig(args.block_size, args.num_kv_blocks, args.kv_cache_memory_gb,
-                          not args.no_prefix_caching),
+                          not args.no_prefix_caching, hicache_size_gb=args.hicache_size_gb,
+                          hicache_state_slots=args.hicache_state_slots,
+                          yoco_keep_tokens=args.yoco_keep_tokens),
         scheduler=SchedulerConfig(args.max_num_batched_tokens, args.max_num_seqs),
         accelerator=args.accelerator, seed=args.seed)
 
@@ -79,6 +89,9 @@ async def serve(args: argparse.Namespace, model_dir: str) -> None:
         log.info("%d rank(s) ready on %s: %d KV blocks of %d tokens, context %d", len(ready),
                  ready[0].accelerator, ready[0].num_blocks, ready[0].block_size,
                  ready[0].max_model_len)
+        if ready[0].hicache_pages:
+            log.info("HiCache: %d host pages of %d tokens per rank", ready[0].hicache_pages,
+                     ready[0].block_size)
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         metrics = ServerMetrics(name)
         prompt_tokenizer = build_prompt_tokenizer(args, tokenizer)

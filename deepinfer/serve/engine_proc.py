@@ -51,8 +51,9 @@ def run_rank(spec: RankSpec) -> None:
         outbox.send_pyobj(Failed(spec.rank, traceback.format_exc()))
         return
     registry.engine_started(spec.config)
+    host_pages = engine.hicache.layout.num_pages if engine.hicache is not None else 0
     outbox.send_pyobj(Ready(spec.rank, engine.kv.pool.num_usable + 1, engine.kv.block_size,
-                            engine.token_limit(), engine.accelerator.name))
+                            engine.token_limit(), engine.accelerator.name, host_pages))
     try:
         _loop(engine, spec.rank, inbox, outbox, parent)
     finally:
@@ -122,5 +123,7 @@ def _delta(out: RequestOutput) -> TokenDelta:
 
 def _stats(engine: Engine) -> EngineStats:
     kv, sched = engine.kv, engine.scheduler
+    host = {} if engine.hicache is None else \
+        {f"hicache_{k}": v for k, v in vars(engine.hicache.stats()).items()}
     return EngineStats(len(sched.running), len(sched.waiting), kv.usage, kv.pool.num_usable,
-                       kv.stats.queries, kv.stats.hits, sched.num_preemptions)
+                       kv.stats.queries, kv.stats.hits, sched.num_preemptions, **host)

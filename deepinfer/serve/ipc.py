@@ -68,6 +68,19 @@ class EngineStats:
     prefix_queries: int
     prefix_hits: int
     preemptions: int
+    # HiCache (host tier) of this rank; all 0 when it is off. Totals except the page gauges.
+    hicache_pages_used: int = 0
+    hicache_pages_total: int = 0
+    hicache_lookups: int = 0
+    hicache_device_hit_tokens: int = 0
+    hicache_host_hit_tokens: int = 0
+    hicache_stored_pages: int = 0
+    hicache_loaded_pages: int = 0
+    hicache_evicted_pages: int = 0
+    hicache_load_bytes: int = 0
+    hicache_store_bytes: int = 0
+    hicache_load_seconds: float = 0.0
+    hicache_store_seconds: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -85,6 +98,7 @@ class Ready:
     block_size: int
     max_model_len: int
     accelerator: str
+    hicache_pages: int = 0  # host-tier pages of block_size tokens (0: HiCache off)
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,17 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from deepinfer.serve.ipc import EngineStats
 
+# HiCache running totals reported by each rank (EngineStats.hicache_<name>), as counters.
+_HICACHE_TOTALS = (
+    ("lookups", "Admitted requests that looked up the host KV tier"),
+    ("stored_pages", "KV pages written through from device to host"),
+    ("loaded_pages", "KV pages loaded from host into device blocks on a hit"),
+    ("evicted_pages", "Host KV pages evicted (LRU) to make room"),
+    ("load_bytes", "Bytes copied host to device"),
+    ("store_bytes", "Bytes copied device to host"),
+    ("load_seconds", "Seconds spent copying host to device"),
+    ("store_seconds", "Seconds spent copying device to host"),
+)
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
                     2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 
@@ -38,8 +49,17 @@ class ServerMetrics:
                                    "prefix cache", labels, registry=r)
         self.preemptions = Counter("vllm:num_preemptions", "Requests preempted", labels,
                                    registry=r)
+        self.hicache_pages_used = Gauge("deepinfer:hicache_pages_used", "Host KV pages "
+                                        "holding data, all ranks", labels, registry=r)
+        self.hicache_pages_total = Gauge("deepinfer:hicache_pages_total", "Host KV pages, all "
+                                         "ranks", labels, registry=r)
+        self.hicache_hit_tokens = Counter("deepinfer:hicache_hit_tokens", "Prompt tokens served "
+                                          "from a cache tier (device or host) where HiCache is "
+                                          "on", labels + ["tier"], registry=r)
+        self.hicache = {name: Counter(f"deepinfer:hicache_{name}", doc, labels, registry=r)
+                        for name, doc in _HICACHE_TOTALS}
         # Ranks report running totals; counters advance by the change since the last report.
-        self._seen: dict[tuple[int, str], int] = {}
+        self._seen: dict[tuple[int, str], float] = {}
         self.bad_requests = Counter("deepinfer:bad_requests", "Requests answered with 400",
                                     labels, registry=r)
 
@@ -56,11 +76,25 @@ class ServerMetrics:
             self._advance(self.prefix_queries, rank, "queries", s.prefix_queries)
             self._advance(self.prefix_hits, rank, "hits", s.prefix_hits)
             self._advance(self.preemptions, rank, "preemptions", s.preemptions)
+            if s.hicache_pages_total:
+                self._observe_hicache(rank, s)
+        with_host = [s for s in live if s.hicache_pages_total]
+        if with_host:
+            self.hicache_pages_used.labels(m).set(sum(s.hicache_pages_used for s in with_host))
+            self.hicache_pages_total.labels(m).set(sum(s.hicache_pages_total for s in with_host))
 
-    def _advance(self, counter: Counter, rank: int, key: str, total: int) -> None:
+    def _observe_hicache(self, rank: int, s: EngineStats) -> None:
+        for name, counter in self.hicache.items():
+            self._advance(counter, rank, f"hicache_{name}", getattr(s, f"hicache_{name}"))
+        for tier in ("device", "host"):
+            self._advance(self.hicache_hit_tokens, rank, f"hicache_{tier}_hits",
+                          getattr(s, f"hicache_{tier}_hit_tokens"), tier)
+
+    def _advance(self, counter: Counter, rank: int, key: str, total: float,
+                 *labels: str) -> None:
         last = self._seen.get((rank, key), 0)
         if total > last:
-            counter.labels(self.model_name).inc(total - last)
+            counter.labels(self.model_name, *labels).inc(total - last)
         self._seen[(rank, key)] = total
 
     def observe_request(self, finish_reason: str, prompt_tokens: int, output_tokens: int,

@@ -30,8 +30,18 @@ class SamplesEverySequence(CPUAccelerator):
         return SamplerOutput(out.token_ids + [0] * extra, out.logprobs + [None] * extra)
 
 
+class LoadsOnePageShort(CPUAccelerator):
+    """An off-by-one: the last host page of a load never reaches its device block."""
+
+    def copy_pages(self, host_pages, device_blocks, to_device):
+        if to_device:
+            host_pages, device_blocks = host_pages[:-1], device_blocks[:-1]
+        return super().copy_pages(host_pages, device_blocks, to_device)
+
+
 @pytest.mark.parametrize("broken, check", [(MisplacedKV, "batched greedy decode"),
-                                           (SamplesEverySequence, "chunked prefill")])
+                                           (SamplesEverySequence, "chunked prefill"),
+                                           (LoadsOnePageShort, "host page copy")])
 def test_suite_rejects_broken_backend(tmp_path, broken, check):
     with pytest.raises(AssertionError, match=check):
         run_conformance(broken, str(tmp_path))

@@ -3,7 +3,8 @@
 Each token's id is written into the slot the scheduler chose; the next token is a fixed
 function of the context read back through the block table. A dense reference applies the same
 function to the plain token list, so any paging, prefix-hit or preemption mistake shows up as
-different tokens.
+different tokens. Its host tier (HiCache) moves slot contents page by page, so a page loaded
+from the host into the wrong block, or never loaded, fails the same context check.
 """
 from __future__ import annotations
 
@@ -12,11 +13,19 @@ import os
 
 import torch
 
-from deepinfer.core.accelerator import Accelerator
+from dataclasses import dataclass
+from typing import Sequence
+
+from deepinfer.core.accelerator import Accelerator, Capabilities, HostPoolLayout
 from deepinfer.core.batch import ModelBatch, SamplerOutput
 from deepinfer.core.config import CacheConfig, ModelSpec
 
 VOCAB = 97
+FAKE_PAGE_BYTES = 1 << 20  # so hicache_size_gb = n / 1024 gives exactly n host pages
+
+
+def host_gb(num_pages: int) -> float:
+    return num_pages * FAKE_PAGE_BYTES / (1 << 30)
 
 
 def next_token(context: list[int]) -> int:
@@ -44,13 +53,36 @@ def write_config(path: str, max_len: int = 4096) -> str:
     return path
 
 
+@dataclass
+class FakeCopy:
+    """An asynchronous copy that finishes only when the test says so."""
+
+    finished: bool = False
+
+    def done(self) -> bool:
+        return self.finished
+
+    def wait(self) -> None:
+        self.finished = True
+
+
 class PagedFakeAccelerator(Accelerator):
     name = "fake"
+    capabilities = Capabilities(host_page_copy=True)
 
-    def __init__(self, num_blocks: int | None = None) -> None:
+    def __init__(self, num_blocks: int | None = None, state_bytes: int = 0,
+                 async_copies: bool = False) -> None:
         self.fixed_blocks = num_blocks
         self.slots = torch.empty(0)
         self.steps: list[ModelBatch] = []
+        self.block_size = 0
+        self.host = torch.empty(0)
+        self.state_bytes = state_bytes  # > 0: describe a model that keeps per-request state
+        self.host_state: dict[int, int] = {}  # state slot -> the token count it was saved at
+        self.restored: list[tuple[str, int]] = []  # (request id, tokens) per state load
+        self.async_copies = async_copies
+        self.copies: list[FakeCopy] = []
+        self.copied_pages = {"to_device": 0, "to_host": 0}
 
     def load_model(self, spec: ModelSpec) -> None:
         pass
@@ -60,6 +92,50 @@ class PagedFakeAccelerator(Accelerator):
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
         self.slots = torch.full((num_blocks * block_size,), -1, dtype=torch.long)
+        self.block_size = block_size
+
+    def host_page_bytes(self) -> int:
+        return FAKE_PAGE_BYTES
+
+    def allocate_host_pool(self, num_pages: int, num_state_slots: int = 0) -> HostPoolLayout:
+        self.host = torch.full((num_pages, self.block_size), -1, dtype=torch.long)
+        return HostPoolLayout(num_pages, FAKE_PAGE_BYTES, num_state_slots, self.state_bytes)
+
+    def copy_pages(self, host_pages: Sequence[int], device_blocks: Sequence[int],
+                   to_device: bool) -> FakeCopy | None:
+        assert len(host_pages) == len(device_blocks)
+        bs = self.block_size
+        for page, block in zip(host_pages, device_blocks):
+            assert block != 0, "the null block must never be copied"
+            dev = self.slots[block * bs:(block + 1) * bs]
+            if to_device:
+                assert -1 not in self.host[page].tolist(), "loaded a host page never stored"
+                dev.copy_(self.host[page])
+            else:
+                assert -1 not in dev.tolist(), "stored a block that was never written"
+                self.host[page].copy_(dev)
+        self.copied_pages["to_device" if to_device else "to_host"] += len(host_pages)
+        return self._handle()
+
+    def copy_state(self, host_slot: int, request_id: str, num_tokens: int,
+                   to_device: bool) -> FakeCopy | None:
+        assert self.state_bytes > 0, "copy_state called for a model without state"
+        if to_device:
+            assert self.host_state[host_slot] == num_tokens, "restored state of another point"
+            self.restored.append((request_id, num_tokens))
+        else:
+            self.host_state[host_slot] = num_tokens
+        return self._handle()
+
+    def _handle(self) -> FakeCopy | None:
+        if not self.async_copies:
+            return None
+        self.copies.append(FakeCopy())
+        return self.copies[-1]
+
+    def finish_copies(self) -> None:
+        for copy in self.copies:
+            copy.finished = True
 
     def execute(self, batch: ModelBatch) -> SamplerOutput:
         self.steps.append(batch)

@@ -2,14 +2,16 @@
 from __future__ import annotations
 
 import os
+from typing import Sequence
 
 import torch
 
-from deepinfer.core.accelerator import Accelerator, Capabilities, MemoryStats
+from deepinfer.core.accelerator import Accelerator, Capabilities, HostPoolLayout, MemoryStats
 from deepinfer.core.batch import ModelBatch, SamplerOutput
 from deepinfer.core.config import CacheConfig, ModelSpec, cpu_threads
 from deepinfer.core.sampler import Sampler
 from deepinfer.backends.cpu.attention import CPUAttentionMeta, CPUPagedAttention
+from deepinfer.backends.cpu.host_pool import CPUHostPool
 from deepinfer.backends.cpu.ops import CPUOps
 from deepinfer.models.loader import load_weights, resolve_dtype
 from deepinfer.models.model_config import ModelConfig
@@ -30,6 +32,7 @@ class CPUAccelerator(Accelerator):
         self.attention: CPUPagedAttention | None = None
         self.sampler = Sampler()
         self.block_size = 0
+        self.host_pool: CPUHostPool | None = None
 
     @classmethod
     def is_available(cls) -> bool:
@@ -73,6 +76,23 @@ class CPUAccelerator(Accelerator):
         self.attention.allocate(num_blocks * block_size, cfg.num_kv_heads, cfg.head_dim, self.dtype)
         self.num_blocks = num_blocks
 
+    # ---- HiCache host tier -----------------------------------------------------------------
+    def host_page_bytes(self) -> int:
+        return self._bytes_per_block(self.block_size)
+
+    def allocate_host_pool(self, num_pages: int, num_state_slots: int = 0) -> HostPoolLayout:
+        cfg = self.model_config
+        self.host_pool = CPUHostPool.allocate(num_pages, cfg.num_layers, self.block_size,
+                                              cfg.num_kv_heads, cfg.head_dim, self.dtype)
+        # Llama-family models keep no state besides their pages: slots are bookkeeping only.
+        return HostPoolLayout(num_pages, self.host_page_bytes(), num_state_slots, 0, False)
+
+    def copy_pages(self, host_pages: Sequence[int], device_blocks: Sequence[int],
+                   to_device: bool) -> None:
+        if self.host_pool is None:
+            raise RuntimeError("allocate_host_pool was not called")
+        self.host_pool.copy(self.attention, host_pages, device_blocks, to_device)
+
     @torch.inference_mode()
     def forward_logits(self, batch: ModelBatch, all_tokens: bool = False) -> torch.Tensor:
         """Logits of each sampled sequence's last token (or of every token), float32."""
@@ -98,9 +118,13 @@ class CPUAccelerator(Accelerator):
         kv = sum(t.numel() * t.element_size()
                  for t in (self.attention.k_cache + self.attention.v_cache)) if self.attention else 0
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        return MemoryStats(device_total_bytes=total, weights_bytes=weights, kv_cache_bytes=kv)
+        host = self.host_pool.pages if self.host_pool is not None else None
+        extra = {"hicache_bytes": host.numel() * host.element_size()} if host is not None else {}
+        return MemoryStats(device_total_bytes=total, weights_bytes=weights, kv_cache_bytes=kv,
+                           extra=extra)
 
     def shutdown(self) -> None:
         self.model = None
         if self.attention is not None:
             self.attention.k_cache, self.attention.v_cache = [], []
+        self.host_pool = None

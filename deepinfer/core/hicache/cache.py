@@ -1,0 +1,251 @@
+"""HiCache: a per-rank host-memory tier of KV pages behind the device prefix cache.
+
+Write-through: when a request's prompt is fully computed, its full prompt pages the host does
+not hold yet are copied device -> host. Load-on-hit: at admission, matching continues from where
+the device hit ended, capped so keep_tokens are recomputed, snapped (stateful models) to a page
+end with a stored state; the pages are copied into freshly allocated device blocks and count as
+computed. The core never touches tensors: copies are accelerator calls by page-id lists.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from deepinfer.core.accelerator import Accelerator, CopyHandle, HostPoolLayout
+from deepinfer.core.config import CacheConfig
+from deepinfer.core.hicache.pool import HostPage, HostPagePool
+from deepinfer.core.kv.hashing import BlockHash, extend_block_hashes
+from deepinfer.core.request import Request
+
+GIB = 1 << 30
+
+
+@dataclass
+class HiCacheStats:
+    """Running totals of one rank (gauges: pages_used, pages_total)."""
+
+    pages_used: int = 0
+    pages_total: int = 0
+    lookups: int = 0  # admitted requests that consulted the host tier
+    device_hit_tokens: int = 0
+    host_hit_tokens: int = 0
+    stored_pages: int = 0
+    loaded_pages: int = 0
+    evicted_pages: int = 0
+    load_bytes: int = 0
+    store_bytes: int = 0
+    load_seconds: float = 0.0
+    store_seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class HostHit:
+    """Host pages continuing a device hit: the request's pages first_page.. in order."""
+
+    first_page: int
+    pages: tuple[HostPage, ...]
+    block_size: int
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.pages) * self.block_size
+
+    @property
+    def end_tokens(self) -> int:
+        return (self.first_page + len(self.pages)) * self.block_size
+
+
+@dataclass
+class _Copy:
+    """A copy in flight; its pages stay pinned and its index entries wait until it is done."""
+
+    handles: list[CopyHandle]
+    pinned: list[HostPage]  # unpinned at the end, in eviction order (tails first)
+    to_device: bool
+    started: float
+    commits: list[tuple[HostPage, BlockHash, tuple[int, ...]]] = field(default_factory=list)
+    state: tuple[HostPage, int] | None = None
+
+
+class HiCache:
+    def __init__(self, accelerator: Accelerator, layout: HostPoolLayout, block_size: int,
+                 keep_tokens: int) -> None:
+        self.accelerator = accelerator
+        self.layout = layout
+        self.block_size = block_size
+        # One token is always recomputed anyway: that step yields the logits to sample from.
+        self.keep_tokens = max(1, keep_tokens)
+        self.pool = HostPagePool(layout.num_pages, layout.num_state_slots)
+        self._stats = HiCacheStats(pages_total=layout.num_pages)
+        self._inflight: list[_Copy] = []
+
+    @classmethod
+    def create(cls, accelerator: Accelerator, cache: CacheConfig) -> "HiCache | None":
+        """The rank's host tier, or None when it is off (size 0 or no prefix caching)."""
+        if cache.hicache_size_gb <= 0 or not cache.enable_prefix_caching:
+            return None
+        if not accelerator.capabilities.host_page_copy:
+            raise ValueError(f"the {accelerator.name} backend cannot copy KV pages to host "
+                             "memory; run without hicache_size_gb")
+        page_bytes = accelerator.host_page_bytes()
+        num_pages = int(cache.hicache_size_gb * GIB) // page_bytes
+        if num_pages < 1:
+            raise ValueError(f"hicache_size_gb={cache.hicache_size_gb} holds no page of "
+                             f"{page_bytes} bytes")
+        layout = accelerator.allocate_host_pool(num_pages, cache.hicache_state_slots)
+        return cls(accelerator, layout, cache.block_size, cache.yoco_keep_tokens)
+
+    # ---- hits ----------------------------------------------------------------------------
+    def match(self, req: Request, num_device_pages: int) -> HostHit | None:
+        """Host pages continuing the request's device hit of num_device_pages pages."""
+        if not req.use_prefix_cache:
+            return None
+        bs = self.block_size
+        limit = max(0, req.num_tokens - self.keep_tokens) // bs  # pages the whole hit may cover
+        if limit <= num_device_pages:
+            return None
+        extend_block_hashes(req.block_hashes, req.token_slice, limit * bs, bs, req.cache_salt)
+        pages: list[HostPage] = []
+        for i in range(num_device_pages, limit):
+            page = self.pool.lookup(req.block_hashes[i], req.token_slice(i * bs, (i + 1) * bs))
+            if page is None:
+                break
+            pages.append(page)
+        if self.layout.stateful:
+            # Layer state must be restored too, and it exists only where a store saved it.
+            while pages and pages[-1].state_slot is None:
+                pages.pop()
+        return HostHit(num_device_pages, tuple(pages), bs) if pages else None
+
+    def load(self, req: Request, hit: HostHit, device_blocks: list[int]) -> None:
+        """Copy the hit's pages (and state) into the request's new device blocks."""
+        if len(device_blocks) != len(hit.pages):
+            raise ValueError(f"{len(hit.pages)} host pages for {len(device_blocks)} blocks")
+        pages = list(hit.pages)
+        self.pool.pin(pages)
+        copy = _Copy([], list(reversed(pages)), True, time.perf_counter())
+        try:
+            copy.handles.append(self.accelerator.copy_pages(
+                [p.page_id for p in pages], device_blocks, to_device=True))
+            nbytes = len(pages) * self.layout.page_bytes
+            if self.layout.stateful:
+                self.pool.touch_state(pages[-1])
+                copy.handles.append(self.accelerator.copy_state(
+                    pages[-1].state_slot, req.request_id, hit.end_tokens, to_device=True))
+                nbytes += self.layout.state_slot_bytes
+        except BaseException:
+            self.pool.unpin(copy.pinned)
+            raise
+        self._stats.loaded_pages += len(pages)
+        self._stats.load_bytes += nbytes
+        self._track(copy)
+
+    def record_lookup(self, device_hit_tokens: int, host_hit_tokens: int) -> None:
+        # Counted once per request, at its first admission, like the device prefix stats.
+        self._stats.lookups += 1
+        self._stats.device_hit_tokens += device_hit_tokens
+        self._stats.host_hit_tokens += host_hit_tokens
+
+    # ---- write-through -------------------------------------------------------------------
+    def store(self, req: Request, device_blocks: list[int]) -> None:
+        """Copy the request's full prompt pages the host lacks from device to host."""
+        if not req.use_prefix_cache:
+            return
+        bs = self.block_size
+        num_full = min(req.num_prompt_tokens // bs, len(device_blocks))
+        if num_full == 0:
+            return
+        extend_block_hashes(req.block_hashes, req.token_slice, num_full * bs, bs, req.cache_salt)
+        chain: list[HostPage | None] = []  # per page: the host page holding it, or None
+        for i in range(num_full):
+            page = self.pool.holder(req.block_hashes[i])
+            if page is not None and page.token_ids != tuple(req.token_slice(i * bs, (i + 1) * bs)):
+                break  # a hash collision: no hit can pass this page anyway
+            chain.append(page)
+        # Pin what the host holds first, so making room never evicts this chain's own pages.
+        self.pool.pin(p for p in chain if p is not None)
+        missing = [i for i, p in enumerate(chain) if p is None]
+        fresh = self.pool.allocate(len(missing))
+        missing = missing[:len(fresh)]  # short of room: the leading missing pages go first
+        for i, page in zip(missing, fresh):
+            chain[i] = page
+        pages = [p for p in chain if p is not None]
+        copy = _Copy([], list(reversed(pages)), False, time.perf_counter())
+        copy.commits = [(p, req.block_hashes[i], tuple(req.token_slice(i * bs, (i + 1) * bs)))
+                        for i, p in zip(missing, fresh)]
+        try:
+            if fresh:
+                copy.handles.append(self.accelerator.copy_pages(
+                    [p.page_id for p in fresh], [device_blocks[i] for i in missing],
+                    to_device=False))
+            nbytes = len(fresh) * self.layout.page_bytes
+            whole = len(pages) == num_full  # every prompt page is (or will be) on the host
+            if self.layout.stateful and whole and chain[-1].state_slot is None:
+                # The prompt's last full page carries the state a later turn resumes from.
+                slot = self.pool.take_state_slot()
+                if slot is not None:
+                    try:
+                        copy.handles.append(self.accelerator.copy_state(
+                            slot, req.request_id, num_full * bs, to_device=False))
+                    except BaseException:
+                        self.pool.release_state_slot(slot)
+                        raise
+                    copy.state = (chain[-1], slot)
+                    nbytes += self.layout.state_slot_bytes
+        except BaseException:
+            copy.commits, copy.handles = [], []
+            self._finish(copy)
+            raise
+        self._stats.store_bytes += nbytes
+        self._track(copy)
+
+    # ---- copies in flight ----------------------------------------------------------------
+    def _track(self, copy: _Copy) -> None:
+        copy.handles = [h for h in copy.handles if h is not None]
+        if copy.handles:
+            self._inflight.append(copy)
+        else:
+            self._finish(copy)
+
+    def poll(self, wait: bool = False) -> None:
+        """Complete finished copies: index stored pages, unpin pages (all of them if wait)."""
+        still: list[_Copy] = []
+        for copy in self._inflight:
+            if wait:
+                for handle in copy.handles:
+                    handle.wait()
+            if all(h.done() for h in copy.handles):
+                self._finish(copy)
+            else:
+                still.append(copy)
+        self._inflight = still
+
+    def _finish(self, copy: _Copy) -> None:
+        for page, block_hash, tokens in copy.commits:
+            if self.pool.commit(page, block_hash, tokens):
+                self._stats.stored_pages += 1
+        if copy.state is not None:
+            page, slot = copy.state
+            if page.block_hash is not None:
+                self.pool.set_state(page, slot)
+            else:
+                self.pool.release_state_slot(slot)
+        self.pool.unpin(copy.pinned)  # uncommitted pages go back to the free list here
+        elapsed = time.perf_counter() - copy.started
+        if copy.to_device:
+            self._stats.load_seconds += elapsed
+        else:
+            self._stats.store_seconds += elapsed
+
+    @property
+    def num_inflight(self) -> int:
+        return len(self._inflight)
+
+    # ---- admin ---------------------------------------------------------------------------
+    def reset(self) -> int:
+        return self.pool.reset()
+
+    def stats(self) -> HiCacheStats:
+        s = self._stats
+        s.pages_used, s.evicted_pages = self.pool.num_used, self.pool.evictions
+        return HiCacheStats(**vars(s))

@@ -1,0 +1,288 @@
+"""HiCache logic through the paging fake: host pages are moved slot by slot, so a page loaded into
+the wrong block (or not loaded) changes the fake's tokens against the dense reference."""
+from __future__ import annotations
+
+import hashlib
+import random
+
+import pytest
+
+from deepinfer.core.config import CacheConfig, EngineConfig, ModelSpec, SchedulerConfig
+from deepinfer.core.engine import Engine
+from deepinfer.core.kv import hashing
+from deepinfer.core.sampling import SamplingParams
+
+from fakes import FAKE_PAGE_BYTES, PagedFakeAccelerator, host_gb, reference, write_config
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+
+
+def _engine(tmp_path, host_pages=16, num_blocks=64, keep=1, state_slots=0, budget=64,
+            **fake) -> Engine:
+    config = EngineConfig(
+        model=ModelSpec(write_config(str(tmp_path / "fake"))),
+        cache=CacheConfig(block_size=4, num_blocks=num_blocks, hicache_size_gb=host_gb(host_pages),
+                          hicache_state_slots=state_slots, yoco_keep_tokens=keep),
+        scheduler=SchedulerConfig(max_num_batched_tokens=budget))
+    return Engine(config, PagedFakeAccelerator(**fake), load_tokenizer=False)
+
+
+def _run(engine: Engine, rid: str, prompt: list[int], params=GREEDY, prefix_cache=True):
+    engine.add_request(rid, prompt, params, prefix_cache=prefix_cache)
+    last = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            last = out
+    assert last is not None and last.finished
+    assert list(last.token_ids) == reference(prompt, params.max_tokens), "wrong KV was served"
+    return last
+
+
+def _drop_device_cache(engine: Engine) -> None:
+    engine.kv.reset_prefix_cache()  # the device tier forgets; the host tier keeps its pages
+
+
+def _assert_host_clean(engine: Engine) -> None:
+    pool = engine.hicache.pool
+    assert engine.hicache.num_inflight == 0
+    assert pool.num_pinned == 0
+    assert pool.num_free + pool.num_evictable == pool.num_total
+    assert engine.kv.num_request_blocks() == 0
+
+
+def _prompt(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1, 97) for _ in range(n)]
+
+
+def test_off_by_default(tmp_path):
+    config = EngineConfig(model=ModelSpec(write_config(str(tmp_path / "fake"))))
+    assert Engine(config, PagedFakeAccelerator(), load_tokenizer=False).hicache is None
+
+
+def test_multi_turn_hits_host_after_device_eviction(tmp_path):
+    engine = _engine(tmp_path, num_blocks=16)  # 15 device pages of 4 tokens: tight
+    convo = _prompt(0, 10)
+    for turn in range(5):
+        before = engine.hicache.stats()
+        out = _run(engine, f"t{turn}", convo)
+        after = engine.hicache.stats()
+        host_hit = after.host_hit_tokens - before.host_hit_tokens
+        device_hit = after.device_hit_tokens - before.device_hit_tokens
+        assert out.num_cached_tokens == device_hit + host_hit
+        if turn > 0:
+            assert host_hit > 0, f"turn {turn} should have hit the host tier"
+            # Loaded pages are real device prefix-cache entries now: a repeat hits the device.
+            _run(engine, f"again{turn}", convo)
+            assert engine.hicache.stats().device_hit_tokens - after.device_hit_tokens \
+                >= device_hit + host_hit
+        # Another conversation fills the device pool and evicts this one's blocks.
+        _run(engine, f"other{turn}", _prompt(100 + turn, 54))
+        convo = convo + list(out.token_ids) + _prompt(200 + turn, 3)
+    assert engine.hicache.stats().stored_pages > 0
+    _assert_host_clean(engine)
+
+
+def test_hit_prefills_only_the_suffix(tmp_path):
+    engine = _engine(tmp_path)
+    prompt = _prompt(1, 18)  # 4 full pages + 2 tokens
+    _run(engine, "a", prompt)
+    _drop_device_cache(engine)
+    steps = len(engine.accelerator.steps)
+    out = _run(engine, "b", prompt)
+    assert out.num_cached_tokens == 16
+    assert engine.accelerator.steps[steps].query_lens == [2]
+    assert engine.accelerator.copied_pages["to_device"] == 4
+    stats = engine.hicache.stats()
+    assert (stats.host_hit_tokens, stats.loaded_pages, stats.stored_pages) == (16, 4, 4)
+    assert stats.load_bytes == stats.store_bytes == 4 * FAKE_PAGE_BYTES
+
+
+def test_the_fake_catches_pages_loaded_into_the_wrong_blocks(tmp_path, monkeypatch):
+    from deepinfer.core.hicache import HiCache
+
+    load = HiCache.load
+    monkeypatch.setattr(HiCache, "load", lambda self, req, hit, blocks:
+                        load(self, req, hit, blocks[::-1]))
+    engine = _engine(tmp_path)
+    prompt = _prompt(1, 18)
+    _run(engine, "a", prompt)
+    _drop_device_cache(engine)
+    with pytest.raises(AssertionError, match="wrong KV"):
+        _run(engine, "b", prompt)
+
+
+def test_miss_and_per_request_opt_out(tmp_path):
+    engine = _engine(tmp_path)
+    prompt = _prompt(2, 17)
+    assert _run(engine, "cold", prompt).num_cached_tokens == 0  # a miss: nothing stored yet
+    _drop_device_cache(engine)
+    out = _run(engine, "off", prompt, prefix_cache=False)
+    assert out.num_cached_tokens == 0
+    assert engine.accelerator.copied_pages == {"to_device": 0, "to_host": 4}
+    _run(engine, "off2", _prompt(3, 17), prefix_cache=False)  # leaves nothing on the host
+    assert engine.hicache.stats().stored_pages == 4
+    assert engine.hicache.stats().lookups == 1  # opted-out requests do not count
+
+
+def test_match_is_capped_to_keep_tokens(tmp_path):
+    engine = _engine(tmp_path, keep=10)
+    prompt = _prompt(4, 30)  # 7 full pages stored
+    _run(engine, "a", prompt)
+    _drop_device_cache(engine)
+    # At most 30 - 10 = 20 tokens may be hit: 5 pages, leaving 10 tokens to recompute.
+    assert _run(engine, "b", prompt).num_cached_tokens == 20
+
+
+def test_host_hit_continues_a_device_hit(tmp_path):
+    engine = _engine(tmp_path)
+    prompt = _prompt(5, 22)  # 5 full pages
+    _run(engine, "a", prompt)
+    pool = engine.kv.pool
+    tail = [b for b in pool.blocks if b.block_hash is not None][-3:]
+    for block in tail:  # drop the device copy of the last pages only
+        pool._evict(block)
+    out = _run(engine, "b", prompt)
+    stats = engine.hicache.stats()
+    assert out.num_cached_tokens == 20
+    assert 0 < stats.host_hit_tokens < 20 and stats.device_hit_tokens + stats.host_hit_tokens == 20
+
+
+def test_snap_to_a_stored_state(tmp_path):
+    engine = _engine(tmp_path, keep=8, state_slots=4, state_bytes=64)
+    turn1 = _prompt(6, 13)  # 3 full pages: state saved at 12 tokens
+    out = _run(engine, "t1", turn1)
+    turn2 = turn1 + list(out.token_ids) + _prompt(7, 13)  # 30 tokens: state saved at 28
+    out = _run(engine, "t2", turn2)
+    fake = engine.accelerator
+    assert sorted(fake.host_state.values()) == [12, 28]
+    _drop_device_cache(engine)
+    turn3 = turn2 + list(out.token_ids)  # 34 tokens: the cap allows 26, snapped down to 12
+    assert _run(engine, "t3", turn3).num_cached_tokens == 12
+    assert fake.restored == [("t3", 12)]
+    _drop_device_cache(engine)
+    assert sorted(fake.host_state.values()) == [12, 28, 32]  # t3 saved its own state too
+    turn4 = turn3 + _prompt(8, 4)  # 38 tokens: the cap allows 30, snapped down to 28
+    assert _run(engine, "t4", turn4).num_cached_tokens == 28
+    assert fake.restored[-1] == ("t4", 28)
+    _assert_host_clean(engine)
+
+
+def test_no_state_slot_means_no_host_hit(tmp_path):
+    engine = _engine(tmp_path, state_slots=0, state_bytes=64)
+    prompt = _prompt(9, 17)
+    _run(engine, "a", prompt)
+    _drop_device_cache(engine)
+    assert _run(engine, "b", prompt).num_cached_tokens == 0
+    assert engine.accelerator.restored == []
+
+
+def test_lru_eviction_drops_tails_first(tmp_path):
+    engine = _engine(tmp_path, host_pages=4)
+    a, b = _prompt(10, 13), _prompt(11, 13)  # 3 full pages each
+    _run(engine, "a", a)
+    _run(engine, "b", b)  # 1 free page + a's two tail pages
+    assert engine.hicache.stats().evicted_pages == 2
+    _drop_device_cache(engine)
+    assert _run(engine, "b2", b).num_cached_tokens == 12
+    _drop_device_cache(engine)
+    assert _run(engine, "a2", a).num_cached_tokens == 4  # a's root page survived
+    _assert_host_clean(engine)
+
+
+def test_pinned_pages_are_never_evicted(tmp_path):
+    engine = _engine(tmp_path, host_pages=4, async_copies=True)
+    fake = engine.accelerator
+    a, b = _prompt(12, 13), _prompt(13, 13)
+    _run(engine, "a", a)  # its 3-page store is still in flight: pinned, not yet indexed
+    pool = engine.hicache.pool
+    assert pool.num_pinned == 3 and engine.hicache.num_inflight == 1
+    _run(engine, "b", b)  # only the one free page is available to b
+    assert pool.num_pinned == 4 and engine.hicache.stats().evicted_pages == 0
+    fake.finish_copies()
+    engine.hicache.poll()
+    assert engine.hicache.stats().stored_pages == 4
+    _drop_device_cache(engine)
+    out = _run(engine, "a2", a)  # a's pages survived the pressure; the load pins them again
+    assert out.num_cached_tokens == 12
+    fake.finish_copies()
+    engine.hicache.poll()
+    _assert_host_clean(engine)
+
+
+def test_no_leaks_after_aborts(tmp_path):
+    engine = _engine(tmp_path, host_pages=12, num_blocks=24, budget=6, async_copies=True)
+    rng = random.Random(0)
+    shared = _prompt(14, 12)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    for i in range(30):
+        engine.add_request(str(i), shared + _prompt(20 + i, rng.randrange(1, 14)), params)
+        for _ in range(rng.randrange(0, 4)):
+            engine.step()
+        if rng.random() < 0.5:
+            engine.accelerator.finish_copies()
+        if rng.random() < 0.5:
+            engine.abort(str(rng.randrange(0, i + 1)))
+        if rng.random() < 0.25:  # go idle and forget the device tier: the next one hits host
+            while engine.has_unfinished_requests():
+                engine.step()
+            engine.accelerator.finish_copies()
+            engine.hicache.poll()
+            _drop_device_cache(engine)
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.accelerator.finish_copies()
+    engine.hicache.poll()
+    assert engine.hicache.stats().host_hit_tokens > 0
+    _assert_host_clean(engine)
+
+
+def test_abort_during_a_chunked_prefill_after_a_host_load(tmp_path):
+    engine = _engine(tmp_path, budget=4, async_copies=True)
+    prompt = _prompt(18, 30)
+    _run(engine, "a", prompt)
+    engine.accelerator.finish_copies()
+    _drop_device_cache(engine)
+    engine.add_request("b", prompt + _prompt(19, 12), GREEDY)
+    engine.step()  # admitted: 7 pages loaded (copy still in flight), first 4-token chunk
+    assert engine.hicache.pool.num_pinned == 7
+    engine.step()
+    engine.abort("b")
+    assert engine.hicache.pool.num_pinned == 7  # the copy still runs: its pages stay pinned
+    engine.accelerator.finish_copies()
+    engine.hicache.poll()
+    assert engine.hicache.stats().host_hit_tokens == 28
+    _assert_host_clean(engine)
+
+
+def test_hash_collisions_are_rejected(tmp_path, monkeypatch):
+    # Every chain collides: a page's hash depends on its position only.
+    monkeypatch.setattr(hashing, "hash_block", lambda parent, tokens, extra=b"":
+                        hashlib.blake2b(parent or b"root", digest_size=16).digest())
+    engine = _engine(tmp_path)
+    a, b = _prompt(15, 13), _prompt(16, 13)
+    _run(engine, "a", a)
+    _drop_device_cache(engine)
+    assert _run(engine, "b", b).num_cached_tokens == 0  # same hashes, other tokens: a miss
+    assert engine.accelerator.copied_pages["to_device"] == 0
+    assert engine.hicache.stats().stored_pages == 3  # b could not take a's hashes either
+    _drop_device_cache(engine)
+    assert _run(engine, "a2", a).num_cached_tokens == 12
+
+
+def test_reset_drops_host_pages(tmp_path):
+    engine = _engine(tmp_path)
+    _run(engine, "a", _prompt(17, 13))
+    # 4 device pages (prompt and output computed) + the 3 full prompt pages on the host.
+    assert engine.reset_prefix_cache() == 4 + 3
+    assert engine.hicache.pool.num_used == 0
+
+
+def test_backend_without_host_copy_is_refused(tmp_path):
+    class NoHost(PagedFakeAccelerator):
+        capabilities = PagedFakeAccelerator.capabilities.__class__(host_page_copy=False)
+
+    config = EngineConfig(model=ModelSpec(write_config(str(tmp_path / "fake"))),
+                          cache=CacheConfig(block_size=4, num_blocks=8, hicache_size_gb=1.0))
+    with pytest.raises(ValueError, match="cannot copy KV pages"):
+        Engine(config, NoHost(), load_tokenizer=False)
