@@ -5,7 +5,7 @@ import pytest
 import torch
 import transformers
 
-from conftest import make_checkpoint
+from checkpoints import make_checkpoint
 from deepinfer.backends.cpu.accelerator import CPUAccelerator
 from deepinfer.core.batch import ModelBatch
 from deepinfer.core.config import CacheConfig, EngineConfig, ModelSpec, SchedulerConfig

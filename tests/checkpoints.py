@@ -1,0 +1,31 @@
+"""Tiny random-weight checkpoints written by transformers itself (the independent reference)."""
+from __future__ import annotations
+
+import torch
+
+
+def make_checkpoint(path: str, family: str = "llama", dtype: torch.dtype = torch.float32,
+                    **overrides) -> str:
+    """Save a random-weight transformers model of the given family to `path`."""
+    import transformers
+
+    common = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
+                  max_position_embeddings=512, initializer_range=0.1, eos_token_id=255,
+                  bos_token_id=1, tie_word_embeddings=False)
+    common.update(overrides)
+    if family == "llama":
+        config = transformers.LlamaConfig(**common)
+        cls = transformers.LlamaForCausalLM
+    elif family == "qwen3":
+        config = transformers.Qwen3Config(head_dim=32, **common)
+        cls = transformers.Qwen3ForCausalLM
+    elif family == "qwen2":
+        config = transformers.Qwen2Config(**common)
+        cls = transformers.Qwen2ForCausalLM
+    else:
+        raise ValueError(family)
+    torch.manual_seed(0)
+    model = cls(config).to(dtype).eval()
+    model.save_pretrained(path)
+    return path
