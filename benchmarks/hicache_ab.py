@@ -19,13 +19,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
-import json
 import os
 import platform
 import re
-import signal
-import socket
-import subprocess
 import sys
 import time
 
@@ -34,16 +30,14 @@ import httpx
 import deepinfer.serve.check_prefix_cache as cpc
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)  # `common`, also when run from another folder
+from common import (free_port, pyplot, start_server, stop_server, wait_healthy,  # noqa: E402
+                    write_json)
+
 HEALTH_TIMEOUT_S = 300.0
 COUNTERS = ("lookups", "stored_pages", "loaded_pages", "evicted_pages", "load_bytes",
             "store_bytes", "load_seconds", "store_seconds")
 METRIC_RE = re.compile(r'^(deepinfer:hicache_\w+?)(?:_total)?(\{[^}]*\})?\s+([0-9.eE+-]+)$')
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def scrape(client: httpx.Client) -> dict[str, float]:
@@ -86,24 +80,12 @@ def main(argv=None) -> int:
                  "--turns", str(args.turns), "--max-tokens", str(args.max_tokens),
                  "--system-words", str(args.system_words)]
     log_path = os.path.join(args.out, "hicache_server.log")
-    log = open(log_path, "w")
-    server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    server = start_server(cmd, log_path)
     base = f"http://127.0.0.1:{port}"
     requests: list[dict] = []
     t_start = time.time()
     try:
-        deadline = time.monotonic() + HEALTH_TIMEOUT_S
-        while True:
-            if server.poll() is not None:
-                raise RuntimeError(open(log_path).read()[-3000:])
-            try:
-                if httpx.get(f"{base}/health", timeout=2.0).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError("server not healthy")
-            time.sleep(0.5)
+        wait_healthy(server, base, log_path, HEALTH_TIMEOUT_S)
 
         # Run the check itself (same code as `python -m deepinfer.serve.check_prefix_cache`),
         # with run_arm wrapped to scrape /metrics around each request.
@@ -132,13 +114,7 @@ def main(argv=None) -> int:
             metrics_text = c.get("/metrics").text
             totals = scrape(c)
     finally:
-        if server.poll() is None:
-            server.send_signal(signal.SIGTERM)
-            try:
-                server.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                server.kill()
-        log.close()
+        stop_server(server)
 
     turns = []
     for i in range(0, len(requests) - 1, 2):
@@ -178,16 +154,13 @@ def main(argv=None) -> int:
         f.write("\n# /metrics after the run (deepinfer:hicache_*)\n")
         f.write("\n".join(l for l in metrics_text.splitlines()
                           if l.startswith("deepinfer:hicache") and "_created" not in l) + "\n")
-    with open(os.path.join(args.out, "hicache_check.json"), "w") as f:
-        json.dump(result, f, indent=1)
+    write_json(os.path.join(args.out, "hicache_check.json"), result, indent=1)
     plot(turns, os.path.join(args.out, "hicache_check.png"))
     return rc
 
 
 def plot(turns: list[dict], path: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     x = [t["prompt_tokens"] for t in turns]
     fig, ax = plt.subplots(figsize=(7, 4))

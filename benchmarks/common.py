@@ -1,0 +1,158 @@
+"""Helpers shared by the benchmark scripts in this folder.
+
+The scripts are run as `python benchmarks/X.py`, which puts this folder on `sys.path`, so they
+import this module as `common`. Kept free of heavy imports at module level (psutil, httpx and
+matplotlib are imported where used), so `--help` stays fast.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+RESULTS_DIR = os.path.join(HERE, "results")
+
+
+def log(message: str) -> None:
+    """Progress to stderr (stdout is kept for the result tables)."""
+    print(message, file=sys.stderr, flush=True)
+
+
+# ---- statistics ----------------------------------------------------------------------------------
+def percentile(values: list[float], q: float) -> float | None:
+    """Percentile with linear interpolation between closest ranks (numpy's default); None if empty."""
+    if not values:
+        return None
+    s = sorted(values)
+    pos = (len(s) - 1) * q / 100
+    lo = int(pos)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+def random_prompts(count: int, length: int, vocab_size: int, seed: int = 0) -> list[list[int]]:
+    """`count` prompts of `length` uniform random ids; ids below 100 (SmolLM2's special tokens)
+    are skipped, and every prompt differs, so nothing is shared between them."""
+    rng = random.Random(seed)
+    return [[rng.randrange(100, vocab_size) for _ in range(length)] for _ in range(count)]
+
+
+# ---- a deepinfer-serve subprocess ----------------------------------------------------------------
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(cmd: list[str], log_path: str, env: dict[str, str] | None = None
+                 ) -> subprocess.Popen:
+    """Start `cmd` with stdout and stderr to `log_path` and `env` added to the environment.
+
+    Its own session, so SIGTERM reaches only the server (which stops its ranks itself)."""
+    log_file = open(log_path, "w")
+    try:
+        return subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT,
+                                start_new_session=True, env=dict(os.environ, **(env or {})))
+    finally:
+        log_file.close()  # the child holds its own copy of the descriptor
+
+
+def wait_healthy(proc: subprocess.Popen, base: str, log_path: str,
+                 timeout_s: float = 300.0) -> float:
+    """Poll `{base}/health` until it answers 200; return the seconds it took.
+
+    Raises RuntimeError (with the log's tail) if the server exits, TimeoutError after timeout_s."""
+    import httpx
+
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout_s:
+        if proc.poll() is not None:
+            with open(log_path) as f:
+                tail = f.read()[-3000:]
+            raise RuntimeError(f"deepinfer-serve exited ({proc.returncode}):\n{tail}")
+        try:
+            if httpx.get(f"{base}/health", timeout=2.0).status_code == 200:
+                return time.monotonic() - t0
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"deepinfer-serve not healthy after {timeout_s:.0f} s")
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    """SIGTERM the server; after 30 s, SIGKILL the session start_server made for it."""
+    if proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait(timeout=10)
+
+
+# ---- the machine ---------------------------------------------------------------------------------
+def cpu_model() -> str:
+    """The CPU's model name from /proc/cpuinfo (platform.processor() where there is none)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f
+                        if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor()
+
+
+def module_versions(names: tuple[str, ...], metadata: bool = False) -> dict[str, str | None]:
+    """`__version__` of each module (or its installed distribution's version with
+    `metadata=True`); None where it is absent, which is information too."""
+    import importlib.metadata as md
+
+    versions: dict[str, str | None] = {}
+    for name in names:
+        try:
+            versions[name] = md.version(name) if metadata else __import__(name).__version__
+        except Exception:  # noqa: BLE001
+            versions[name] = None
+    return versions
+
+
+def machine_environment() -> dict[str, Any]:
+    """Date (UTC), CPU model, logical cores, memory and Python version, for a report."""
+    import psutil
+
+    return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "cpu": cpu_model(), "logical_cores": psutil.cpu_count(),
+            "memory_gb": round(psutil.virtual_memory().total / 2**30, 1),
+            "python": platform.python_version()}
+
+
+# ---- output --------------------------------------------------------------------------------------
+def write_json(path: str, obj: Any, indent: int = 2, **kwargs: Any) -> str:
+    """Write `obj` as JSON to `path` (its folder is created) and return the path."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=indent, **kwargs)
+    return path
+
+
+def pyplot():
+    """matplotlib.pyplot on the non-interactive Agg backend."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
