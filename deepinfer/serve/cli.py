@@ -137,7 +137,7 @@ def build_prompt_tokenizer(args: argparse.Namespace, tokenizer):
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from deepinfer.core.plugins import describe, load_plugins
+    from deepinfer.core.plugins import load_plugins
 
     registry = load_plugins()
     parser = build_parser()

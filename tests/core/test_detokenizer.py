@@ -7,7 +7,6 @@ boundaries that a test depends on are fixed by encoding the text in pieces: the 
 """
 from __future__ import annotations
 
-import os
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -291,13 +290,11 @@ def test_metaspace_tokenizer_keeps_leading_space_after_prompt():
     assert streamed(output, prompt=[], tokenizer=sp) == sp.decode(output)
 
 
-@pytest.mark.skipif(not os.environ.get("DEEPINFER_TEST_GGUF"),
-                    reason="set DEEPINFER_TEST_GGUF to a GGUF file (e.g. SmolLM2) to run")
-def test_gguf_tokenizer_roundtrip():
+def test_real_smollm2_tokenizer_roundtrip(smollm2_dir):
+    """The embedded default model's byte-level BPE tokenizer (converted from its GGUF)."""
     from transformers import AutoTokenizer
-    path = os.environ["DEEPINFER_TEST_GGUF"]
-    tok = AutoTokenizer.from_pretrained(os.path.dirname(path) or ".",
-                                        gguf_file=os.path.basename(path))
+
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)
     text = "Streaming 😀 emoji, 日本語 and café; then STOP."
     ids = tok.encode(text, add_special_tokens=False)
     prompt = tok.encode("Say something:", add_special_tokens=False)
