@@ -32,6 +32,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "DEEPINFER_ACCELERATOR, else probe)")
     p.add_argument("--list-accelerators", action="store_true")
     p.add_argument("--dp", type=int, default=1, help="engine processes (one per device)")
+    p.add_argument("--routing", default="affinity", choices=["affinity", "least-loaded"],
+                   help="how --dp ranks share requests: affinity pins a conversation (session "
+                        "header, user field or first user message) to one rank for its prefix "
+                        "cache, falling back to the least-loaded rank when it is overloaded; "
+                        "least-loaded picks the rank with the fewest queued + running tokens")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--block-size", type=int, default=128)
@@ -83,7 +88,7 @@ async def serve(args: argparse.Namespace, model_dir: str) -> None:
     from deepinfer.serve.tokenizer_metrics import TokenizerCollector
 
     name = args.served_model_name or os.path.basename(os.path.normpath(args.model or model_dir))
-    client = EngineClient(engine_config(args, model_dir), args.dp)
+    client = EngineClient(engine_config(args, model_dir), args.dp, routing=args.routing)
     try:
         ready = await client.start()
         log.info("%d rank(s) ready on %s: %d KV blocks of %d tokens, context %d", len(ready),

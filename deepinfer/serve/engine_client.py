@@ -17,6 +17,7 @@ import zmq
 import zmq.asyncio
 
 from deepinfer.core.config import EngineConfig
+from deepinfer.core.router import Router
 from deepinfer.core.sampling import SamplingParams
 from deepinfer.serve.engine_proc import RankSpec, run_rank
 from deepinfer.serve.ipc import (AbortRequest, AddRequest, Control, ControlReply, EngineStats,
@@ -38,9 +39,11 @@ class _Rank:
 
 
 class EngineClient:
-    def __init__(self, config: EngineConfig, num_ranks: int = 1) -> None:
+    def __init__(self, config: EngineConfig, num_ranks: int = 1,
+                 routing: str = "affinity") -> None:
         self.config = config
         self.num_ranks = num_ranks
+        self.router = Router(num_ranks, routing)
         self._ctx = zmq.asyncio.Context()
         self._dir = tempfile.mkdtemp(prefix="deepinfer-ipc-")
         self._output = self._ctx.socket(zmq.PULL)
@@ -108,21 +111,25 @@ class EngineClient:
     def ready(self) -> Ready:
         return self._ranks[0].ready
 
-    def pick_rank(self, request_id: str) -> int:
-        # Least queued requests; the router (data-parallel issue) replaces this.
-        load = [0] * self.num_ranks
-        for rank in self._owner.values():
-            load[rank] += 1
-        return min(range(self.num_ranks), key=load.__getitem__)
+    def pick_rank(self, route_key: str = "", prompt_tokens: int = 0) -> int:
+        """The rank for a request (see deepinfer.core.router); raises NoLiveRankError."""
+        for rank, r in enumerate(self._ranks):
+            if self.router.alive[rank] and not r.process.is_alive():
+                self.router.mark_dead(rank)
+        return self.router.pick(route_key, prompt_tokens)
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],
-                       params: SamplingParams, prefix_cache: bool = True
-                       ) -> AsyncIterator[TokenDelta]:
-        """Stream the request's deltas; leaving early (disconnect, cancel) aborts it."""
+                       params: SamplingParams, prefix_cache: bool = True,
+                       route_key: str = "") -> AsyncIterator[TokenDelta]:
+        """Stream the request's deltas; leaving early (disconnect, cancel) aborts it.
+
+        `route_key` pins the request's conversation to a rank (affinity routing)."""
         queue: asyncio.Queue = asyncio.Queue()
-        rank = self.pick_rank(request_id)
+        tokens = len(prompt_token_ids)
+        rank = self.pick_rank(route_key, tokens)
         self._queues[request_id] = queue
         self._owner[request_id] = rank
+        self.router.started(rank, tokens)
         finished = 0
         try:
             await self._ranks[rank].inbox.send_pyobj(
@@ -136,6 +143,7 @@ class EngineClient:
         finally:
             self._queues.pop(request_id, None)
             self._owner.pop(request_id, None)
+            self.router.finished(rank, tokens)
             if finished < params.n:
                 await self._ranks[rank].inbox.send_pyobj(AbortRequest(request_id))
 

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 from deepinfer.core.batch import TokenLogprobs
+from deepinfer.core.router import NoLiveRankError
 from deepinfer.core.sampling import SamplingParams
 from deepinfer.serve.engine_client import EngineClient, EngineRequestError
 from deepinfer.serve.errors import APIError
@@ -69,13 +70,17 @@ def check_length(prompt_len: int, params: SamplingParams, limit: int) -> None:
 
 async def stream_generation(client: EngineClient, metrics: ServerMetrics, request_id: str,
                             prompt_ids: list[int], params: SamplingParams, prefix_cache: bool,
-                            gen: Generation) -> AsyncIterator[tuple[TokenDelta, Choice]]:
+                            gen: Generation, route_key: str = ""
+                            ) -> AsyncIterator[tuple[TokenDelta, Choice]]:
     """Yield (delta, its choice); record metrics once the whole generation is over."""
     try:
-        async for delta in client.generate(request_id, prompt_ids, params, prefix_cache):
+        async for delta in client.generate(request_id, prompt_ids, params, prefix_cache,
+                                           route_key=route_key):
             yield delta, gen.apply(delta)
     except EngineRequestError as exc:
         raise APIError(str(exc)) from exc
+    except NoLiveRankError as exc:
+        raise APIError(str(exc), status=503) from exc
     reasons = [c.finish_reason or "abort" for c in gen.choices]
     metrics.observe_request(reasons[0], len(prompt_ids), gen.num_output_tokens,
                             None if gen.first_token is None else gen.first_token - gen.start,

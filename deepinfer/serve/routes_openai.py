@@ -10,6 +10,7 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from deepinfer.core.batch import TokenLogprobs
+from deepinfer.core.router import affinity_key
 from deepinfer.core.sampling import SamplingParams
 from deepinfer.serve.chat import (may_become_tool_call, parse_tool_calls, render_chat,
                                   tool_call_constraint)
@@ -74,8 +75,10 @@ async def chat_completions(state, body: ChatCompletionRequest, request: Request)
     check_length(len(prompt_ids), params, state.max_model_len)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     gen = Generation(prompt_ids, [Choice(i) for i in range(params.n)])
+    key = affinity_key(request.headers, body.user,
+                       [m.model_dump(exclude_none=True) for m in body.messages])
     stream = stream_generation(state.client, state.metrics, rid, prompt_ids, params,
-                               body.prefix_cache, gen)
+                               body.prefix_cache, gen, route_key=key)
     use_tools = bool(tools) and body.tool_choice != "none"
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -188,9 +191,13 @@ async def completions(state, body: CompletionRequest, request: Request):
         prompts.append(ids)
     rid = f"cmpl-{uuid.uuid4().hex}"
     gens = [Generation(ids, [Choice(i) for i in range(params.n)]) for ids in prompts]
+    # Each prompt of a batch routes on its own key (headers or user pin them all together).
+    sources = body.prompts()
     streams = [stream_generation(state.client, state.metrics, f"{rid}-{k}", ids, params,
-                                 body.prefix_cache, g) for k, (ids, g) in
-               enumerate(zip(prompts, gens))]
+                                 body.prefix_cache, g,
+                                 route_key=affinity_key(request.headers, body.user, None,
+                                                        sources[k]))
+               for k, (ids, g) in enumerate(zip(prompts, gens))]
     echo = [state.tokenizer.decode(ids) if body.echo else "" for ids in prompts]
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
