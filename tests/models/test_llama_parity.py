@@ -48,6 +48,24 @@ def _reference_greedy(path: str, prompt: list[int], n: int, dtype=torch.float32)
     return out
 
 
+def _prefill_logits(path: str, prompt: list[int], table: list[int], block_size: int,
+                    num_blocks: int, dtype: str = "float32") -> torch.Tensor:
+    """Our logits for every prompt token, the prompt's KV paged through `table`."""
+    acc = CPUAccelerator()
+    acc.load_model(ModelSpec(path, dtype))
+    acc.allocate_kv_cache(num_blocks, block_size)
+    n = len(prompt)
+    slots = [table[p // block_size] * block_size + p % block_size for p in range(n)]
+    batch = ModelBatch(prompt, list(range(n)), [n], [n], [table], slots, block_size, [0], [])
+    return acc.forward_logits(batch, all_tokens=True)
+
+
+def _reference_logits(path: str, prompt: list[int], dtype=torch.float32) -> torch.Tensor:
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+    with torch.no_grad():
+        return model(torch.tensor([prompt])).logits[0].float()
+
+
 def _prompts(lengths: tuple[int, ...], seed: int = 0, vocab: int = 250) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(2, vocab, (n,), generator=g).tolist() for n in lengths]
@@ -56,19 +74,10 @@ def _prompts(lengths: tuple[int, ...], seed: int = 0, vocab: int = 250) -> list[
 @pytest.mark.parametrize("family", ["llama", "qwen3", "qwen2"])
 def test_prefill_logits_match_transformers(tmp_path, family):
     path = make_checkpoint(str(tmp_path), family)
-    acc = CPUAccelerator()
-    acc.load_model(ModelSpec(path, "float32"))
-    acc.allocate_kv_cache(16, 8)
     prompt = _prompts((37,))[0]
-    # Two pages, non-contiguous, in reverse order: paging must not matter.
-    table = [9, 3, 12, 5, 7]
-    batch = ModelBatch(prompt, list(range(37)), [37], [37], [table],
-                       [table[p // 8] * 8 + p % 8 for p in range(37)], 8, [0], [])
-    ours = acc.forward_logits(batch, all_tokens=True)
-    ref_model = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
-    with torch.no_grad():
-        ref = ref_model(torch.tensor([prompt])).logits[0].float()
-    assert (ours - ref).abs().max().item() < 1e-4
+    # Five pages, non-contiguous and out of order: paging must not matter.
+    ours = _prefill_logits(path, prompt, [9, 3, 12, 5, 7], block_size=8, num_blocks=16)
+    assert (ours - _reference_logits(path, prompt)).abs().max().item() < 1e-4
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
@@ -129,14 +138,5 @@ def test_bf16_runs_close_to_transformers_bf16(tmp_path):
 def test_rope_scaling_matches_transformers(tmp_path, rope):
     path = make_checkpoint(str(tmp_path), "llama", rope_parameters=rope)
     prompt = _prompts((150,), seed=3)[0]  # beyond the original 64 positions
-    acc = CPUAccelerator()
-    acc.load_model(ModelSpec(path, "float32"))
-    acc.allocate_kv_cache(12, 16)
-    table = list(range(1, 11))
-    batch = ModelBatch(prompt, list(range(150)), [150], [150], [table],
-                       [table[p // 16] * 16 + p % 16 for p in range(150)], 16, [0], [])
-    ours = acc.forward_logits(batch, all_tokens=True)
-    ref_model = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
-    with torch.no_grad():
-        ref = ref_model(torch.tensor([prompt])).logits[0].float()
-    assert (ours - ref).abs().max().item() < 1e-4
+    ours = _prefill_logits(path, prompt, list(range(1, 11)), block_size=16, num_blocks=12)
+    assert (ours - _reference_logits(path, prompt)).abs().max().item() < 1e-4
