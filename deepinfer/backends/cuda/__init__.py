@@ -1,0 +1,1 @@
+"""NVIDIA GPU backend: Triton kernels, CUDA graphs for decode, UVA page copy for HiCache."""
