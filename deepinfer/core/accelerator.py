@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Protocol, Sequence
 
 if TYPE_CHECKING:
     from deepinfer.core.batch import ModelBatch, SamplerOutput
-    from deepinfer.core.config import CacheConfig, ModelSpec
+    from deepinfer.core.config import CacheConfig, EngineConfig, ModelSpec
 
 
 @dataclass(frozen=True)
@@ -69,7 +69,7 @@ class CopyHandle(Protocol):
 class Accelerator(ABC):
     """A backend. One instance per rank process.
 
-    Lifecycle: init_device -> load_model -> num_kv_blocks -> allocate_kv_cache -> execute* -> shutdown.
+    Lifecycle: init_device -> configure -> load_model -> num_kv_blocks -> allocate_kv_cache -> execute* -> shutdown.
     """
 
     name: str = "abstract"
@@ -82,6 +82,10 @@ class Accelerator(ABC):
 
     def init_device(self, rank: int = 0, world_size: int = 1) -> None:
         """Per-rank environment and device setup (pinning, threads, visible devices)."""
+
+    def configure(self, config: "EngineConfig") -> None:
+        """Engine-wide settings, before load_model: the step limits (max_num_batched_tokens,
+        max_num_seqs) that size memory profiling and captured graphs, enforce_eager."""
 
     @abstractmethod
     def load_model(self, spec: "ModelSpec") -> None:

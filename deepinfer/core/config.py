@@ -16,13 +16,23 @@ class ModelSpec:
     path: str
     dtype: str = "auto"  # auto: the checkpoint's torch_dtype, float32 if none
     max_model_len: int | None = None  # None: the checkpoint's max_position_embeddings
+    # "auto": the checkpoint's safetensors; "dummy": random weights made on the device
+    # (benchmarks of a model shape without its checkpoint).
+    load_format: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
 
 
 @dataclass(frozen=True)
 class CacheConfig:
     block_size: int = 128
     num_blocks: int | None = None  # None: sized by the backend from kv_cache_memory_gb
-    kv_cache_memory_gb: float = 1.0
+    kv_cache_memory_gb: float = 1.0  # host-memory backends (CPU)
+    # GPU backends: the fraction of device memory for weights, activations and the KV pool;
+    # the pool gets what is left after a profiling run at the step's full token budget.
+    gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
     # HiCache: a host-memory pool of KV pages behind the device prefix cache (0 disables).
     hicache_size_gb: float = 0.0
@@ -37,6 +47,8 @@ class CacheConfig:
         if self.hicache_size_gb < 0 or self.hicache_state_slots < 0 or self.yoco_keep_tokens < 0:
             raise ValueError("hicache_size_gb, hicache_state_slots and yoco_keep_tokens "
                              "must be >= 0")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError("gpu_memory_utilization must be in (0, 1]")
         if self.num_blocks is not None and self.num_blocks < 2:
             raise ValueError("num_blocks must be >= 2 (block 0 is the null block)")
 
@@ -62,6 +74,8 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     accelerator: str | None = None  # None: DEEPINFER_ACCELERATOR, else probe
     seed: int = 0
+    # Graph-capturing backends run every step eagerly (debugging, profiling).
+    enforce_eager: bool = False
 
 
 def accelerator_from_env() -> str | None:

@@ -44,6 +44,7 @@ class Engine:
         self.tokenizer = tokenizer if tokenizer is not None or not load_tokenizer \
             else load_hf_tokenizer(config.model.path)
         self.accelerator.init_device(rank, world_size)
+        self.accelerator.configure(config)
         self.accelerator.load_model(config.model)
         num_blocks = self.accelerator.num_kv_blocks(config.cache)
         self.accelerator.allocate_kv_cache(num_blocks, config.cache.block_size)

@@ -23,7 +23,8 @@ PROJECT = "deepinfer"
 ENTRY_POINT_GROUP = "deepinfer"
 # Registered directly as well, so that a source checkout that was never pip-installed (and so
 # has no entry points) still finds its own backends; their own entry points are then skipped.
-BUILTIN_PLUGINS: tuple[tuple[str, str], ...] = (("cpu", "deepinfer.backends.cpu.plugin"),)
+BUILTIN_PLUGINS: tuple[tuple[str, str], ...] = (
+    ("cpu", "deepinfer.backends.cpu.plugin"), ("nvidia", "deepinfer.backends.cuda.plugin"))
 
 hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)

@@ -1,0 +1,90 @@
+"""CUDA graphs for decode steps: one graph per batch-size bucket, replayed with padded rows.
+
+A decode step of a 32-layer model is ~300 small kernels; launched one by one from Python the
+launch gaps, not the memory traffic, set the step time at small batches. Each bucket's graph
+reads its inputs from the first B rows of one static int64 buffer (step_inputs' row layout),
+unpacks them on the device, runs the model and the LM head, and leaves float32 logits in a
+static output. Prefill and mixed steps stay eager.
+"""
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from deepinfer.backends.cuda.step_inputs import DECODE_COLS, StepInputs, decode_inputs, \
+    fill_decode_rows
+from deepinfer.core.batch import ModelBatch
+
+# Buckets as in vLLM/SGLang: every size up to 8, then steps of 8 then 16, so padding wastes
+# little while the number of graphs (capture time, memory) stays small.
+def batch_buckets(max_batch: int) -> tuple[int, ...]:
+    sizes = [1, 2, 4, 8] + list(range(16, 129, 8)) + list(range(144, 513, 16))
+    chosen = [s for s in sizes if s < max_batch] + [max_batch]
+    return tuple(sorted(set(chosen)))
+
+
+Forward = Callable[[StepInputs, int], torch.Tensor]  # (inputs, batch) -> logits [batch, V]
+
+
+@dataclass
+class _Graph:
+    graph: torch.cuda.CUDAGraph
+    logits: torch.Tensor
+
+
+class DecodeGraphs:
+    def __init__(self, max_batch: int, max_blocks: int, device: torch.device,
+                 split_policy: Callable[[int], int]) -> None:
+        self.buckets = batch_buckets(max_batch)
+        self.max_blocks = max_blocks
+        self.split_policy = split_policy  # batch -> split-K of the decode kernel
+        width = DECODE_COLS + max_blocks
+        self.rows = torch.zeros((self.buckets[-1], width), dtype=torch.int64, device=device)
+        # Pinned staging so the per-step copy is one asynchronous DMA.
+        self.host_rows = torch.zeros((self.buckets[-1], width), dtype=torch.int64,
+                                     pin_memory=True)
+        self.graphs: dict[int, _Graph] = {}
+
+    @property
+    def max_batch(self) -> int:
+        return self.buckets[-1]
+
+    def can_run(self, batch: ModelBatch) -> bool:
+        if not self.graphs or not batch.is_decode_only or batch.num_seqs > self.max_batch:
+            return False
+        longest = max(batch.seq_lens)
+        return -(-longest // batch.block_size) <= self.max_blocks
+
+    def capture(self, forward: Forward) -> None:
+        """Capture every bucket, largest first so the smaller ones reuse its memory pool."""
+        self.rows[:, 2] = -1  # null rows: no KV write, one token of the null block
+        self.rows[:, 3] = 1
+        pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for batch in sorted(self.buckets, reverse=True):
+                rows = self.rows[:batch]
+                splits = self.split_policy(batch)
+                forward(decode_inputs(rows, splits), batch)  # warm-up: compiles the kernels
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool, stream=stream):
+                    logits = forward(decode_inputs(rows, splits), batch)
+                self.graphs[batch] = _Graph(graph, logits)
+        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize()
+
+    def run(self, batch: ModelBatch) -> torch.Tensor:
+        """Logits [num_seqs, vocab] of a decode-only batch."""
+        n = batch.num_seqs
+        bucket = self.buckets[bisect.bisect_left(self.buckets, n)]
+        host = self.host_rows[:bucket].numpy()
+        fill_decode_rows(host, batch)
+        self.rows[:bucket].copy_(self.host_rows[:bucket], non_blocking=True)
+        entry = self.graphs[bucket]
+        entry.graph.replay()
+        return entry.logits[:n]
+

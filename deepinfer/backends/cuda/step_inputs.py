@@ -1,0 +1,106 @@
+"""A step's host lists packed into one int64 tensor, moved with one copy, sliced on the device.
+
+The scheduler hands over plain Python lists (ModelBatch). Moving each list separately costs a
+copy and a launch apiece; packing them costs one host-to-device copy per step. Decode batches
+use a row layout [batch, DECODE_COLS + max_blocks] so that a captured graph reads a fixed
+buffer whose first B rows are the live batch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from deepinfer.core.batch import ModelBatch
+
+# Decode row layout: token id, position, KV slot, sequence length, then the block table.
+DECODE_COLS = 4
+
+
+@dataclass
+class AttentionMeta:
+    """What the attention kernels read; every tensor lives on the device."""
+
+    slot_mapping: torch.Tensor  # [T] int64; -1: padding, nothing is written
+    block_tables: torch.Tensor  # [N, W] int32
+    seq_lens: torch.Tensor  # [N] int32
+    query_starts: torch.Tensor | None  # [N + 1] int32; None for decode-only steps
+    max_query_len: int
+    decode: bool
+    num_splits: int = 1  # split-K of the decode kernel
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    meta: AttentionMeta
+    logits_index: torch.Tensor | None  # rows of the hidden states whose logits are sampled
+
+
+def fill_decode_rows(rows: np.ndarray, batch: ModelBatch) -> None:
+    """Write a decode-only batch into rows[:B] and pad the rest as harmless null rows."""
+    n = batch.num_seqs
+    rows[:n, 0] = batch.input_ids
+    rows[:n, 1] = batch.positions
+    rows[:n, 2] = batch.slot_mapping
+    rows[:n, 3] = batch.seq_lens
+    rows[:n, DECODE_COLS:] = 0
+    for i, table in enumerate(batch.block_tables):
+        used = -(-batch.seq_lens[i] // batch.block_size)
+        rows[i, DECODE_COLS:DECODE_COLS + used] = table[:used]
+    # Padding rows attend one token of the null block and write no KV.
+    rows[n:, :] = 0
+    rows[n:, 2] = -1
+    rows[n:, 3] = 1
+
+
+def decode_inputs(rows: torch.Tensor, num_splits: int) -> StepInputs:
+    """Device views of packed decode rows (inside a captured graph these are its inputs)."""
+    meta = AttentionMeta(
+        slot_mapping=rows[:, 2], block_tables=rows[:, DECODE_COLS:].to(torch.int32),
+        seq_lens=rows[:, 3].to(torch.int32), query_starts=None, max_query_len=1,
+        decode=True, num_splits=num_splits)
+    return StepInputs(rows[:, 0], rows[:, 1], meta, None)
+
+
+def pack_batch(batch: ModelBatch) -> tuple[np.ndarray, int]:
+    """Flat layout for eager steps: ids | positions | slots | seq_lens | query_starts |
+    logits rows | block tables [N, W]. Returns the array and W."""
+    t, n, s = batch.num_tokens, batch.num_seqs, len(batch.sample_indices)
+    width = max(-(-length // batch.block_size) for length in batch.seq_lens)
+    out = np.zeros(3 * t + 2 * n + 1 + s + n * width, dtype=np.int64)
+    out[:t] = batch.input_ids
+    out[t:2 * t] = batch.positions
+    out[2 * t:3 * t] = batch.slot_mapping
+    o = 3 * t
+    out[o:o + n] = batch.seq_lens
+    starts = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(batch.query_lens, out=starts[1:])
+    out[o + n:o + 2 * n + 1] = starts
+    o += 2 * n + 1
+    out[o:o + s] = starts[1:][batch.sample_indices] - 1  # each sampled sequence's last token
+    o += s
+    tables = out[o:].reshape(n, width)
+    for i, table in enumerate(batch.block_tables):
+        used = min(width, len(table))
+        tables[i, :used] = table[:used]
+    return out, width
+
+
+def unpack_batch(flat: torch.Tensor, batch: ModelBatch, width: int,
+                 num_splits: int) -> StepInputs:
+    t, n, s = batch.num_tokens, batch.num_seqs, len(batch.sample_indices)
+    o = 3 * t
+    seq_lens = flat[o:o + n].to(torch.int32)
+    starts = flat[o + n:o + 2 * n + 1].to(torch.int32)
+    o += 2 * n + 1
+    logits_index = flat[o:o + s]
+    tables = flat[o + s:].view(n, width).to(torch.int32)
+    decode = batch.is_decode_only
+    meta = AttentionMeta(
+        slot_mapping=flat[2 * t:3 * t], block_tables=tables, seq_lens=seq_lens,
+        query_starts=None if decode else starts, max_query_len=max(batch.query_lens),
+        decode=decode, num_splits=num_splits)
+    return StepInputs(flat[:t], flat[t:2 * t], meta, logits_index)
