@@ -205,6 +205,7 @@ def test_launchers_never_read_tensor_values(monkeypatch):
     assert split.grids == [(5, 2, 8)] and merge.grids == [(5, 8)]
     q = torch.empty(40, 8, 32, **meta)
     starts = torch.empty(6, dtype=torch.int32, **meta)
-    paged_prefill_attention(q, cache, cache, tables, starts, lens, 20, 16, 0.1)
     block_m = prefill_attention._config(32, torch.float32).block_m
-    assert prefill.grids == [(8, 5, math.ceil(20 / block_m))]
+    for block_size in (16, 256):  # tiles gathered by slot, and (where supported) bulk copies
+        paged_prefill_attention(q, cache, cache, tables, starts, lens, 20, block_size, 0.1)
+    assert prefill.grids == [(8, 5, math.ceil(20 / block_m))] * 2

@@ -15,6 +15,7 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from deepinfer.backends.cuda.kernels.decode_attention import tile_slots
 
@@ -35,21 +36,21 @@ def _config(head_dim: int, dtype: torch.dtype) -> PrefillConfig:
         return PrefillConfig(16, 32, 4, 1)
     if dtype == torch.float32:  # twice the bytes per element: halve the tiles
         return PrefillConfig(64, 32, 4, 2)
-    if head_dim <= 64:
-        return PrefillConfig(128, 64, 4, 3)
     if head_dim <= 128:
-        return PrefillConfig(128, 64, 8, 3)
+        # H200, D=128 bf16, 8K causal: 413 TFLOP/s; 8 warps on the same tiles gave 344.
+        return PrefillConfig(128, 64, 4, 3)
     return PrefillConfig(64, 32, 4, 2)
 
 
 @triton.jit
 def _prefill_kernel(
-    Q, K, V, BlockTables, QueryStarts, SeqLens, Out,
+    Q, K, V, KDesc, VDesc, BlockTables, QueryStarts, SeqLens, Out,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_bt,
     stride_ot, stride_oh,
     qk_scale,  # softmax scale * log2(e): the kernel works in base 2
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, USE_TMA: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     head = tl.program_id(0)
     seq = tl.program_id(1)
@@ -70,8 +71,8 @@ def _prefill_kernel(
                 mask=row_ok[:, None], other=0.0)
 
     kv_head = head // GROUP
-    k_base = K + kv_head * stride_kh
-    v_base = V + kv_head * stride_vh
+    kv = (K + kv_head * stride_kh, V + kv_head * stride_vh, KDesc, VDesc, kv_head * HEAD_DIM,
+          stride_kt, stride_vt)
     table = BlockTables + seq.to(tl.int64) * stride_bt
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -79,32 +80,26 @@ def _prefill_kernel(
     # Keys below full_hi are visible to every row of the tile and all lie inside seq_len.
     full_hi = (first_pos + 1) // BLOCK_N * BLOCK_N
     hi = tl.minimum(first_pos + BLOCK_M, seq_len)
-    acc, l_i, m_i = _attend(acc, l_i, m_i, q, k_base, v_base, table, pos, seq_len, 0, full_hi,
-                            stride_kt, stride_vt, qk_scale, offs_d, False, BLOCK_N, BLOCK_SIZE,
-                            PRECISION)
-    acc, l_i, m_i = _attend(acc, l_i, m_i, q, k_base, v_base, table, pos, seq_len, full_hi, hi,
-                            stride_kt, stride_vt, qk_scale, offs_d, True, BLOCK_N, BLOCK_SIZE,
-                            PRECISION)
+    acc, l_i, m_i = _attend(acc, l_i, m_i, q, kv, table, pos, seq_len, 0, full_hi, qk_scale,
+                            offs_d, False, BLOCK_N, BLOCK_SIZE, USE_TMA, PRECISION)
+    acc, l_i, m_i = _attend(acc, l_i, m_i, q, kv, table, pos, seq_len, full_hi, hi, qk_scale,
+                            offs_d, True, BLOCK_N, BLOCK_SIZE, USE_TMA, PRECISION)
     acc = acc / l_i[:, None]
     tl.store(Out + rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
              acc.to(Out.dtype.element_ty), mask=row_ok[:, None])
 
 
 @triton.jit
-def _attend(acc, l_i, m_i, q, k_base, v_base, table, pos, seq_len, lo, hi, stride_kt, stride_vt,
-            qk_scale, offs_d, MASKED: tl.constexpr, BLOCK_N: tl.constexpr,
-            BLOCK_SIZE: tl.constexpr, PRECISION: tl.constexpr):
+def _attend(acc, l_i, m_i, q, kv, table, pos, seq_len, lo, hi, qk_scale, offs_d,
+            MASKED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+            USE_TMA: tl.constexpr, PRECISION: tl.constexpr):
     """Online softmax over key tiles [lo, hi); MASKED applies the causal and length masks."""
+    k_base, v_base, k_desc, v_desc, col, stride_kt, stride_vt = kv
     for start in range(lo, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         kv_ok = offs_n < seq_len
-        slots = tile_slots(table, start, offs_n, kv_ok, BLOCK_N, BLOCK_SIZE)
-        if MASKED:
-            # Slots past seq_len may hold anything (NaN too): never let them reach a product.
-            k = tl.load(k_base + slots[:, None] * stride_kt + offs_d[None, :],
-                        mask=kv_ok[:, None], other=0.0)
-        else:
-            k = tl.load(k_base + slots[:, None] * stride_kt + offs_d[None, :])
+        k = _kv_tile(k_base, k_desc, table, start, offs_n, kv_ok, col, stride_kt, offs_d,
+                     MASKED, BLOCK_N, BLOCK_SIZE, USE_TMA)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
         if MASKED:
             s = tl.where(offs_n[None, :] <= pos[:, None], s * qk_scale, float("-inf"))
@@ -116,14 +111,36 @@ def _attend(acc, l_i, m_i, q, k_base, v_base, table, pos, seq_len, lo, hi, strid
         p = tl.math.exp2(s)
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        if MASKED:
-            v = tl.load(v_base + slots[:, None] * stride_vt + offs_d[None, :],
-                        mask=kv_ok[:, None], other=0.0)
-        else:
-            v = tl.load(v_base + slots[:, None] * stride_vt + offs_d[None, :])
+        v = _kv_tile(v_base, v_desc, table, start, offs_n, kv_ok, col, stride_vt, offs_d,
+                     MASKED, BLOCK_N, BLOCK_SIZE, USE_TMA)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
         m_i = m_new
     return acc, l_i, m_i
+
+
+@triton.jit
+def _kv_tile(base, desc, table, start, offs_n, kv_ok, col, stride_t, offs_d,
+             MASKED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+             USE_TMA: tl.constexpr):
+    """The [BLOCK_N, D] K or V tile of keys start .. start + BLOCK_N - 1.
+
+    Slots past seq_len may hold anything, NaN too: masked tiles zero them, since even a zero
+    softmax weight times NaN poisons the sum.
+    """
+    if USE_TMA:
+        # The tile lies inside one block, on consecutive slots: one bulk tensor copy.
+        row0 = tl.load(table + start // BLOCK_SIZE) * BLOCK_SIZE + start % BLOCK_SIZE
+        tile = desc.load([row0, col])
+        if MASKED:
+            tile = tl.where(kv_ok[:, None], tile, 0.0)
+    else:
+        ptrs = base + tile_slots(table, start, offs_n, kv_ok, BLOCK_N, BLOCK_SIZE)[:, None] \
+            * stride_t + offs_d[None, :]
+        if MASKED:
+            tile = tl.load(ptrs, mask=kv_ok[:, None], other=0.0)
+        else:
+            tile = tl.load(ptrs)
+    return tile
 
 
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -153,19 +170,44 @@ def launch_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     num_seqs = seq_lens.shape[0]
     if tokens == 0 or num_seqs == 0 or max_query_len <= 0:
         return out
+    use_tma = _tma_ok(k_cache, v_cache, block_size, cfg)
+    k_desc, v_desc = k_cache, v_cache  # stand-ins the kernel never reads without TMA
+    if use_tma:
+        k_desc, v_desc = _descriptor(k_cache, cfg.block_n), _descriptor(v_cache, cfg.block_n)
     grid = (q_heads, num_seqs, triton.cdiv(max_query_len, cfg.block_m))
     _prefill_kernel[grid](
-        q, k_cache, v_cache, block_tables, query_starts, seq_lens, out,
+        q, k_cache, v_cache, k_desc, v_desc, block_tables, query_starts, seq_lens, out,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1), block_tables.stride(0),
         out.stride(0), out.stride(1), scale * _LOG2E,
         GROUP=q_heads // kv_heads, HEAD_DIM=head_dim, BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n, BLOCK_SIZE=block_size,
+        BLOCK_N=cfg.block_n, BLOCK_SIZE=block_size, USE_TMA=use_tma,
         # Exact fp32 products for fp32 inputs (the default would round them to tf32).
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
+
+
+def _tma_ok(k_cache: torch.Tensor, v_cache: torch.Tensor, block_size: int,
+            cfg: PrefillConfig) -> bool:
+    """Bulk tensor copies (Hopper and later) need each key tile inside one block and
+    16-byte aligned rows; other cases gather the tile slot by slot."""
+    if cfg.block_n > block_size:
+        return False
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return True
+    if not k_cache.is_cuda or torch.cuda.get_device_capability(k_cache.device)[0] < 9:
+        return False
+    row_bytes = k_cache.stride(0) * k_cache.element_size()
+    return row_bytes % 16 == 0 and k_cache.data_ptr() % 16 == 0 and v_cache.data_ptr() % 16 == 0
+
+
+def _descriptor(cache: torch.Tensor, block_n: int) -> TensorDescriptor:
+    """The cache as a 2D [num_slots, kv_heads * D] tensor, read in [block_n, D] boxes."""
+    slots, kv_heads, head_dim = cache.shape
+    flat = cache.view(slots, kv_heads * head_dim)
+    return TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [block_n, head_dim])
 
 
 def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
