@@ -1,0 +1,221 @@
+"""Paged decode attention: one new query token per sequence, split-K over the cached context.
+
+Stage 1 runs one program per (sequence, KV head, split). It serves all G query heads that
+share the KV head as the rows of one small matrix, so every K/V tile is read from memory once
+per KV head instead of once per query head. Each split walks a contiguous run of BLOCK_N-token
+tiles, gathered through the block table, with an fp32 online softmax, and leaves a partial
+output and its log-sum-exp. Stage 2 merges the splits of each (sequence, query head).
+
+The launch is CUDA-graph safe: grid sizes and constexprs depend on shapes and num_splits only;
+how the context is cut into splits is computed inside the kernel from seq_lens.
+"""
+from __future__ import annotations
+
+import math
+import os
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+_LN2 = math.log(2.0)
+_LOG2E = 1.0 / _LN2
+# Query rows per program: tl.dot needs at least 16, padded rows are masked out.
+_MIN_ROWS = 16
+_MAX_SPLITS = 32
+# A split shorter than this spends more on its merge than it saves in parallelism (H200: a
+# 1K context ran fastest in 8 splits).
+_MIN_TOKENS_PER_SPLIT = 128
+
+
+def choose_num_splits(batch: int, kv_heads: int, max_seq_len: int, num_sms: int = 132) -> int:
+    """How many splits fill the GPU: about two programs per SM, a power of two <= 32.
+
+    1 when batch * kv_heads programs already occupy every SM; fewer splits for short contexts.
+    """
+    programs = max(1, batch * kv_heads)
+    if programs >= num_sms:
+        return 1
+    wanted = triton.next_power_of_2(triton.cdiv(2 * num_sms, programs))
+    by_length = max(1, max_seq_len // _MIN_TOKENS_PER_SPLIT)
+    by_length = 1 << (by_length.bit_length() - 1)  # round down to a power of two
+    return max(1, min(wanted, by_length, _MAX_SPLITS))
+
+
+@triton.jit
+def _decode_split_kernel(
+    Q, K, V, BlockTables, SeqLens, Out, Lse,
+    stride_qb, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_bt,
+    stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
+    qk_scale,  # softmax scale * log2(e): the kernel works in base 2
+    GROUP: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(SeqLens + b)
+    num_tiles = tl.cdiv(seq_len, BLOCK_N)
+    tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+    tile_lo = split * tiles_per_split
+    tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
+
+    rows = tl.arange(0, ROWS)
+    row_ok = rows < GROUP
+    heads = kv_head * GROUP + rows
+    offs_d = tl.arange(0, HEAD_DIM)
+    q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=row_ok[:, None], other=0.0)
+
+    m_i = tl.full([ROWS], float("-inf"), tl.float32)
+    l_i = tl.zeros([ROWS], tl.float32)
+    acc = tl.zeros([ROWS, HEAD_DIM], tl.float32)
+    table = BlockTables + b.to(tl.int64) * stride_bt
+    k_base = K + kv_head * stride_kh
+    v_base = V + kv_head * stride_vh
+    for tile in range(tile_lo, tile_hi):
+        offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        valid = offs_n < seq_len
+        slots = tile_slots(table, tile * BLOCK_N, offs_n, valid, BLOCK_N, BLOCK_SIZE)
+        k = tl.load(k_base + slots[:, None] * stride_kt + offs_d[None, :],
+                    mask=valid[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.math.exp2(s - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_base + slots[:, None] * stride_vt + offs_d[None, :],
+                    mask=valid[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+
+    # An empty split (tile_lo >= tile_hi) leaves l_i == 0: write zeros and lse = -inf.
+    nonempty = l_i > 0.0
+    acc = acc / tl.where(nonempty, l_i, 1.0)[:, None]
+    lse = tl.where(nonempty, (m_i + tl.log2(tl.where(nonempty, l_i, 1.0))) * 0.6931471805599453,
+                   float("-inf"))
+    out = Out + b * stride_ob + heads[:, None] * stride_oh + split * stride_os + offs_d[None, :]
+    tl.store(out, acc.to(Out.dtype.element_ty), mask=row_ok[:, None])
+    if NUM_SPLITS > 1:
+        tl.store(Lse + b * stride_lb + heads * stride_lh + split, lse, mask=row_ok)
+
+
+@triton.jit
+def tile_slots(table, start, offs_n, valid, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    """Cache slots of the tile's tokens, as int64 row indices into k_cache / v_cache."""
+    if BLOCK_N <= BLOCK_SIZE:
+        # The tile sits inside one KV block: one table lookup, then consecutive slots.
+        block = tl.load(table + start // BLOCK_SIZE).to(tl.int64)
+        return block * BLOCK_SIZE + start % BLOCK_SIZE + tl.arange(0, BLOCK_N)
+    block = tl.load(table + offs_n // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+    return block * BLOCK_SIZE + (offs_n % BLOCK_SIZE)
+
+
+@triton.jit
+def _decode_merge_kernel(
+    PartialOut, Lse, Out,
+    stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
+    HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    splits = tl.arange(0, NUM_SPLITS)
+    offs_d = tl.arange(0, HEAD_DIM)
+    lse = tl.load(Lse + b * stride_lb + h * stride_lh + splits)
+    # Split 0 always holds the first tile (seq_len >= 1), so the max is finite.
+    weights = tl.exp(lse - tl.max(lse, 0))
+    parts = tl.load(PartialOut + b * stride_pb + h * stride_ph + splits[:, None] * stride_ps
+                    + offs_d[None, :])
+    out = tl.sum(parts * weights[:, None], 0) / tl.sum(weights, 0)
+    tl.store(Out + b * stride_ob + h * stride_oh + offs_d, out.to(Out.dtype.element_ty))
+
+
+class DecodeConfig(NamedTuple):
+    block_n: int  # tokens per tile
+    num_warps: int
+    num_stages: int
+
+
+def _config(head_dim: int) -> DecodeConfig:
+    """64-token tiles keep enough bytes in flight on the GPU without spilling at D=128.
+    32 under the interpreter, so that tests meet tiles both inside one block and across blocks.
+    """
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return DecodeConfig(32, 4, 1)
+    return DecodeConfig(64 if head_dim <= 128 else 32, 4, 3)
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int,
+                           scale: float, num_splits: int,
+                           out: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention of one query token per sequence over its paged context.
+
+    q [B, Hq, D] (last dim contiguous), k_cache/v_cache [num_slots, Hk, D], block_tables int32
+    [B, max_blocks], seq_lens int32 [B] (>= 1). Returns out [B, Hq, D] in q's dtype.
+    """
+    return launch_decode(q, k_cache, v_cache, block_tables, seq_lens, block_size, scale,
+                         num_splits, out, _config(q.shape[-1]))
+
+
+def launch_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int,
+                  scale: float, num_splits: int, out: torch.Tensor | None,
+                  cfg: DecodeConfig) -> torch.Tensor:
+    """paged_decode_attention with an explicit tile config (for tuning)."""
+    batch, q_heads, head_dim = q.shape
+    kv_heads = k_cache.shape[1]
+    group = q_heads // kv_heads
+    _check(q, k_cache, v_cache, block_tables, num_splits, q_heads, kv_heads, out)
+    if out is None:
+        out = torch.empty((batch, q_heads, head_dim), dtype=q.dtype, device=q.device)
+    if batch == 0:
+        return out
+    if num_splits == 1:  # no merge: stage 1 normalises and writes out directly
+        partial, lse = out, out
+        part_strides = (out.stride(0), out.stride(1), 0)
+        lse_strides = (0, 0)
+    else:
+        partial = torch.empty((batch, q_heads, num_splits, head_dim), dtype=torch.float32,
+                              device=q.device)
+        lse = torch.empty((batch, q_heads, num_splits), dtype=torch.float32, device=q.device)
+        part_strides = (partial.stride(0), partial.stride(1), partial.stride(2))
+        lse_strides = (lse.stride(0), lse.stride(1))
+    _decode_split_kernel[(batch, kv_heads, num_splits)](
+        q, k_cache, v_cache, block_tables, seq_lens, partial, lse,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+        v_cache.stride(0), v_cache.stride(1), block_tables.stride(0),
+        *part_strides, *lse_strides, scale * _LOG2E,
+        GROUP=group, ROWS=max(_MIN_ROWS, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
+        BLOCK_N=cfg.block_n, BLOCK_SIZE=block_size, NUM_SPLITS=num_splits,
+        # Exact fp32 products for fp32 inputs (the default would round them to tf32).
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if num_splits > 1:
+        _decode_merge_kernel[(batch, q_heads)](
+            partial, lse, out, *part_strides, *lse_strides, out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, NUM_SPLITS=num_splits, num_warps=1,
+        )
+    return out
+
+
+def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+           block_tables: torch.Tensor, num_splits: int, q_heads: int, kv_heads: int,
+           out: torch.Tensor | None) -> None:
+    """Shape and layout checks only: nothing here may read tensor values (graph capture)."""
+    head_dim = q.shape[-1]
+    if q_heads % kv_heads:
+        raise ValueError(f"{q_heads} query heads are not a multiple of {kv_heads} KV heads")
+    if head_dim < 16 or head_dim & (head_dim - 1):
+        raise ValueError(f"head_dim must be a power of two >= 16, got {head_dim}")
+    if num_splits < 1 or num_splits & (num_splits - 1):
+        raise ValueError(f"num_splits must be a power of two, got {num_splits}")
+    if q.stride(-1) != 1 or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("q needs a contiguous last dim and the caches must be contiguous")
+    if out is not None and (out.shape != q.shape or out.stride(-1) != 1):
+        raise ValueError("out must have q's shape and a contiguous last dim")
+    if block_tables.dtype != torch.int32:
+        raise ValueError("block_tables must be int32")

@@ -1,0 +1,70 @@
+"""Triton kernels run under the interpreter on CPU tensors when there is no GPU.
+
+The variable must be set before any kernel module is imported (triton.jit reads it when it
+decorates), so it is set here, at conftest import time. Two interpreter bugs of Triton 3.6
+that would fail correct kernels are patched for the session, only where present.
+"""
+import os
+
+import numpy as np
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+pytest.importorskip("triton")
+
+
+def _numpy_refuses_size1_int() -> bool:
+    try:
+        int(np.zeros(1, dtype=np.int32))
+    except TypeError:
+        return True
+    return False
+
+
+def _patch_scalar_index(mp: pytest.MonkeyPatch, interpreter) -> None:
+    """Scalars are shape-(1,) arrays and __index__ calls int() on them, which NumPy >= 2.4
+    refuses (triton-lang/triton#9171): every loop over tensor bounds fails."""
+    original = interpreter._patch_lang_tensor
+
+    def patch(tensor, scope) -> None:
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    mp.setattr(interpreter, "_patch_lang_tensor", patch)
+
+
+def _patch_bf16_dot(mp: pytest.MonkeyPatch, interpreter) -> None:
+    """bf16 values are held as their uint16 bits and create_dot multiplies those bits as
+    integers; widen bf16 operands to fp32 first (exact, as the tensor cores do)."""
+    import triton.language as tl
+
+    builder = interpreter.InterpreterBuilder
+    original = builder.create_dot
+
+    def widen(x):
+        if x.dtype.scalar != tl.bfloat16:
+            return x
+        data = interpreter._convert_float(x.data, tl.bfloat16, tl.float32, None)
+        return interpreter.TensorHandle(data.view(np.float32), tl.float32)
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        return original(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
+
+    mp.setattr(builder, "create_dot", create_dot)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _interpreter_fixes():
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        yield
+        return
+    from triton.runtime import interpreter
+
+    with pytest.MonkeyPatch.context() as mp:
+        if _numpy_refuses_size1_int():
+            _patch_scalar_index(mp, interpreter)
+        _patch_bf16_dot(mp, interpreter)
+        yield

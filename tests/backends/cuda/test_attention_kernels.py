@@ -1,0 +1,211 @@
+"""Paged decode and prefill attention kernels against a dense float64 reference.
+
+Every case draws fresh inputs, scatters the sequences over shuffled blocks (never block 0, the
+null block), leaves unused cache slots NaN so a read past a sequence shows up, and poisons the
+output with NaN so an unwritten element shows up.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from deepinfer.backends.cuda.kernels import decode_attention, prefill_attention
+from deepinfer.backends.cuda.kernels.decode_attention import (choose_num_splits,
+                                                              paged_decode_attention)
+from deepinfer.backends.cuda.kernels.prefill_attention import paged_prefill_attention
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@dataclass
+class PagedKV:
+    k_cache: torch.Tensor  # [num_slots, Hk, D]
+    v_cache: torch.Tensor
+    block_tables: torch.Tensor  # int32 [N, max_blocks]
+    seq_lens: torch.Tensor  # int32 [N]
+    block_size: int
+
+
+def _paged_kv(seq_lens: list[int], kv_heads: int, head_dim: int, block_size: int,
+              dtype: torch.dtype, gen: torch.Generator, num_blocks: int = 0,
+              max_blocks: int = 0) -> PagedKV:
+    """Random K/V for each sequence in randomly chosen, non-contiguous blocks."""
+    blocks_per_seq = [math.ceil(n / block_size) for n in seq_lens]
+    num_blocks = num_blocks or 1 + sum(blocks_per_seq) + 3
+    max_blocks = max_blocks or max(blocks_per_seq) + 2
+    shape = (num_blocks * block_size, kv_heads, head_dim)
+    k_cache = torch.full(shape, float("nan"), dtype=dtype)
+    v_cache = torch.full(shape, float("nan"), dtype=dtype)
+    # The null block holds junk that padded rows read; keep it finite.
+    k_cache[:block_size] = torch.randn(block_size, kv_heads, head_dim, generator=gen).to(dtype)
+    v_cache[:block_size] = torch.randn(block_size, kv_heads, head_dim, generator=gen).to(dtype)
+    free = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
+    tables = torch.zeros(len(seq_lens), max_blocks, dtype=torch.int32)
+    for i, (n, nb) in enumerate(zip(seq_lens, blocks_per_seq)):
+        ids = torch.tensor([free.pop() for _ in range(nb)])
+        tables[i, :nb] = ids.to(torch.int32)
+        slots = _slots(ids, block_size, n)
+        k_cache[slots] = torch.randn(n, kv_heads, head_dim, generator=gen).to(dtype)
+        v_cache[slots] = torch.randn(n, kv_heads, head_dim, generator=gen).to(dtype)
+    return PagedKV(k_cache.to(DEVICE), v_cache.to(DEVICE), tables.to(DEVICE),
+                   torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE), block_size)
+
+
+def _slots(block_ids: torch.Tensor, block_size: int, n: int) -> torch.Tensor:
+    return (block_ids.long()[:, None] * block_size + torch.arange(block_size)).flatten()[:n]
+
+
+def _reference(q: torch.Tensor, kv: PagedKV, seq: int, scale: float) -> torch.Tensor:
+    """Dense float64 causal attention of q [Q, Hq, D], the last Q positions of sequence seq."""
+    n = int(kv.seq_lens[seq])
+    table = kv.block_tables[seq].cpu()
+    slots = _slots(table[: math.ceil(n / kv.block_size)], kv.block_size, n)
+    k = kv.k_cache.cpu()[slots].double()
+    v = kv.v_cache.cpu()[slots].double()
+    group = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, n, D]
+    v = v.repeat_interleave(group, dim=1).transpose(0, 1)
+    qh = q.cpu().double().transpose(0, 1)  # [Hq, Q, D]
+    scores = qh @ k.transpose(1, 2) * scale
+    pos = torch.arange(n - q.shape[0], n)[:, None]
+    scores = scores.masked_fill(torch.arange(n)[None, :] > pos, float("-inf"))
+    return (scores.softmax(-1) @ v).transpose(0, 1)
+
+
+def _strided_q(tokens: int, q_heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+               gen: torch.Generator) -> torch.Tensor:
+    """q as the first slice of a fused qkv projection: rows are not contiguous."""
+    width = (q_heads + 2 * kv_heads) * head_dim
+    qkv = torch.randn(tokens, width, generator=gen).to(dtype).to(DEVICE)
+    return qkv[:, : q_heads * head_dim].view(tokens, q_heads, head_dim)
+
+
+def _assert_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
+    out = out.cpu().double()
+    assert not out.isnan().any(), "output has unwritten or NaN elements"
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    else:
+        rel = (out - ref).norm() / ref.norm()
+        assert rel < 1e-2, f"relative error {rel:.3g}"
+
+
+# (Hq, Hk, head_dim, block_size, num_splits, dtype)
+DECODE_CASES = [
+    (8, 2, 32, 16, 1, torch.float32),
+    (8, 2, 32, 16, 4, torch.float32),
+    (4, 4, 16, 32, 2, torch.float32),
+    (16, 2, 64, 32, 4, torch.float32),
+    (8, 1, 32, 16, 2, torch.bfloat16),
+    (4, 4, 64, 32, 1, torch.bfloat16),
+]
+
+
+@pytest.mark.parametrize("q_heads,kv_heads,head_dim,block_size,num_splits,dtype", DECODE_CASES)
+def test_decode_matches_reference(q_heads, kv_heads, head_dim, block_size, num_splits, dtype):
+    gen = torch.Generator().manual_seed(hash((q_heads, kv_heads, head_dim, num_splits)) % 2**31)
+    # A padded row (seq_len 1 on the null block) last; lengths inside and across blocks.
+    seq_lens = [1, 17, 32, 100, 257, 1]
+    kv = _paged_kv(seq_lens, kv_heads, head_dim, block_size, dtype, gen)
+    kv.block_tables[-1].zero_()
+    q = _strided_q(len(seq_lens), q_heads, kv_heads, head_dim, dtype, gen)
+    out = torch.full(q.shape, float("nan"), dtype=dtype, device=DEVICE)
+    scale = head_dim ** -0.5
+    got = paged_decode_attention(q, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens,
+                                 block_size, scale, num_splits, out=out)
+    assert got is out
+    ref = torch.stack([_reference(q[b:b + 1], kv, b, scale)[0] for b in range(len(seq_lens))])
+    _assert_close(out, ref, dtype)
+
+
+def test_decode_new_lengths_same_shapes():
+    """Same shapes, new seq_lens and tables: one compiled kernel serves both (graph replay)."""
+    gen = torch.Generator().manual_seed(7)
+    scale = 0.125
+    for seq_lens in ([40, 3, 90], [130, 64, 1]):
+        kv = _paged_kv(seq_lens, 2, 32, 16, torch.float32, gen, num_blocks=20, max_blocks=10)
+        q = _strided_q(3, 4, 2, 32, torch.float32, gen)
+        out = paged_decode_attention(q, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens,
+                                     16, scale, 4)
+        ref = torch.stack([_reference(q[b:b + 1], kv, b, scale)[0] for b in range(3)])
+        _assert_close(out, ref, torch.float32)
+
+
+# (Hq, Hk, head_dim, block_size, dtype)
+PREFILL_CASES = [
+    (8, 2, 32, 16, torch.float32),
+    (4, 4, 16, 32, torch.float32),
+    (16, 2, 64, 16, torch.float32),
+    (8, 1, 32, 32, torch.bfloat16),
+    (4, 2, 64, 16, torch.bfloat16),
+]
+
+
+@pytest.mark.parametrize("q_heads,kv_heads,head_dim,block_size,dtype", PREFILL_CASES)
+def test_prefill_matches_reference(q_heads, kv_heads, head_dim, block_size, dtype):
+    gen = torch.Generator().manual_seed(hash((q_heads, kv_heads, head_dim, block_size)) % 2**31)
+    # (cached prefix, new tokens): none, partial block, several blocks, a single new token;
+    # prefix 14 puts a query tile one key short of a key-tile edge.
+    chunks = [(0, 37), (5, 1), (40, 70), (100, 16), (0, 1), (33, 20), (14, 40)]
+    seq_lens = [p + n for p, n in chunks]
+    kv = _paged_kv(seq_lens, kv_heads, head_dim, block_size, dtype, gen)
+    starts = [0]
+    for _, n in chunks:
+        starts.append(starts[-1] + n)
+    q = _strided_q(starts[-1], q_heads, kv_heads, head_dim, dtype, gen)
+    out = torch.full(q.shape, float("nan"), dtype=dtype, device=DEVICE)
+    scale = head_dim ** -0.5
+    query_starts = torch.tensor(starts, dtype=torch.int32, device=DEVICE)
+    got = paged_prefill_attention(q, kv.k_cache, kv.v_cache, kv.block_tables, query_starts,
+                                  kv.seq_lens, max(n for _, n in chunks), block_size, scale,
+                                  out=out)
+    assert got is out
+    ref = torch.cat([_reference(q[starts[i]:starts[i + 1]], kv, i, scale)
+                     for i in range(len(chunks))])
+    _assert_close(out, ref, dtype)
+
+
+def test_choose_num_splits():
+    for batch, heads, length in [(1, 8, 32768), (1, 8, 100), (4, 8, 4096), (64, 8, 2048),
+                                 (256, 8, 640), (1, 1, 1)]:
+        n = choose_num_splits(batch, heads, length)
+        assert 1 <= n <= 32 and n & (n - 1) == 0
+    assert choose_num_splits(1, 8, 32768) >= 16
+    assert choose_num_splits(64, 8, 2048) == 1  # 512 programs already fill 132 SMs
+    assert choose_num_splits(1, 8, 100) == 1  # too short to be worth a merge
+
+
+class _Recorder:
+    """Stands in for a jitted kernel: records the grid instead of launching."""
+
+    def __init__(self) -> None:
+        self.grids: list[tuple[int, ...]] = []
+
+    def __getitem__(self, grid):
+        self.grids.append(tuple(grid))
+        return lambda *args, **kwargs: None
+
+
+def test_launchers_never_read_tensor_values(monkeypatch):
+    """Launch on 'meta' tensors, which have no values: any host read would raise, and the
+    grids may depend on shapes and num_splits only (a must for CUDA graph capture)."""
+    split, merge, prefill = _Recorder(), _Recorder(), _Recorder()
+    monkeypatch.setattr(decode_attention, "_decode_split_kernel", split)
+    monkeypatch.setattr(decode_attention, "_decode_merge_kernel", merge)
+    monkeypatch.setattr(prefill_attention, "_prefill_kernel", prefill)
+    meta = dict(device="meta")
+    cache = torch.empty(64 * 16, 2, 32, **meta)
+    tables = torch.empty(5, 4, dtype=torch.int32, **meta)
+    lens = torch.empty(5, dtype=torch.int32, **meta)
+    q = torch.empty(5, 8, 32, **meta)
+    paged_decode_attention(q, cache, cache, tables, lens, 16, 0.1, 8)
+    assert split.grids == [(5, 2, 8)] and merge.grids == [(5, 8)]
+    q = torch.empty(40, 8, 32, **meta)
+    starts = torch.empty(6, dtype=torch.int32, **meta)
+    block_m = prefill_attention._config(32, torch.float32).block_m
+    for block_size in (16, 256):  # tiles gathered by slot, and (where supported) bulk copies
+        paged_prefill_attention(q, cache, cache, tables, starts, lens, 20, block_size, 0.1)
+    assert prefill.grids == [(8, 5, math.ceil(20 / block_m))] * 2
