@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Everything the CUDA backend needs checked and timed on a GPU, in one go (one device lease):
+# kernel correctness and timings, the UVA page copy, the engine against transformers, and the
+# Llama-3-8B-shape benchmark. Results land in ${OUT:-benchmarks/results/cuda}.
+#   bash benchmarks/cuda/run_device.sh [STEP...]   (default: every step; --quick for a short bench)
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+out="${OUT:-benchmarks/results/cuda}"
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export DEEPINFER_CACHE_DIR="${DEEPINFER_CACHE_DIR:-/tmp/deepinfer-cache}"
+steps=("$@")
+[ ${#steps[@]} -eq 0 ] && steps=(attention page_copy check_engine engine_bench)
+wanted() { [[ " ${steps[*]} " == *" $1 "* ]]; }
+quick=""
+wanted --quick && quick="--quick"
+nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv,noheader
+python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
+status=0
+step() {  # step NAME CMD...: run, log, keep going on failure
+  local name=$1; shift
+  echo "=== $name"
+  local t0=$SECONDS
+  "$@" 2>&1 | tee "$out/$name.log" | tail -n 40 || { echo "!!! $name FAILED"; status=1; }
+  echo "=== $name took $((SECONDS - t0)) s"
+}
+wanted attention && step attention python3 -m deepinfer.backends.cuda.kernels.bench_attention --out "$out/attention.json"
+wanted page_copy && step page_copy python3 -m deepinfer.backends.cuda.bench_page_copy --out "$out/page_copy.json"
+wanted check_engine && step check_engine python3 benchmarks/cuda/check_engine.py --out "$out"
+wanted engine_bench && step engine_bench python3 benchmarks/cuda/engine_bench.py --out "$out" $quick
+exit $status
