@@ -88,7 +88,12 @@ def _device_indices(ids: Indices, device: torch.device, limit: int, name: str) -
 @dataclass(frozen=True)
 class UVAPageCopier:
     """Launch configuration of the copy kernel: threads per CTA, CTAs per (page, layer, K/V)
-    chunk, and 16-byte loads each thread keeps in flight (1, 2, 4 or 8)."""
+    chunk, and 16-byte loads each thread keeps in flight (1, 2, 4 or 8).
+
+    On an H200 (bench_page_copy, 256 pages of 16 MiB) every configuration tried ran at the PCIe
+    limit: 51 GB/s host->device and 52 GB/s device->host, against 55 for one contiguous pinned
+    copy and 35/38 for a cudaMemcpyAsync per chunk. The default was the fastest by a hair.
+    """
 
     threads: int = 256
     ctas_per_chunk: int = 1
