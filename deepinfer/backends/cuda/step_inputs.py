@@ -58,11 +58,12 @@ def fill_decode_rows(rows: np.ndarray, batch: ModelBatch) -> None:
 
 def decode_inputs(rows: torch.Tensor, num_splits: int) -> StepInputs:
     """Device views of packed decode rows (inside a captured graph these are its inputs)."""
+    # Columns of the row buffer are strided views; the kernels index them as flat arrays.
     meta = AttentionMeta(
-        slot_mapping=rows[:, 2], block_tables=rows[:, DECODE_COLS:].to(torch.int32),
+        slot_mapping=rows[:, 2].contiguous(), block_tables=rows[:, DECODE_COLS:].to(torch.int32),
         seq_lens=rows[:, 3].to(torch.int32), query_starts=None, max_query_len=1,
         decode=True, num_splits=num_splits)
-    return StepInputs(rows[:, 0], rows[:, 1], meta, None)
+    return StepInputs(rows[:, 0].contiguous(), rows[:, 1].contiguous(), meta, None)
 
 
 def pack_batch(batch: ModelBatch) -> tuple[np.ndarray, int]:

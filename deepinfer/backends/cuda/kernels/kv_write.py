@@ -37,6 +37,9 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
              slot_mapping: torch.Tensor) -> None:
     """k, v [T, Hk, D] (strided views fine) into caches [num_slots, Hk, D] (contiguous) at the
     int32/int64 slots slot_mapping [T]; negative slots are skipped."""
+    if slot_mapping.dim() != 1 or (slot_mapping.numel() > 1 and slot_mapping.stride(0) != 1):
+        raise ValueError("slot_mapping must be a contiguous 1-D tensor (the kernel reads it "
+                         "as a flat array)")
     tokens = slot_mapping.shape[0]
     heads, d = k_cache.shape[1:]
     _check("k", k, (tokens, heads, d))

@@ -68,6 +68,9 @@ def apply_rotary_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
                   cos: torch.Tensor, sin: torch.Tensor) -> None:
     """Rotate q [T, Hq, D] and k [T, Hk, D] in place (strided views are fine) by the rows
     cos[positions], sin[positions] of float32 tables [max_positions, rot], rot <= D even."""
+    if positions.dim() != 1 or (positions.numel() > 1 and positions.stride(0) != 1):
+        raise ValueError("positions must be a contiguous 1-D tensor (the kernel reads it as a "
+                         "flat array)")
     tokens = positions.shape[0]
     rot = cos.shape[-1]
     if cos.dim() != 2 or sin.shape != cos.shape or rot % 2:
