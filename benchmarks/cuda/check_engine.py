@@ -135,13 +135,13 @@ def main() -> None:
         if not args.skip_conformance:
             run_conformance(CUDAAccelerator, os.path.join(workdir, "conformance"))
             print("conformance suite: passed", flush=True)
-        report["greedy"] = [check_greedy(f, bs, workdir)
-                            for f in ("llama", "qwen3") for bs in (16, 128)]
-        for row in report["greedy"]:
-            print("greedy vs transformers:", row, flush=True)
-        report["bf16"] = [check_bf16_logits(f, workdir) for f in ("llama", "qwen3")]
-        for row in report["bf16"]:
-            print("bf16 logits:", row, flush=True)
+        report["greedy"], report["bf16"] = [], []
+        for family in ("llama", "qwen3"):
+            for block_size in (16, 128):
+                report["greedy"].append(check_greedy(family, block_size, workdir))
+                print("greedy vs transformers:", report["greedy"][-1], flush=True)
+            report["bf16"].append(check_bf16_logits(family, workdir))
+            print("bf16 logits:", report["bf16"][-1], flush=True)
     if args.out:
         with open(os.path.join(args.out, "cuda_check_engine.json"), "w") as f:
             json.dump(report, f, indent=2)
