@@ -51,13 +51,16 @@ class LLM:
                  max_model_len: int | None = None, max_num_batched_tokens: int = 2048,
                  max_num_seqs: int = 64, enable_prefix_caching: bool = True,
                  enable_chunked_prefill: bool = True, seed: int = 0,
-                 load_tokenizer: bool = True) -> None:
+                 load_tokenizer: bool = True, gpu_memory_utilization: float = 0.9,
+                 enforce_eager: bool = False, load_format: str = "auto") -> None:
         config = EngineConfig(
-            model=ModelSpec(resolve_model_path(model), dtype, max_model_len),
-            cache=CacheConfig(block_size, num_blocks, kv_cache_memory_gb, enable_prefix_caching),
+            model=ModelSpec(resolve_model_path(model), dtype, max_model_len, load_format),
+            cache=CacheConfig(block_size, num_blocks, kv_cache_memory_gb,
+                              gpu_memory_utilization=gpu_memory_utilization,
+                              enable_prefix_caching=enable_prefix_caching),
             scheduler=SchedulerConfig(max_num_batched_tokens, max_num_seqs,
                                       enable_chunked_prefill),
-            accelerator=accelerator, seed=seed)
+            accelerator=accelerator, seed=seed, enforce_eager=enforce_eager)
         self.engine = Engine(config, load_tokenizer=load_tokenizer)
         self._ids = itertools.count()
 

@@ -30,9 +30,6 @@ class CacheConfig:
     block_size: int = 128
     num_blocks: int | None = None  # None: sized by the backend from kv_cache_memory_gb
     kv_cache_memory_gb: float = 1.0  # host-memory backends (CPU)
-    # GPU backends: the fraction of device memory for weights, activations and the KV pool;
-    # the pool gets what is left after a profiling run at the step's full token budget.
-    gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
     # HiCache: a host-memory pool of KV pages behind the device prefix cache (0 disables).
     hicache_size_gb: float = 0.0
@@ -40,6 +37,9 @@ class CacheConfig:
     hicache_state_slots: int = 0
     # A host hit stops so that at least this many prompt tokens are recomputed.
     yoco_keep_tokens: int = 140
+    # GPU backends: the fraction of device memory for weights, activations and the KV pool;
+    # the pool gets what is left after a profiling run at the step's full token budget.
+    gpu_memory_utilization: float = 0.9
 
     def __post_init__(self) -> None:
         if self.block_size < 1:

@@ -41,7 +41,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--block-size", type=int, default=128)
     p.add_argument("--num-kv-blocks", type=int, default=None)
-    p.add_argument("--kv-cache-memory-gb", type=float, default=1.0)
+    p.add_argument("--kv-cache-memory-gb", type=float, default=1.0,
+                   help="KV pool of host-memory backends (cpu)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="GPU backends: fraction of device memory for weights, activations and "
+                        "the KV pool, which gets what a profiling step leaves")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="GPU backends: no CUDA graphs")
+    p.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                   help="dummy: random weights made on the device (benchmarks of a shape)")
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--hicache-size-gb", type=float, default=0.0,
                    help="host memory per rank for HiCache, a host tier of KV pages behind the "
@@ -67,13 +75,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 def engine_config(args: argparse.Namespace, model_dir: str) -> EngineConfig:
     return EngineConfig(
-        model=ModelSpec(model_dir, args.dtype, args.max_model_len),
+        model=ModelSpec(model_dir, args.dtype, args.max_model_len, args.load_format),
         cache=CacheConfig(args.block_size, args.num_kv_blocks, args.kv_cache_memory_gb,
-                          not args.no_prefix_caching, hicache_size_gb=args.hicache_size_gb,
+                          gpu_memory_utilization=args.gpu_memory_utilization,
+                          enable_prefix_caching=not args.no_prefix_caching,
+                          hicache_size_gb=args.hicache_size_gb,
                           hicache_state_slots=args.hicache_state_slots,
                           yoco_keep_tokens=args.yoco_keep_tokens),
         scheduler=SchedulerConfig(args.max_num_batched_tokens, args.max_num_seqs),
-        accelerator=args.accelerator, seed=args.seed)
+        accelerator=args.accelerator, seed=args.seed, enforce_eager=args.enforce_eager)
 
 
 async def serve(args: argparse.Namespace, model_dir: str) -> None:
