@@ -24,6 +24,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
+from deepinfer.backends.cuda.timing import cuda_times_ms  # noqa: E402
 from deepinfer.core.config import CacheConfig, EngineConfig, ModelSpec, SchedulerConfig  # noqa: E402
 from deepinfer.core.engine import Engine  # noqa: E402
 from deepinfer.core.sampling import SamplingParams  # noqa: E402
@@ -59,17 +60,8 @@ def ceilings() -> dict:
 
 
 def _time_cuda(fn, reps: int, warmup: int = 3) -> list[float]:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return times
+    """Seconds of each call."""
+    return [ms / 1e3 for ms in cuda_times_ms(fn, reps, warmup)]
 
 
 def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:

@@ -4,13 +4,16 @@ from __future__ import annotations
 import glob
 import os
 import re
-from typing import Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import torch
 from safetensors import safe_open
 from torch import nn
 
 from deepinfer.models.model_config import ModelConfig
+
+if TYPE_CHECKING:
+    from deepinfer.core.config import ModelSpec
 
 # checkpoint name pattern -> (our parameter name, fused shard index or None)
 _FUSED = {
@@ -119,3 +122,31 @@ def init_dummy_weights(model: nn.Module, seed: int = 0, std: float = 0.02) -> No
                 param.zero_()
             else:
                 param.normal_(0.0, std, generator=generator)
+
+
+def build_model(cfg: ModelConfig, ops: object, spec: "ModelSpec", max_len: int,
+                device: torch.device | str, dtype: torch.dtype, seed: int = 0) -> nn.Module:
+    """The model of `spec` on `device`, ready to run.
+
+    Built on the meta device first, so no time goes into random init of weights that are then
+    overwritten; weights are the checkpoint's, or random ones made on the device for
+    load_format "dummy". Rotary tables are computed, not loaded, and stay float32."""
+    from deepinfer.models.registry import model_class
+    from deepinfer.models.rope import rope_cos_sin
+
+    with torch.device("meta"):
+        model = model_class(cfg.architecture)(cfg, ops, max_len)
+    model = model.to_empty(device=device).to(dtype)
+    if spec.load_format == "dummy":
+        init_dummy_weights(model, seed)
+    else:
+        load_weights(model, cfg, spec.path)
+    cos, sin = rope_cos_sin(cfg.rope, cfg.head_dim, cfg.max_position_embeddings, max_len)
+    model.rope_cos, model.rope_sin = cos.to(device), sin.to(device)
+    return model.eval()
+
+
+def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes of one KV block (K and V of block_size tokens) across every layer."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * elem

@@ -13,10 +13,8 @@ from deepinfer.core.sampler import Sampler
 from deepinfer.backends.cpu.attention import CPUAttentionMeta, CPUPagedAttention
 from deepinfer.backends.cpu.host_pool import CPUHostPool
 from deepinfer.backends.cpu.ops import CPUOps
-from deepinfer.models.loader import load_weights, resolve_dtype
+from deepinfer.models.loader import build_model, kv_block_bytes, resolve_dtype
 from deepinfer.models.model_config import ModelConfig
-from deepinfer.models.registry import model_class
-from deepinfer.models.rope import rope_cos_sin
 
 GIB = 1 << 30
 
@@ -49,21 +47,10 @@ class CPUAccelerator(Accelerator):
         self.dtype = resolve_dtype(spec.dtype, cfg)
         max_len = spec.max_model_len or cfg.max_position_embeddings
         self.attention = CPUPagedAttention(cfg.num_layers)
-        cls = model_class(cfg.architecture)
-        # Build on the meta device so no time goes into random init of weights we overwrite.
-        with torch.device("meta"):
-            model = cls(cfg, CPUOps(self.attention), max_len)
-        model = model.to_empty(device="cpu").to(self.dtype)
-        load_weights(model, cfg, spec.path)
-        # Rotary tables are computed, not loaded, and stay float32.
-        model.rope_cos, model.rope_sin = rope_cos_sin(
-            cfg.rope, cfg.head_dim, cfg.max_position_embeddings, max_len)
-        self.model = model.eval()
+        self.model = build_model(cfg, CPUOps(self.attention), spec, max_len, "cpu", self.dtype)
 
     def _bytes_per_block(self, block_size: int) -> int:
-        cfg = self.model_config
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * elem
+        return kv_block_bytes(self.model_config, block_size, self.dtype)
 
     def num_kv_blocks(self, cache: CacheConfig) -> int:
         if cache.num_blocks is not None:

@@ -22,10 +22,8 @@ from deepinfer.core.batch import ModelBatch, SamplerOutput, SamplingRow
 from deepinfer.core.config import CacheConfig, EngineConfig, ModelSpec
 from deepinfer.core.sampler import Sampler
 from deepinfer.core.sampling import SamplingParams
-from deepinfer.models.loader import init_dummy_weights, load_weights, resolve_dtype
+from deepinfer.models.loader import build_model, kv_block_bytes, resolve_dtype
 from deepinfer.models.model_config import ModelConfig
-from deepinfer.models.registry import model_class
-from deepinfer.models.rope import rope_cos_sin
 
 log = logging.getLogger(__name__)
 
@@ -85,22 +83,11 @@ class CUDAAccelerator(Accelerator):
 
         self.cache = PagedKVCache(cfg.num_layers)
         self.ops = CUDAOps(self.cache, cfg.head_dim)
-        with torch.device("meta"):
-            model = model_class(cfg.architecture)(cfg, self.ops, self.max_model_len)
-        model = model.to_empty(device=self.device).to(self.dtype)
-        if spec.load_format == "dummy":
-            init_dummy_weights(model, self.seed)
-        else:
-            load_weights(model, cfg, spec.path)
-        cos, sin = rope_cos_sin(cfg.rope, cfg.head_dim, cfg.max_position_embeddings,
-                                self.max_model_len)
-        model.rope_cos, model.rope_sin = cos.to(self.device), sin.to(self.device)
-        self.model = model.eval()
+        self.model = build_model(cfg, self.ops, spec, self.max_model_len, self.device,
+                                 self.dtype, self.seed)
 
     def _bytes_per_block(self, block_size: int) -> int:
-        cfg = self.model_config
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * elem
+        return kv_block_bytes(self.model_config, block_size, self.dtype)
 
     def num_kv_blocks(self, cache: CacheConfig) -> int:
         if cache.num_blocks is not None:

@@ -17,6 +17,7 @@ from typing import Callable
 import torch
 
 from deepinfer.backends.cuda.page_copy import UVAPageCopier
+from deepinfer.backends.cuda.timing import cuda_times_ms
 
 LAYERS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 128
 CONFIGS = [  # (threads, ctas_per_chunk, unroll)
@@ -60,17 +61,7 @@ def _check(name: str, copy: Callable[[bool], None], host: torch.Tensor, kv: torc
 
 
 def _time_ms(fn: Callable[[], None], reps: int, warmup: int = 3) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return statistics.median(cuda_times_ms(fn, reps, warmup))
 
 
 def _row(name: str, direction: str, ms: float, nbytes: int) -> dict:

@@ -205,14 +205,21 @@ def launch_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
            block_tables: torch.Tensor, num_splits: int, q_heads: int, kv_heads: int,
            out: torch.Tensor | None) -> None:
-    """Shape and layout checks only: nothing here may read tensor values (graph capture)."""
+    if num_splits < 1 or num_splits & (num_splits - 1):
+        raise ValueError(f"num_splits must be a power of two, got {num_splits}")
+    check_layout(q, k_cache, v_cache, block_tables, q_heads, kv_heads, out)
+
+
+def check_layout(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 block_tables: torch.Tensor, q_heads: int, kv_heads: int,
+                 out: torch.Tensor | None) -> None:
+    """Shape and layout checks of both attention launchers. Nothing here may read tensor
+    values: that would sync with the device and break graph capture."""
     head_dim = q.shape[-1]
     if q_heads % kv_heads:
         raise ValueError(f"{q_heads} query heads are not a multiple of {kv_heads} KV heads")
     if head_dim < 16 or head_dim & (head_dim - 1):
         raise ValueError(f"head_dim must be a power of two >= 16, got {head_dim}")
-    if num_splits < 1 or num_splits & (num_splits - 1):
-        raise ValueError(f"num_splits must be a power of two, got {num_splits}")
     if q.stride(-1) != 1 or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("q needs a contiguous last dim and the caches must be contiguous")
     if out is not None and (out.shape != q.shape or out.stride(-1) != 1):

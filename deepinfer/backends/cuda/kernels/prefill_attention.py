@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from deepinfer.backends.cuda.kernels.decode_attention import tile_slots
+from deepinfer.backends.cuda.kernels.decode_attention import check_layout, tile_slots
 
 _LOG2E = 1.0 / math.log(2.0)
 
@@ -167,7 +167,7 @@ def launch_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     """paged_prefill_attention with an explicit tile config (for tuning)."""
     tokens, q_heads, head_dim = q.shape
     kv_heads = k_cache.shape[1]
-    _check(q, k_cache, v_cache, block_tables, q_heads, kv_heads, out)
+    check_layout(q, k_cache, v_cache, block_tables, q_heads, kv_heads, out)
     if out is None:
         out = torch.empty((tokens, q_heads, head_dim), dtype=q.dtype, device=q.device)
     num_seqs = seq_lens.shape[0]
@@ -211,20 +211,3 @@ def _descriptor(cache: torch.Tensor, block_n: int) -> TensorDescriptor:
     slots, kv_heads, head_dim = cache.shape
     flat = cache.view(slots, kv_heads * head_dim)
     return TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [block_n, head_dim])
-
-
-def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-           block_tables: torch.Tensor, q_heads: int, kv_heads: int,
-           out: torch.Tensor | None) -> None:
-    """Shape and layout checks only; tensor values stay on the device."""
-    head_dim = q.shape[-1]
-    if q_heads % kv_heads:
-        raise ValueError(f"{q_heads} query heads are not a multiple of {kv_heads} KV heads")
-    if head_dim < 16 or head_dim & (head_dim - 1):
-        raise ValueError(f"head_dim must be a power of two >= 16, got {head_dim}")
-    if q.stride(-1) != 1 or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise ValueError("q needs a contiguous last dim and the caches must be contiguous")
-    if out is not None and (out.shape != q.shape or out.stride(-1) != 1):
-        raise ValueError("out must have q's shape and a contiguous last dim")
-    if block_tables.dtype != torch.int32:
-        raise ValueError("block_tables must be int32")
