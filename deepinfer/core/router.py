@@ -114,6 +114,8 @@ class Router:
         self.requests = [0] * num_ranks  # in-flight requests per rank
         self.alive = [True] * num_ranks
         self.decisions: Counter[str] = Counter({d: 0 for d in DECISIONS})
+        # The same decisions by (reason, rank), for the per-rank router metric.
+        self.decisions_by_rank: Counter[tuple[str, int]] = Counter()
 
     # ---- state -----------------------------------------------------------------------------
     def started(self, rank: int, tokens: int) -> None:
@@ -150,14 +152,18 @@ class Router:
         """The rank `key` hashes to when every rank is alive."""
         return max(range(self.num_ranks), key=lambda r: _score(key, r))
 
+    def _decide(self, reason: str, rank: int) -> int:
+        self.decisions[reason] += 1
+        self.decisions_by_rank[reason, rank] += 1
+        return rank
+
     def pick(self, key: str, prompt_tokens: int = 0) -> int:
         """The rank for a request with affinity `key` and `prompt_tokens` prompt tokens.
 
         Does not count the request as started: call :meth:`started` once it is sent."""
         live = self._live()
         if self.policy == "least-loaded" or not key:
-            self.decisions["least_loaded"] += 1
-            return self._least_loaded(live)
+            return self._decide("least_loaded", self._least_loaded(live))
         chosen = max(live, key=lambda r: _score(key, r))
         # The mean over the *other* live ranks: over all of them (the chosen one included) a
         # single busy rank could never exceed 2x the mean with two ranks.
@@ -167,10 +173,7 @@ class Router:
                 self.load[chosen] > self.overload_factor * mean + self.overload_min_tokens:
             fallback = self._least_loaded(live)
             if fallback != chosen:
-                self.decisions["fallback_overloaded"] += 1
-                return fallback
+                return self._decide("fallback_overloaded", fallback)
         if len(live) < self.num_ranks and self.home(key) != chosen:
-            self.decisions["rerouted_dead"] += 1
-        else:
-            self.decisions["affinity"] += 1
-        return chosen
+            return self._decide("rerouted_dead", chosen)
+        return self._decide("affinity", chosen)

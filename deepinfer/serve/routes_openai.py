@@ -7,7 +7,7 @@ import uuid
 from typing import Any, AsyncIterator
 
 from fastapi import Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 
 from deepinfer.core.batch import TokenLogprobs
 from deepinfer.core.router import affinity_key
@@ -15,8 +15,11 @@ from deepinfer.core.sampling import SamplingParams
 from deepinfer.serve.chat import (may_become_tool_call, parse_tool_calls, render_chat,
                                   tool_call_constraint)
 from deepinfer.serve.errors import APIError
-from deepinfer.serve.generation import Choice, Generation, check_length, stream_generation, usage
+from deepinfer.serve.generation import (Choice, Generation, check_length, pick_rank,
+                                        stream_generation, usage)
 from deepinfer.serve.protocol import ChatCompletionRequest, CompletionRequest
+
+RANK_HEADER = "x-deepinfer-rank"  # which engine rank(s) served the request
 
 
 def _params(body: ChatCompletionRequest | CompletionRequest) -> SamplingParams:
@@ -77,14 +80,16 @@ async def chat_completions(state, body: ChatCompletionRequest, request: Request)
     gen = Generation(prompt_ids, [Choice(i) for i in range(params.n)])
     key = affinity_key(request.headers, body.user,
                        [m.model_dump(exclude_none=True) for m in body.messages])
+    rank = pick_rank(state.client, key, len(prompt_ids))
+    headers = {RANK_HEADER: str(rank)}
     stream = stream_generation(state.client, state.metrics, rid, prompt_ids, params,
-                               body.prefix_cache, gen, route_key=key)
+                               body.prefix_cache, gen, rank)
     use_tools = bool(tools) and body.tool_choice != "none"
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         chunks = _chat_chunks(state, rid, gen, stream, rendered.forced_prefix, names if use_tools
                               else None, include_usage, body.logprobs)
-        return StreamingResponse(chunks, media_type="text/event-stream")
+        return StreamingResponse(chunks, media_type="text/event-stream", headers=headers)
 
     async def collect() -> None:
         async for _ in stream:
@@ -93,8 +98,9 @@ async def chat_completions(state, body: ChatCompletionRequest, request: Request)
     await _until_disconnect(request, collect())
     choices = [_chat_choice(state, c, rendered.forced_prefix, names if use_tools else None,
                             body.logprobs) for c in gen.choices]
-    return {"id": rid, "object": "chat.completion", "created": _now(),
-            "model": state.model_name, "choices": choices, "usage": usage([gen])}
+    return JSONResponse({"id": rid, "object": "chat.completion", "created": _now(),
+                         "model": state.model_name, "choices": choices, "usage": usage([gen])},
+                        headers=headers)
 
 
 def _chat_choice(state, c: Choice, forced: str, tool_names: set[str] | None,
@@ -193,17 +199,19 @@ async def completions(state, body: CompletionRequest, request: Request):
     gens = [Generation(ids, [Choice(i) for i in range(params.n)]) for ids in prompts]
     # Each prompt of a batch routes on its own key (headers or user pin them all together).
     sources = body.prompts()
+    ranks = [pick_rank(state.client, affinity_key(request.headers, body.user, None, src),
+                       len(ids)) for src, ids in zip(sources, prompts)]
+    headers = {RANK_HEADER: ",".join(map(str, ranks))}
     streams = [stream_generation(state.client, state.metrics, f"{rid}-{k}", ids, params,
-                                 body.prefix_cache, g,
-                                 route_key=affinity_key(request.headers, body.user, None,
-                                                        sources[k]))
-               for k, (ids, g) in enumerate(zip(prompts, gens))]
+                                 body.prefix_cache, g, rank)
+               for k, (ids, g, rank) in enumerate(zip(prompts, gens, ranks))]
     echo = [state.tokenizer.decode(ids) if body.echo else "" for ids in prompts]
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return StreamingResponse(
             _completion_chunks(state, rid, gens, streams, echo, params.n, include_usage,
-                               body.logprobs is not None), media_type="text/event-stream")
+                               body.logprobs is not None), media_type="text/event-stream",
+            headers=headers)
 
     async def collect() -> None:
         async for _ in _merge(streams):
@@ -217,8 +225,9 @@ async def completions(state, body: CompletionRequest, request: Request):
                             "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
                             "logprobs": _completion_logprobs(state, c.logprobs)
                             if body.logprobs is not None else None})
-    return {"id": rid, "object": "text_completion", "created": _now(),
-            "model": state.model_name, "choices": choices, "usage": usage(gens)}
+    return JSONResponse({"id": rid, "object": "text_completion", "created": _now(),
+                         "model": state.model_name, "choices": choices, "usage": usage(gens)},
+                        headers=headers)
 
 
 async def _completion_chunks(state, rid: str, gens: list[Generation], streams: list,
