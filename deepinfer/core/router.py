@@ -97,6 +97,22 @@ def _score(key: str, rank: int) -> int:
     return int.from_bytes(digest, "big")
 
 
+@dataclass
+class Route:
+    """A request's rank, counted in the router's load from the pick until :meth:`release`
+    (idempotent, so every path that may end the request can call it)."""
+
+    rank: int
+    tokens: int
+    router: "Router"
+    released: bool = False
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            self.router.finished(self.rank, self.tokens)
+
+
 class Router:
     def __init__(self, num_ranks: int, policy: str = "affinity", overload_factor: float = 2.0,
                  overload_min_tokens: int = 8192) -> None:
@@ -151,6 +167,13 @@ class Router:
     def home(self, key: str) -> int:
         """The rank `key` hashes to when every rank is alive."""
         return max(range(self.num_ranks), key=lambda r: _score(key, r))
+
+    def reserve(self, key: str, prompt_tokens: int = 0) -> Route:
+        """Pick a rank and count the request there at once, so that requests routed before
+        this one starts still see its load."""
+        rank = self.pick(key, prompt_tokens)
+        self.started(rank, prompt_tokens)
+        return Route(rank, prompt_tokens, self)
 
     def _decide(self, reason: str, rank: int) -> int:
         self.decisions[reason] += 1

@@ -21,7 +21,7 @@ import zmq
 import zmq.asyncio
 
 from deepinfer.core.config import EngineConfig
-from deepinfer.core.router import Router
+from deepinfer.core.router import Route, Router
 from deepinfer.core.sampling import SamplingParams
 from deepinfer.serve.engine_proc import RankSpec, run_rank
 from deepinfer.serve.ipc import (AbortRequest, AddRequest, Control, ControlReply, EngineStats,
@@ -212,25 +212,31 @@ class EngineClient:
         self._check_alive()
         return self.router.pick(route_key, prompt_tokens)
 
+    def route(self, route_key: str = "", prompt_tokens: int = 0) -> Route:
+        """Pick a rank and count the request's load there until the route is released;
+        raises NoLiveRankError."""
+        self._check_alive()
+        return self.router.reserve(route_key, prompt_tokens)
+
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        params: SamplingParams, prefix_cache: bool = True,
-                       route_key: str = "", rank: int | None = None
+                       route_key: str = "", route: Route | None = None
                        ) -> AsyncIterator[TokenDelta]:
         """Stream the request's deltas; leaving early (disconnect, cancel) aborts it.
 
-        `rank` is where it runs, from pick_rank; without one, `route_key` picks it (affinity
-        routing pins a conversation's key to a rank). Raises RankDiedError if the rank dies."""
-        tokens = len(prompt_token_ids)
-        if rank is None:
-            rank = self.pick_rank(route_key, tokens)
-        if not self.router.alive[rank]:
-            raise RankDiedError(rank, self._ranks[rank].process.exitcode)
+        `route` (from :meth:`route`) says where it runs and is released when it ends; without
+        one, `route_key` picks the rank (affinity routing pins a conversation's key to a
+        rank). Raises RankDiedError if the rank dies."""
+        if route is None:
+            route = self.route(route_key, len(prompt_token_ids))
+        rank = route.rank
         queue: asyncio.Queue = asyncio.Queue()
-        self._queues[request_id] = queue
-        self._owner[request_id] = rank
-        self.router.started(rank, tokens)
         finished = 0
         try:
+            if not self.router.alive[rank]:
+                raise RankDiedError(rank, self._ranks[rank].process.exitcode)
+            self._queues[request_id] = queue
+            self._owner[request_id] = rank
             await self._send(rank, AddRequest(request_id, prompt_token_ids, params, prefix_cache))
             while finished < params.n:
                 item = await queue.get()
@@ -241,7 +247,7 @@ class EngineClient:
         finally:
             self._queues.pop(request_id, None)
             self._owner.pop(request_id, None)
-            self.router.finished(rank, tokens)
+            route.release()
             if finished < params.n and self.router.alive[rank]:
                 await self._send(rank, AbortRequest(request_id), missing_ok=True)
 
