@@ -191,3 +191,15 @@ def test_bad_arguments():
         Router(2, policy="random")
     with pytest.raises(ValueError):
         Router(2, overload_factor=0.5)
+
+
+def test_reserve_counts_load_until_released():
+    router = Router(2, "least-loaded")
+    first = router.reserve("", 100)
+    second = router.reserve("", 100)  # sees the first one's load before it starts
+    assert {first.rank, second.rank} == {0, 1}
+    assert router.load == [100, 100] and router.requests == [1, 1]
+    first.release()
+    first.release()  # idempotent: every path that ends a request may call it
+    assert router.load[first.rank] == 0 and router.requests[first.rank] == 0
+    assert router.decisions_by_rank == {("least_loaded", 0): 1, ("least_loaded", 1): 1}

@@ -1,11 +1,13 @@
 """A `--dp 2 --routing least-loaded` server run through `deepinfer server` (serve/server.sh):
-status, least-loaded balance, a rank killed mid-request, and stop leaving no process behind.
+status, least-loaded balance, a rank killed mid-request, no rank left, and stop leaving no
+process behind.
 
-The tests share one server and run in file order: the kill test leaves one rank, and the last
-test stops the server.
+The first four tests share one server and run in file order: the kill tests take its ranks
+one by one. The stop test starts a server of its own.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -14,6 +16,7 @@ import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Iterator
 
 import httpx
 import openai
@@ -57,22 +60,31 @@ class ShServer:
         return [r["pid"] for r in self.health().json()["ranks"]]
 
 
+    @property
+    def leader(self) -> int:
+        with open(self.pid_file) as f:
+            return int(f.read())
+
+
 @pytest.fixture(scope="module")
-def ll(tmp_path_factory) -> ShServer:
-    ckpt = make_tiny_chat_checkpoint(str(tmp_path_factory.mktemp("tiny-ll")))
-    run_dir = str(tmp_path_factory.mktemp("run"))
+def tiny_ckpt(tmp_path_factory) -> str:
+    return make_tiny_chat_checkpoint(str(tmp_path_factory.mktemp("tiny-ll")))
+
+
+@contextlib.contextmanager
+def _sh_server(run_dir: str, ckpt: str, *args: str) -> Iterator[ShServer]:
+    """A `--dp 2` server started with `deepinfer server start`; whatever the test left running
+    of it is stopped afterwards, and its log must hold no traceback."""
     env = dict(os.environ, DEEPINFER_RUN_DIR=run_dir, DEEPINFER_CPU_THREADS="1",
                DEEPINFER_START_TIMEOUT=str(int(START_TIMEOUT_S)), DEEPINFER_STOP_TIMEOUT="30",
                TOKENIZERS_PARALLELISM="false")
     port = free_port()
     server = ShServer(f"http://127.0.0.1:{port}", env, run_dir)
     started = server.sh("start", "--model", ckpt, "--port", str(port), "--dp", "2",
-                        "--routing", "least-loaded", "--served-model-name", NAME,
-                        "--block-size", "16", "--num-kv-blocks", "64", "--max-num-seqs", "2",
-                        "--dtype", "float32", timeout=START_TIMEOUT_S + 60)
+                        "--served-model-name", NAME, "--block-size", "16", "--num-kv-blocks",
+                        "64", "--dtype", "float32", *args, timeout=START_TIMEOUT_S + 60)
     assert started.returncode == 0, started.stdout + started.stderr
-    with open(server.pid_file) as f:
-        leader = int(f.read())
+    leader = server.leader
     try:
         yield server
     finally:
@@ -81,6 +93,13 @@ def ll(tmp_path_factory) -> ShServer:
         for proc in _group(leader):  # only what this server started
             proc.kill()
     assert "Traceback (most recent call last)" not in server.log, server.log[-4000:]
+
+
+@pytest.fixture(scope="module")
+def ll(tmp_path_factory, tiny_ckpt) -> Iterator[ShServer]:
+    with _sh_server(str(tmp_path_factory.mktemp("run")), tiny_ckpt, "--routing",
+                    "least-loaded", "--max-num-seqs", "2") as server:
+        yield server
 
 
 def _group(pgid: int) -> list[psutil.Process]:
@@ -163,8 +182,7 @@ def _engine_load(server: ShServer, rank: int) -> float:
 def test_status_names_the_process_group(ll):
     status = ll.sh("status")
     assert status.returncode == 0, status.stdout + status.stderr
-    with open(ll.pid_file) as f:
-        leader = int(f.read())
+    leader = ll.leader
     assert f"pid {leader}" in status.stdout and ll.url in status.stdout
     for pid in ll.rank_pids():
         assert f"\n  {pid} {leader} " in status.stdout  # a rank: in the group, child of leader
@@ -248,17 +266,34 @@ def test_killing_a_rank_ends_its_requests_at_once(ll):
     assert per_rank(ll.url, "deepinfer:rank_lost_requests_total") == {0: 0.0, 1: 4.0}
 
 
-def test_server_sh_stop_leaves_no_process(ll):
-    with open(ll.pid_file) as f:
-        leader = int(f.read())
-    group = _group(leader)
-    pids = {p.pid for p in group}
-    assert leader in pids and ll.rank_pids()[0] in pids
-    stopped = ll.sh("stop")
-    assert stopped.returncode == 0, stopped.stdout + stopped.stderr
-    assert _group(leader) == []
-    for pid in pids:
-        assert not psutil.pid_exists(pid) or \
-            psutil.Process(pid).status() == psutil.STATUS_ZOMBIE, f"pid {pid} still runs"
-    assert not os.path.exists(ll.pid_file)
-    assert ll.sh("status").returncode == 3
+def test_no_live_rank_is_a_503_and_unhealthy(ll):
+    os.kill(ll.rank_pids()[0], signal.SIGKILL)
+    _until(lambda: ll.health().status_code == 503, timeout=10, what="/health to say 503")
+    body = ll.health().json()
+    assert body["status"] == "unavailable" and body["live"] == [] and body["dead"] == [0, 1]
+    reply = httpx.post(f"{ll.url}/v1/chat/completions", timeout=10, json={
+        "model": NAME, "messages": [{"role": "user", "content": "anyone?"}], "stream": True})
+    assert reply.status_code == 503  # before any stream starts
+    assert reply.json()["error"]["message"].startswith("no live engine rank")
+
+
+@pytest.mark.parametrize("hung", [False, True], ids=["graceful", "hung-api-process"])
+def test_server_sh_stop_leaves_no_process(tmp_path, tiny_ckpt, hung):
+    with _sh_server(str(tmp_path), tiny_ckpt) as server:
+        leader = server.leader
+        group = {p.pid for p in _group(leader)}
+        # The API process, both ranks and multiprocessing's resource tracker.
+        assert {leader, *server.rank_pids()} < group
+        if hung:  # SIGTERM cannot stop it: stop must SIGKILL the whole group
+            os.kill(leader, signal.SIGSTOP)
+            server.env["DEEPINFER_STOP_TIMEOUT"] = "2"
+        stopped = server.sh("stop")
+        assert stopped.returncode == 0, stopped.stdout + stopped.stderr
+        assert ("killing" in stopped.stdout) == hung
+        assert _group(leader) == []
+        for pid in group:
+            assert not psutil.pid_exists(pid) or \
+                psutil.Process(pid).status() == psutil.STATUS_ZOMBIE, f"pid {pid} still runs"
+        assert not os.path.exists(server.pid_file)
+        status = server.sh("status")
+        assert status.returncode == 3 and "not running" in status.stdout
