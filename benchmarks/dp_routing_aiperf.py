@@ -48,14 +48,14 @@ def parse_args(argv=None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--repeats", type=int, default=3, help="runs per policy")
     p.add_argument("--num-users", type=int, default=8, help="concurrent conversations")
-    p.add_argument("--rate", type=float, default=0.5, help="requests/s over all users")
+    p.add_argument("--rate", type=float, default=0.6, help="requests/s over all users")
     p.add_argument("--turns", type=int, default=5, help="turns per conversation")
     p.add_argument("--isl", type=int, default=150, help="new user tokens per turn")
     p.add_argument("--osl", type=int, default=12, help="answer tokens per turn")
     p.add_argument("--requests", type=int, default=40, help="requests per run")
-    p.add_argument("--num-kv-blocks", type=int, default=128,
-                   help="device KV blocks per rank: fewer than the conversations need, so "
-                        "most hits come from the host tier")
+    p.add_argument("--num-kv-blocks", type=int, default=64,
+                   help="device KV blocks per rank: about one conversation's worth, so most "
+                        "hits come from the host tier")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--hicache-size-gb", type=float, default=0.5, help="host tier per rank")
     p.add_argument("--max-num-seqs", type=int, default=2)
@@ -85,11 +85,14 @@ def aiperf_command(args: argparse.Namespace, url: str, model_name: str, tokenize
             "--url", url, "--endpoint-type", "chat", "--endpoint", "/v1/chat/completions",
             "--streaming", "--use-server-token-count",
             "--user-centric-rate", str(args.rate), "--num-users", str(args.num_users),
-            "--conversation-num", str(max(args.num_users, args.requests // args.turns)),
+            # More conversations than the run can finish, so --request-count ends it (aiperf
+            # starts some users part-way into their conversation).
+            "--conversation-num", str(2 * max(args.num_users, args.requests // args.turns)),
             "--conversation-turn-mean", str(args.turns), "--conversation-turn-stddev", "0",
             "--isl", str(args.isl), "--osl", str(args.osl),
             "--request-count", str(args.requests), "--random-seed", str(args.seed),
-            "--extra-inputs", "temperature:0", "--export-http-trace",
+            "--extra-inputs", "temperature:0", "--extra-inputs", "ignore_eos:true",
+            "--export-http-trace",
             "--workers-max", "1", "--record-processors", "1", "--ui", "none",
             "--no-server-metrics", "--no-gpu-telemetry", "--artifact-dir", artifacts]
 

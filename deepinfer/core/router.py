@@ -9,7 +9,8 @@ Two policies:
   overloaded (its queued + running tokens exceed ``overload_factor`` x the mean load of the
   other live ranks + ``overload_min_tokens``) the request goes to the least-loaded live rank
   instead.
-* ``least-loaded``: the live rank with the fewest queued + running tokens.
+* ``least-loaded``: the live rank with the fewest queued + running tokens; ties go round-robin,
+  so requests that find every rank idle take turns instead of all landing on rank 0.
 
 Load is what the caller reports through :meth:`Router.started` / :meth:`Router.finished`.
 Hashing uses blake2b, so the mapping is the same in every process and across restarts.
@@ -129,6 +130,7 @@ class Router:
         self.load = [0] * num_ranks  # queued + running tokens per rank
         self.requests = [0] * num_ranks  # in-flight requests per rank
         self.alive = [True] * num_ranks
+        self._next_tie = 0  # where the round-robin among equally loaded ranks resumes
         self.decisions: Counter[str] = Counter({d: 0 for d in DECISIONS})
         # The same decisions by (reason, rank), for the per-rank router metric.
         self.decisions_by_rank: Counter[tuple[str, int]] = Counter()
@@ -162,7 +164,11 @@ class Router:
         return live
 
     def _least_loaded(self, live: list[int]) -> int:
-        return min(live, key=lambda r: (self.load[r], self.requests[r], r))
+        best = min((self.load[r], self.requests[r]) for r in live)
+        tied = [r for r in live if (self.load[r], self.requests[r]) == best]
+        chosen = next((r for r in tied if r >= self._next_tie), tied[0])
+        self._next_tie = chosen + 1
+        return chosen
 
     def home(self, key: str) -> int:
         """The rank `key` hashes to when every rank is alive."""

@@ -203,3 +203,16 @@ def test_reserve_counts_load_until_released():
     first.release()  # idempotent: every path that ends a request may call it
     assert router.load[first.rank] == 0 and router.requests[first.rank] == 0
     assert router.decisions_by_rank == {("least_loaded", 0): 1, ("least_loaded", 1): 1}
+
+
+def test_least_loaded_ties_take_turns():
+    # Requests that each find every rank idle (one at a time, finishing before the next).
+    router = Router(3, "least-loaded")
+    order = []
+    for _ in range(7):
+        route = router.reserve("", 50)
+        order.append(route.rank)
+        route.release()
+    assert order == [0, 1, 2, 0, 1, 2, 0]
+    router.started(1, 10)  # a busy rank is skipped, the others still alternate
+    assert [router.pick("", 1) for _ in range(4)] == [2, 0, 2, 0]
