@@ -105,7 +105,7 @@ class Route:
 
     rank: int
     tokens: int
-    router: "Router"
+    router: Router
     released: bool = False
 
     def release(self) -> None:

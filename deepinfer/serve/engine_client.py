@@ -25,7 +25,7 @@ from deepinfer.core.router import Route, Router
 from deepinfer.core.sampling import SamplingParams
 from deepinfer.serve.engine_proc import RankSpec, run_rank
 from deepinfer.serve.ipc import (AbortRequest, AddRequest, Control, ControlReply, EngineStats,
-                                 Failed, Ready, RequestError, StepResult, TokenDelta)
+                                 Failed, Ready, StepResult, TokenDelta)
 
 START_TIMEOUT_S = 600.0  # a first start may convert a checkpoint
 log = logging.getLogger("deepinfer.serve")
@@ -206,11 +206,6 @@ class EngineClient:
     @property
     def ready(self) -> Ready:
         return self._ranks[0].ready
-
-    def pick_rank(self, route_key: str = "", prompt_tokens: int = 0) -> int:
-        """The rank for a request (see deepinfer.core.router); raises NoLiveRankError."""
-        self._check_alive()
-        return self.router.pick(route_key, prompt_tokens)
 
     def route(self, route_key: str = "", prompt_tokens: int = 0) -> Route:
         """Pick a rank and count the request's load there until the route is released;

@@ -130,7 +130,9 @@ def test_rank_death_fails_its_in_flight_requests_at_once():
     assert client.router.load == [0, 0] and client.router.requests == [0, 0]
     view = client.ranks()[1]
     assert (view.alive, view.pid, view.exitcode, view.lost_requests) == (False, 1001, -9, 2)
-    assert client.pick_rank("any", 1) == 0
+    route = client.route("any", 1)
+    assert route.rank == 0
+    route.release()
 
 
 async def _drain(stream) -> None:
