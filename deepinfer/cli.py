@@ -1,8 +1,15 @@
-"""The `deepinfer` console script. `deepinfer plugins` lists backends and plugin failures."""
+"""The `deepinfer` console script.
+
+    deepinfer plugins                             backends and plugin failures
+    deepinfer server start|stop|status [args]     a background deepinfer-serve (serve/server.sh)
+    deepinfer server path                         where server.sh is, to call it directly
+"""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+from importlib import resources
 from typing import Sequence
 
 from deepinfer.core.plugins import AcceleratorRow, PluginRegistry, describe, load_plugins
@@ -31,13 +38,37 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="deepinfer", description="DeepInfer LLM serving engine")
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("plugins", help="list accelerator backends and plugin load failures")
+    server = commands.add_parser(
+        "server", help="start, stop or show a background deepinfer-serve in its own process "
+        "group (pid and log files under $DEEPINFER_RUN_DIR, default ~/.cache/deepinfer/run)")
+    server.add_argument("action", choices=["start", "stop", "status", "path"])
+    server.add_argument("serve_args", nargs=argparse.REMAINDER,
+                        help="deepinfer-serve arguments (start only)")
     return parser
+
+
+def server_script() -> str:
+    return str(resources.files("deepinfer.serve").joinpath("server.sh"))
+
+
+def run_server_script(action: str, serve_args: list[str]) -> int:
+    """Replace this process with server.sh, which runs deepinfer-serve with this interpreter."""
+    script = server_script()
+    if action == "path":
+        print(script)
+        return 0
+    env = dict(os.environ)
+    env.setdefault("DEEPINFER_PYTHON", sys.executable)
+    os.execvpe("bash", ["bash", script, action, *serve_args], env)
+    return 1  # not reached
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "plugins":
         print_plugins(load_plugins())
+    elif args.command == "server":
+        return run_server_script(args.action, args.serve_args)
     return 0
 
 

@@ -9,7 +9,8 @@ Two policies:
   overloaded (its queued + running tokens exceed ``overload_factor`` x the mean load of the
   other live ranks + ``overload_min_tokens``) the request goes to the least-loaded live rank
   instead.
-* ``least-loaded``: the live rank with the fewest queued + running tokens.
+* ``least-loaded``: the live rank with the fewest queued + running tokens; ties go round-robin,
+  so requests that find every rank idle take turns instead of all landing on rank 0.
 
 Load is what the caller reports through :meth:`Router.started` / :meth:`Router.finished`.
 Hashing uses blake2b, so the mapping is the same in every process and across restarts.
@@ -97,6 +98,22 @@ def _score(key: str, rank: int) -> int:
     return int.from_bytes(digest, "big")
 
 
+@dataclass
+class Route:
+    """A request's rank, counted in the router's load from the pick until :meth:`release`
+    (idempotent, so every path that may end the request can call it)."""
+
+    rank: int
+    tokens: int
+    router: Router
+    released: bool = False
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            self.router.finished(self.rank, self.tokens)
+
+
 class Router:
     def __init__(self, num_ranks: int, policy: str = "affinity", overload_factor: float = 2.0,
                  overload_min_tokens: int = 8192) -> None:
@@ -113,7 +130,10 @@ class Router:
         self.load = [0] * num_ranks  # queued + running tokens per rank
         self.requests = [0] * num_ranks  # in-flight requests per rank
         self.alive = [True] * num_ranks
+        self._next_tie = 0  # where the round-robin among equally loaded ranks resumes
         self.decisions: Counter[str] = Counter({d: 0 for d in DECISIONS})
+        # The same decisions by (reason, rank), for the per-rank router metric.
+        self.decisions_by_rank: Counter[tuple[str, int]] = Counter()
 
     # ---- state -----------------------------------------------------------------------------
     def started(self, rank: int, tokens: int) -> None:
@@ -144,11 +164,27 @@ class Router:
         return live
 
     def _least_loaded(self, live: list[int]) -> int:
-        return min(live, key=lambda r: (self.load[r], self.requests[r], r))
+        best = min((self.load[r], self.requests[r]) for r in live)
+        tied = [r for r in live if (self.load[r], self.requests[r]) == best]
+        chosen = next((r for r in tied if r >= self._next_tie), tied[0])
+        self._next_tie = chosen + 1
+        return chosen
 
     def home(self, key: str) -> int:
         """The rank `key` hashes to when every rank is alive."""
         return max(range(self.num_ranks), key=lambda r: _score(key, r))
+
+    def reserve(self, key: str, prompt_tokens: int = 0) -> Route:
+        """Pick a rank and count the request there at once, so that requests routed before
+        this one starts still see its load."""
+        rank = self.pick(key, prompt_tokens)
+        self.started(rank, prompt_tokens)
+        return Route(rank, prompt_tokens, self)
+
+    def _decide(self, reason: str, rank: int) -> int:
+        self.decisions[reason] += 1
+        self.decisions_by_rank[reason, rank] += 1
+        return rank
 
     def pick(self, key: str, prompt_tokens: int = 0) -> int:
         """The rank for a request with affinity `key` and `prompt_tokens` prompt tokens.
@@ -156,8 +192,7 @@ class Router:
         Does not count the request as started: call :meth:`started` once it is sent."""
         live = self._live()
         if self.policy == "least-loaded" or not key:
-            self.decisions["least_loaded"] += 1
-            return self._least_loaded(live)
+            return self._decide("least_loaded", self._least_loaded(live))
         chosen = max(live, key=lambda r: _score(key, r))
         # The mean over the *other* live ranks: over all of them (the chosen one included) a
         # single busy rank could never exceed 2x the mean with two ranks.
@@ -167,10 +202,7 @@ class Router:
                 self.load[chosen] > self.overload_factor * mean + self.overload_min_tokens:
             fallback = self._least_loaded(live)
             if fallback != chosen:
-                self.decisions["fallback_overloaded"] += 1
-                return fallback
+                return self._decide("fallback_overloaded", fallback)
         if len(live) < self.num_ranks and self.home(key) != chosen:
-            self.decisions["rerouted_dead"] += 1
-        else:
-            self.decisions["affinity"] += 1
-        return chosen
+            return self._decide("rerouted_dead", chosen)
+        return self._decide("affinity", chosen)

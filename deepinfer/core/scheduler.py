@@ -1,7 +1,9 @@
 """Continuous batching with one token budget per step.
 
-Each step: running requests first (decodes, then the next chunk of any prefill in progress),
-then waiting requests in arrival order, with prefix-cache hits skipping their computed pages.
+Each step: running requests first (decodes, then the next chunk of any prefill in progress,
+which leaves room for the head of the queue), then waiting requests in arrival order, with
+prefix-cache hits skipping their computed pages. So a new request starts prefilling in the
+step after it arrives, whatever else the rank is doing.
 When blocks run out, the newest running request is preempted and recomputed later; preempted
 requests go back to the head of the queue, so nothing starves. With HiCache, admission also
 loads host pages that continue the device hit, and every finished prefill writes its prompt
@@ -94,13 +96,38 @@ class Scheduler:
         return min(remaining, budget)
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        # Decodes first: a prefill in progress never holds back a decoding request's token.
+        # Prefill chunks then leave a reserve for the waiting queue's head, so a new request
+        # starts its prefill in this very step instead of after a long prefill finishes
+        # (prefill-any-interval). The reserve is at most half of what the decodes left, so
+        # the prefill in progress keeps moving however many requests arrive.
         scheduled: set[int] = set()
-        i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
+        decodes = [r for r in self.running if self._is_decode(r)]
+        prefills = [r for r in self.running if not self._is_decode(r)]
+        budget = self._schedule_group(decodes, out, budget, scheduled)
+        keep = min(self._admission_reserve(), budget // 2) if prefills else 0
+        return self._schedule_group(prefills, out, budget - keep, scheduled) + keep
+
+    @staticmethod
+    def _is_decode(req: Request) -> bool:
+        return req.num_tokens - req.num_computed_tokens <= 1
+
+    def _admission_reserve(self) -> int:
+        """Budget that prefills in progress leave for the waiting head (an upper bound: its
+        prefix hits are only known at admission)."""
+        if not self.waiting or len(self.running) >= self.config.max_num_seqs:
+            return 0
+        return self.waiting[0].num_tokens
+
+    def _schedule_group(self, reqs: list[Request], out: SchedulerOutput, budget: int,
+                        scheduled: set[int]) -> int:
+        for req in reqs:
+            if budget <= 0:
+                break
+            if req.status is not RequestStatus.RUNNING:
+                continue  # preempted earlier in this step to make room
             num_new = self._chunk(req, budget)
             if num_new == 0:
-                i += 1
                 continue
             while not self.kv.allocate(req, num_new):
                 victim = self.running[-1]
@@ -114,7 +141,6 @@ class Scheduler:
                 out.seqs.append(ScheduledSeq(req, num_new, self._will_sample(req, num_new)))
                 scheduled.add(id(req))
                 budget -= num_new
-                i += 1
         return budget
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:

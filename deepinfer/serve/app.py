@@ -10,7 +10,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 
-from deepinfer.serve.engine_client import EngineClient
+from deepinfer.serve.engine_client import EngineClient, RankView
 from deepinfer.serve.errors import APIError, error_response, validation_message
 from deepinfer.serve.metrics import ServerMetrics
 from deepinfer.serve.protocol import (ChatCompletionRequest, CompletionRequest,
@@ -79,8 +79,9 @@ def create_app(state: ServerState) -> FastAPI:
             "max_model_len": state.max_model_len}]}
 
     @app.get("/health")
-    async def _health() -> Response:
-        return Response(status_code=200)
+    async def _health() -> JSONResponse:
+        body = health_body(state.client.ranks())
+        return JSONResponse(body, status_code=200 if body["live"] else 503)
 
     @app.post("/tokenize")
     async def _tokenize(body: TokenizeRequest) -> dict:
@@ -97,7 +98,7 @@ def create_app(state: ServerState) -> FastAPI:
     @app.post("/reset_prefix_cache")
     async def _reset() -> dict:
         dropped = await state.client.control("reset_prefix_cache")
-        return {"status": "ok", "dropped_pages": sum(int(d) for d in dropped)}
+        return {"status": "ok", "dropped_pages": sum(int(d) for d in dropped if d is not None)}
 
     @app.get("/metrics")
     @app.get("/deepinfer/metrics")
@@ -125,6 +126,18 @@ class _APIKeyMiddleware:
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+def health_body(ranks: list[RankView]) -> dict[str, Any]:
+    """/health's JSON: "ok" when every rank serves, "degraded" when some died (the live ones
+    take their sessions), "unavailable" (HTTP 503) when none is left."""
+    live = [r.rank for r in ranks if r.alive]
+    dead = [r.rank for r in ranks if not r.alive]
+    status = "ok" if not dead else "degraded" if live else "unavailable"
+    return {"status": status, "live": live, "dead": dead, "ranks": [
+        {"rank": r.rank, "alive": r.alive, "pid": r.pid, "exitcode": r.exitcode,
+         "in_flight": r.in_flight, "load_tokens": r.load_tokens,
+         "lost_requests": r.lost_requests} for r in ranks]}
 
 
 def check_model(state: ServerState, model: str | None) -> None:

@@ -95,6 +95,7 @@ async def serve(args: argparse.Namespace, model_dir: str) -> None:
     from deepinfer.serve.app import ServerState, create_app
     from deepinfer.serve.engine_client import EngineClient
     from deepinfer.serve.metrics import ServerMetrics
+    from deepinfer.serve.rank_metrics import RankCollector
     from deepinfer.serve.tokenizer_metrics import TokenizerCollector
 
     name = args.served_model_name or os.path.basename(os.path.normpath(args.model or model_dir))
@@ -111,6 +112,7 @@ async def serve(args: argparse.Namespace, model_dir: str) -> None:
         metrics = ServerMetrics(name)
         prompt_tokenizer = build_prompt_tokenizer(args, tokenizer)
         metrics.registry.register(TokenizerCollector(prompt_tokenizer, name))
+        metrics.registry.register(RankCollector(client.ranks, client.router, name))
         state = ServerState(client, tokenizer, name, model_dir, ready[0].max_model_len,
                             metrics, args.api_key, int(time.time()),
                             prompt_tokenizer=prompt_tokenizer)

@@ -1,14 +1,18 @@
 """The API process's side of the rank processes: start them, stream their results.
 
 One receiver task reads every rank's results and routes each delta to the asyncio queue of
-its request, so no request ever waits on model work in the event loop.
+its request, so no request ever waits on model work in the event loop. Each rank's process
+sentinel is watched by the event loop: when a rank exits, its in-flight requests fail at once
+(RankDiedError) and the router stops sending it work.
 """
 from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import multiprocessing as mp
 import os
+import signal
 import tempfile
 from dataclasses import dataclass
 from typing import AsyncIterator
@@ -17,17 +21,38 @@ import zmq
 import zmq.asyncio
 
 from deepinfer.core.config import EngineConfig
-from deepinfer.core.router import Router
+from deepinfer.core.router import Route, Router
 from deepinfer.core.sampling import SamplingParams
 from deepinfer.serve.engine_proc import RankSpec, run_rank
 from deepinfer.serve.ipc import (AbortRequest, AddRequest, Control, ControlReply, EngineStats,
-                                 Failed, Ready, RequestError, StepResult, TokenDelta)
+                                 Failed, Ready, StepResult, TokenDelta)
 
 START_TIMEOUT_S = 600.0  # a first start may convert a checkpoint
+log = logging.getLogger("deepinfer.serve")
 
 
 class EngineRequestError(ValueError):
     """The engine refused the request; the message is meant for the user."""
+
+
+class RankDiedError(RuntimeError):
+    """The rank serving a request exited before the request finished."""
+
+    def __init__(self, rank: int, exitcode: int | None) -> None:
+        super().__init__(f"engine rank {rank} {describe_exit(exitcode)} while serving this "
+                         "request; the request was lost, retry it")
+        self.rank = rank
+
+
+def describe_exit(exitcode: int | None) -> str:
+    if exitcode is None:
+        return "exited"
+    if exitcode < 0:
+        try:
+            return f"was killed by {signal.Signals(-exitcode).name}"
+        except ValueError:
+            return f"was killed by signal {-exitcode}"
+    return f"exited with code {exitcode}"
 
 
 @dataclass
@@ -36,6 +61,21 @@ class _Rank:
     inbox: zmq.asyncio.Socket
     ready: Ready | None = None
     stats: EngineStats | None = None
+    lost_requests: int = 0  # in-flight requests failed because this rank died
+
+
+@dataclass(frozen=True)
+class RankView:
+    """One rank as /health and the per-rank metrics show it."""
+
+    rank: int
+    alive: bool
+    pid: int | None
+    exitcode: int | None
+    in_flight: int  # requests the API process has sent it and not seen finish
+    load_tokens: int  # their prompt tokens (what least-loaded routing compares)
+    lost_requests: int
+    stats: EngineStats | None  # its latest report (kept after death: totals stay readable)
 
 
 class EngineClient:
@@ -51,15 +91,19 @@ class EngineClient:
         self._ranks: list[_Rank] = []
         self._queues: dict[str, asyncio.Queue] = {}
         self._owner: dict[str, int] = {}  # request id -> rank
-        self._calls: dict[int, asyncio.Future] = {}
+        self._calls: dict[int, tuple[int, asyncio.Future]] = {}  # call id -> (rank, reply)
         self._call_ids = itertools.count()
         self._receiver: asyncio.Task | None = None
+        self._closing = False
 
     # ---- lifecycle -----------------------------------------------------------------------
     async def start(self) -> list[Ready]:
         spawn = mp.get_context("spawn")
         for rank in range(self.num_ranks):
             inbox = self._ctx.socket(zmq.PUSH)
+            # No high-water mark: a send to a live rank never waits, so a send that cannot
+            # queue means the rank is gone (see _send).
+            inbox.setsockopt(zmq.SNDHWM, 0)
             addr = f"ipc://{self._dir}/input-{rank}"
             inbox.bind(addr)
             spec = RankSpec(rank, self.num_ranks, self.config, addr, f"ipc://{self._dir}/output")
@@ -69,6 +113,10 @@ class EngineClient:
             self._ranks.append(_Rank(process, inbox))
         await self._await_ready()
         self._receiver = asyncio.create_task(self._receive())
+        loop = asyncio.get_running_loop()
+        for rank, r in enumerate(self._ranks):
+            # The sentinel becomes readable the moment the process ends: no polling delay.
+            loop.add_reader(r.process.sentinel, self._on_rank_exit, rank)
         return [r.ready for r in self._ranks]
 
     async def _await_ready(self) -> None:
@@ -88,13 +136,18 @@ class EngineClient:
                 raise RuntimeError(f"rank {message.rank} failed to start:\n{message.error}")
             if isinstance(message, Ready):
                 self._ranks[message.rank].ready = message
+                self._ranks[message.rank].stats = message.stats
                 pending.discard(message.rank)
 
     async def shutdown(self) -> None:
+        self._closing = True
         if self._receiver is not None:
-            for rank in self._ranks:
-                if rank.process.is_alive():
-                    await rank.inbox.send_pyobj(Control("shutdown", next(self._call_ids)))
+            loop = asyncio.get_running_loop()
+            for rank, r in enumerate(self._ranks):
+                loop.remove_reader(r.process.sentinel)
+                if r.process.is_alive():
+                    await self._send(rank, Control("shutdown", next(self._call_ids)),
+                                     missing_ok=True)
             self._receiver.cancel()
         for rank in self._ranks:
             await asyncio.to_thread(rank.process.join, 10)
@@ -106,34 +159,80 @@ class EngineClient:
             os.unlink(os.path.join(self._dir, name))
         os.rmdir(self._dir)
 
+    # ---- rank death ----------------------------------------------------------------------
+    def _on_rank_exit(self, rank: int) -> None:
+        process = self._ranks[rank].process
+        asyncio.get_running_loop().remove_reader(process.sentinel)
+        # Reap it for its exit code: the sentinel closes as the process exits, so this wait is
+        # over at once (bounded all the same, as it runs on the event loop).
+        process.join(timeout=1.0)
+        self._rank_died(rank)
+
+    def _rank_died(self, rank: int) -> None:
+        """Fail everything the rank owed us at once and route around it from now on."""
+        if self._closing or not self.router.alive[rank]:
+            return
+        self.router.mark_dead(rank)
+        r = self._ranks[rank]
+        lost = [rid for rid, owner in self._owner.items() if owner == rank]
+        r.lost_requests += len(lost)
+        log.error("engine rank %d (pid %s) %s; failing its %d in-flight request(s); %d "
+                  "rank(s) left", rank, r.process.pid, describe_exit(r.process.exitcode),
+                  len(lost), len(self.router.live_ranks()))
+        for rid in lost:
+            self._queues[rid].put_nowait(RankDiedError(rank, r.process.exitcode))
+        for call_id, (owner, fut) in list(self._calls.items()):
+            if owner == rank:
+                del self._calls[call_id]
+                if not fut.done():
+                    fut.set_result(None)
+
+    def _check_alive(self) -> None:
+        # The sentinel callback may not have run yet when a request arrives.
+        for rank, r in enumerate(self._ranks):
+            if self.router.alive[rank] and not r.process.is_alive():
+                self._rank_died(rank)
+
+    async def _send(self, rank: int, message: object, missing_ok: bool = False) -> None:
+        """Send without waiting: a PUSH to a rank whose process is gone would wait forever."""
+        try:
+            await self._ranks[rank].inbox.send_pyobj(message, flags=zmq.NOBLOCK)
+        except zmq.Again:
+            self._check_alive()
+            if not missing_ok:
+                raise RankDiedError(rank, self._ranks[rank].process.exitcode) from None
+
     # ---- requests ------------------------------------------------------------------------
     @property
     def ready(self) -> Ready:
         return self._ranks[0].ready
 
-    def pick_rank(self, route_key: str = "", prompt_tokens: int = 0) -> int:
-        """The rank for a request (see deepinfer.core.router); raises NoLiveRankError."""
-        for rank, r in enumerate(self._ranks):
-            if self.router.alive[rank] and not r.process.is_alive():
-                self.router.mark_dead(rank)
-        return self.router.pick(route_key, prompt_tokens)
+    def route(self, route_key: str = "", prompt_tokens: int = 0) -> Route:
+        """Pick a rank and count the request's load there until the route is released;
+        raises NoLiveRankError."""
+        self._check_alive()
+        return self.router.reserve(route_key, prompt_tokens)
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        params: SamplingParams, prefix_cache: bool = True,
-                       route_key: str = "") -> AsyncIterator[TokenDelta]:
+                       route_key: str = "", route: Route | None = None
+                       ) -> AsyncIterator[TokenDelta]:
         """Stream the request's deltas; leaving early (disconnect, cancel) aborts it.
 
-        `route_key` pins the request's conversation to a rank (affinity routing)."""
+        `route` (from :meth:`route`) says where it runs and is released when it ends; without
+        one, `route_key` picks the rank (affinity routing pins a conversation's key to a
+        rank). Raises RankDiedError if the rank dies."""
+        if route is None:
+            route = self.route(route_key, len(prompt_token_ids))
+        rank = route.rank
         queue: asyncio.Queue = asyncio.Queue()
-        tokens = len(prompt_token_ids)
-        rank = self.pick_rank(route_key, tokens)
-        self._queues[request_id] = queue
-        self._owner[request_id] = rank
-        self.router.started(rank, tokens)
         finished = 0
         try:
-            await self._ranks[rank].inbox.send_pyobj(
-                AddRequest(request_id, prompt_token_ids, params, prefix_cache))
+            if not self.router.alive[rank]:
+                raise RankDiedError(rank, self._ranks[rank].process.exitcode)
+            self._queues[request_id] = queue
+            self._owner[request_id] = rank
+            await self._send(rank, AddRequest(request_id, prompt_token_ids, params, prefix_cache))
             while finished < params.n:
                 item = await queue.get()
                 if isinstance(item, Exception):
@@ -143,23 +242,36 @@ class EngineClient:
         finally:
             self._queues.pop(request_id, None)
             self._owner.pop(request_id, None)
-            self.router.finished(rank, tokens)
-            if finished < params.n:
-                await self._ranks[rank].inbox.send_pyobj(AbortRequest(request_id))
+            route.release()
+            if finished < params.n and self.router.alive[rank]:
+                await self._send(rank, AbortRequest(request_id), missing_ok=True)
 
     async def control(self, command: str) -> list[object]:
-        """Send a command to every rank and gather the replies."""
+        """Send a command to every live rank and gather the replies (None from a rank that
+        died meanwhile)."""
         loop = asyncio.get_running_loop()
         futures = []
-        for rank in self._ranks:
+        for rank in self.router.live_ranks():
             call_id = next(self._call_ids)
-            self._calls[call_id] = fut = loop.create_future()
+            fut = loop.create_future()
+            self._calls[call_id] = (rank, fut)
             futures.append(fut)
-            await rank.inbox.send_pyobj(Control(command, call_id))
+            try:
+                await self._send(rank, Control(command, call_id))
+            except RankDiedError:
+                self._calls.pop(call_id, None)
+                fut.set_result(None)
         return list(await asyncio.wait_for(asyncio.gather(*futures), timeout=30))
 
     def stats(self) -> list[EngineStats | None]:
-        return [r.stats for r in self._ranks]
+        """The latest stats of each rank; None for a rank that has not reported or is dead."""
+        return [r.stats if self.router.alive[i] else None for i, r in enumerate(self._ranks)]
+
+    def ranks(self) -> list[RankView]:
+        self._check_alive()
+        return [RankView(i, self.router.alive[i], r.process.pid, r.process.exitcode,
+                         self.router.requests[i], self.router.load[i], r.lost_requests, r.stats)
+                for i, r in enumerate(self._ranks)]
 
     def num_in_flight(self) -> int:
         return len(self._queues)
@@ -170,7 +282,7 @@ class EngineClient:
             if isinstance(message, StepResult):
                 self._dispatch(message)
             elif isinstance(message, ControlReply):
-                fut = self._calls.pop(message.call_id, None)
+                _, fut = self._calls.pop(message.call_id, (None, None))
                 if fut is not None and not fut.done():
                     fut.set_result(message.result)
 

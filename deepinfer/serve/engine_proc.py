@@ -19,9 +19,6 @@ from deepinfer.serve.ipc import (AbortRequest, AddRequest, Control, ControlReply
                                  Failed, Ready, RequestError, StepResult, TokenDelta)
 
 IDLE_POLL_MS = 200  # how often an idle rank checks that its parent is alive
-# When an idle rank wakes, it waits this long for the rest of a burst, so requests sent
-# together start in one step instead of each waiting out the step the first one began.
-ADMIT_WINDOW_MS = 3
 
 
 @dataclass(frozen=True)
@@ -35,7 +32,11 @@ class RankSpec:
 
 def run_rank(spec: RankSpec) -> None:
     """Entry point of a rank process (multiprocessing spawn target)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the API process decides when we stop
+    # The API process decides when we stop: a Ctrl-C or a `server.sh stop` reaches the whole
+    # process group, and the API process then drains and stops its ranks itself (a rank that
+    # is orphaned exits on its own, see _loop).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     parent = os.getppid()
     ctx = zmq.Context()
     inbox = ctx.socket(zmq.PULL)
@@ -53,7 +54,8 @@ def run_rank(spec: RankSpec) -> None:
     registry.engine_started(spec.config)
     host_pages = engine.hicache.layout.num_pages if engine.hicache is not None else 0
     outbox.send_pyobj(Ready(spec.rank, engine.kv.pool.num_usable + 1, engine.kv.block_size,
-                            engine.token_limit(), engine.accelerator.name, host_pages))
+                            engine.token_limit(), engine.accelerator.name, host_pages,
+                            _stats(engine)))
     try:
         _loop(engine, spec.rank, inbox, outbox, parent)
     finally:

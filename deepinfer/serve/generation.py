@@ -6,9 +6,9 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 from deepinfer.core.batch import TokenLogprobs
-from deepinfer.core.router import NoLiveRankError
+from deepinfer.core.router import NoLiveRankError, Route
 from deepinfer.core.sampling import SamplingParams
-from deepinfer.serve.engine_client import EngineClient, EngineRequestError
+from deepinfer.serve.engine_client import EngineClient, EngineRequestError, RankDiedError
 from deepinfer.serve.errors import APIError
 from deepinfer.serve.ipc import TokenDelta
 from deepinfer.serve.metrics import ServerMetrics
@@ -57,6 +57,15 @@ class Generation:
         return sum(len(c.token_ids) for c in self.choices)
 
 
+def route_request(client: EngineClient, route_key: str, prompt_tokens: int) -> Route:
+    """Route before any response starts, so no live rank is a plain 503 (and the rank can be
+    named in a response header). The caller releases the route on every path."""
+    try:
+        return client.route(route_key, prompt_tokens)
+    except NoLiveRankError as exc:
+        raise APIError(str(exc), status=503) from exc
+
+
 def check_length(prompt_len: int, params: SamplingParams, limit: int) -> None:
     if prompt_len >= limit:
         raise APIError(f"This model's maximum context length is {limit} tokens. However, "
@@ -70,16 +79,17 @@ def check_length(prompt_len: int, params: SamplingParams, limit: int) -> None:
 
 async def stream_generation(client: EngineClient, metrics: ServerMetrics, request_id: str,
                             prompt_ids: list[int], params: SamplingParams, prefix_cache: bool,
-                            gen: Generation, route_key: str = ""
+                            gen: Generation, route: Route
                             ) -> AsyncIterator[tuple[TokenDelta, Choice]]:
-    """Yield (delta, its choice); record metrics once the whole generation is over."""
+    """Yield (delta, its choice) from the routed rank; record metrics once the whole
+    generation is over. A rank that dies ends it with a 503."""
     try:
         async for delta in client.generate(request_id, prompt_ids, params, prefix_cache,
-                                           route_key=route_key):
+                                           route=route):
             yield delta, gen.apply(delta)
     except EngineRequestError as exc:
         raise APIError(str(exc)) from exc
-    except NoLiveRankError as exc:
+    except RankDiedError as exc:
         raise APIError(str(exc), status=503) from exc
     reasons = [c.finish_reason or "abort" for c in gen.choices]
     metrics.observe_request(reasons[0], len(prompt_ids), gen.num_output_tokens,

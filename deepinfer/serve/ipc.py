@@ -99,6 +99,7 @@ class Ready:
     max_model_len: int
     accelerator: str
     hicache_pages: int = 0  # host-tier pages of block_size tokens (0: HiCache off)
+    stats: EngineStats | None = None  # so an idle rank shows in the per-rank metrics at once
 
 
 @dataclass(frozen=True)

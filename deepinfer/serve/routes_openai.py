@@ -7,16 +7,51 @@ import uuid
 from typing import Any, AsyncIterator
 
 from fastapi import Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 
 from deepinfer.core.batch import TokenLogprobs
-from deepinfer.core.router import affinity_key
+from deepinfer.core.router import Route, affinity_key
 from deepinfer.core.sampling import SamplingParams
 from deepinfer.serve.chat import (may_become_tool_call, parse_tool_calls, render_chat,
                                   tool_call_constraint)
 from deepinfer.serve.errors import APIError
-from deepinfer.serve.generation import Choice, Generation, check_length, stream_generation, usage
+from deepinfer.serve.generation import (Choice, Generation, check_length, route_request,
+                                        stream_generation, usage)
 from deepinfer.serve.protocol import ChatCompletionRequest, CompletionRequest
+
+RANK_HEADER = "x-deepinfer-rank"  # which engine rank(s) served the request
+
+
+class _RoutedStream(StreamingResponse):
+    """A stream that releases its routes however it ends: a client gone before the first byte
+    means the body is never iterated, and its rank's load would stay counted forever."""
+
+    def __init__(self, content: AsyncIterator[str], routes: list[Route]) -> None:
+        super().__init__(content, media_type="text/event-stream",
+                         headers={RANK_HEADER: ",".join(str(r.rank) for r in routes)})
+        self.routes = routes
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            _release(self.routes)
+
+
+def _release(routes: list[Route]) -> None:
+    for route in routes:
+        route.release()
+
+
+def _route_all(state, keys: list[str], prompts: list[list[int]]) -> list[Route]:
+    routes: list[Route] = []
+    try:
+        for key, ids in zip(keys, prompts):
+            routes.append(route_request(state.client, key, len(ids)))
+    except APIError:
+        _release(routes)
+        raise
+    return routes
 
 
 def _params(body: ChatCompletionRequest | CompletionRequest) -> SamplingParams:
@@ -77,24 +112,29 @@ async def chat_completions(state, body: ChatCompletionRequest, request: Request)
     gen = Generation(prompt_ids, [Choice(i) for i in range(params.n)])
     key = affinity_key(request.headers, body.user,
                        [m.model_dump(exclude_none=True) for m in body.messages])
+    route = route_request(state.client, key, len(prompt_ids))
     stream = stream_generation(state.client, state.metrics, rid, prompt_ids, params,
-                               body.prefix_cache, gen, route_key=key)
+                               body.prefix_cache, gen, route)
     use_tools = bool(tools) and body.tool_choice != "none"
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         chunks = _chat_chunks(state, rid, gen, stream, rendered.forced_prefix, names if use_tools
                               else None, include_usage, body.logprobs)
-        return StreamingResponse(chunks, media_type="text/event-stream")
+        return _RoutedStream(chunks, [route])
 
     async def collect() -> None:
         async for _ in stream:
             pass
 
-    await _until_disconnect(request, collect())
+    try:
+        await _until_disconnect(request, collect())
+    finally:
+        route.release()
     choices = [_chat_choice(state, c, rendered.forced_prefix, names if use_tools else None,
                             body.logprobs) for c in gen.choices]
-    return {"id": rid, "object": "chat.completion", "created": _now(),
-            "model": state.model_name, "choices": choices, "usage": usage([gen])}
+    return JSONResponse({"id": rid, "object": "chat.completion", "created": _now(),
+                         "model": state.model_name, "choices": choices, "usage": usage([gen])},
+                        headers={RANK_HEADER: str(route.rank)})
 
 
 def _chat_choice(state, c: Choice, forced: str, tool_names: set[str] | None,
@@ -193,23 +233,26 @@ async def completions(state, body: CompletionRequest, request: Request):
     gens = [Generation(ids, [Choice(i) for i in range(params.n)]) for ids in prompts]
     # Each prompt of a batch routes on its own key (headers or user pin them all together).
     sources = body.prompts()
+    routes = _route_all(state, [affinity_key(request.headers, body.user, None, src)
+                                for src in sources], prompts)
     streams = [stream_generation(state.client, state.metrics, f"{rid}-{k}", ids, params,
-                                 body.prefix_cache, g,
-                                 route_key=affinity_key(request.headers, body.user, None,
-                                                        sources[k]))
-               for k, (ids, g) in enumerate(zip(prompts, gens))]
+                                 body.prefix_cache, g, route)
+               for k, (ids, g, route) in enumerate(zip(prompts, gens, routes))]
     echo = [state.tokenizer.decode(ids) if body.echo else "" for ids in prompts]
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(
+        return _RoutedStream(
             _completion_chunks(state, rid, gens, streams, echo, params.n, include_usage,
-                               body.logprobs is not None), media_type="text/event-stream")
+                               body.logprobs is not None), routes)
 
     async def collect() -> None:
         async for _ in _merge(streams):
             pass
 
-    await _until_disconnect(request, collect())
+    try:
+        await _until_disconnect(request, collect())
+    finally:
+        _release(routes)
     choices = []
     for k, gen in enumerate(gens):
         for c in gen.choices:
@@ -217,8 +260,9 @@ async def completions(state, body: CompletionRequest, request: Request):
                             "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
                             "logprobs": _completion_logprobs(state, c.logprobs)
                             if body.logprobs is not None else None})
-    return {"id": rid, "object": "text_completion", "created": _now(),
-            "model": state.model_name, "choices": choices, "usage": usage(gens)}
+    return JSONResponse({"id": rid, "object": "text_completion", "created": _now(),
+                         "model": state.model_name, "choices": choices, "usage": usage(gens)},
+                        headers={RANK_HEADER: ",".join(str(r.rank) for r in routes)})
 
 
 async def _completion_chunks(state, rid: str, gens: list[Generation], streams: list,

@@ -191,3 +191,28 @@ def test_bad_arguments():
         Router(2, policy="random")
     with pytest.raises(ValueError):
         Router(2, overload_factor=0.5)
+
+
+def test_reserve_counts_load_until_released():
+    router = Router(2, "least-loaded")
+    first = router.reserve("", 100)
+    second = router.reserve("", 100)  # sees the first one's load before it starts
+    assert {first.rank, second.rank} == {0, 1}
+    assert router.load == [100, 100] and router.requests == [1, 1]
+    first.release()
+    first.release()  # idempotent: every path that ends a request may call it
+    assert router.load[first.rank] == 0 and router.requests[first.rank] == 0
+    assert router.decisions_by_rank == {("least_loaded", 0): 1, ("least_loaded", 1): 1}
+
+
+def test_least_loaded_ties_take_turns():
+    # Requests that each find every rank idle (one at a time, finishing before the next).
+    router = Router(3, "least-loaded")
+    order = []
+    for _ in range(7):
+        route = router.reserve("", 50)
+        order.append(route.rank)
+        route.release()
+    assert order == [0, 1, 2, 0, 1, 2, 0]
+    router.started(1, 10)  # a busy rank is skipped, the others still alternate
+    assert [router.pick("", 1) for _ in range(4)] == [2, 0, 2, 0]

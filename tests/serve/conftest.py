@@ -13,6 +13,8 @@ launched together at the first request so their (CPU-bound) start-ups overlap:
   session checks that it is idle: no running request and no KV block in use.
 * `auth`: the same checkpoint, started with --api-key.
 * `smol`: the embedded default model (SmolLM2-135M-Instruct, no --model) for end-to-end checks.
+* `dp2`: the `tiny` server's checkpoint and flags with `--dp 2` (two rank processes, affinity
+  routing), for data-parallel routing; it must be left idle too.
 """
 from __future__ import annotations
 
@@ -36,7 +38,9 @@ TINY_NUM_KV_BLOCKS = 64
 TINY_BLOCK_SIZE = 16
 TINY_CONTEXT = 512
 API_KEY = "test-secret-key"
-SERVER_FIXTURES = {"tiny_server": "tiny", "auth_server": "auth", "smol_server": "smol"}
+SERVER_FIXTURES = {"tiny_server": "tiny", "auth_server": "auth", "smol_server": "smol",
+                   "dp2_server": "dp2"}
+IDLE_CHECKED = ("tiny", "dp2")
 
 
 # ---- process helpers (Linux /proc, so no psutil is needed) -----------------------------------
@@ -224,6 +228,30 @@ def scrape(url: str, path: str = "/metrics") -> dict[str, float]:
     return out
 
 
+_LABEL_RE = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+
+
+def scrape_series(url: str, name: str) -> dict[tuple[tuple[str, str], ...], float]:
+    """The samples of metric `name` keyed by their sorted (label, value) pairs."""
+    text = httpx.get(f"{url}/metrics", timeout=10.0).text
+    out = {}
+    for line in text.splitlines():
+        m = _METRIC_RE.match(line)
+        if m and m.group(1) == name:
+            out[tuple(sorted(_LABEL_RE.findall(m.group(2) or "")))] = float(m.group(3))
+    return out
+
+
+def per_rank(url: str, name: str, **match: str) -> dict[int, float]:
+    """{rank: value} of a rank-labelled metric, over the samples whose labels match `match`."""
+    out: dict[int, float] = {}
+    for labels, value in scrape_series(url, name).items():
+        d = dict(labels)
+        if all(d.get(k) == v for k, v in match.items()):
+            out[int(d["rank"])] = out.get(int(d["rank"]), 0.0) + value
+    return out
+
+
 # ---- the random-weight checkpoint ------------------------------------------------------------
 def make_tiny_chat_checkpoint(path: str) -> str:
     """A random 2-layer llama using the default model's tokenizer and chat template."""
@@ -267,12 +295,13 @@ class ServerPool:
 
     def stop_all(self) -> list[str]:
         problems = []
-        tiny = self.servers.get("tiny")
-        if tiny is not None and tiny.ready and tiny.proc.poll() is None:
-            try:  # whatever the tests did, nothing may stay allocated
-                tiny.wait_idle()
-            except AssertionError as exc:
-                problems.append(str(exc))
+        for name in IDLE_CHECKED:
+            server = self.servers.get(name)
+            if server is not None and server.ready and server.proc.poll() is None:
+                try:  # whatever the tests did, nothing may stay allocated
+                    server.wait_idle()
+                except AssertionError as exc:
+                    problems.append(str(exc))
         for server in self.servers.values():  # stop them all at once, then wait
             server.terminate()
         for server in self.servers.values():
@@ -289,7 +318,7 @@ def server_pool(request, tmp_path_factory):
         if "smol" in wanted:  # needs no checkpoint: start it first
             pool.launch("smol", ["--block-size", "16", "--num-kv-blocks", "256",
                                  "--max-num-seqs", "4"], "SmolLM2-135M-Instruct")
-        if wanted & {"tiny", "auth"}:
+        if wanted & {"tiny", "auth", "dp2"}:
             ckpt = make_tiny_chat_checkpoint(str(tmp_path_factory.mktemp("tiny-chat")))
             common = ["--model", ckpt, "--block-size", str(TINY_BLOCK_SIZE),
                       "--max-num-seqs", "8", "--max-num-batched-tokens", "512",
@@ -297,6 +326,10 @@ def server_pool(request, tmp_path_factory):
             if "tiny" in wanted:
                 pool.launch("tiny", common + ["--num-kv-blocks", str(TINY_NUM_KV_BLOCKS),
                                               "--served-model-name", "tiny-chat"], "tiny-chat")
+            if "dp2" in wanted:  # as tiny, with two ranks: dp=2 must answer as dp=1 does
+                pool.launch("dp2", common + ["--num-kv-blocks", str(TINY_NUM_KV_BLOCKS),
+                                             "--served-model-name", "tiny-chat", "--dp", "2"],
+                            "tiny-chat")
             if "auth" in wanted:
                 pool.launch("auth", common + ["--num-kv-blocks", "32",
                                               "--served-model-name", "tiny-auth"], "tiny-auth",
@@ -321,6 +354,11 @@ def auth_server(server_pool) -> ServerProcess:
 @pytest.fixture(scope="session")
 def smol_server(server_pool) -> ServerProcess:
     return server_pool.get("smol")
+
+
+@pytest.fixture(scope="session")
+def dp2_server(server_pool) -> ServerProcess:
+    return server_pool.get("dp2")
 
 
 def openai_client(server: ServerProcess, api_key: str = "unused", **kwargs):

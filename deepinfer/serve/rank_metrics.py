@@ -1,0 +1,109 @@
+"""Per-rank Prometheus series and the router's decisions, read at scrape time.
+
+The unlabelled (vllm:*, deepinfer:hicache_*) series of ServerMetrics stay the sums over ranks;
+this collector adds a twin of each engine series named deepinfer:rank_* with a `rank` label,
+plus what only the API process knows per rank: liveness, in-flight requests, routed load,
+requests lost to a rank's death, and the router's decisions by rank and reason.
+
+Ranks report running totals, so the per-rank counters are exposed as those totals directly;
+a dead rank keeps its last report (counters never go back) and its gauges read 0.
+"""
+from __future__ import annotations
+
+from typing import Callable, Iterator
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from deepinfer.core.router import Router
+from deepinfer.serve.engine_client import RankView
+from deepinfer.serve.ipc import EngineStats
+
+# (series suffix, EngineStats field, help): gauges, then running totals (counters).
+_GAUGES = (
+    ("num_requests_running", "running", "Requests in the rank's running batch"),
+    ("num_requests_waiting", "waiting", "Requests queued on the rank"),
+    ("kv_cache_usage_perc", "kv_usage", "Fraction of the rank's KV blocks in use"),
+    ("hicache_pages_used", "hicache_pages_used", "Host KV pages holding data on the rank"),
+    ("hicache_pages_total", "hicache_pages_total", "Host KV pages of the rank"),
+)
+_TOTALS = (
+    ("prefix_cache_queries", "prefix_queries", "Prompt tokens looked up in the prefix cache"),
+    ("prefix_cache_hits", "prefix_hits", "Prompt tokens served from the device prefix cache"),
+    ("num_preemptions", "preemptions", "Requests preempted"),
+    ("hicache_lookups", "hicache_lookups", "Admitted requests that looked up the host tier"),
+    ("hicache_stored_pages", "hicache_stored_pages", "KV pages written through to host"),
+    ("hicache_loaded_pages", "hicache_loaded_pages", "KV pages loaded from host on a hit"),
+    ("hicache_evicted_pages", "hicache_evicted_pages", "Host KV pages evicted"),
+    ("hicache_load_bytes", "hicache_load_bytes", "Bytes copied host to device"),
+    ("hicache_store_bytes", "hicache_store_bytes", "Bytes copied device to host"),
+)
+
+
+class RankCollector(Collector):
+    def __init__(self, ranks: Callable[[], list[RankView]], router: Router,
+                 model_name: str) -> None:
+        self.ranks, self.router, self.model_name = ranks, router, model_name
+
+    def collect(self) -> Iterator[Metric]:
+        views = self.ranks()
+        yield from self._api_side(views)
+        yield self._decisions()
+        reported = [(v, v.stats) for v in views if v.stats is not None]
+        yield from self._engine_gauges(reported)
+        yield from self._engine_totals(reported)
+
+    def _family(self, kind, name: str, doc: str, extra: tuple[str, ...] = ()) -> Metric:
+        return kind(f"deepinfer:{name}", doc, labels=["model_name", "rank", *extra])
+
+    def _api_side(self, views: list[RankView]) -> Iterator[Metric]:
+        up = self._family(GaugeMetricFamily, "rank_up", "1 while the rank process serves, "
+                          "0 once it has died")
+        in_flight = self._family(GaugeMetricFamily, "rank_in_flight_requests",
+                                 "Requests the API process has on the rank")
+        load = self._family(GaugeMetricFamily, "rank_load_tokens", "Prompt tokens of the "
+                            "rank's in-flight requests (what least-loaded routing compares)")
+        lost = self._family(CounterMetricFamily, "rank_lost_requests", "In-flight requests "
+                            "failed with 503 because the rank died")
+        for v in views:
+            labels = [self.model_name, str(v.rank)]
+            up.add_metric(labels, 1.0 if v.alive else 0.0)
+            in_flight.add_metric(labels, v.in_flight)
+            load.add_metric(labels, v.load_tokens)
+            lost.add_metric(labels, v.lost_requests)
+        yield from (up, in_flight, load, lost)
+
+    def _decisions(self) -> Metric:
+        family = self._family(CounterMetricFamily, "router_decisions", "Routing decisions by "
+                              "the rank chosen and the reason", ("reason",))
+        for (reason, rank), count in sorted(self.router.decisions_by_rank.items()):
+            family.add_metric([self.model_name, str(rank), reason], count)
+        return family
+
+    def _engine_gauges(self, reported: list[tuple[RankView, EngineStats]]) -> Iterator[Metric]:
+        for suffix, field, doc in _GAUGES:
+            family = self._family(GaugeMetricFamily, f"rank_{suffix}", doc)
+            for v, s in reported:
+                if suffix.startswith("hicache") and not s.hicache_pages_total:
+                    continue
+                family.add_metric([self.model_name, str(v.rank)],
+                                  getattr(s, field) if v.alive else 0.0)
+            yield family
+
+    def _engine_totals(self, reported: list[tuple[RankView, EngineStats]]) -> Iterator[Metric]:
+        for suffix, field, doc in _TOTALS:
+            family = self._family(CounterMetricFamily, f"rank_{suffix}", doc)
+            for v, s in reported:
+                if suffix.startswith("hicache") and not s.hicache_pages_total:
+                    continue
+                family.add_metric([self.model_name, str(v.rank)], getattr(s, field))
+            yield family
+        hits = self._family(CounterMetricFamily, "rank_hicache_hit_tokens", "Prompt tokens "
+                            "served from a cache tier (device or host) where HiCache is on",
+                            ("tier",))
+        for v, s in reported:
+            if s.hicache_pages_total:
+                for tier in ("device", "host"):
+                    hits.add_metric([self.model_name, str(v.rank), tier],
+                                    getattr(s, f"hicache_{tier}_hit_tokens"))
+        yield hits

@@ -1,0 +1,85 @@
+"""Prefill-any-interval: a request that arrives while others decode, or while a long prompt is
+being prefilled in chunks, starts its prefill in the very next step."""
+from __future__ import annotations
+
+import random
+
+from deepinfer.core.config import CacheConfig, EngineConfig, ModelSpec, SchedulerConfig
+from deepinfer.core.engine import Engine
+from deepinfer.core.sampling import SamplingParams
+
+from fakes import PagedFakeAccelerator, reference, write_config
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+
+
+def _engine(tmp_path, budget: int = 32) -> Engine:
+    config = EngineConfig(
+        model=ModelSpec(write_config(str(tmp_path / "fake"))),
+        cache=CacheConfig(block_size=4, num_blocks=256),
+        scheduler=SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=16))
+    return Engine(config, PagedFakeAccelerator(), load_tokenizer=False)
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1, 97) for _ in range(n)]
+
+
+def _step(engine: Engine) -> dict[str, int]:
+    """One step; {request id: tokens it computed in that step}."""
+    before = {rid: s.request.num_computed_tokens for rid, s in engine._samples.items()}
+    outputs = {o.request_id: o for o in engine.step()}
+    return {rid: engine._samples[rid].request.num_computed_tokens - n
+            if rid in engine._samples else -1 if rid in outputs else 0
+            for rid, n in before.items()}
+
+
+def test_new_request_prefills_in_the_next_step_while_others_decode(tmp_path):
+    engine = _engine(tmp_path)
+    for i in range(3):
+        engine.add_request(f"old{i}", _prompt(6, i), GREEDY)
+    for _ in range(3):  # all three are decoding now
+        engine.step()
+    assert all(s.request.output_token_ids for s in engine._samples.values())
+    new = _prompt(12, 99)
+    engine.add_request("new", new, GREEDY)
+    computed = _step(engine)
+    assert computed["new"] == len(new)  # its whole prompt, in this very step
+    assert all(computed[f"old{i}"] == 1 for i in range(3))  # and nobody's decode waited
+    assert engine._samples["new"].request.output_token_ids == reference(new, 1)
+
+
+def test_long_prefill_in_progress_leaves_room_for_a_new_request(tmp_path):
+    engine = _engine(tmp_path, budget=32)
+    engine.add_request("decoder", _prompt(5, 1), GREEDY)
+    engine.step()  # decoding from now on
+    engine.add_request("long", _prompt(300, 2), GREEDY)
+    engine.step()  # the long prompt starts its chunked prefill
+    short = _prompt(10, 3)
+    engine.add_request("short", short, GREEDY)
+    computed = _step(engine)
+    assert computed["short"] == len(short)  # not after the remaining ~270 prompt tokens
+    assert computed["decoder"] == 1
+    assert computed["long"] >= 16  # the long prefill still moved (at least half the rest)
+    assert sum(computed.values()) <= 32
+    done: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: list(o.token_ids) for o in engine.step() if o.finished})
+    assert done["long"] == reference(_prompt(300, 2), 40)
+    assert done["short"] == reference(short, 40)
+
+
+def test_queue_keeps_arrival_order_under_the_reserve(tmp_path):
+    engine = _engine(tmp_path, budget=16)
+    engine.add_request("long", _prompt(200, 4), GREEDY)
+    engine.step()
+    for i in range(3):
+        engine.add_request(f"q{i}", _prompt(8, 10 + i), GREEDY)
+    started = []
+    for _ in range(6):
+        computed = _step(engine)
+        started += [rid for rid in ("q0", "q1", "q2") if computed.get(rid, 0) > 0
+                    and rid not in started]
+        assert computed["long"] > 0  # never starved by newcomers
+    assert started == ["q0", "q1", "q2"]

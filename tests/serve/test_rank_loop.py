@@ -1,0 +1,87 @@
+"""The rank process loop admits requests between any two steps: a request that arrives while
+another one decodes is in the very next step's batch, not after the other one finishes."""
+from __future__ import annotations
+
+import os
+import sys
+import threading
+
+import zmq
+
+from deepinfer.core.config import CacheConfig, EngineConfig, ModelSpec, SchedulerConfig
+from deepinfer.core.engine import Engine
+from deepinfer.core.sampling import SamplingParams
+from deepinfer.serve.engine_proc import _loop
+from deepinfer.serve.ipc import AbortRequest, AddRequest, Control, ControlReply, StepResult
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "core"))
+from fakes import PagedFakeAccelerator, write_config  # noqa: E402
+
+LONG = SamplingParams(temperature=0.0, max_tokens=3000, ignore_eos=True)
+
+
+class _SteppedEngine(Engine):
+    """Takes a step only when the test releases one, so the test knows which step is which."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.entered = threading.Semaphore(0)  # the loop has drained its inbox, is in step()
+        self.gate = threading.Semaphore(0)
+
+    def step(self):
+        self.entered.release()
+        self.gate.acquire()
+        return super().step()
+
+    def run_one(self, outbox: zmq.Socket) -> list[str]:
+        """Let the step the loop waits in run; the ids it produced tokens for."""
+        self.entered.acquire()
+        self.gate.release()
+        return [d.request_id for d in _results(outbox).deltas]
+
+
+def _results(outbox: zmq.Socket) -> StepResult:
+    while True:
+        message = outbox.recv_pyobj()
+        if isinstance(message, StepResult) and message.deltas:
+            return message
+
+
+def test_request_sent_mid_decode_starts_in_the_next_step(tmp_path):
+    config = EngineConfig(model=ModelSpec(write_config(str(tmp_path / "fake"))),
+                          cache=CacheConfig(block_size=16, num_blocks=512),
+                          scheduler=SchedulerConfig(max_num_batched_tokens=64))
+    engine = _SteppedEngine(config, PagedFakeAccelerator(), load_tokenizer=False)
+    ctx = zmq.Context()
+    to_rank, rank_in = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
+    rank_out, from_rank = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
+    to_rank.bind("inproc://in")
+    rank_in.connect("inproc://in")
+    from_rank.setsockopt(zmq.RCVTIMEO, 10_000)  # a broken loop fails the test, not hangs it
+    from_rank.bind("inproc://out")
+    rank_out.connect("inproc://out")
+    loop = threading.Thread(target=_loop, args=(engine, 0, rank_in, rank_out, os.getppid()))
+    loop.start()
+    try:
+        to_rank.send_pyobj(AddRequest("busy", list(range(1, 40)), LONG))
+        for _ in range(3):  # "busy" is decoding, one token per step
+            assert engine.run_one(from_rank) == ["busy"]
+        # The loop has drained its inbox and waits inside the next step: "new" arrives
+        # during that step, so the step after it must carry its first token.
+        engine.entered.acquire()
+        to_rank.send_pyobj(AddRequest("new", list(range(1, 30)), LONG))
+        engine.entered.release()
+        assert engine.run_one(from_rank) == ["busy"]
+        # Its whole prefill and first token, beside the decode that did not pause for it.
+        assert engine.run_one(from_rank) == ["busy", "new"]
+    finally:
+        to_rank.send_pyobj(AbortRequest("busy"))
+        to_rank.send_pyobj(AbortRequest("new"))
+        to_rank.send_pyobj(Control("shutdown", 1))
+        engine.gate.release()  # the step it may be waiting in
+        loop.join(timeout=30)
+        while not isinstance(from_rank.recv_pyobj(), ControlReply):
+            pass
+        ctx.destroy(linger=0)
+    assert not loop.is_alive()
+    assert engine.kv.num_request_blocks() == 0
