@@ -53,6 +53,10 @@ class Request:
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
 
+    def token_at(self, index: int) -> int:
+        p = len(self.prompt_token_ids)
+        return self.prompt_token_ids[index] if index < p else self.output_token_ids[index - p]
+
     def token_slice(self, start: int, end: int) -> list[int]:
         """all_token_ids[start:end] without concatenating prompt and output."""
         p = len(self.prompt_token_ids)

@@ -198,9 +198,14 @@ class Scheduler:
             req, start = seq.request, seq.request.num_computed_tokens
             end = start + seq.num_new_tokens
             table = self.kv.block_ids(req.request_id)
-            ids.extend(req.token_slice(start, end))
-            positions.extend(range(start, end))
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            if end - start == 1:  # decodes: most rows of a busy step
+                ids.append(req.token_at(start))
+                positions.append(start)
+                slots.append(table[start // bs] * bs + start % bs)
+            else:
+                ids.extend(req.token_slice(start, end))
+                positions.extend(range(start, end))
+                slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             qlens.append(seq.num_new_tokens)
             slens.append(end)
             tables.append(table)
