@@ -104,18 +104,13 @@ class CUDAAccelerator(Accelerator):
         """Peak bytes of the worst step: a full token budget of prefill, then the sampler over
         max_num_seqs rows with the filters that sort the vocabulary."""
         tokens = self.max_num_batched_tokens
-        blocks = -(-tokens // block_size) + 1
+        batch = _profile_batch(tokens, self.max_model_len, block_size)
+        blocks = 1 + sum(len(table) for table in batch.block_tables)
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
         self.allocate_kv_cache(blocks, block_size, capture=False)
         scratch = self.cache.nbytes
         torch.cuda.reset_peak_memory_stats(self.device)
-        table = list(range(1, blocks))
-        batch = ModelBatch(
-            input_ids=[0] * tokens, positions=list(range(tokens)), query_lens=[tokens],
-            seq_lens=[tokens], block_tables=[table], block_size=block_size,
-            slot_mapping=[block_size + i for i in range(tokens)], sample_indices=[0],
-            sampling=[_profile_row()])
         with torch.inference_mode():
             hidden = self._forward(self._eager_inputs(batch))
             rows = min(self.max_num_seqs, tokens)
@@ -226,6 +221,24 @@ class CUDAAccelerator(Accelerator):
         if self.on_gpu:
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
+
+
+def _profile_batch(tokens: int, max_len: int, block_size: int) -> ModelBatch:
+    """A full token budget of prefill, cut into sequences no longer than the context (rotary
+    tables end there), each in its own blocks after the null block."""
+    lengths = [max_len] * (tokens // max_len) + ([tokens % max_len] if tokens % max_len else [])
+    tables, slots, positions, next_block = [], [], [], 1
+    for length in lengths:
+        used = -(-length // block_size)
+        table = list(range(next_block, next_block + used))
+        next_block += used
+        tables.append(table)
+        positions.extend(range(length))
+        slots.extend(table[p // block_size] * block_size + p % block_size for p in range(length))
+    return ModelBatch(
+        input_ids=[0] * tokens, positions=positions, query_lens=lengths, seq_lens=lengths,
+        block_tables=tables, block_size=block_size, slot_mapping=slots,
+        sample_indices=list(range(len(lengths))), sampling=[_profile_row()] * len(lengths))
 
 
 def _profile_row() -> SamplingRow:

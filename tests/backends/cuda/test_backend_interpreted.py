@@ -110,3 +110,15 @@ def test_decode_rows_equal_eager_inputs(tmp_path):
         from_rows = acc.model.compute_logits(hidden)[:2]
     torch.testing.assert_close(from_rows, eager, rtol=1e-5, atol=1e-5)
     acc.shutdown()
+
+
+def test_profile_batch_stays_inside_the_context():
+    """The memory-profiling step covers the whole token budget without a position past the
+    rotary tables, and every token gets its own slot outside the null block."""
+    from deepinfer.backends.cuda.accelerator import _profile_batch
+
+    batch = _profile_batch(tokens=300, max_len=128, block_size=16)
+    assert batch.num_tokens == 300 and batch.query_lens == [128, 128, 44]
+    assert max(batch.positions) == 127
+    assert len(set(batch.slot_mapping)) == 300 and min(batch.slot_mapping) >= 16
+    assert batch.sample_indices == [0, 1, 2] and len(batch.sampling) == 3
