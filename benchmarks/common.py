@@ -16,7 +16,7 @@ import socket
 import subprocess
 import sys
 import time
-from typing import Any
+from typing import Any, Callable
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS_DIR = os.path.join(HERE, "results")
@@ -156,3 +156,11 @@ def pyplot():
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def replot(json_path: str, plot: Callable[[dict, str], None]) -> int:
+    """Redraw a result's PNG beside its JSON (for --replot); the exit status."""
+    with open(json_path) as f:
+        result = json.load(f)
+    plot(result, os.path.splitext(json_path)[0] + ".png")
+    return 0

@@ -36,7 +36,7 @@ from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)  # `common`, also when run from another folder
-from common import (free_port, log, machine_environment, pyplot, start_server,  # noqa: E402
+from common import (free_port, log, machine_environment, replot, pyplot, start_server,  # noqa: E402
                     stop_server, wait_healthy, write_json)
 
 POLICIES = ("affinity", "least-loaded")
@@ -280,10 +280,7 @@ def plot(result: dict, path: str) -> None:
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.replot:
-        with open(args.replot) as f:
-            result = json.load(f)
-        plot(result, os.path.splitext(args.replot)[0] + ".png")
-        return 0
+        return replot(args.replot, plot)
     from deepinfer.llm import resolve_model_path
 
     model_dir = resolve_model_path(args.model)

