@@ -43,10 +43,9 @@ class CUDAHostPool:
             raise ValueError(f"{len(host_pages)} host pages for {len(device_blocks)} blocks")
         if not host_pages:
             return None
-        device = kv.device
-        pages = torch.tensor(host_pages, dtype=torch.int64).to(device, non_blocking=True)
-        blocks = torch.tensor(device_blocks, dtype=torch.int64).to(device, non_blocking=True)
-        self.copier.copy(self.pages, kv, pages, blocks, block_size, to_device)
+        # Lists are range-checked and uploaded through pinned staging by the copier.
+        self.copier.copy(self.pages, kv, list(host_pages), list(device_blocks), block_size,
+                         to_device)
         event = torch.cuda.Event()
         event.record()
         return EventHandle(event)
