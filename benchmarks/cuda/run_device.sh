@@ -10,7 +10,7 @@ mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export DEEPINFER_CACHE_DIR="${DEEPINFER_CACHE_DIR:-/tmp/deepinfer-cache}"
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(attention page_copy check_engine engine_bench)
+[ ${#steps[@]} -eq 0 ] && steps=(attention page_copy check_engine engine_bench profile_steps)
 wanted() { [[ " ${steps[*]} " == *" $1 "* ]]; }
 quick=""
 wanted --quick && quick="--quick"
@@ -28,4 +28,5 @@ wanted attention && step attention python3 -m deepinfer.backends.cuda.kernels.be
 wanted page_copy && step page_copy python3 -m deepinfer.backends.cuda.bench_page_copy --out "$out/page_copy.json"
 wanted check_engine && step check_engine python3 benchmarks/cuda/check_engine.py --out "$out"
 wanted engine_bench && step engine_bench python3 benchmarks/cuda/engine_bench.py --out "$out" $quick
+wanted profile_steps && step profile_steps python3 benchmarks/cuda/profile_steps.py --out "$out"
 exit $status
