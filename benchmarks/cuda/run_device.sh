@@ -21,7 +21,7 @@ step() {  # step NAME CMD...: run, log, keep going on failure
   local name=$1; shift
   echo "=== $name"
   local t0=$SECONDS
-  "$@" 2>&1 | tee "$out/$name.log" | tail -n 40 || { echo "!!! $name FAILED"; status=1; }
+  "$@" 2>&1 | tee -a "$out/run_device.log" | tail -n 40 || { echo "!!! $name FAILED"; status=1; }
   echo "=== $name took $((SECONDS - t0)) s"
 }
 wanted attention && step attention python3 -m deepinfer.backends.cuda.kernels.bench_attention --out "$out/attention.json"
