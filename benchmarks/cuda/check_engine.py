@@ -6,6 +6,8 @@
 2. Greedy tokens of the engine (chunked prefill, decode graphs, a prefix-cache hit) equal
    transformers' greedy generate, float32, on random-weight llama and qwen3 checkpoints.
 3. bfloat16: relative error of every prompt token's logits against transformers in bfloat16.
+4. HiCache through the engine: a conversation evicted between turns decodes the same tokens
+   with the host tier (UVA page copy) on and off.
 Exits nonzero on any failure; prints one line per check.
 """
 from __future__ import annotations
@@ -125,6 +127,18 @@ def check_bf16_logits(family: str, workdir: str) -> dict:
     return {"family": family, "bf16_logits_rel_err": rel}
 
 
+def check_hicache(workdir: str) -> dict:
+    """HiCache through the engine on the GPU: the UVA copy kernel stores and loads the pages of a
+    conversation that another user's prompt evicts; greedy tokens equal the run without it."""
+    from deepinfer.core.hicache.conformance import check_host_tier
+
+    path = make_checkpoint(os.path.join(workdir, "hicache"), "llama", torch.float32,
+                           **SHAPES["llama"])
+    stats = check_host_tier(path, CUDAAccelerator, vocab=SHAPES["llama"]["vocab_size"])
+    return {"host_hit_tokens": stats.host_hit_tokens, "loaded_pages": stats.loaded_pages,
+            "stored_pages": stats.stored_pages}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=None)
@@ -142,6 +156,8 @@ def main() -> None:
                 print("greedy vs transformers:", report["greedy"][-1], flush=True)
             report["bf16"].append(check_bf16_logits(family, workdir))
             print("bf16 logits:", report["bf16"][-1], flush=True)
+        report["hicache"] = check_hicache(workdir)
+        print("hicache through the engine:", report["hicache"], flush=True)
     if args.out:
         with open(os.path.join(args.out, "cuda_check_engine.json"), "w") as f:
             json.dump(report, f, indent=2)

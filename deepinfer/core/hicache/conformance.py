@@ -1,0 +1,84 @@
+"""A backend's host tier through the whole engine: a multi-turn conversation whose device pages
+are evicted between turns must decode the same greedy tokens with HiCache on and off, with the
+lost pages served from host memory. Used by the CPU tests and by the GPU check script."""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Callable
+
+from deepinfer.core.accelerator import Accelerator
+from deepinfer.core.config import CacheConfig, EngineConfig, ModelSpec, SchedulerConfig
+from deepinfer.core.engine import Engine
+from deepinfer.core.hicache.cache import HiCacheStats
+from deepinfer.core.sampling import SamplingParams
+
+BLOCK = 16
+DEVICE_BLOCKS = 14  # 13 usable pages: one long prompt of another user evicts the conversation
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+
+@dataclass
+class ConversationResult:
+    outputs: list[list[int]]
+    cached_tokens: list[int]
+    stats: HiCacheStats | None
+
+
+def make_engine(path: str, accelerator: Accelerator, host_pages: int) -> Engine:
+    import torch
+
+    from deepinfer.models.loader import kv_block_bytes
+    from deepinfer.models.model_config import ModelConfig
+
+    page_bytes = kv_block_bytes(ModelConfig.from_dir(path), BLOCK, torch.float32)
+    config = EngineConfig(
+        model=ModelSpec(path, "float32"),
+        cache=CacheConfig(block_size=BLOCK, num_blocks=DEVICE_BLOCKS, yoco_keep_tokens=8,
+                          hicache_size_gb=host_pages * page_bytes / (1 << 30)),
+        scheduler=SchedulerConfig(max_num_batched_tokens=256))
+    return Engine(config, accelerator, load_tokenizer=False)
+
+
+def generate(engine: Engine, rid: str, prompt: list[int]):
+    engine.add_request(rid, prompt, GREEDY)
+    last = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            last = out
+    return last
+
+
+def conversation(engine: Engine, vocab: int, turns: int = 6) -> ConversationResult:
+    """Each turn appends the previous answer and new user tokens; another user's long prompt
+    runs between turns and takes the device pool, evicting earlier turns."""
+    rng = random.Random(0)
+    convo = [rng.randrange(2, vocab) for _ in range(40)]
+    outputs, cached = [], []
+    for turn in range(turns):
+        out = generate(engine, f"t{turn}", convo)
+        outputs.append(list(out.token_ids))
+        cached.append(out.num_cached_tokens)
+        generate(engine, f"other{turn}", [rng.randrange(2, vocab) for _ in range(180)])
+        convo = convo + list(out.token_ids) + [rng.randrange(2, vocab) for _ in range(12)]
+    stats = engine.hicache.stats() if engine.hicache is not None else None
+    return ConversationResult(outputs, cached, stats)
+
+
+def check_host_tier(path: str, make_accelerator: Callable[[], Accelerator], vocab: int,
+                    host_pages: int = 64) -> HiCacheStats:
+    """Raise AssertionError unless the host tier changes nothing but where the hits come from."""
+    off_engine = make_engine(path, make_accelerator(), host_pages=0)
+    off = conversation(off_engine, vocab)
+    off_engine.shutdown()
+    on_engine = make_engine(path, make_accelerator(), host_pages)
+    on = conversation(on_engine, vocab)
+    assert on.outputs == off.outputs, "greedy tokens changed with the host tier on"
+    stats = on.stats
+    assert stats.host_hit_tokens > 0 and stats.loaded_pages > 0, "no host-tier hit"
+    assert sum(on.cached_tokens) > sum(off.cached_tokens), "the host tier served nothing"
+    # The other users' random prompts hit nothing, so every hit belongs to the conversation.
+    assert sum(on.cached_tokens) == stats.device_hit_tokens + stats.host_hit_tokens
+    assert on_engine.hicache.pool.num_pinned == 0 and on_engine.kv.num_request_blocks() == 0
+    on_engine.shutdown()
+    return stats
