@@ -47,6 +47,7 @@ class CUDAAccelerator(Accelerator):
         self.host_pool = None
         self.sampler = Sampler()
         self.block_size = 0
+        self.num_sms = 8  # split-K sizing; the device's count once init_device ran on a GPU
 
     @classmethod
     def is_available(cls) -> bool:
@@ -63,6 +64,7 @@ class CUDAAccelerator(Accelerator):
             self.device = torch.device("cuda", index)
         if self.on_gpu:
             torch.cuda.set_device(self.device)
+            self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
 
     def configure(self, config: EngineConfig) -> None:
         self.max_num_batched_tokens = config.scheduler.max_num_batched_tokens
@@ -146,9 +148,8 @@ class CUDAAccelerator(Accelerator):
     def _num_splits(self, batch: int, max_seq_len: int) -> int:
         from deepinfer.backends.cuda.kernels.decode_attention import choose_num_splits
 
-        sms = torch.cuda.get_device_properties(self.device).multi_processor_count \
-            if self.on_gpu else 8
-        return choose_num_splits(batch, self.model_config.num_kv_heads, max_seq_len, sms)
+        return choose_num_splits(batch, self.model_config.num_kv_heads, max_seq_len,
+                                 self.num_sms)
 
     def _forward(self, inputs: StepInputs) -> torch.Tensor:
         return self.model(inputs.input_ids, inputs.positions, inputs.meta)
