@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import os
 from typing import Sequence
 
 import torch
@@ -19,7 +20,7 @@ from deepinfer.backends.cuda.memory import GIB, kv_budget
 from deepinfer.backends.cuda.step_inputs import StepInputs, pack_batch, unpack_batch
 from deepinfer.core.accelerator import Accelerator, Capabilities, HostPoolLayout, MemoryStats
 from deepinfer.core.batch import ModelBatch, SamplerOutput, SamplingRow
-from deepinfer.core.config import CacheConfig, EngineConfig, ModelSpec
+from deepinfer.core.config import CacheConfig, EngineConfig, ModelSpec, cpu_threads
 from deepinfer.core.sampler import Sampler
 from deepinfer.core.sampling import SamplingParams
 from deepinfer.models.loader import build_model, kv_block_bytes, resolve_dtype
@@ -58,6 +59,8 @@ class CUDAAccelerator(Accelerator):
         return self.device is not None and self.device.type == "cuda"
 
     def init_device(self, rank: int = 0, world_size: int = 1) -> None:
+        # Host-side torch ops are small here; ranks on one host share its cores.
+        torch.set_num_threads(cpu_threads() or max(1, (os.cpu_count() or 1) // max(1, world_size)))
         if self.device is None:
             # One rank per GPU; a launcher that sets CUDA_VISIBLE_DEVICES per rank sees one.
             index = rank % torch.cuda.device_count()
