@@ -50,8 +50,8 @@ class RankCollector(Collector):
         yield from self._api_side(views)
         yield self._decisions()
         reported = [(v, v.stats) for v in views if v.stats is not None]
-        yield from self._engine_gauges(reported)
-        yield from self._engine_totals(reported)
+        yield from self._engine_series(reported, _GAUGES, GaugeMetricFamily, True)
+        yield from self._engine_series(reported, _TOTALS, CounterMetricFamily, False)
 
     def _family(self, kind, name: str, doc: str, extra: tuple[str, ...] = ()) -> Metric:
         return kind(f"deepinfer:{name}", doc, labels=["model_name", "rank", *extra])
@@ -80,23 +80,17 @@ class RankCollector(Collector):
             family.add_metric([self.model_name, str(rank), reason], count)
         return family
 
-    def _engine_gauges(self, reported: list[tuple[RankView, EngineStats]]) -> Iterator[Metric]:
-        for suffix, field, doc in _GAUGES:
-            family = self._family(GaugeMetricFamily, f"rank_{suffix}", doc)
+    def _engine_series(self, reported: list[tuple[RankView, EngineStats]], table,
+                       family_cls, dead_reads_zero: bool) -> Iterator[Metric]:
+        """One family per (suffix, field, doc) row. A dead rank's gauges read 0; its counters
+        keep their last value (counters never go down)."""
+        for suffix, field, doc in table:
+            family = self._family(family_cls, f"rank_{suffix}", doc)
             for v, s in reported:
                 if suffix.startswith("hicache") and not s.hicache_pages_total:
                     continue
-                family.add_metric([self.model_name, str(v.rank)],
-                                  getattr(s, field) if v.alive else 0.0)
-            yield family
-
-    def _engine_totals(self, reported: list[tuple[RankView, EngineStats]]) -> Iterator[Metric]:
-        for suffix, field, doc in _TOTALS:
-            family = self._family(CounterMetricFamily, f"rank_{suffix}", doc)
-            for v, s in reported:
-                if suffix.startswith("hicache") and not s.hicache_pages_total:
-                    continue
-                family.add_metric([self.model_name, str(v.rank)], getattr(s, field))
+                value = getattr(s, field) if v.alive or not dead_reads_zero else 0.0
+                family.add_metric([self.model_name, str(v.rank)], value)
             yield family
         hits = self._family(CounterMetricFamily, "rank_hicache_hit_tokens", "Prompt tokens "
                             "served from a cache tier (device or host) where HiCache is on",
