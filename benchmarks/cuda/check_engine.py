@@ -3,8 +3,9 @@
     python benchmarks/cuda/check_engine.py [--out DIR]
 
 1. The backend conformance suite (deepinfer.core.testing) on CUDAAccelerator.
-2. Greedy tokens of the engine (chunked prefill, decode graphs, a prefix-cache hit) equal
-   transformers' greedy generate, float32, on random-weight llama and qwen3 checkpoints.
+2. Greedy tokens of the engine (chunked prefill, decode graphs, a prefix-cache hit, each prompt
+   alone at batch 1) equal transformers' greedy generate, float32, on random-weight llama and
+   qwen3 checkpoints.
 3. bfloat16: relative error of every prompt token's logits against transformers in bfloat16.
 4. HiCache through the engine: a conversation evicted between turns decodes the same tokens
    with the host tier (UVA page copy) on and off.
@@ -58,18 +59,26 @@ def engine_greedy(path: str, prompts: list[list[int]], block_size: int) -> list[
         accelerator="nvidia")
     engine = Engine(config, load_tokenizer=False)
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
-    results = []
-    for round_ in range(2):  # the second round hits the prefix cache of the first
+    def run(round_: int, group: list[int]) -> dict[str, list[int]]:
         outputs: dict[str, list[int]] = {}
-        for i, prompt in enumerate(prompts):
-            engine.add_request(f"{round_}-{i}", prompt, params)
+        for i in group:
+            engine.add_request(f"{round_}-{i}", prompts[i], params)
         while engine.has_unfinished_requests():
             for out in engine.step():
                 if out.finished:
                     outputs[out.request_id] = list(out.token_ids)
-        results.append([outputs[f"{round_}-{i}"] for i in range(len(prompts))])
+        return outputs
+
+    everyone = list(range(len(prompts)))
+    results = []
+    for round_ in range(2):  # the second round hits the prefix cache of the first
+        outputs = run(round_, everyone)
+        results.append([outputs[f"{round_}-{i}"] for i in everyone])
+    # Each prompt alone: batch-1 decode steps (the fused one-token GEMVs in the graph).
+    results.append([run(2, [i])[f"2-{i}"] for i in everyone])
     engine.shutdown()
     assert results[0] == results[1], "outputs changed on a prefix-cache hit"
+    assert results[0] == results[2], "outputs of a lone request differ from the batched ones"
     return results[0]
 
 

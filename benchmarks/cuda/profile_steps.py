@@ -1,6 +1,7 @@
 """Where a step's GPU time goes: torch.profiler over decode steps of the Llama-3-8B shape.
 
-    python benchmarks/cuda/profile_steps.py [--out DIR] [--batches 1 256]
+    python benchmarks/cuda/profile_steps.py [--out DIR] [--batches 1 256] [--tag NAME]
+    DEEPINFER_CUDA_FUSED_GEMV=0 python benchmarks/cuda/profile_steps.py --batches 1 --tag unfused
 
 For each batch size, runs a few warm decode steps (CUDA graphs replayed as in serving) under
 the profiler and prints the kernels by total GPU time, with the step's wall time beside the sum
@@ -54,10 +55,11 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=None)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 256])
+    parser.add_argument("--tag", default="", help="suffix of the JSON file name")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as path:
         write_config(path, LLAMA3_8B["num_hidden_layers"])
-        engine = make_engine(path, max_len=16384, util=0.85)
+        engine = make_engine(path, max_len=16384, util=0.45)
         report = [decode_profile(engine, b) for b in args.batches]
         engine.shutdown()
     for r in report:
@@ -65,7 +67,8 @@ def main() -> None:
         for row in r["top"][:20]:
             print(f"  {row['us_per_step']:9.1f} us  x{row['calls_per_step']:5.1f}  {row['name']}")
     if args.out:
-        with open(os.path.join(args.out, "profile_steps.json"), "w") as f:
+        name = f"profile_steps{'_' + args.tag if args.tag else ''}.json"
+        with open(os.path.join(args.out, name), "w") as f:
             json.dump(report, f, indent=2)
 
 

@@ -10,7 +10,7 @@ mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export DEEPINFER_CACHE_DIR="${DEEPINFER_CACHE_DIR:-/tmp/deepinfer-cache}"
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(attention page_copy check_engine engine_bench profile_steps)
+[ ${#steps[@]} -eq 0 ] && steps=(attention gemv page_copy check_engine engine_bench profile_steps)
 wanted() { [[ " ${steps[*]} " == *" $1 "* ]]; }
 quick=""
 wanted --quick && quick="--quick"
@@ -25,8 +25,13 @@ step() {  # step NAME CMD...: run, log, keep going on failure
   echo "=== $name took $((SECONDS - t0)) s"
 }
 wanted attention && step attention python3 -m deepinfer.backends.cuda.kernels.bench_attention --out "$out/attention.json"
+wanted gemv && step gemv python3 -m deepinfer.backends.cuda.kernels.bench_gemv --out "$out/gemv.json" $quick
 wanted page_copy && step page_copy python3 -m deepinfer.backends.cuda.bench_page_copy --out "$out/page_copy.json"
 wanted check_engine && step check_engine python3 benchmarks/cuda/check_engine.py --out "$out"
+wanted check_greedy && step check_greedy python3 benchmarks/cuda/check_engine.py --out "$out" \
+    --skip-conformance
 wanted engine_bench && step engine_bench python3 benchmarks/cuda/engine_bench.py --out "$out" $quick
 wanted profile_steps && step profile_steps python3 benchmarks/cuda/profile_steps.py --out "$out"
+wanted profile_unfused && DEEPINFER_CUDA_FUSED_GEMV=0 step profile_unfused \
+    python3 benchmarks/cuda/profile_steps.py --out "$out" --batches 1 --tag unfused
 exit $status

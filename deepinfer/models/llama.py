@@ -1,7 +1,9 @@
 """The llama family (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM2) over backend ops.
 
 Q/K/V and gate/up projections are fused into one matmul each (fewer, larger GEMMs); the loader
-maps the checkpoint's separate tensors into their slices.
+maps the checkpoint's separate tensors into their slices. The decoder layer drives its modules
+through the composite ops (norm + projection, activation + projection, rotary + attention), so a
+backend with fused kernels for them uses them without a model of its own.
 """
 from __future__ import annotations
 
@@ -28,31 +30,29 @@ class LlamaAttention(nn.Module):
             self.q_norm = nn.Parameter(torch.ones(cfg.head_dim))
             self.k_norm = nn.Parameter(torch.ones(cfg.head_dim))
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor,
+    def forward(self, positions: torch.Tensor, qkv: torch.Tensor, cos: torch.Tensor,
                 sin: torch.Tensor, meta: Any) -> torch.Tensor:
+        """Attention from the output of qkv_proj (the layer fuses that with its input norm)."""
         cfg, ops = self.cfg, self.ops
-        tokens = hidden.shape[0]
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        tokens = qkv.shape[0]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(tokens, cfg.num_heads, cfg.head_dim)
         k = k.view(tokens, cfg.num_kv_heads, cfg.head_dim)
         v = v.view(tokens, cfg.num_kv_heads, cfg.head_dim)
         if cfg.qk_norm:
             q = ops.rms_norm(q, self.q_norm, cfg.rms_norm_eps)
             k = ops.rms_norm(k, self.k_norm, cfg.rms_norm_eps)
-        q, k = ops.rotary(q, k, positions, cos, sin)
-        out = ops.attention(q, k, v, self.layer, meta)
+        out = ops.rotary_attention(q, k, v, positions, cos, sin, self.layer, meta)
         return self.o_proj(out.reshape(tokens, self.q_size))
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, ops: ModelOps) -> None:
+    """The MLP's weights; the layer runs them as norm_linear(gate_up) then act_linear(down)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.ops = ops
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -60,23 +60,20 @@ class LlamaDecoderLayer(nn.Module):
         super().__init__()
         self.cfg, self.ops = cfg, ops
         self.self_attn = LlamaAttention(cfg, layer, ops)
-        self.mlp = LlamaMLP(cfg, ops)
+        self.mlp = LlamaMLP(cfg)
         self.input_layernorm = nn.Parameter(torch.ones(cfg.hidden_size))
         self.post_attention_layernorm = nn.Parameter(torch.ones(cfg.hidden_size))
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
                 cos: torch.Tensor, sin: torch.Tensor, meta: Any
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        eps = self.cfg.rms_norm_eps
-        if residual is None:
-            residual = hidden
-            hidden = self.ops.rms_norm(hidden, self.input_layernorm, eps)
-        else:
-            hidden, residual = self.ops.add_rms_norm(hidden, residual, self.input_layernorm, eps)
-        hidden = self.self_attn(positions, hidden, cos, sin, meta)
-        hidden, residual = self.ops.add_rms_norm(hidden, residual,
-                                                 self.post_attention_layernorm, eps)
-        return self.mlp(hidden), residual
+        eps, ops = self.cfg.rms_norm_eps, self.ops
+        qkv, residual = ops.norm_linear(hidden, residual, self.input_layernorm, eps,
+                                        self.self_attn.qkv_proj)
+        hidden = self.self_attn(positions, qkv, cos, sin, meta)
+        gate_up, residual = ops.norm_linear(hidden, residual, self.post_attention_layernorm, eps,
+                                            self.mlp.gate_up_proj)
+        return ops.act_linear(gate_up, self.mlp.down_proj), residual
 
 
 class LlamaForCausalLM(nn.Module):

@@ -1,34 +1,63 @@
 """The small set of operations a model asks of its backend.
 
 Models are plain torch modules; everything that depends on the KV layout or on a kernel goes
-through this protocol, so one model definition runs on every backend.
+through these ops, so one model definition runs on every backend. A backend implements the five
+primitives. The three composites (a norm or activation followed by a projection, rotary followed
+by attention) have reference definitions here in terms of the primitives; a backend overrides
+one where it has a fused kernel, e.g. the CUDA backend's one-token GEMVs that build their own
+normalized input.
 """
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any
 
 import torch
+from torch import nn
 
 
-class ModelOps(Protocol):
-    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor: ...
+class ModelOps:
+    # ---- primitives: every backend implements these -------------------------------------
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        raise NotImplementedError
 
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
         """Return (rms_norm(x + residual), x + residual)."""
-        ...
+        raise NotImplementedError
 
     def rotary(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
                cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q [T, Hq, D], k [T, Hk, D]; cos/sin tables [max_len, rotary_dim] (NeoX halves)."""
-        ...
+        raise NotImplementedError
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, 2F] -> silu(x[:, :F]) * x[:, F:]."""
-        ...
+        raise NotImplementedError
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
                   meta: Any) -> torch.Tensor:
         """Write k, v [T, Hk, D] into layer's paged cache; attend q [T, Hq, D] causally over
         each sequence's cached prefix plus its new tokens. Returns [T, Hq, D]."""
-        ...
+        raise NotImplementedError
+
+    # ---- composites: reference definitions, overridden where a fused kernel exists -------
+    def norm_linear(self, x: torch.Tensor, residual: torch.Tensor | None,
+                    norm_weight: torch.Tensor, eps: float, linear: nn.Linear
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(linear(rms_norm(s)), s) where s = x + residual, or x when residual is None (the
+        first layer). s is the residual stream the next norm adds to."""
+        if residual is None:
+            return linear(self.rms_norm(x, norm_weight, eps)), x
+        normed, summed = self.add_rms_norm(x, residual, norm_weight, eps)
+        return linear(normed), summed
+
+    def act_linear(self, x: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
+        """linear(silu_and_mul(x)) for a fused gate/up output x [T, 2F]."""
+        return linear(self.silu_and_mul(x))
+
+    def rotary_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                         layer: int, meta: Any) -> torch.Tensor:
+        """attention() over q and k after rotary(); q and k may be rotated in place."""
+        q, k = self.rotary(q, k, positions, cos, sin)
+        return self.attention(q, k, v, layer, meta)

@@ -6,6 +6,7 @@ from typing import Any
 import torch
 
 from deepinfer.backends.cpu.attention import CPUPagedAttention
+from deepinfer.models.ops import ModelOps
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -29,7 +30,7 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return torch.cat((head * cos + rotate_half(head) * sin, tail), dim=-1)
 
 
-class CPUOps:
+class CPUOps(ModelOps):
     """ModelOps over torch; attention goes to the paged KV cache."""
 
     def __init__(self, attention: CPUPagedAttention) -> None:

@@ -87,7 +87,10 @@ class CUDAAccelerator(Accelerator):
         from deepinfer.backends.cuda.ops import CUDAOps, PagedKVCache
 
         self.cache = PagedKVCache(cfg.num_layers)
-        self.ops = CUDAOps(self.cache, cfg.head_dim)
+        # DEEPINFER_CUDA_FUSED_GEMV=0 sends one-token projections to cuBLAS unfused: the
+        # baseline the fused kernels are measured against (benchmarks/cuda/profile_steps.py).
+        fuse = os.environ.get("DEEPINFER_CUDA_FUSED_GEMV", "1") != "0"
+        self.ops = CUDAOps(self.cache, cfg.head_dim, fuse_gemv=fuse)
         self.model = build_model(cfg, self.ops, spec, self.max_model_len, self.device,
                                  self.dtype, self.seed)
 

@@ -1,17 +1,22 @@
-"""ModelOps on the GPU: every op is one Triton kernel; the GEMMs stay with cuBLAS via torch."""
+"""ModelOps on the GPU: every op is one Triton kernel; the GEMMs stay with cuBLAS via torch,
+except at one token a step, where the norm or SiLU before a projection is fused into a Triton
+GEMV (kernels/gemv.py), and rotary is fused into the KV cache write at every batch size."""
 from __future__ import annotations
 
 import math
 
 import torch
+from torch import nn
 
 from deepinfer.backends.cuda.kernels.activation import silu_and_mul
 from deepinfer.backends.cuda.kernels.decode_attention import paged_decode_attention
 from deepinfer.backends.cuda.kernels.kv_write import store_kv
 from deepinfer.backends.cuda.kernels.norm import add_rms_norm, rms_norm
 from deepinfer.backends.cuda.kernels.prefill_attention import paged_prefill_attention
-from deepinfer.backends.cuda.kernels.rotary import apply_rotary_
+from deepinfer.backends.cuda.kernels.gemv import rms_norm_gemv, silu_and_mul_gemv
+from deepinfer.backends.cuda.kernels.rotary import apply_rotary_, rotary_store_kv_
 from deepinfer.backends.cuda.step_inputs import AttentionMeta
+from deepinfer.models.ops import ModelOps
 
 
 class PagedKVCache:
@@ -35,11 +40,16 @@ class PagedKVCache:
         return 0 if self.kv is None else self.kv.numel() * self.kv.element_size()
 
 
-class CUDAOps:
-    def __init__(self, cache: PagedKVCache, head_dim: int, block_size: int = 0) -> None:
+class CUDAOps(ModelOps):
+    def __init__(self, cache: PagedKVCache, head_dim: int, block_size: int = 0,
+                 fuse_gemv: bool = True) -> None:
         self.cache = cache
         self.block_size = block_size
         self.scale = 1.0 / math.sqrt(head_dim)
+        self.fuse_gemv = fuse_gemv  # off: every projection goes to cuBLAS (for comparison)
+
+    def _one_row(self, x: torch.Tensor) -> bool:
+        return self.fuse_gemv and x.shape[0] == 1 and x.is_contiguous()
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return rms_norm(x, weight, eps)
@@ -60,6 +70,30 @@ class CUDAOps:
                   meta: AttentionMeta) -> torch.Tensor:
         k_cache, v_cache = self.cache.layer(layer)
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        return self._attend(q, layer, meta)
+
+    def rotary_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                         layer: int, meta: AttentionMeta) -> torch.Tensor:
+        k_cache, v_cache = self.cache.layer(layer)
+        rotary_store_kv_(q, k, v, positions, cos, sin, k_cache, v_cache, meta.slot_mapping)
+        return self._attend(q, layer, meta)
+
+    def norm_linear(self, x: torch.Tensor, residual: torch.Tensor | None,
+                    norm_weight: torch.Tensor, eps: float, linear: nn.Linear
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._one_row(x):
+            return rms_norm_gemv(x, residual, norm_weight, eps, linear.weight, linear.bias)
+        return super().norm_linear(x, residual, norm_weight, eps, linear)
+
+    def act_linear(self, x: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
+        if self._one_row(x):
+            return silu_and_mul_gemv(x, linear.weight, linear.bias)
+        return super().act_linear(x, linear)
+
+    def _attend(self, q: torch.Tensor, layer: int, meta: AttentionMeta) -> torch.Tensor:
+        """Attention over the layer's cache, which already holds this step's K and V."""
+        k_cache, v_cache = self.cache.layer(layer)
         if meta.decode:
             return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                                           self.block_size, self.scale, meta.num_splits)

@@ -9,6 +9,7 @@ import os
 import numpy as np
 import pytest
 import torch
+from bf16_rounding import rtne_bf16
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -68,3 +69,28 @@ def _interpreter_fixes():
             _patch_scalar_index(mp, interpreter)
         _patch_bf16_dot(mp, interpreter)
         yield
+
+
+@pytest.fixture(scope="module")
+def gpu_bf16_rounding():
+    """Triton's interpreter truncates float32 -> bfloat16 casts, while compiled Triton (and
+    torch) round to nearest even; make the interpreter round like the GPU."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        yield
+        return
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    original = builder.cast_impl
+
+    def cast_impl(self, src, dst_type):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            return interpreter.TensorHandle(rtne_bf16(src.data), dst_type.scalar)
+        return original(self, src, dst_type)
+
+    builder.cast_impl = cast_impl
+    try:
+        yield
+    finally:
+        builder.cast_impl = original

@@ -82,6 +82,44 @@ def test_engine_greedy_equals_transformers(tmp_path, family):
     engine.shutdown()
 
 
+def test_one_token_steps_run_the_fused_gemvs(tmp_path, monkeypatch):
+    """A lone request decodes one row a step: its projections go through the fused norm/SiLU
+    GEMVs (counted), and its greedy tokens still equal transformers'."""
+    import transformers
+
+    from deepinfer.backends.cuda import ops as cuda_ops
+    from tests.checkpoints import make_checkpoint
+
+    calls = {"norm": 0, "silu": 0}
+
+    def counted(name, fn):
+        def wrapper(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+        return wrapper
+
+    monkeypatch.setattr(cuda_ops, "rms_norm_gemv", counted("norm", cuda_ops.rms_norm_gemv))
+    monkeypatch.setattr(cuda_ops, "silu_and_mul_gemv",
+                        counted("silu", cuda_ops.silu_and_mul_gemv))
+    path = make_checkpoint(str(tmp_path / "m"), "llama", torch.float32)
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    prompt, new = [5, 17, 99, 3, 250, 41, 7], 5
+    expected = model.generate(torch.tensor([prompt]), max_new_tokens=new, min_new_tokens=new,
+                              do_sample=False, pad_token_id=0)[0, len(prompt):].tolist()
+    config = EngineConfig(model=ModelSpec(path, dtype="float32"),
+                          cache=CacheConfig(block_size=16, num_blocks=8))
+    engine = Engine(config, accelerator=_interpreted_cls()(), load_tokenizer=False)
+    params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
+    engine.add_request("solo", prompt, params)
+    got = []
+    while engine.has_unfinished_requests():
+        got += [list(out.token_ids) for out in engine.step() if out.finished]
+    assert got == [expected]
+    layers = model.config.num_hidden_layers
+    assert calls == {"norm": 2 * layers * (new - 1), "silu": layers * (new - 1)}
+    engine.shutdown()
+
+
 def test_decode_rows_equal_eager_inputs(tmp_path):
     """The row buffer a decode graph reads (strided columns, padded rows) gives the same logits
     as the eager path's packed inputs."""

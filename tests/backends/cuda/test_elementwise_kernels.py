@@ -12,47 +12,20 @@ import os
 import numpy as np
 import pytest
 import torch
+from bf16_rounding import rtne_bf16
 
 from deepinfer.backends.cpu import ops
 from deepinfer.backends.cuda.kernels.activation import silu_and_mul
 from deepinfer.backends.cuda.kernels.kv_write import store_kv
 from deepinfer.backends.cuda.kernels.norm import add_rms_norm, rms_norm
-from deepinfer.backends.cuda.kernels.rotary import apply_rotary_
+from deepinfer.backends.cuda.kernels.rotary import apply_rotary_, rotary_store_kv_
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.bfloat16]
 T, HQ, HK, D = 5, 4, 2, 32
 
 
-def _rtne_bf16(data: np.ndarray) -> np.ndarray:
-    bits = np.asarray(data, dtype=np.float32).view(np.uint32).astype(np.uint64)
-    rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
-    return np.where(np.isnan(data), np.uint16(0x7FC0), rounded)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _gpu_bf16_rounding():
-    """Triton's interpreter truncates float32 -> bfloat16 casts, while compiled Triton (and
-    torch) round to nearest even; make the interpreter round like the GPU."""
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        yield
-        return
-    import triton.language as tl
-    from triton.runtime import interpreter
-
-    builder = interpreter.InterpreterBuilder
-    original = builder.cast_impl
-
-    def cast_impl(self, src, dst_type):
-        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
-            return interpreter.TensorHandle(_rtne_bf16(src.data), dst_type.scalar)
-        return original(self, src, dst_type)
-
-    builder.cast_impl = cast_impl
-    try:
-        yield
-    finally:
-        builder.cast_impl = original
+pytestmark = pytest.mark.usefixtures("gpu_bf16_rounding")
 
 
 def _randn(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -150,6 +123,30 @@ def test_rotary(dtype, rot, pos_dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rot", [D, D // 2])
+def test_rotary_store_kv_equals_rotary_then_store(dtype, rot):
+    """The fused decode path writes exactly what rotating in place and then storing writes."""
+    torch.manual_seed(6)
+    tokens, num_slots = 6, 30
+    _, q, k, v = _fused_qkv(tokens, dtype)
+    cos, sin = _rope_tables(64, rot)
+    positions = torch.randint(0, 64, (tokens,), device=DEVICE)
+    slots = torch.randperm(num_slots)[:tokens].to(DEVICE)
+    slots[2] = -1  # a padding row
+    caches = [torch.full((num_slots, HK, D), fill, dtype=dtype, device=DEVICE)
+              for fill in (-7.0, -9.0)]
+    ref_q, ref_k = q.clone(), k.clone()
+    ref_caches = [c.clone() for c in caches]
+    apply_rotary_(ref_q, ref_k, positions, cos, sin)
+    store_kv(ref_k, v, *ref_caches, slots)
+    k0 = k.clone()
+    rotary_store_kv_(q, k, v, positions, cos, sin, *caches, slots)
+    assert torch.equal(q, ref_q)
+    assert torch.equal(k, k0)  # k is read, not rotated in place
+    assert torch.equal(caches[0], ref_caches[0]) and torch.equal(caches[1], ref_caches[1])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_silu_and_mul(dtype):
     torch.manual_seed(4)
     f = 300
@@ -198,5 +195,5 @@ def test_empty_batch():
 def test_bf16_rounding_helper_is_round_to_nearest_even():
     x = torch.randn(4096) * 100
     x[:3] = torch.tensor([math.inf, -math.inf, 0.0])
-    got = torch.from_numpy(_rtne_bf16(x.numpy()).view(np.int16)).view(torch.bfloat16)
+    got = torch.from_numpy(rtne_bf16(x.numpy()).view(np.int16)).view(torch.bfloat16)
     assert torch.equal(got, x.to(torch.bfloat16))

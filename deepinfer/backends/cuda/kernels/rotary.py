@@ -1,9 +1,11 @@
-"""NeoX-style rotary embedding applied in place to q and k.
+"""NeoX-style rotary embedding: q rotated in place; k rotated in place, or rotated straight into
+its paged-cache slot together with v (the decode path: one kernel instead of two).
 
 One program per token: it reads the token's cos/sin row once and rotates all of its q heads,
 then all of its k heads, as [BLOCK_H, BLOCK_HALF] tiles of the two halves of the first `rot`
-dims (dims >= rot are left alone). Math is fp32; the reference rounds cos/sin to the activation
-dtype first, so bf16 results agree within bf16 rounding.
+dims (dims >= rot are left alone, or copied unrotated into the cache). Math is fp32; the
+reference rounds cos/sin to the activation dtype first, so bf16 results agree within bf16
+rounding.
 """
 from __future__ import annotations
 
@@ -16,26 +18,42 @@ _TILE = 4096
 
 
 @triton.jit
-def _rotate_heads(base, stride_h, n_heads, cos1, cos2, sin1, sin2, cols, half,
-                  BLOCK_H: tl.constexpr, CHUNKS: tl.constexpr):
-    col_mask = cols < half
+def _rotate_heads(src, stride_h, dst, dst_stride_h, n_heads, cos1, cos2, sin1, sin2, cols, half,
+                  ok, BLOCK_H: tl.constexpr, CHUNKS: tl.constexpr):
+    col_mask = (cols < half) & ok
     for chunk in tl.static_range(CHUNKS):
         heads = chunk * BLOCK_H + tl.arange(0, BLOCK_H)[:, None]
         mask = (heads < n_heads) & col_mask
-        p1 = base + heads * stride_h + cols
-        p2 = p1 + half
+        p1 = src + heads * stride_h + cols
         x1 = tl.load(p1, mask=mask, other=0.0).to(tl.float32)
-        x2 = tl.load(p2, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(p1 + half, mask=mask, other=0.0).to(tl.float32)
         # out = x * cos + rotate_half(x) * sin, rotate_half(x) = cat(-x2, x1)
-        tl.store(p1, (x1 * cos1 - x2 * sin1).to(base.dtype.element_ty), mask=mask)
-        tl.store(p2, (x2 * cos2 + x1 * sin2).to(base.dtype.element_ty), mask=mask)
+        d1 = dst + heads * dst_stride_h + cols
+        tl.store(d1, (x1 * cos1 - x2 * sin1).to(dst.dtype.element_ty), mask=mask)
+        tl.store(d1 + half, (x2 * cos2 + x1 * sin2).to(dst.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _copy_heads(src, stride_h, dst, dst_stride_h, n_heads, lo, d, ok,
+                BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, CHUNKS: tl.constexpr):
+    """dst[h, lo:d] = src[h, lo:d] for every head (v, and k's unrotated tail)."""
+    cols = tl.arange(0, BLOCK_D)[None, :]
+    col_mask = (cols >= lo) & (cols < d) & ok
+    for chunk in tl.static_range(CHUNKS):
+        heads = chunk * BLOCK_H + tl.arange(0, BLOCK_H)[:, None]
+        mask = (heads < n_heads) & col_mask
+        x = tl.load(src + heads * stride_h + cols, mask=mask, other=0.0)
+        tl.store(dst + heads * dst_stride_h + cols, x.to(dst.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _rotary_kernel(q_ptr, k_ptr, pos_ptr, cos_ptr, sin_ptr, n_q, n_k, half,
                    sq_t, sq_h, sk_t, sk_h, s_cos, s_sin,
+                   v_ptr, kc_ptr, vc_ptr, slot_ptr, d, sv_t, sv_h, sc_slot, sc_h,
                    BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr,
-                   CHUNKS_Q: tl.constexpr, CHUNKS_K: tl.constexpr):
+                   CHUNKS_Q: tl.constexpr, CHUNKS_K: tl.constexpr, STORE: tl.constexpr,
+                   HAS_TAIL: tl.constexpr, BLOCK_HV: tl.constexpr, BLOCK_D: tl.constexpr,
+                   CHUNKS_V: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
     cols = tl.arange(0, BLOCK_HALF)[None, :]
@@ -46,10 +64,23 @@ def _rotary_kernel(q_ptr, k_ptr, pos_ptr, cos_ptr, sin_ptr, n_q, n_k, half,
     cos2 = tl.load(cos_row + half, mask=col_mask, other=0.0)
     sin1 = tl.load(sin_row, mask=col_mask, other=0.0)
     sin2 = tl.load(sin_row + half, mask=col_mask, other=0.0)
-    _rotate_heads(q_ptr + t * sq_t, sq_h, n_q, cos1, cos2, sin1, sin2, cols, half,
+    q = q_ptr + t * sq_t
+    _rotate_heads(q, sq_h, q, sq_h, n_q, cos1, cos2, sin1, sin2, cols, half, t >= 0,
                   BLOCK_HQ, CHUNKS_Q)
-    _rotate_heads(k_ptr + t * sk_t, sk_h, n_k, cos1, cos2, sin1, sin2, cols, half,
-                  BLOCK_HK, CHUNKS_K)
+    k = k_ptr + t * sk_t
+    if STORE:
+        slot = tl.load(slot_ptr + t).to(tl.int64)
+        ok = slot >= 0  # a padding row of a CUDA-graph batch writes nothing
+        k_dst = kc_ptr + slot * sc_slot
+        _rotate_heads(k, sk_h, k_dst, sc_h, n_k, cos1, cos2, sin1, sin2, cols, half, ok,
+                      BLOCK_HK, CHUNKS_K)
+        if HAS_TAIL:
+            _copy_heads(k, sk_h, k_dst, sc_h, n_k, 2 * half, d, ok, BLOCK_HV, BLOCK_D, CHUNKS_V)
+        _copy_heads(v_ptr + t * sv_t, sv_h, vc_ptr + slot * sc_slot, sc_h, n_k, 0, d, ok,
+                    BLOCK_HV, BLOCK_D, CHUNKS_V)
+    else:
+        _rotate_heads(k, sk_h, k, sk_h, n_k, cos1, cos2, sin1, sin2, cols, half, t >= 0,
+                      BLOCK_HK, CHUNKS_K)
 
 
 def _check(name: str, x: torch.Tensor, tokens: int, rot: int) -> None:
@@ -64,32 +95,65 @@ def _heads_block(heads: int, block_half: int) -> int:
     return max(1, min(triton.next_power_of_2(heads), _TILE // block_half))
 
 
-def apply_rotary_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
-                  cos: torch.Tensor, sin: torch.Tensor) -> None:
-    """Rotate q [T, Hq, D] and k [T, Hk, D] in place (strided views are fine) by the rows
-    cos[positions], sin[positions] of float32 tables [max_positions, rot], rot <= D even."""
+def _check_tables(positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     if positions.dim() != 1 or (positions.numel() > 1 and positions.stride(0) != 1):
         raise ValueError("positions must be a contiguous 1-D tensor (the kernel reads it as a "
                          "flat array)")
-    tokens = positions.shape[0]
-    rot = cos.shape[-1]
-    if cos.dim() != 2 or sin.shape != cos.shape or rot % 2:
+    if cos.dim() != 2 or sin.shape != cos.shape or cos.shape[-1] % 2:
         raise ValueError(f"cos/sin must be [max_positions, even rot], got {tuple(cos.shape)}, "
                          f"{tuple(sin.shape)}")
     if cos.stride(-1) != 1 or sin.stride(-1) != 1:
         raise ValueError("cos/sin must have a contiguous last dim")
+
+
+def _launch(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
+            sin: torch.Tensor, store: tuple | None) -> None:
+    _check_tables(positions, cos, sin)
+    tokens, rot = positions.shape[0], cos.shape[-1]
     _check("q", q, tokens, rot)
     _check("k", k, tokens, rot)
     if tokens == 0:
         return
-    half = rot // 2
-    block_half = triton.next_power_of_2(half)
+    half, d = rot // 2, k.shape[-1]
+    block_half, block_d = triton.next_power_of_2(half), triton.next_power_of_2(d)
     block_hq, block_hk = _heads_block(q.shape[1], block_half), _heads_block(k.shape[1], block_half)
+    block_hv = max(1, min(triton.next_power_of_2(k.shape[1]), _TILE // block_d))
+    v, k_cache, v_cache, slots = store if store is not None else (k, k, k, positions)
     # 4 warps for 32 heads of 64-dim halves: on an H200, 2-4 warps beat 8 by ~10%.
     warps = max(1, min(8, block_hq * block_half // 512))
     _rotary_kernel[(tokens,)](q, k, positions, cos, sin, q.shape[1], k.shape[1], half,
                               q.stride(0), q.stride(1), k.stride(0), k.stride(1),
                               cos.stride(0), sin.stride(0),
+                              v, k_cache, v_cache, slots, d, v.stride(0), v.stride(1),
+                              k_cache.stride(0), k_cache.stride(1),
                               BLOCK_HQ=block_hq, BLOCK_HK=block_hk, BLOCK_HALF=block_half,
                               CHUNKS_Q=triton.cdiv(q.shape[1], block_hq),
-                              CHUNKS_K=triton.cdiv(k.shape[1], block_hk), num_warps=warps)
+                              CHUNKS_K=triton.cdiv(k.shape[1], block_hk),
+                              STORE=store is not None, HAS_TAIL=rot < d, BLOCK_HV=block_hv,
+                              BLOCK_D=block_d, CHUNKS_V=triton.cdiv(k.shape[1], block_hv),
+                              num_warps=warps)
+
+
+def apply_rotary_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
+                  cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Rotate q [T, Hq, D] and k [T, Hk, D] in place (strided views are fine) by the rows
+    cos[positions], sin[positions] of float32 tables [max_positions, rot], rot <= D even."""
+    _launch(q, k, positions, cos, sin, None)
+
+
+def rotary_store_kv_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                     cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                     v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Rotate q in place; write rotated k and v [T, Hk, D] into the caches [num_slots, Hk, D]
+    at slot_mapping [T] (negative slots are skipped). k itself is left as it was."""
+    if slot_mapping.dim() != 1 or slot_mapping.shape[0] != positions.shape[0] or \
+            (slot_mapping.numel() > 1 and slot_mapping.stride(0) != 1):
+        raise ValueError("slot_mapping must be a contiguous 1-D tensor, one slot a token")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()) or \
+            k_cache.shape != v_cache.shape or k_cache.shape[1:] != k.shape[1:]:
+        raise ValueError(f"k_cache and v_cache must be contiguous [slots, {k.shape[1]}, "
+                         f"{k.shape[2]}], got {tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
+    _check("v", v, positions.shape[0], 0)
+    if v.shape != k.shape:
+        raise ValueError(f"v {tuple(v.shape)} must match k {tuple(k.shape)}")
+    _launch(q, k, positions, cos, sin, (v, k_cache, v_cache, slot_mapping))
