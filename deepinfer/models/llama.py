@@ -43,7 +43,7 @@ class LlamaAttention(nn.Module):
             q = ops.rms_norm(q, self.q_norm, cfg.rms_norm_eps)
             k = ops.rms_norm(k, self.k_norm, cfg.rms_norm_eps)
         out = ops.rotary_attention(q, k, v, positions, cos, sin, self.layer, meta)
-        return self.o_proj(out.reshape(tokens, self.q_size))
+        return ops.linear(out.reshape(tokens, self.q_size), self.o_proj.weight)
 
 
 class LlamaMLP(nn.Module):
@@ -68,12 +68,13 @@ class LlamaDecoderLayer(nn.Module):
                 cos: torch.Tensor, sin: torch.Tensor, meta: Any
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         eps, ops = self.cfg.rms_norm_eps, self.ops
+        attn, mlp = self.self_attn, self.mlp
         qkv, residual = ops.norm_linear(hidden, residual, self.input_layernorm, eps,
-                                        self.self_attn.qkv_proj)
-        hidden = self.self_attn(positions, qkv, cos, sin, meta)
+                                        attn.qkv_proj.weight, attn.qkv_proj.bias)
+        hidden = attn(positions, qkv, cos, sin, meta)
         gate_up, residual = ops.norm_linear(hidden, residual, self.post_attention_layernorm, eps,
-                                            self.mlp.gate_up_proj)
-        return ops.act_linear(gate_up, self.mlp.down_proj), residual
+                                            mlp.gate_up_proj.weight)
+        return ops.act_linear(gate_up, mlp.down_proj.weight), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -100,4 +101,4 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return torch.nn.functional.linear(hidden, weight).float()
+        return self.ops.linear(hidden, weight).float()

@@ -6,14 +6,13 @@ from __future__ import annotations
 import math
 
 import torch
-from torch import nn
 
 from deepinfer.backends.cuda.kernels.activation import silu_and_mul
 from deepinfer.backends.cuda.kernels.decode_attention import paged_decode_attention
 from deepinfer.backends.cuda.kernels.kv_write import store_kv
 from deepinfer.backends.cuda.kernels.norm import add_rms_norm, rms_norm
 from deepinfer.backends.cuda.kernels.prefill_attention import paged_prefill_attention
-from deepinfer.backends.cuda.kernels.gemv import rms_norm_gemv, silu_and_mul_gemv
+from deepinfer.backends.cuda.kernels.gemv import gemv, rms_norm_gemv, silu_and_mul_gemv
 from deepinfer.backends.cuda.kernels.rotary import apply_rotary_, rotary_store_kv_
 from deepinfer.backends.cuda.step_inputs import AttentionMeta
 from deepinfer.models.ops import ModelOps
@@ -79,17 +78,24 @@ class CUDAOps(ModelOps):
         rotary_store_kv_(q, k, v, positions, cos, sin, k_cache, v_cache, meta.slot_mapping)
         return self._attend(q, layer, meta)
 
-    def norm_linear(self, x: torch.Tensor, residual: torch.Tensor | None,
-                    norm_weight: torch.Tensor, eps: float, linear: nn.Linear
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def linear(self, x: torch.Tensor, weight: torch.Tensor,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
         if self._one_row(x):
-            return rms_norm_gemv(x, residual, norm_weight, eps, linear.weight, linear.bias)
-        return super().norm_linear(x, residual, norm_weight, eps, linear)
+            return gemv(x, weight, bias)
+        return super().linear(x, weight, bias)
 
-    def act_linear(self, x: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
+    def norm_linear(self, x: torch.Tensor, residual: torch.Tensor | None,
+                    norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
+                    bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         if self._one_row(x):
-            return silu_and_mul_gemv(x, linear.weight, linear.bias)
-        return super().act_linear(x, linear)
+            return rms_norm_gemv(x, residual, norm_weight, eps, weight, bias)
+        return super().norm_linear(x, residual, norm_weight, eps, weight, bias)
+
+    def act_linear(self, x: torch.Tensor, weight: torch.Tensor,
+                   bias: torch.Tensor | None = None) -> torch.Tensor:
+        if self._one_row(x):
+            return silu_and_mul_gemv(x, weight, bias)
+        return super().act_linear(x, weight, bias)
 
     def _attend(self, q: torch.Tensor, layer: int, meta: AttentionMeta) -> torch.Tensor:
         """Attention over the layer's cache, which already holds this step's K and V."""

@@ -67,8 +67,8 @@ def _gemv_kernel(x_ptr, r_ptr, r_out_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, N, K, eps
             if PROLOGUE == 2:
                 s = (x.to(tl.float32) + tl.load(r_ptr + cols, mask=col_ok, other=0.0)
                      .to(tl.float32)).to(x_ptr.dtype.element_ty)
-                if pid == 0:
-                    tl.store(r_out_ptr + cols, s, mask=col_ok)
+                # A mask, not a branch: control flow in the loop would stop the pipelining.
+                tl.store(r_out_ptr + cols, s, mask=col_ok & (pid == 0))
                 x = s
             a = x.to(tl.float32)
             if PROLOGUE != 0:
