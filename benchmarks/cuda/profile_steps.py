@@ -1,7 +1,7 @@
 """Where a step's GPU time goes: torch.profiler over decode steps of the Llama-3-8B shape.
 
     python benchmarks/cuda/profile_steps.py [--out DIR] [--batches 1 256] [--tag NAME]
-    DEEPINFER_CUDA_FUSED_GEMV=0 python benchmarks/cuda/profile_steps.py --batches 1 --tag unfused
+    DEEPINFER_CUDA_GEMV=0 python benchmarks/cuda/profile_steps.py --batches 1 --tag unfused
 
 For each batch size, runs a few warm decode steps (CUDA graphs replayed as in serving) under
 the profiler and prints the kernels by total GPU time, with the step's wall time beside the sum

@@ -1,9 +1,8 @@
 """The llama family (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM2) over backend ops.
 
 Q/K/V and gate/up projections are fused into one matmul each (fewer, larger GEMMs); the loader
-maps the checkpoint's separate tensors into their slices. The decoder layer drives its modules
-through the composite ops (norm + projection, activation + projection, rotary + attention), so a
-backend with fused kernels for them uses them without a model of its own.
+maps the checkpoint's separate tensors into their slices. Every projection goes through
+ops.linear, so a backend can route the one-token (decode) case to a GEMV kernel.
 """
 from __future__ import annotations
 
@@ -30,11 +29,11 @@ class LlamaAttention(nn.Module):
             self.q_norm = nn.Parameter(torch.ones(cfg.head_dim))
             self.k_norm = nn.Parameter(torch.ones(cfg.head_dim))
 
-    def forward(self, positions: torch.Tensor, qkv: torch.Tensor, cos: torch.Tensor,
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor,
                 sin: torch.Tensor, meta: Any) -> torch.Tensor:
-        """Attention from the output of qkv_proj (the layer fuses that with its input norm)."""
         cfg, ops = self.cfg, self.ops
-        tokens = qkv.shape[0]
+        tokens = hidden.shape[0]
+        qkv = ops.linear(hidden, self.qkv_proj.weight, self.qkv_proj.bias)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(tokens, cfg.num_heads, cfg.head_dim)
         k = k.view(tokens, cfg.num_kv_heads, cfg.head_dim)
@@ -47,12 +46,16 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    """The MLP's weights; the layer runs them as norm_linear(gate_up) then act_linear(down)."""
-
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, ops: ModelOps) -> None:
         super().__init__()
+        self.ops = ops
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ops = self.ops
+        return ops.linear(ops.silu_and_mul(ops.linear(x, self.gate_up_proj.weight)),
+                          self.down_proj.weight)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -60,21 +63,23 @@ class LlamaDecoderLayer(nn.Module):
         super().__init__()
         self.cfg, self.ops = cfg, ops
         self.self_attn = LlamaAttention(cfg, layer, ops)
-        self.mlp = LlamaMLP(cfg)
+        self.mlp = LlamaMLP(cfg, ops)
         self.input_layernorm = nn.Parameter(torch.ones(cfg.hidden_size))
         self.post_attention_layernorm = nn.Parameter(torch.ones(cfg.hidden_size))
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
                 cos: torch.Tensor, sin: torch.Tensor, meta: Any
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        eps, ops = self.cfg.rms_norm_eps, self.ops
-        attn, mlp = self.self_attn, self.mlp
-        qkv, residual = ops.norm_linear(hidden, residual, self.input_layernorm, eps,
-                                        attn.qkv_proj.weight, attn.qkv_proj.bias)
-        hidden = attn(positions, qkv, cos, sin, meta)
-        gate_up, residual = ops.norm_linear(hidden, residual, self.post_attention_layernorm, eps,
-                                            mlp.gate_up_proj.weight)
-        return ops.act_linear(gate_up, mlp.down_proj.weight), residual
+        eps = self.cfg.rms_norm_eps
+        if residual is None:
+            residual = hidden
+            hidden = self.ops.rms_norm(hidden, self.input_layernorm, eps)
+        else:
+            hidden, residual = self.ops.add_rms_norm(hidden, residual, self.input_layernorm, eps)
+        hidden = self.self_attn(positions, hidden, cos, sin, meta)
+        hidden, residual = self.ops.add_rms_norm(hidden, residual,
+                                                 self.post_attention_layernorm, eps)
+        return self.mlp(hidden), residual
 
 
 class LlamaForCausalLM(nn.Module):

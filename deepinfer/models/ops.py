@@ -2,10 +2,9 @@
 
 Models are plain torch modules; everything that depends on the KV layout or on a kernel goes
 through these ops, so one model definition runs on every backend. A backend implements the five
-primitives. The composites (a projection; a norm or activation followed by a projection; rotary
-followed by attention) have reference definitions here in terms of the primitives; a backend overrides
-one where it has a fused kernel, e.g. the CUDA backend's one-token GEMVs that build their own
-normalized input.
+primitives. The composites (a projection; rotary followed by attention) have reference
+definitions here; a backend overrides one where it has a better kernel, e.g. the CUDA backend's
+one-token GEMV and its rotary fused into the KV cache write.
 """
 from __future__ import annotations
 
@@ -45,21 +44,6 @@ class ModelOps:
                bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [T, K] @ weight[N, K].T (+ bias)."""
         return F.linear(x, weight, bias)
-
-    def norm_linear(self, x: torch.Tensor, residual: torch.Tensor | None,
-                    norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
-                    bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(linear(rms_norm(s)), s) where s = x + residual, or x when residual is None (the
-        first layer). s is the residual stream the next norm adds to."""
-        if residual is None:
-            return self.linear(self.rms_norm(x, norm_weight, eps), weight, bias), x
-        normed, summed = self.add_rms_norm(x, residual, norm_weight, eps)
-        return self.linear(normed, weight, bias), summed
-
-    def act_linear(self, x: torch.Tensor, weight: torch.Tensor,
-                   bias: torch.Tensor | None = None) -> torch.Tensor:
-        """linear(silu_and_mul(x)) for a fused gate/up output x [T, 2F]."""
-        return self.linear(self.silu_and_mul(x), weight, bias)
 
     def rotary_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

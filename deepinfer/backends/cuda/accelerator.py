@@ -87,10 +87,10 @@ class CUDAAccelerator(Accelerator):
         from deepinfer.backends.cuda.ops import CUDAOps, PagedKVCache
 
         self.cache = PagedKVCache(cfg.num_layers)
-        # DEEPINFER_CUDA_FUSED_GEMV=0 sends one-token projections to cuBLAS unfused: the
-        # baseline the fused kernels are measured against (benchmarks/cuda/profile_steps.py).
-        fuse = os.environ.get("DEEPINFER_CUDA_FUSED_GEMV", "1") != "0"
-        self.ops = CUDAOps(self.cache, cfg.head_dim, fuse_gemv=fuse)
+        # DEEPINFER_CUDA_GEMV=0 sends one-token projections to cuBLAS too: the baseline the
+        # GEMV kernel is measured against (benchmarks/cuda/profile_steps.py).
+        use_gemv = os.environ.get("DEEPINFER_CUDA_GEMV", "1") != "0"
+        self.ops = CUDAOps(self.cache, cfg.head_dim, use_gemv=use_gemv)
         self.model = build_model(cfg, self.ops, spec, self.max_model_len, self.device,
                                  self.dtype, self.seed)
 
