@@ -29,6 +29,22 @@ def noise_seed(seed: int, step: int) -> int:
     return (seed * _SEED_MULTIPLIER + step) % _SEED_MODULUS
 
 
+def argmax_rows(logits: torch.Tensor, groups: int = 128) -> torch.Tensor:
+    """logits.argmax(dim=-1) of [B, V], in two stages when V splits into `groups` equal parts.
+
+    A GPU reduction with few output rows runs on few thread blocks: argmax over one 128K-entry
+    row took 28 us on an H200 (0.6% of a batch-1 decode step); a max over [B, groups, V/groups]
+    spreads it over the GPU. Ties resolve as torch's do, to the first maximal index: the first
+    maximum within each part, then the first part holding the overall maximum.
+    """
+    batch, vocab = logits.shape
+    if vocab % groups or vocab < 16 * groups:
+        return logits.argmax(dim=-1)
+    values, within = logits.view(batch, groups, vocab // groups).max(dim=-1)
+    part = values.argmax(dim=-1, keepdim=True)
+    return part.squeeze(1) * (vocab // groups) + within.gather(1, part).squeeze(1)
+
+
 class Sampler:
     """Stateless: every call depends only on its arguments, so one instance serves all steps."""
 
@@ -39,7 +55,7 @@ class Sampler:
             return SamplerOutput(token_ids=[], logprobs=[])
         if all(_is_plain_greedy(row) for row in rows):
             # argmax is unchanged by an exact upcast, so skip the float32 copy entirely.
-            return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * len(rows))
+            return SamplerOutput(argmax_rows(logits).tolist(), [None] * len(rows))
 
         # A private float32 copy: the steps below edit it in place, never the caller's tensor.
         logits = logits.detach().to(torch.float32, copy=True)
@@ -52,7 +68,7 @@ class Sampler:
         _apply_min_tokens(logits, rows)
         _apply_bitmasks(logits, rows)
 
-        tokens = logits.argmax(dim=-1)  # final for greedy rows
+        tokens = argmax_rows(logits)  # final for greedy rows
         random_rows = [i for i, row in enumerate(rows) if not row.params.greedy]
         if random_rows:
             index = _index(random_rows, device)

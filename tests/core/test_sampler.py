@@ -430,3 +430,19 @@ def test_token_bitmask_limits_greedy_and_sampled_choices():
                           prompt_token_ids=[], output_token_ids=[], token_bitmask=packed)
         seen.update(Sampler().sample(torch.zeros(1, vocab), [row]).token_ids)
     assert seen == set(allowed)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_two_stage_argmax_equals_torch_argmax(dtype):
+    """Ties (few distinct values) and NaN rows resolve exactly as torch.argmax does."""
+    from deepinfer.core.sampler import argmax_rows
+
+    g = torch.Generator().manual_seed(0)
+    for trial in range(50):
+        vocab = 128 * int(torch.randint(16, 40, (), generator=g))
+        x = torch.randint(-3, 3, (3, vocab), generator=g).to(dtype)
+        if trial % 5 == 0:
+            x[1, int(torch.randint(0, vocab, (), generator=g))] = float("nan")
+        assert torch.equal(argmax_rows(x), x.argmax(dim=-1))
+    odd = torch.randn(2, 1000, generator=g)  # no equal split: plain argmax
+    assert torch.equal(argmax_rows(odd), odd.argmax(dim=-1))

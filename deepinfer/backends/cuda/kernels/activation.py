@@ -9,12 +9,18 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from deepinfer.backends.cuda.kernels.pdl import launch_kwargs
 
 _BLOCK = 1024  # 4 warps x 32 threads x 8 bf16 elements (one 16-byte vector each)
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, y_ptr, f, sx_t, sy_t, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, y_ptr, f, sx_t, sy_t, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # let the next kernel launch now; wait for the one ahead (see pdl.py)
+        gdc_launch_dependents()
+        gdc_wait()
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < f
@@ -40,5 +46,5 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
     block = min(_BLOCK, triton.next_power_of_2(f))
     grid = (tokens, triton.cdiv(f, block))
     _silu_and_mul_kernel[grid](x, out, f, x.stride(0), out.stride(0), BLOCK=block,
-                               num_warps=max(1, block // 256))
+                               num_warps=max(1, block // 256), **launch_kwargs(x.device))
     return out

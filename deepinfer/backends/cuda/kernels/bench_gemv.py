@@ -8,13 +8,14 @@
    are timed as a CUDA graph of 16 calls over distinct weight copies, so the L2 (50 MB) holds
    none of them, as in a decode step.
 3. The projections of all 32 layers as a decode step runs them (norm and SiLU kernels between
-   them), with cuBLAS and with the GEMV, as graphs.
+   them), with cuBLAS and with the GEMV, each with programmatic dependent launch off and on.
 """
 from __future__ import annotations
 
 import argparse
 import itertools
 import json
+import os
 import statistics
 
 import torch
@@ -120,10 +121,14 @@ def chain() -> dict:
 
     out = {"weight_bytes": weight_bytes}
     for name, project in (("cublas", F.linear), ("gemv", gemv)):
-        ms = _graph_ms(step(project))
-        out[name] = {"ms": ms, "gbs": weight_bytes / ms / 1e6}
-        print(f"32-layer projections + norms, {name:6s} {ms:7.3f} ms "
-              f"{out[name]['gbs']:5.0f} GB/s of weights", flush=True)
+        for pdl in ("0", "1"):
+            os.environ["DEEPINFER_CUDA_PDL"] = pdl  # read at every launch (kernels/pdl.py)
+            ms = _graph_ms(step(project))
+            key = f"{name}_pdl" if pdl == "1" else name
+            out[key] = {"ms": ms, "gbs": weight_bytes / ms / 1e6}
+            print(f"32-layer projections + norms, {key:10s} {ms:7.3f} ms "
+                  f"{out[key]['gbs']:5.0f} GB/s of weights", flush=True)
+    os.environ.pop("DEEPINFER_CUDA_PDL")
     return out
 
 

@@ -18,6 +18,9 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from deepinfer.backends.cuda.kernels.pdl import launch_kwargs
 
 _LN2 = math.log(2.0)
 _LOG2E = 1.0 / _LN2
@@ -51,7 +54,11 @@ def _decode_split_kernel(
     qk_scale,  # softmax scale * log2(e): the kernel works in base 2
     GROUP: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    if PDL:  # let the next kernel launch now; wait for the one ahead (see pdl.py)
+        gdc_launch_dependents()
+        gdc_wait()
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -117,8 +124,11 @@ def tile_slots(table, start, offs_n, valid, BLOCK_N: tl.constexpr, BLOCK_SIZE: t
 def _decode_merge_kernel(
     PartialOut, Lse, Out,
     stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
-    HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, PDL: tl.constexpr,
 ):
+    if PDL:  # let the next kernel launch now; wait for the one ahead (see pdl.py)
+        gdc_launch_dependents()
+        gdc_wait()
     b = tl.program_id(0)
     h = tl.program_id(1)
     splits = tl.arange(0, NUM_SPLITS)
@@ -192,12 +202,12 @@ def launch_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         BLOCK_N=cfg.block_n, BLOCK_SIZE=block_size, NUM_SPLITS=num_splits,
         # Exact fp32 products for fp32 inputs (the default would round them to tf32).
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_kwargs(q.device),
     )
     if num_splits > 1:
         _decode_merge_kernel[(batch, q_heads)](
             partial, lse, out, *part_strides, *lse_strides, out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, NUM_SPLITS=num_splits, num_warps=1,
+            HEAD_DIM=head_dim, NUM_SPLITS=num_splits, num_warps=1, **launch_kwargs(q.device),
         )
     return out
 

@@ -12,6 +12,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from deepinfer.backends.cuda.kernels.pdl import launch_kwargs
 
 # Elements per program tile: beyond this the heads of one token spread over several programs.
 _TILE = 8192
@@ -20,7 +23,11 @@ _TILE = 8192
 @triton.jit
 def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, n_heads, d, eps,
                      sx_t, sx_h, sr_t, sr_h, sy_t, sy_h,
-                     HAS_RESIDUAL: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+                     HAS_RESIDUAL: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+                     PDL: tl.constexpr):
+    if PDL:  # let the next kernel launch now; wait for the one ahead (see pdl.py)
+        gdc_launch_dependents()
+        gdc_wait()
     t = tl.program_id(0).to(tl.int64)  # int64: token * stride can pass 2**31 in large batches
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)[:, None]
     cols = tl.arange(0, BLOCK_D)[None, :]
@@ -69,7 +76,7 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
                            x3.stride(0), x3.stride(1), r3.stride(0), r3.stride(1),
                            y3.stride(0), y3.stride(1),
                            HAS_RESIDUAL=residual is not None, BLOCK_H=block_h, BLOCK_D=block_d,
-                           num_warps=warps)
+                           num_warps=warps, **launch_kwargs(x3.device))
 
 
 def _new_out(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -12,6 +12,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from deepinfer.backends.cuda.kernels.pdl import launch_kwargs
 
 # Elements of one half-tile: a token's heads are rotated in (unrolled) chunks of this many.
 _TILE = 4096
@@ -53,7 +56,10 @@ def _rotary_kernel(q_ptr, k_ptr, pos_ptr, cos_ptr, sin_ptr, n_q, n_k, half,
                    BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr,
                    CHUNKS_Q: tl.constexpr, CHUNKS_K: tl.constexpr, STORE: tl.constexpr,
                    HAS_TAIL: tl.constexpr, BLOCK_HV: tl.constexpr, BLOCK_D: tl.constexpr,
-                   CHUNKS_V: tl.constexpr):
+                   CHUNKS_V: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # let the next kernel launch now; wait for the one ahead (see pdl.py)
+        gdc_launch_dependents()
+        gdc_wait()
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
     cols = tl.arange(0, BLOCK_HALF)[None, :]
@@ -131,7 +137,7 @@ def _launch(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torc
                               CHUNKS_K=triton.cdiv(k.shape[1], block_hk),
                               STORE=store is not None, HAS_TAIL=rot < d, BLOCK_HV=block_hv,
                               BLOCK_D=block_d, CHUNKS_V=triton.cdiv(k.shape[1], block_hv),
-                              num_warps=warps)
+                              num_warps=warps, **launch_kwargs(q.device))
 
 
 def apply_rotary_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
