@@ -3,9 +3,9 @@
 At batch 1 a projection reads its whole weight to make one row, so its time is the weight bytes
 over the memory bandwidth. cuBLAS's GEMV-shaped kernels reach 2.5-4.2 TB/s on an H200 at the
 Llama-3-8B shapes, lowest on the small square ones; this kernel reaches 3.1-4.4 TB/s (see
-bench_gemv). Each program reads BLOCK_N weight rows in BLOCK_K chunks, double-buffered, multiplies
-them by the matching chunk of x and accumulates a float32 [BLOCK_N, BLOCK_K] tile, reduced once at
-the end. Launched with PDL (pdl.py) it starts reading weights before the kernel ahead finishes.
+bench_gemv). Each program reads BLOCK_N weight rows in BLOCK_K chunks, multiplies them by the
+matching chunk of x and accumulates a float32 [BLOCK_N, BLOCK_K] tile, reduced once at the
+end. Launched with PDL (pdl.py) it starts reading weights before the kernel ahead finishes.
 
 Fusing the RMSNorm or SiLU-and-mul before a projection into this loop was measured too: it
 saved their ~2 us launches but slowed the GEMV by as much, so they stay separate kernels.
@@ -44,7 +44,8 @@ def config_for(n: int, k: int) -> GemvConfig:
 
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, sw_n, HAS_BIAS: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+                 EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 PDL: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows[:, None] < N
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * sw_n
@@ -54,14 +55,19 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, sw_n, HAS_BIAS: tl.constexpr,
     w = tl.load(w_rows + cols[None, :], mask=row_ok & (cols[None, :] < K), other=0.0)
     if PDL:
         gdc_wait()
-    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        x = tl.load(x_ptr + k0 + cols, mask=k0 + cols < K, other=0.0)
-        # Double buffering: the next tile is in flight while this one is multiplied.
-        nxt = k0 + BLOCK_K + cols[None, :]
-        w_next = tl.load(w_rows + nxt, mask=row_ok & (nxt < K), other=0.0)
+    x = tl.load(x_ptr + cols, mask=cols < K, other=0.0)
+    acc = w.to(tl.float32) * x.to(tl.float32)[None, :]
+    # One tile in flight per program; many programs per SM keep the memory busy. (Double
+    # buffering here cost registers, hence programs, and ran 3-12% slower on an H200.)
+    for k0 in range(BLOCK_K, K, BLOCK_K):
+        c = k0 + cols
+        if EVEN_K:  # no column mask: full-width vector loads
+            w = tl.load(w_rows + c[None, :], mask=row_ok, other=0.0)
+            x = tl.load(x_ptr + c)
+        else:
+            w = tl.load(w_rows + c[None, :], mask=row_ok & (c[None, :] < K), other=0.0)
+            x = tl.load(x_ptr + c, mask=c < K, other=0.0)
         acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
-        w = w_next
     y = tl.sum(acc, axis=1)
     if HAS_BIAS:
         y += tl.load(b_ptr + rows, mask=rows < N, other=0.0).to(tl.float32)
@@ -83,6 +89,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     y = torch.empty((1, n), dtype=x.dtype, device=x.device)
     _gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
         x, weight, bias if bias is not None else weight, y, n, k, weight.stride(0),
-        HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        HAS_BIAS=bias is not None, EVEN_K=k % cfg.block_k == 0, BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_kwargs(x.device))
     return y
