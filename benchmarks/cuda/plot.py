@@ -57,12 +57,28 @@ def copy_panel(ax, copy: dict) -> None:
     ax.legend(fontsize=8)
 
 
+def gemv_panel(ax, gemv: dict) -> None:
+    names = list(gemv["sweep"])
+    width = 0.38
+    for i, (key, label) in enumerate((("cublas_gbs", "cuBLAS"), ("chosen_gbs", "Triton GEMV"))):
+        values = [gemv["sweep"][n][key] for n in names]
+        bars = ax.bar([x + i * width for x in range(len(names))], values, width, label=label)
+        ax.bar_label(bars, fmt="%.0f", fontsize=7)
+    ax.set_xticks([x + width / 2 for x in range(len(names))], names, fontsize=8)
+    chain = gemv["chain"]
+    ax.set_title(f"batch-1 projections (GB/s); 32 layers: cuBLAS {chain['cublas']['ms']:.2f} ms,"
+                 f"\nGEMV {chain['gemv']['ms']:.2f} ms, GEMV + PDL {chain['gemv_pdl']['ms']:.2f} ms",
+                 fontsize=9)
+    ax.legend(fontsize=8, loc="lower right")
+
+
 def main() -> None:
     folder = sys.argv[1] if len(sys.argv) > 1 else "benchmarks/results/cuda"
     engine, copy = load(folder, "cuda_engine.json"), load(folder, "page_copy.json")
-    fig, axes = plt.subplots(1, 4, figsize=(18, 4.5))
+    fig, axes = plt.subplots(1, 5, figsize=(22, 4.5))
     engine_panels(axes[:3], engine)
     copy_panel(axes[3], copy)
+    gemv_panel(axes[4], load(folder, "gemv.json"))
     gpu = engine["ceilings"]["gpu"]
     fig.suptitle(f"DeepInfer CUDA backend vs transformers {engine['hf']['transformers']} on one "
                  f"{gpu}, Llama-3-8B shape, random bf16 weights")
