@@ -10,7 +10,7 @@ mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export DEEPINFER_CACHE_DIR="${DEEPINFER_CACHE_DIR:-/tmp/deepinfer-cache}"
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(attention gemv page_copy check_engine engine_bench profile_steps)
+[ ${#steps[@]} -eq 0 ] && steps=(kernel_tests attention gemv page_copy check_engine engine_bench profile_steps)
 wanted() { [[ " ${steps[*]} " == *" $1 "* ]]; }
 quick=""
 wanted --quick && quick="--quick"
@@ -24,6 +24,7 @@ step() {  # step NAME CMD...: run, log, keep going on failure
   "$@" 2>&1 | tee -a "$out/run_device.log" | tail -n 40 || { echo "!!! $name FAILED"; status=1; }
   echo "=== $name took $((SECONDS - t0)) s"
 }
+wanted kernel_tests && step kernel_tests python3 -m pytest -q -p no:cacheprovider tests/backends/cuda
 wanted attention && step attention python3 -m deepinfer.backends.cuda.kernels.bench_attention --out "$out/attention.json"
 wanted gemv && step gemv python3 -m deepinfer.backends.cuda.kernels.bench_gemv --out "$out/gemv.json" $quick
 wanted page_copy && step page_copy python3 -m deepinfer.backends.cuda.bench_page_copy --out "$out/page_copy.json"

@@ -29,7 +29,8 @@ def test_gemv_equals_matmul(n: int, k: int, config: GemvConfig, dtype: torch.dty
     # fp32: the sums differ in order only; bf16: one rounding of the float32 result.
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     for b, r in ((bias, ref), (None, ref - bias.float())):
-        out = gemv(x, weight, b, config)
+        poisoned = torch.full((1, n), float("nan"), dtype=dtype, device=DEVICE)
+        out = gemv(x, weight, b, config, out=poisoned)
         assert out.shape == (1, n) and out.dtype == dtype
         torch.testing.assert_close(out.float(), r, rtol=tol, atol=tol)
 

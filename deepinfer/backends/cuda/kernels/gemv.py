@@ -75,8 +75,9 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, sw_n, HAS_BIAS: tl.constexpr,
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-         config: GemvConfig | None = None) -> torch.Tensor:
-    """x [1, K] (contiguous) @ weight[N, K].T (+ bias [N]) -> [1, N] in x's dtype."""
+         config: GemvConfig | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [1, K] (contiguous) @ weight[N, K].T (+ bias [N]) -> [1, N] in x's dtype (into out,
+    a contiguous [1, N] tensor, if given)."""
     if weight.dim() != 2 or weight.stride(1) != 1:
         raise ValueError(f"weight must be [N, K] with a contiguous last dim, got "
                          f"{tuple(weight.shape)} strides {weight.stride()}")
@@ -86,7 +87,11 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     if bias is not None and (bias.shape != (n,) or not bias.is_contiguous()):
         raise ValueError(f"bias must be contiguous [{n}], got {tuple(bias.shape)}")
     cfg = config or config_for(n, k)
-    y = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    if out is None:
+        out = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    elif out.shape != (1, n) or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous [1, {n}], got {tuple(out.shape)}")
+    y = out
     _gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
         x, weight, bias if bias is not None else weight, y, n, k, weight.stride(0),
         HAS_BIAS=bias is not None, EVEN_K=k % cfg.block_k == 0, BLOCK_N=cfg.block_n,
