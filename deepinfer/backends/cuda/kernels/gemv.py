@@ -2,7 +2,7 @@
 
 At batch 1 a projection reads its whole weight to make one row, so its time is the weight bytes
 over the memory bandwidth. cuBLAS's GEMV-shaped kernels reach 2.5-4.2 TB/s on an H200 at the
-Llama-3-8B shapes, lowest on the small square ones; this kernel reaches 3.1-4.4 TB/s (see
+Llama-3-8B shapes, lowest on the small square ones; this kernel reaches 3.3-4.4 TB/s (see
 bench_gemv). Each program reads BLOCK_N weight rows in BLOCK_K chunks, multiplies them by the
 matching chunk of x and accumulates a float32 [BLOCK_N, BLOCK_K] tile, reduced once at the
 end. Launched with PDL (pdl.py) it starts reading weights before the kernel ahead finishes.
@@ -31,8 +31,8 @@ class GemvConfig:
 
 
 def config_for(n: int, k: int) -> GemvConfig:
-    """Tiles for an [n, k] weight: the H200 sweep's best at each Llama-3-8B shape (bench_gemv),
-    each within 1% of the best of 44 configs there."""
+    """Tiles for an [n, k] weight, from the H200 sweep at the Llama-3-8B shapes (bench_gemv):
+    each within 3% of the best of its 22 configs there."""
     if k >= 8192:  # down_proj [4096 x 14336]: long rows, few of them
         return GemvConfig(16, 1024, 8)
     if n >= 16384:  # gate_up [28672 x 4096], lm_head [128256 x 4096]: many rows
