@@ -8,38 +8,40 @@ one-token GEMV and its rotary fused into the KV cache write.
 """
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 
-class ModelOps:
+class ModelOps(ABC):
     # ---- primitives: every backend implements these -------------------------------------
+    @abstractmethod
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        raise NotImplementedError
+        """weight * (x * rsqrt(mean(x^2) + eps)) over the last dim, float32 statistics."""
 
+    @abstractmethod
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
         """Return (rms_norm(x + residual), x + residual)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def rotary(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
                cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q [T, Hq, D], k [T, Hk, D]; cos/sin tables [max_len, rotary_dim] (NeoX halves)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, 2F] -> silu(x[:, :F]) * x[:, F:]."""
-        raise NotImplementedError
 
+    @abstractmethod
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
                   meta: Any) -> torch.Tensor:
         """Write k, v [T, Hk, D] into layer's paged cache; attend q [T, Hq, D] causally over
         each sequence's cached prefix plus its new tokens. Returns [T, Hq, D]."""
-        raise NotImplementedError
 
-    # ---- composites: reference definitions, overridden where a fused kernel exists -------
+    # ---- composites: reference definitions, overridden where a better kernel exists -------
     def linear(self, x: torch.Tensor, weight: torch.Tensor,
                bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [T, K] @ weight[N, K].T (+ bias)."""
