@@ -7,11 +7,14 @@ device tensor. Block tables are int32 [num_seqs, max_blocks]; block 0 is the nul
 padding points at.
 
 - norm.py: rms_norm(x, weight, eps), add_rms_norm(x, residual, weight, eps)
-- rotary.py: apply_rotary_(q, k, positions, cos, sin) in place
+- rotary.py: apply_rotary_(q, k, positions, cos, sin) in place; rotary_store_kv_(...) rotates
+  q in place and k straight into its cache slot, with v (the path every step takes)
 - activation.py: silu_and_mul(x)
 - kv_write.py: store_kv(k, v, k_cache, v_cache, slot_mapping)
 - decode_attention.py: paged_decode_attention(...) (GQA, split-K, fixed grid for CUDA graphs)
 - prefill_attention.py: paged_prefill_attention(...) (varlen, causal over a cached prefix)
+- gemv.py: gemv(x, weight, bias) for one-token projections, tiles per shape (config_for)
+- pdl.py: programmatic dependent launch for the decode-path kernels (Hopper and later)
 
-All run under TRITON_INTERPRET=1 on CPU tensors too, which is how CI tests them.
+All run under TRITON_INTERPRET=1 on CPU tensors too (PDL off), which is how CI tests them.
 """
