@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import random
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -18,8 +19,18 @@ from deepinfer.core.outputs import RequestOutput
 from deepinfer.core.request import FinishReason, Request
 from deepinfer.core.sampling import SamplingParams
 from deepinfer.core.scheduler import Scheduler, SchedulerOutput, TokenUpdate
+from deepinfer.core.step_faults import isolate
 from deepinfer.core.structured import GrammarCompiler, RequestGrammar
 from deepinfer.models.model_config import ModelConfig
+
+log = logging.getLogger("deepinfer.engine")
+# Steps in a row in which every sequence failed on its own: the device, not a request, is
+# broken, and the rank should die (and be restarted) rather than fail every request forever.
+MAX_BROKEN_STEPS = 3
+
+
+class EngineDeadError(RuntimeError):
+    """Every request of several steps in a row failed: the engine cannot serve."""
 
 
 @dataclass
@@ -58,6 +69,7 @@ class Engine:
         self._children: dict[str, list[str]] = {}  # request id -> child ids
         self._rng = random.Random(config.seed)
         self._grammars: GrammarCompiler | None = None  # built on the first constrained request
+        self._broken_steps = 0
 
     # ---- requests ------------------------------------------------------------------------
     @property
@@ -82,8 +94,9 @@ class Engine:
                              f"length is {limit} tokens, leaving no room to generate")
         max_tokens = min(params.max_tokens or limit, limit - len(prompt_ids))
         base_seed = params.seed if params.seed is not None else self._rng.getrandbits(62)
-        children = []
         grammars = [self._grammar(params) for _ in range(params.n)]
+        children: list[str] = []
+        self._children[request_id] = children  # first, so abort() can undo a partial add
         for i in range(params.n):
             child_id = request_id if params.n == 1 else f"{request_id}#{i}"
             req = Request(child_id, prompt_ids, params, seed=base_seed + i, max_tokens=max_tokens,
@@ -93,7 +106,6 @@ class Engine:
             self._samples[child_id] = _Sample(req, request_id, i, detok, grammars[i])
             self.scheduler.add(req)
             children.append(child_id)
-        self._children[request_id] = children
 
     def _grammar(self, params: SamplingParams) -> RequestGrammar | None:
         if params.structured is None:
@@ -121,9 +133,14 @@ class Engine:
         return ids
 
     def abort(self, request_id: str) -> None:
+        self._end(request_id, FinishReason.ABORT)
+
+    def _end(self, request_id: str, reason: FinishReason) -> None:
+        # Samples that finished already were forgotten; their siblings may still run.
         for child_id in self._children.pop(request_id, []):
-            sample = self._samples.pop(child_id)
-            self.scheduler.finish(sample.request, FinishReason.ABORT)
+            sample = self._samples.pop(child_id, None)
+            if sample is not None:
+                self.scheduler.finish(sample.request, reason)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0
@@ -135,9 +152,54 @@ class Engine:
         scheduled = self.scheduler.schedule()
         if not scheduled.seqs:
             return []
-        sampled = self.accelerator.execute(self._constrain(scheduled))
+        failed: list[RequestOutput] = []
+        try:
+            sampled = self._execute(scheduled)
+            self._broken_steps = 0
+        except Exception:  # noqa: BLE001 - narrowed down to the requests that cause it
+            scheduled, sampled = self._isolate_fault(scheduled, failed)
         updates = self.scheduler.update(scheduled, sampled)
-        return [out for u in updates if (out := self._output(u)) is not None]
+        return failed + [out for u in updates if (out := self._safe_output(u, failed))]
+
+    def _execute(self, scheduled: SchedulerOutput):
+        return self.accelerator.execute(self._constrain(scheduled))
+
+    def _isolate_fault(self, scheduled: SchedulerOutput, failed: list[RequestOutput]):
+        """Re-run the step in parts; fail only the requests that fail alone."""
+        parts = isolate(self._execute, scheduled.seqs)
+        for seq, exc in parts.failed:
+            failed.extend(self._fail(seq.request.request_id, exc))
+        self._broken_steps = self._broken_steps + 1 if not parts.seqs else 0
+        if self._broken_steps >= MAX_BROKEN_STEPS:
+            raise EngineDeadError(f"every request of {MAX_BROKEN_STEPS} steps in a row failed")
+        out, sampled = parts.survivors(lambda s: not s.request.is_finished)
+        out.preempted = scheduled.preempted
+        return out, sampled
+
+    def _safe_output(self, update: TokenUpdate, failed: list[RequestOutput]
+                     ) -> RequestOutput | None:
+        if update.request.request_id not in self._samples:
+            return None  # failed in this step after its update (a sibling's fault)
+        try:
+            return self._output(update)
+        except Exception as exc:  # noqa: BLE001 - a detokenizer or grammar fault
+            failed.extend(self._fail(update.request.request_id, exc))
+            return None
+
+    def _fail(self, child_id: str, exc: BaseException) -> list[RequestOutput]:
+        """End the request `child_id` belongs to (all its samples) with an error output."""
+        sample = self._samples.get(child_id)
+        if sample is None:
+            return []  # a sibling failed first
+        log.error("request %s failed in the engine; its batch goes on", sample.parent_id,
+                  exc_info=exc)
+        self._end(sample.parent_id, FinishReason.ERROR)
+        req = sample.request
+        return [RequestOutput(sample.parent_id, sample.index, req.prompt_token_ids, [], "",
+                              list(req.output_token_ids), sample.text, finished=True,
+                              finish_reason=FinishReason.ERROR.value,
+                              error=f"internal error while generating: "
+                                    f"{type(exc).__name__}: {exc}")]
 
     def _constrain(self, scheduled: SchedulerOutput):
         """The step's batch, with allowed-token bitmasks on rows under a grammar."""

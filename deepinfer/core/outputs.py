@@ -20,3 +20,4 @@ class RequestOutput:
     stop_reason: str | int | None = None
     new_logprobs: list[TokenLogprobs] = field(default_factory=list)
     num_cached_tokens: int = 0
+    error: str | None = None  # set when the engine failed the request (finish_reason "error")

@@ -19,6 +19,7 @@ class FinishReason(str, enum.Enum):
     STOP = "stop"  # eos, a stop token or a stop string
     LENGTH = "length"  # max_tokens or the context length
     ABORT = "abort"
+    ERROR = "error"  # the engine failed this request (its batch mates went on)
 
 
 @dataclass(eq=False)

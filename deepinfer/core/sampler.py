@@ -178,7 +178,9 @@ def _keep_mask(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tenso
     params = [row.params for row in rows]
     sorted_logits, order = logits.sort(dim=-1, descending=True)
 
-    top_k = _column([p.top_k if p.top_k > 0 else vocab for p in params], device, torch.long)
+    # A top_k past the vocabulary keeps everything (and must not overflow the int64 column).
+    top_k = _column([min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params], device,
+                    torch.long)
     keep = torch.arange(vocab, device=device) < top_k
     probs = torch.softmax(sorted_logits.masked_fill(~keep, float("-inf")), dim=-1)
 

@@ -2,9 +2,13 @@
 user input becomes a ValueError (HTTP 400 in the server), never a dead engine."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20
+INT32_MAX = 2**31 - 1  # counts and token ids: more than any vocabulary or context holds
+INT64_MIN, INT64_MAX = -2**63, 2**63 - 1
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 2.0
 STRUCTURED_KINDS = ("json_object", "json_schema", "regex", "ebnf")
 
 
@@ -54,32 +58,56 @@ class SamplingParams:
         self._validate()
 
     def _validate(self) -> None:
+        self._check_types()
         checks = [
-            (isinstance(self.n, int) and self.n >= 1, f"n must be >= 1, got {self.n}"),
-            (self.temperature >= 0.0, f"temperature must be >= 0, got {self.temperature}"),
+            (1 <= self.n <= INT32_MAX, f"n must be >= 1, got {self.n}"),
+            (0.0 <= self.temperature < math.inf,
+             f"temperature must be finite and >= 0, got {self.temperature}"),
             (0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}"),
-            (self.top_k >= 0, f"top_k must be -1, 0 or positive, got {self.top_k}"),
+            (0 <= self.top_k <= INT32_MAX,
+             f"top_k must be -1, 0 or a positive int32, got {self.top_k}"),
             (0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}"),
-            (self.max_tokens is None or self.max_tokens >= 1,
+            (self.max_tokens is None or 1 <= self.max_tokens <= INT32_MAX,
              f"max_tokens must be >= 1, got {self.max_tokens}"),
-            (self.min_tokens >= 0, f"min_tokens must be >= 0, got {self.min_tokens}"),
+            (0 <= self.min_tokens <= INT32_MAX, f"min_tokens must be >= 0, got {self.min_tokens}"),
+            (self.seed is None or INT64_MIN <= self.seed <= INT64_MAX,
+             f"seed must be a 64-bit integer, got {self.seed}"),
             (self.max_tokens is None or self.min_tokens <= self.max_tokens,
              f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})"),
             (-2.0 <= self.presence_penalty <= 2.0,
              f"presence_penalty must be in [-2, 2], got {self.presence_penalty}"),
             (-2.0 <= self.frequency_penalty <= 2.0,
              f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"),
-            (self.repetition_penalty > 0.0,
-             f"repetition_penalty must be > 0, got {self.repetition_penalty}"),
+            # Far from 1 the penalty overflows float32 logits (1e-300 divides them to inf).
+            (MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY,
+             f"repetition_penalty must be in [{MIN_REPETITION_PENALTY}, "
+             f"{MAX_REPETITION_PENALTY}], got {self.repetition_penalty}"),
             (self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
              f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}"),
             (all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty"),
-            (all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
-             "stop_token_ids must be non-negative integers"),
+            (all(isinstance(t, int) and 0 <= t <= INT32_MAX for t in self.stop_token_ids),
+             "stop_token_ids must be non-negative int32 integers"),
         ]
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
+
+    def _check_types(self) -> None:
+        """Numbers must be numbers: a NaN passes no range check, a bool or str must not
+        reach the sampler's tensors."""
+        ints = {"n": self.n, "top_k": self.top_k, "min_tokens": self.min_tokens,
+                "max_tokens": self.max_tokens, "seed": self.seed, "logprobs": self.logprobs}
+        for name, value in ints.items():
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                raise ValueError(f"{name} must be an integer, got {value!r}")
+        floats = {"temperature": self.temperature, "top_p": self.top_p, "min_p": self.min_p,
+                  "presence_penalty": self.presence_penalty,
+                  "frequency_penalty": self.frequency_penalty,
+                  "repetition_penalty": self.repetition_penalty}
+        for name, value in floats.items():
+            if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                    or not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number, got {value!r}")
 
     @property
     def greedy(self) -> bool:
