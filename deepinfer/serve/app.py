@@ -9,9 +9,12 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException
 
 from deepinfer.serve.engine_client import EngineClient, RankView
-from deepinfer.serve.errors import APIError, error_response, validation_message
+from deepinfer.serve.errors import APIError, error_response, http_error_message, validation_message
+from deepinfer.serve.guards import APIKeyMiddleware, BodyLimitMiddleware
+from deepinfer.serve.limits import RequestLimits
 from deepinfer.serve.metrics import ServerMetrics
 from deepinfer.serve.protocol import (ChatCompletionRequest, CompletionRequest,
                                       DetokenizeRequest, TokenizeRequest)
@@ -29,6 +32,9 @@ class ServerState:
     created: int = 0
     prompt_tokenizer: Any = None  # a VerifiedTokenizer; encode(text, add_special_tokens)
     grammars: Any = None  # a GrammarCompiler, built on the first constrained request
+    limits: RequestLimits = RequestLimits()
+    sampling_defaults: dict[str, Any] | None = None  # the checkpoint's generation config
+    metrics_public: bool = False  # with an API key: /metrics still open
 
     def check_constraint(self, spec: Any) -> None:
         """Compile (and cache) a constraint here, so a bad one is a 400 before streaming."""
@@ -58,8 +64,23 @@ def create_app(state: ServerState) -> FastAPI:
         message, param = validation_message(exc.errors())
         return error_response(message, 400, param)
 
-    if state.api_key:
-        app.add_middleware(_APIKeyMiddleware, api_key=state.api_key)
+    @app.exception_handler(HTTPException)
+    async def _http(_: Request, exc: HTTPException) -> JSONResponse:
+        # Starlette's own errors (unknown path, wrong method, a body that is not JSON text):
+        # the OpenAI error body too, never FastAPI's {"detail": ...}.
+        if exc.status_code == 400:
+            state.metrics.bad_requests.labels(state.model_name).inc()
+        return error_response(http_error_message(exc), exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def _internal(_: Request, exc: Exception) -> JSONResponse:
+        return error_response(f"internal error: {type(exc).__name__}", 500)
+
+    app.add_middleware(BodyLimitMiddleware, max_bytes=state.limits.max_body_bytes)
+    if state.api_key:  # outermost: an unauthenticated body is never read
+        app.add_middleware(APIKeyMiddleware, api_key=state.api_key,
+                           open_paths=OPEN_PATHS | (METRICS_PATHS if state.metrics_public
+                                                    else frozenset()))
 
     @app.post("/v1/chat/completions")
     async def _chat(body: ChatCompletionRequest, request: Request):
@@ -79,8 +100,11 @@ def create_app(state: ServerState) -> FastAPI:
             "max_model_len": state.max_model_len}]}
 
     @app.get("/health")
-    async def _health() -> JSONResponse:
-        body = health_body(state.client.ranks())
+    async def _health(request: Request) -> JSONResponse:
+        # Process ids only for whoever holds the key (or when there is none).
+        detailed = not state.api_key or APIKeyMiddleware.authorized(request.scope,
+                                                                    state.api_key)
+        body = health_body(state.client.ranks(), detailed)
         return JSONResponse(body, status_code=200 if body["live"] else 503)
 
     @app.post("/tokenize")
@@ -109,35 +133,26 @@ def create_app(state: ServerState) -> FastAPI:
     return app
 
 
-class _APIKeyMiddleware:
-    """Rejects /v1 requests without `Authorization: Bearer <key>`. Plain ASGI on purpose:
-    Starlette's BaseHTTPMiddleware (@app.middleware) hides client disconnects from
-    request.is_disconnected(), so abandoned non-streaming requests would keep generating."""
-
-    def __init__(self, app, api_key: str) -> None:
-        self.app, self.expected = app, f"Bearer {api_key}".encode()
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
-            auth = dict(scope["headers"]).get(b"authorization")
-            if auth != self.expected:
-                response = error_response("Incorrect API key provided.", 401, None,
-                                          "invalid_api_key")
-                await response(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
+OPEN_PATHS = frozenset({"/health"})
+METRICS_PATHS = frozenset({"/metrics", "/deepinfer/metrics"})
 
 
-def health_body(ranks: list[RankView]) -> dict[str, Any]:
-    """/health's JSON: "ok" when every rank serves, "degraded" when some died (the live ones
-    take their sessions), "unavailable" (HTTP 503) when none is left."""
+def health_body(ranks: list[RankView], detailed: bool = True) -> dict[str, Any]:
+    """/health's JSON: "ok" when every rank serves, "degraded" when some do not (dead,
+    restarting or not answering: the live ones take their sessions), "unavailable" (HTTP 503)
+    when none serves. `detailed` adds process ids and exit codes."""
     live = [r.rank for r in ranks if r.alive]
     dead = [r.rank for r in ranks if not r.alive]
     status = "ok" if not dead else "degraded" if live else "unavailable"
-    return {"status": status, "live": live, "dead": dead, "ranks": [
-        {"rank": r.rank, "alive": r.alive, "pid": r.pid, "exitcode": r.exitcode,
-         "in_flight": r.in_flight, "load_tokens": r.load_tokens,
-         "lost_requests": r.lost_requests} for r in ranks]}
+    rows = []
+    for r in ranks:
+        row = {"rank": r.rank, "alive": r.alive, "state": r.state, "restarts": r.restarts,
+               "in_flight": r.in_flight, "load_tokens": r.load_tokens,
+               "lost_requests": r.lost_requests}
+        if detailed:
+            row.update(pid=r.pid, exitcode=r.exitcode)
+        rows.append(row)
+    return {"status": status, "live": live, "dead": dead, "ranks": rows}
 
 
 def check_model(state: ServerState, model: str | None) -> None:
@@ -147,13 +162,12 @@ def check_model(state: ServerState, model: str | None) -> None:
 
 
 async def tokenize(state: ServerState, body: TokenizeRequest) -> dict:
-    from deepinfer.serve.chat import render_chat
+    from deepinfer.serve.routes_openai import render
 
     if (body.prompt is None) == (body.messages is None):
         raise APIError("give exactly one of prompt or messages")
     if body.messages is not None:
-        rendered = render_chat(state.tokenizer, state.model_dir,
-                               [m.for_template() for m in body.messages], None, None)
+        rendered = await render(state, body.messages)
         ids = await asyncio.to_thread(state.prompt_tokenizer.encode, rendered.prompt, False)
     else:
         ids = await asyncio.to_thread(state.prompt_tokenizer.encode, body.prompt,

@@ -1,9 +1,12 @@
-"""The API process's side of the rank processes: start them, stream their results.
+"""The API process's side of the rank processes: start them, stream their results, keep
+them alive.
 
 One receiver task reads every rank's results and routes each delta to the asyncio queue of
 its request, so no request ever waits on model work in the event loop. Each rank's process
 sentinel is watched by the event loop: when a rank exits, its in-flight requests fail at once
-(RankDiedError) and the router stops sending it work.
+(RankDiedError), the router stops sending it work, and it is restarted after a backoff. A
+watchdog reads the ranks' heartbeats (serve/rank_health.py): a silent rank is routed around,
+and killed (then restarted) if it stays silent.
 """
 from __future__ import annotations
 
@@ -25,22 +28,30 @@ from deepinfer.core.router import Route, Router
 from deepinfer.core.sampling import SamplingParams
 from deepinfer.serve.engine_proc import RankSpec, run_rank
 from deepinfer.serve.ipc import (AbortRequest, AddRequest, Control, ControlReply, EngineStats,
-                                 Failed, Ready, StepResult, TokenDelta)
+                                 Failed, Heartbeat, Ready, StepResult, TokenDelta)
+from deepinfer.serve.rank_health import RankHealthConfig, RankState, Verdict, judge
 
 START_TIMEOUT_S = 600.0  # a first start may convert a checkpoint
 log = logging.getLogger("deepinfer.serve")
 
 
 class EngineRequestError(ValueError):
-    """The engine refused the request; the message is meant for the user."""
+    """The engine refused (status 400) or failed (500) the request; the message is meant for
+    the user."""
+
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 class RankDiedError(RuntimeError):
-    """The rank serving a request exited before the request finished."""
+    """The rank serving a request exited (or was killed for not responding) before the
+    request finished."""
 
-    def __init__(self, rank: int, exitcode: int | None) -> None:
-        super().__init__(f"engine rank {rank} {describe_exit(exitcode)} while serving this "
-                         "request; the request was lost, retry it")
+    def __init__(self, rank: int, exitcode: int | None, reason: str = "") -> None:
+        what = reason or describe_exit(exitcode)
+        super().__init__(f"engine rank {rank} {what} while serving this request; the request "
+                         "was lost, retry it")
         self.rank = rank
 
 
@@ -62,6 +73,11 @@ class _Rank:
     ready: Ready | None = None
     stats: EngineStats | None = None
     lost_requests: int = 0  # in-flight requests failed because this rank died
+    state: RankState = RankState.STARTING
+    restarts: int = 0
+    last_beat: float = 0.0  # event-loop time of the last heartbeat (or of Ready)
+    kill_reason: str = ""  # why the watchdog killed it (for the failed requests' message)
+    busy_s: float = 0.0  # how long its step in progress ran, as of the last heartbeat
 
 
 @dataclass(frozen=True)
@@ -76,13 +92,16 @@ class RankView:
     load_tokens: int  # their prompt tokens (what least-loaded routing compares)
     lost_requests: int
     stats: EngineStats | None  # its latest report (kept after death: totals stay readable)
+    state: str = RankState.SERVING.value
+    restarts: int = 0
 
 
 class EngineClient:
     def __init__(self, config: EngineConfig, num_ranks: int = 1,
-                 routing: str = "affinity") -> None:
+                 routing: str = "affinity", health: RankHealthConfig | None = None) -> None:
         self.config = config
         self.num_ranks = num_ranks
+        self.health = health or RankHealthConfig()
         self.router = Router(num_ranks, routing)
         self._ctx = zmq.asyncio.Context()
         self._dir = tempfile.mkdtemp(prefix="deepinfer-ipc-")
@@ -93,31 +112,47 @@ class EngineClient:
         self._owner: dict[str, int] = {}  # request id -> rank
         self._calls: dict[int, tuple[int, asyncio.Future]] = {}  # call id -> (rank, reply)
         self._call_ids = itertools.count()
-        self._receiver: asyncio.Task | None = None
+        self._spawns = itertools.count()  # a fresh inbox address for every process started
+        self._tasks: set[asyncio.Task] = set()  # receiver, watchdog, pending restarts
         self._closing = False
 
     # ---- lifecycle -----------------------------------------------------------------------
     async def start(self) -> list[Ready]:
-        spawn = mp.get_context("spawn")
-        for rank in range(self.num_ranks):
-            inbox = self._ctx.socket(zmq.PUSH)
-            # No high-water mark: a send to a live rank never waits, so a send that cannot
-            # queue means the rank is gone (see _send).
-            inbox.setsockopt(zmq.SNDHWM, 0)
-            addr = f"ipc://{self._dir}/input-{rank}"
-            inbox.bind(addr)
-            spec = RankSpec(rank, self.num_ranks, self.config, addr, f"ipc://{self._dir}/output")
-            process = spawn.Process(target=run_rank, args=(spec,), name=f"deepinfer-rank{rank}",
-                                    daemon=True)
-            process.start()
-            self._ranks.append(_Rank(process, inbox))
+        self._ranks = [self._spawn(rank) for rank in range(self.num_ranks)]
         await self._await_ready()
-        self._receiver = asyncio.create_task(self._receive())
-        loop = asyncio.get_running_loop()
+        now = asyncio.get_running_loop().time()
         for rank, r in enumerate(self._ranks):
-            # The sentinel becomes readable the moment the process ends: no polling delay.
-            loop.add_reader(r.process.sentinel, self._on_rank_exit, rank)
+            self._watch_exit(rank)
+            r.state, r.last_beat = RankState.SERVING, now
+        self._background(self._receive())
+        self._background(self._watchdog())
         return [r.ready for r in self._ranks]
+
+    def _spawn(self, rank: int) -> _Rank:
+        inbox = self._ctx.socket(zmq.PUSH)
+        # No high-water mark: a send to a live rank never waits, so a send that cannot queue
+        # means the rank is gone (see _send).
+        inbox.setsockopt(zmq.SNDHWM, 0)
+        inbox.setsockopt(zmq.LINGER, 0)
+        addr = f"ipc://{self._dir}/input-{rank}-{next(self._spawns)}"
+        inbox.bind(addr)
+        spec = RankSpec(rank, self.num_ranks, self.config, addr, f"ipc://{self._dir}/output",
+                        self.health.heartbeat_interval_s,
+                        logging.getLevelName(logging.getLogger().getEffectiveLevel()))
+        process = mp.get_context("spawn").Process(target=run_rank, args=(spec,),
+                                                  name=f"deepinfer-rank{rank}", daemon=True)
+        process.start()
+        return _Rank(process, inbox)
+
+    def _background(self, coro) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _watch_exit(self, rank: int) -> None:
+        # The sentinel becomes readable the moment the process ends: no polling delay.
+        process = self._ranks[rank].process
+        asyncio.get_running_loop().add_reader(process.sentinel, self._on_rank_exit, rank)
 
     async def _await_ready(self) -> None:
         pending = set(range(self.num_ranks))
@@ -141,14 +176,14 @@ class EngineClient:
 
     async def shutdown(self) -> None:
         self._closing = True
-        if self._receiver is not None:
-            loop = asyncio.get_running_loop()
-            for rank, r in enumerate(self._ranks):
-                loop.remove_reader(r.process.sentinel)
-                if r.process.is_alive():
-                    await self._send(rank, Control("shutdown", next(self._call_ids)),
-                                     missing_ok=True)
-            self._receiver.cancel()
+        loop = asyncio.get_running_loop()
+        for rank, r in enumerate(self._ranks):
+            loop.remove_reader(r.process.sentinel)
+            if r.process.is_alive() and r.state is not RankState.STARTING:
+                await self._send(rank, Control("shutdown", next(self._call_ids)),
+                                 missing_ok=True)
+        for task in list(self._tasks):
+            task.cancel()
         for rank in self._ranks:
             await asyncio.to_thread(rank.process.join, 10)
             if rank.process.is_alive():
@@ -159,7 +194,7 @@ class EngineClient:
             os.unlink(os.path.join(self._dir, name))
         os.rmdir(self._dir)
 
-    # ---- rank death ----------------------------------------------------------------------
+    # ---- rank death and restart ----------------------------------------------------------
     def _on_rank_exit(self, rank: int) -> None:
         process = self._ranks[rank].process
         asyncio.get_running_loop().remove_reader(process.sentinel)
@@ -169,28 +204,97 @@ class EngineClient:
         self._rank_died(rank)
 
     def _rank_died(self, rank: int) -> None:
-        """Fail everything the rank owed us at once and route around it from now on."""
-        if self._closing or not self.router.alive[rank]:
-            return
-        self.router.mark_dead(rank)
+        """Fail everything the rank owed us at once, route around it, and restart it."""
         r = self._ranks[rank]
+        if self._closing or r.state is RankState.DEAD:
+            return
+        was_starting = r.state is RankState.STARTING
+        r.state = RankState.DEAD
+        self.router.mark_dead(rank)
         lost = [rid for rid, owner in self._owner.items() if owner == rank]
         r.lost_requests += len(lost)
+        what = r.kill_reason or describe_exit(r.process.exitcode)
         log.error("engine rank %d (pid %s) %s; failing its %d in-flight request(s); %d "
-                  "rank(s) left", rank, r.process.pid, describe_exit(r.process.exitcode),
-                  len(lost), len(self.router.live_ranks()))
+                  "rank(s) left", rank, r.process.pid, what, len(lost),
+                  len(self.router.live_ranks()))
         for rid in lost:
-            self._queues[rid].put_nowait(RankDiedError(rank, r.process.exitcode))
+            self._queues[rid].put_nowait(RankDiedError(rank, r.process.exitcode, r.kill_reason))
         for call_id, (owner, fut) in list(self._calls.items()):
             if owner == rank:
                 del self._calls[call_id]
                 if not fut.done():
                     fut.set_result(None)
+        self._schedule_restart(rank, failed_start=was_starting)
+
+    def _schedule_restart(self, rank: int, failed_start: bool = False) -> None:
+        r = self._ranks[rank]
+        if r.restarts >= self.health.max_restarts:
+            log.error("engine rank %d is not restarted: it was restarted %d time(s) already "
+                      "(--max-rank-restarts)", rank, r.restarts)
+            return
+        delay = self.health.backoff_s(r.restarts)
+        log.warning("restarting engine rank %d in %.1f s (restart %d of at most %d)%s", rank,
+                    delay, r.restarts + 1, self.health.max_restarts,
+                    "; its last start failed" if failed_start else "")
+        self._background(self._restart(rank, delay))
+
+    async def _restart(self, rank: int, delay: float) -> None:
+        await asyncio.sleep(delay)
+        if self._closing:
+            return
+        old = self._ranks[rank]
+        old.inbox.close(linger=0)
+        new = self._spawn(rank)
+        new.restarts, new.lost_requests = old.restarts + 1, old.lost_requests
+        new.ready, new.stats = old.ready, old.stats  # shown until the new process reports
+        self._ranks[rank] = new
+        self._watch_exit(rank)  # a restart that dies while loading is retried too
+
+    def _on_ready(self, message: Ready) -> None:
+        """A restarted rank loaded its model: it serves again."""
+        r = self._ranks[message.rank]
+        if r.state is not RankState.STARTING:
+            return
+        r.ready, r.stats, r.kill_reason = message, message.stats, ""
+        r.state, r.last_beat = RankState.SERVING, asyncio.get_running_loop().time()
+        self.router.mark_alive(message.rank)
+        log.info("engine rank %d (pid %s) restarted and serving", message.rank, r.process.pid)
+
+    # ---- heartbeats ----------------------------------------------------------------------
+    def _on_heartbeat(self, beat: Heartbeat) -> None:
+        r = self._ranks[beat.rank]
+        if beat.pid != r.process.pid or r.state not in (RankState.SERVING, RankState.UNHEALTHY):
+            return  # a late beat of a process that was replaced
+        r.last_beat, r.busy_s = asyncio.get_running_loop().time(), beat.busy_s
+        if r.state is RankState.UNHEALTHY:
+            r.state = RankState.SERVING
+            self.router.mark_alive(beat.rank)
+            log.warning("engine rank %d responds again; routing to it", beat.rank)
+
+    async def _watchdog(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(self.health.heartbeat_interval_s)
+            for rank, r in enumerate(self._ranks):
+                if r.state in (RankState.SERVING, RankState.UNHEALTHY):
+                    self._judge(rank, r, loop.time() - r.last_beat)
+
+    def _judge(self, rank: int, r: _Rank, silent_s: float) -> None:
+        verdict, reason = judge(self.health, silent_s, r.busy_s)
+        if verdict is Verdict.UNHEALTHY and r.state is RankState.SERVING:
+            r.state = RankState.UNHEALTHY
+            self.router.mark_dead(rank)
+            log.warning("engine rank %d (pid %s) %s; routing around it", rank, r.process.pid,
+                        reason)
+        elif verdict is Verdict.KILL and not r.kill_reason:
+            r.kill_reason = f"stopped responding ({reason}) and was killed"
+            log.error("engine rank %d (pid %s) %s; killing it", rank, r.process.pid, reason)
+            r.process.kill()  # its sentinel fires: _rank_died fails its requests, restarts it
 
     def _check_alive(self) -> None:
         # The sentinel callback may not have run yet when a request arrives.
         for rank, r in enumerate(self._ranks):
-            if self.router.alive[rank] and not r.process.is_alive():
+            if r.state is not RankState.DEAD and not r.process.is_alive():
                 self._rank_died(rank)
 
     async def _send(self, rank: int, message: object, missing_ok: bool = False) -> None:
@@ -243,7 +347,7 @@ class EngineClient:
             self._queues.pop(request_id, None)
             self._owner.pop(request_id, None)
             route.release()
-            if finished < params.n and self.router.alive[rank]:
+            if finished < params.n and self._ranks[rank].state is not RankState.DEAD:
                 await self._send(rank, AbortRequest(request_id), missing_ok=True)
 
     async def control(self, command: str) -> list[object]:
@@ -270,7 +374,8 @@ class EngineClient:
     def ranks(self) -> list[RankView]:
         self._check_alive()
         return [RankView(i, self.router.alive[i], r.process.pid, r.process.exitcode,
-                         self.router.requests[i], self.router.load[i], r.lost_requests, r.stats)
+                         self.router.requests[i], self.router.load[i], r.lost_requests, r.stats,
+                         r.state.value, r.restarts)
                 for i, r in enumerate(self._ranks)]
 
     def num_in_flight(self) -> int:
@@ -281,10 +386,16 @@ class EngineClient:
             message = await self._output.recv_pyobj()
             if isinstance(message, StepResult):
                 self._dispatch(message)
+            elif isinstance(message, Heartbeat):
+                self._on_heartbeat(message)
             elif isinstance(message, ControlReply):
                 _, fut = self._calls.pop(message.call_id, (None, None))
                 if fut is not None and not fut.done():
                     fut.set_result(message.result)
+            elif isinstance(message, Ready):
+                self._on_ready(message)
+            elif isinstance(message, Failed):  # a restart that failed; its exit restarts it
+                log.error("engine rank %d failed to restart:\n%s", message.rank, message.error)
 
     def _dispatch(self, result: StepResult) -> None:
         if result.stats is not None:
@@ -296,4 +407,4 @@ class EngineClient:
         for error in result.errors:
             queue = self._queues.get(error.request_id)
             if queue is not None:
-                queue.put_nowait(EngineRequestError(error.message))
+                queue.put_nowait(EngineRequestError(error.message, error.status))

@@ -5,8 +5,11 @@ arrived since the last step, steps, and pushes the deltas. It exits when its par
 """
 from __future__ import annotations
 
+import logging
 import os
 import signal
+import threading
+import time
 import traceback
 from dataclasses import dataclass
 
@@ -16,8 +19,9 @@ from deepinfer.core.config import EngineConfig
 from deepinfer.core.engine import Engine
 from deepinfer.core.outputs import RequestOutput
 from deepinfer.serve.ipc import (AbortRequest, AddRequest, Control, ControlReply, EngineStats,
-                                 Failed, Ready, RequestError, StepResult, TokenDelta)
+                                 Failed, Heartbeat, Ready, RequestError, StepResult, TokenDelta)
 
+log = logging.getLogger("deepinfer.rank")
 IDLE_POLL_MS = 200  # how often an idle rank checks that its parent is alive
 
 
@@ -28,6 +32,28 @@ class RankSpec:
     config: EngineConfig
     input_addr: str  # the API process PUSHes requests here
     output_addr: str  # the rank PUSHes results here
+    heartbeat_interval_s: float = 0.5
+    log_level: str = "INFO"
+
+
+class StepClock:
+    """What the heartbeat thread reports of the step loop: steps taken, and since when the
+    current step runs. Plain attributes: one writer (the loop), one reader (the thread)."""
+
+    def __init__(self) -> None:
+        self.steps = 0
+        self.busy_since: float | None = None
+
+    def begin(self) -> None:
+        self.busy_since = time.monotonic()
+
+    def end(self) -> None:
+        self.steps += 1
+        self.busy_since = None
+
+    def busy_s(self) -> float:
+        since = self.busy_since
+        return 0.0 if since is None else time.monotonic() - since
 
 
 def run_rank(spec: RankSpec) -> None:
@@ -37,6 +63,8 @@ def run_rank(spec: RankSpec) -> None:
     # is orphaned exits on its own, see _loop).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    logging.basicConfig(level=spec.log_level,
+                        format=f"%(levelname)s %(name)s[rank {spec.rank}]: %(message)s")
     parent = os.getppid()
     ctx = zmq.Context()
     inbox = ctx.socket(zmq.PULL)
@@ -56,9 +84,15 @@ def run_rank(spec: RankSpec) -> None:
     outbox.send_pyobj(Ready(spec.rank, engine.kv.pool.num_usable + 1, engine.kv.block_size,
                             engine.token_limit(), engine.accelerator.name, host_pages,
                             _stats(engine)))
+    clock, stop = StepClock(), threading.Event()
+    beat = threading.Thread(target=_heartbeat, args=(ctx, spec, clock, stop),
+                            name="deepinfer-heartbeat", daemon=True)
+    beat.start()
     try:
-        _loop(engine, spec.rank, inbox, outbox, parent)
+        _loop(engine, spec.rank, inbox, outbox, parent, clock)
     finally:
+        stop.set()
+        beat.join()
         engine.shutdown()
         registry.engine_stopped(spec.config)
         ctx.destroy(linger=0)
@@ -71,7 +105,27 @@ def _start_engine(spec: RankSpec, registry) -> Engine:
     return Engine(spec.config, accelerator, rank=spec.rank, world_size=spec.world_size)
 
 
-def _loop(engine: Engine, rank: int, inbox: zmq.Socket, outbox: zmq.Socket, parent: int) -> None:
+def _heartbeat(ctx: zmq.Context, spec: RankSpec, clock: StepClock,
+               stop: threading.Event) -> None:
+    """Beat on a socket of this thread's own (ZMQ sockets are not thread-safe)."""
+    out = ctx.socket(zmq.PUSH)
+    out.setsockopt(zmq.LINGER, 0)
+    out.connect(spec.output_addr)
+    pid = os.getpid()
+    try:
+        while not stop.wait(spec.heartbeat_interval_s):
+            try:
+                out.send_pyobj(Heartbeat(spec.rank, pid, clock.steps, clock.busy_s()),
+                               flags=zmq.NOBLOCK)
+            except zmq.Again:
+                pass  # the API process is not reading; it will notice the silence
+    finally:
+        out.close()
+
+
+def _loop(engine: Engine, rank: int, inbox: zmq.Socket, outbox: zmq.Socket, parent: int,
+          clock: StepClock | None = None) -> None:
+    clock = clock or StepClock()
     poller = zmq.Poller()
     poller.register(inbox, zmq.POLLIN)
     while True:
@@ -88,11 +142,21 @@ def _loop(engine: Engine, rank: int, inbox: zmq.Socket, outbox: zmq.Socket, pare
             handled = True
         if os.getppid() != parent:
             return  # orphaned: the API process is gone
-        outputs = engine.step() if engine.has_unfinished_requests() else []
+        outputs = _step(engine, clock) if engine.has_unfinished_requests() else []
+        errors += [RequestError(o.request_id, o.error, 500) for o in outputs if o.error]
+        deltas = [_delta(o) for o in outputs if o.error is None]
         # Also report after handled messages: an abort frees blocks without any step output,
         # and the API's gauges (running, KV usage) would otherwise keep the stale numbers.
         if outputs or errors or handled:
-            outbox.send_pyobj(StepResult(rank, [_delta(o) for o in outputs], errors, _stats(engine)))
+            outbox.send_pyobj(StepResult(rank, deltas, errors, _stats(engine)))
+
+
+def _step(engine: Engine, clock: StepClock) -> list[RequestOutput]:
+    clock.begin()
+    try:
+        return engine.step()
+    finally:
+        clock.end()
 
 
 def _handle(engine: Engine, message: object, outbox: zmq.Socket,
@@ -103,6 +167,11 @@ def _handle(engine: Engine, message: object, outbox: zmq.Socket,
                                prefix_cache=message.prefix_cache)
         except ValueError as exc:
             errors.append(RequestError(message.request_id, str(exc)))
+        except Exception as exc:  # noqa: BLE001 - a fault in one request is that request's
+            log.error("request %s could not be added", message.request_id, exc_info=exc)
+            engine.abort(message.request_id)
+            errors.append(RequestError(message.request_id, f"internal error while adding the "
+                                       f"request: {type(exc).__name__}: {exc}", 500))
     elif isinstance(message, AbortRequest):
         engine.abort(message.request_id)
     elif isinstance(message, Control):

@@ -41,3 +41,15 @@ def validation_message(errors: list[dict]) -> tuple[str, str | None]:
         where = ".".join(loc) or "body"
         parts.append(f"{where}: {e.get('msg', 'invalid value')}")
     return "; ".join(parts) or "invalid request body", param
+
+
+def http_error_message(exc) -> str:
+    """A Starlette HTTPException in words; FastAPI's body-parsing failure names its cause."""
+    cause = exc.__cause__
+    if isinstance(cause, UnicodeDecodeError):
+        return "the request body is not valid UTF-8"
+    if isinstance(cause, RecursionError):
+        return "the request body nests too deeply"
+    if exc.status_code == 400 and cause is not None:
+        return f"the request body could not be parsed: {type(cause).__name__}"
+    return str(exc.detail)

@@ -88,7 +88,7 @@ async def stream_generation(client: EngineClient, metrics: ServerMetrics, reques
                                            route=route):
             yield delta, gen.apply(delta)
     except EngineRequestError as exc:
-        raise APIError(str(exc)) from exc
+        raise APIError(str(exc), status=exc.status) from exc
     except RankDiedError as exc:
         raise APIError(str(exc), status=503) from exc
     reasons = [c.finish_reason or "abort" for c in gen.choices]

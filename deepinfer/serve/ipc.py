@@ -53,10 +53,24 @@ class TokenDelta:
 
 @dataclass(frozen=True)
 class RequestError:
-    """The engine refused a request (bad input it could only check there)."""
+    """The engine refused a request (status 400: bad input it could only check there) or
+    failed it (500: a fault while serving it; its batch mates went on)."""
 
     request_id: str
     message: str
+    status: int = 400
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    """Sent by a rank's heartbeat thread every interval, whatever its step loop is doing: no
+    heartbeat means the process is stopped or wedged; a step that stays busy too long means
+    the loop is stuck."""
+
+    rank: int
+    pid: int
+    steps: int  # steps taken so far
+    busy_s: float  # how long the step in progress has run (0.0 between steps)
 
 
 @dataclass(frozen=True)

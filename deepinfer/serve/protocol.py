@@ -2,31 +2,67 @@
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from deepinfer.core.sampling import SamplingParams, StructuredOutput
+from deepinfer.core.sampling import (INT32_MAX, INT64_MAX, INT64_MIN, MAX_LOGPROBS,
+                                     SamplingParams, StructuredOutput)
+
+MAX_NESTING = 64  # JSON depth of a body; deeper ones would only exhaust recursion downstream
+Count = Annotated[int, Field(ge=0, le=INT32_MAX)]  # token counts and ids: int32 range
+Seed = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
 
 
-class _Request(BaseModel):
+def check_json_value(value: Any) -> None:
+    """Refuse what JSON can carry but text cannot: lone surrogates (\\ud800 escapes) in any
+    string, and nesting past MAX_NESTING. Iterative, so no depth can exhaust the stack."""
+    stack: list[tuple[Any, str, int]] = [(value, "body", 0)]
+    while stack:
+        item, where, depth = stack.pop()
+        if depth > MAX_NESTING:
+            raise ValueError(f"the body nests deeper than {MAX_NESTING} levels")
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                raise ValueError(f"{where} is not valid Unicode text (a lone surrogate)") \
+                    from None
+        elif isinstance(item, dict):
+            stack.extend((v, f"{where}.{k}" if where != "body" else str(k), depth + 1)
+                         for k, v in item.items())
+            stack.extend((k, f"a key in {where}", depth + 1) for k in item)
+        elif isinstance(item, list):
+            stack.extend((v, f"{where}.{i}", depth + 1) for i, v in enumerate(item))
+
+
+class _Body(BaseModel):
     # Clients send vendor fields through extra_body; unknown ones are ignored, as peers do.
-    model_config = ConfigDict(extra="ignore")
+    # Infinity and NaN (which Python's JSON reader accepts) are never valid numbers here.
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _text_only(cls, data: Any) -> Any:
+        check_json_value(data)
+        return data
+
+
+class _Request(_Body):
     model: str | None = None
-    n: int = 1
+    n: int = Field(1, ge=1, le=INT32_MAX)
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    seed: int | None = None
+    stop_token_ids: list[Count] | None = None
+    seed: Seed | None = None
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int | None = None
+    top_k: int | None = Field(None, ge=-1, le=INT32_MAX)
     min_p: float | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
     ignore_eos: bool = False
-    min_tokens: int = 0
+    min_tokens: Count = 0
     stream: bool = False
     stream_options: "StreamOptions | None" = None
     user: str | None = None
@@ -34,24 +70,34 @@ class _Request(BaseModel):
     include_stop_str_in_output: bool = False
     prefix_cache: bool = True  # False: this request neither reuses nor leaves cached pages
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        defaults = SamplingParams()
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                        defaults: dict[str, Any] | None = None) -> SamplingParams:
+        """`defaults` (the checkpoint's generation config) fill the fields left unset."""
+        base = SamplingParams()
+        fill = {**{k: getattr(base, k) for k in _DEFAULTED}, **(defaults or {})}
+
+        def pick(name: str) -> Any:
+            value = getattr(self, name)
+            return fill[name] if value is None else value
+
         return SamplingParams(
-            n=self.n, max_tokens=max_tokens,
-            temperature=_or(self.temperature, defaults.temperature),
-            top_p=_or(self.top_p, defaults.top_p), top_k=_or(self.top_k, 0),
-            min_p=_or(self.min_p, 0.0), seed=self.seed, min_tokens=self.min_tokens,
-            stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
+            n=self.n, max_tokens=max_tokens, temperature=pick("temperature"),
+            top_p=pick("top_p"), top_k=pick("top_k"), min_p=pick("min_p"), seed=self.seed,
+            min_tokens=self.min_tokens, stop=self.stop_list(),
             stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos,
-            presence_penalty=_or(self.presence_penalty, 0.0),
-            frequency_penalty=_or(self.frequency_penalty, 0.0),
-            repetition_penalty=_or(self.repetition_penalty, 1.0), logprobs=logprobs,
+            presence_penalty=pick("presence_penalty"),
+            frequency_penalty=pick("frequency_penalty"),
+            repetition_penalty=pick("repetition_penalty"), logprobs=logprobs,
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens)
 
+    def stop_list(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
-def _or(value: Any, default: Any) -> Any:
-    return default if value is None else value
+
+# The sampling fields a request may leave unset (None) to take the server's default.
+_DEFAULTED = ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
+              "frequency_penalty", "repetition_penalty")
 
 
 class StreamOptions(BaseModel):
@@ -98,6 +144,18 @@ class ChatMessage(BaseModel):
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
 
+    @field_validator("content")
+    @classmethod
+    def _text_parts(cls, v: Any) -> Any:
+        for part in v if isinstance(v, list) else ():
+            kind = part.get("type")
+            if kind != "text":
+                raise ValueError(f"content part type {kind!r} is not supported: this model "
+                                 "takes text only")
+            if not isinstance(part.get("text"), str):
+                raise ValueError("a text content part needs a string `text`")
+        return v
+
     def for_template(self) -> dict[str, Any]:
         message = self.model_dump(exclude_none=True)
         if isinstance(self.content, list):  # text parts only: this server serves text models
@@ -118,8 +176,8 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: Count | None = None
+    max_completion_tokens: Count | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
     tools: list[Tool] | None = None
@@ -135,21 +193,22 @@ class ChatCompletionRequest(_Request):
             raise ValueError("top_logprobs must be between 0 and 20")
         return v
 
-    def to_sampling_params(self) -> SamplingParams:
+    def to_sampling_params(self, defaults: dict[str, Any] | None = None) -> SamplingParams:
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None \
             else self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        params = self.sampling_params(max_tokens, logprobs)
+        params = self.sampling_params(max_tokens, logprobs, defaults)
         params.structured = self.response_format.constraint() if self.response_format else None
         return params
 
 
 class CompletionRequest(_Request):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
+    max_tokens: Count | None = 16
     echo: bool = False
-    logprobs: int | None = None
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     suffix: str | None = None
+    response_format: ResponseFormat | None = None
 
     @field_validator("prompt")
     @classmethod
@@ -166,17 +225,19 @@ class CompletionRequest(_Request):
             return [list(p)]
         return list(p)
 
-    def to_sampling_params(self) -> SamplingParams:
-        return self.sampling_params(self.max_tokens, self.logprobs)
+    def to_sampling_params(self, defaults: dict[str, Any] | None = None) -> SamplingParams:
+        params = self.sampling_params(self.max_tokens, self.logprobs, defaults)
+        params.structured = self.response_format.constraint() if self.response_format else None
+        return params
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(_Body):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
 
 
-class DetokenizeRequest(BaseModel):
+class DetokenizeRequest(_Body):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[Count]

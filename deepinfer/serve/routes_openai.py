@@ -17,6 +17,7 @@ from deepinfer.serve.chat import (may_become_tool_call, parse_tool_calls, render
 from deepinfer.serve.errors import APIError
 from deepinfer.serve.generation import (Choice, Generation, check_length, route_request,
                                         stream_generation, usage)
+from deepinfer.serve.limits import RequestLimits
 from deepinfer.serve.protocol import ChatCompletionRequest, CompletionRequest
 
 RANK_HEADER = "x-deepinfer-rank"  # which engine rank(s) served the request
@@ -54,11 +55,33 @@ def _route_all(state, keys: list[str], prompts: list[list[int]]) -> list[Route]:
     return routes
 
 
-def _params(body: ChatCompletionRequest | CompletionRequest) -> SamplingParams:
+def _params(state, body: ChatCompletionRequest | CompletionRequest,
+            num_prompts: int = 1) -> SamplingParams:
+    _check_limits(state.limits, body, num_prompts)
     try:
-        return body.to_sampling_params()
+        return body.to_sampling_params(state.sampling_defaults)
     except ValueError as exc:
         raise APIError(str(exc)) from exc
+
+
+def _check_limits(limits: RequestLimits, body: ChatCompletionRequest | CompletionRequest,
+                  num_prompts: int) -> None:
+    if body.n > limits.max_n:
+        raise APIError(f"n must be <= {limits.max_n} on this server, got {body.n}", param="n")
+    if num_prompts > limits.max_prompts:
+        raise APIError(f"at most {limits.max_prompts} prompts per request on this server, got "
+                       f"{num_prompts}", param="prompt")
+    if max(len(body.stop_list()), len(body.stop_token_ids or ())) > limits.max_stop:
+        raise APIError(f"at most {limits.max_stop} stop strings and {limits.max_stop} stop "
+                       "token ids per request on this server", param="stop")
+
+
+async def _check_constraint(state, params: SamplingParams, param: str) -> None:
+    if params.structured is not None:
+        try:
+            await asyncio.to_thread(state.check_constraint, params.structured)
+        except ValueError as exc:
+            raise APIError(str(exc), param=param) from exc
 
 
 def _sse(obj: dict) -> str:
@@ -77,35 +100,37 @@ async def _until_disconnect(request: Request, work: asyncio.Future) -> Any:
 
 
 # ---- chat ----------------------------------------------------------------------------------
+async def render(state, messages: list, tools: list[dict] | None = None,
+                 tool_choice: Any = None, add_generation_prompt: bool = True,
+                 template_kwargs: dict | None = None):
+    """The chat rendered with the checkpoint's template; anything it rejects is a 400."""
+    try:
+        return await asyncio.to_thread(
+            render_chat, state.tokenizer, state.model_dir, [m.for_template() for m in messages],
+            tools, tool_choice, add_generation_prompt, template_kwargs)
+    except (ValueError, TypeError, KeyError, AttributeError) as exc:
+        raise APIError(f"could not render the chat: {exc}", param="messages") from exc
+    except Exception as exc:  # template errors (jinja raise_exception) are user errors too
+        raise APIError(f"the chat template rejected the messages: {exc}",
+                       param="messages") from exc
+
+
 async def chat_completions(state, body: ChatCompletionRequest, request: Request):
-    params = _params(body)
+    params = _params(state, body)
     tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
     if body.tool_choice not in (None, "none", "auto") and not tools:
         raise APIError("tool_choice needs tools", param="tool_choice")
     names = {t["function"]["name"] for t in tools or []}
     if hasattr(body.tool_choice, "function") and body.tool_choice.function.get("name") not in names:
         raise APIError("tool_choice names a function that is not in tools", param="tool_choice")
-    try:
-        rendered = await asyncio.to_thread(
-            render_chat, state.tokenizer, state.model_dir,
-            [m.for_template() for m in body.messages], tools,
-            body.tool_choice.model_dump() if hasattr(body.tool_choice, "function")
-            else body.tool_choice, body.add_generation_prompt, body.chat_template_kwargs)
-    except (ValueError, TypeError) as exc:
-        raise APIError(f"could not render the chat: {exc}", param="messages") from exc
-    except Exception as exc:  # template errors (jinja raise_exception) are user errors too
-        raise APIError(f"the chat template rejected the messages: {exc}",
-                       param="messages") from exc
     choice = body.tool_choice.model_dump() if hasattr(body.tool_choice, "function") \
         else body.tool_choice
+    rendered = await render(state, body.messages, tools, choice, body.add_generation_prompt,
+                            body.chat_template_kwargs)
     constraint = tool_call_constraint(tools, choice)
     if constraint is not None:
         params.structured = constraint
-    if params.structured is not None:
-        try:
-            await asyncio.to_thread(state.check_constraint, params.structured)
-        except ValueError as exc:
-            raise APIError(str(exc), param="response_format") from exc
+    await _check_constraint(state, params, "response_format")
     prompt_ids = await asyncio.to_thread(state.prompt_tokenizer.encode, rendered.prompt, False)
     check_length(len(prompt_ids), params, state.max_model_len)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
@@ -214,7 +239,8 @@ def _chat_logprobs(state, items: list[TokenLogprobs]) -> dict:
 
 # ---- completions ---------------------------------------------------------------------------
 async def completions(state, body: CompletionRequest, request: Request):
-    params = _params(body)
+    params = _params(state, body, len(body.prompts()))
+    await _check_constraint(state, params, "response_format")
     if body.suffix:
         raise APIError("suffix is not supported", param="suffix")
     prompts = []

@@ -11,6 +11,7 @@ from deepinfer.core.sampling import SamplingParams
 from deepinfer.serve.cli import build_parser
 from deepinfer.serve.engine_client import EngineClient, RankDiedError, _Rank
 from deepinfer.serve.ipc import AbortRequest, AddRequest, TokenDelta
+from deepinfer.serve.rank_health import RankHealthConfig, RankState
 
 
 class _Proc:
@@ -48,10 +49,13 @@ def _close_clients():
 
 
 def _client(num_ranks: int, routing: str = "affinity"):
-    client = EngineClient(None, num_ranks, routing=routing)
+    # No restarts: these fake ranks have no process to start again.
+    client = EngineClient(None, num_ranks, routing=routing,
+                          health=RankHealthConfig(max_restarts=0))
     _made.append(client)
     sent: list = []
-    client._ranks = [_Rank(_Proc(1000 + r), _Inbox(client, r, sent)) for r in range(num_ranks)]
+    client._ranks = [_Rank(_Proc(1000 + r), _Inbox(client, r, sent), state=RankState.SERVING)
+                     for r in range(num_ranks)]
     return client, sent
 
 

@@ -1,0 +1,74 @@
+"""Checks of deepinfer-serve's flags that run before anything heavy (a model download, a
+conversion, rank processes): each failure is one line for the user, never a traceback."""
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+
+
+class PreflightError(Exception):
+    """A flag that cannot work; the message is the whole story."""
+
+
+def check_args(args: argparse.Namespace, registry) -> None:
+    """Everything that can be known wrong from the flags alone."""
+    from deepinfer.serve.cli import engine_config, rank_health, request_limits
+
+    if args.dp < 1:
+        raise PreflightError(f"--dp must be >= 1, got {args.dp}")
+    if not 0 <= args.port <= 65535:
+        raise PreflightError(f"--port must be in [0, 65535], got {args.port}")
+    if not 0.0 <= args.tokenizer_verify_rate <= 1.0:
+        raise PreflightError("--tokenizer-verify-rate must be in [0, 1]")
+    try:
+        engine_config(args, args.model or ".")
+        request_limits(args)
+        rank_health(args)
+    except ValueError as exc:
+        raise PreflightError(str(exc)) from exc
+    check_model_path(args.model)
+    check_accelerator(registry, args.accelerator)
+
+
+def check_model_path(model: str | None) -> None:
+    if model is None:
+        return  # the embedded default
+    if not os.path.exists(model):
+        raise PreflightError(f"--model {model}: no such file or folder")
+    if os.path.isdir(model):
+        if not os.path.isfile(os.path.join(model, "config.json")):
+            raise PreflightError(f"--model {model}: the folder has no config.json (an HF "
+                                 "checkpoint folder or a .gguf file is needed)")
+    elif not model.endswith(".gguf"):
+        raise PreflightError(f"--model {model}: a file must be a .gguf checkpoint")
+
+
+def check_accelerator(registry, name: str | None) -> None:
+    """The backend the ranks will select, selected here first (a cheap probe)."""
+    from deepinfer.core.plugins import AcceleratorError, select_accelerator
+
+    try:
+        select_accelerator(registry, name)
+    except (ValueError, AcceleratorError) as exc:
+        raise PreflightError(str(exc).splitlines()[0]) from exc
+
+
+def bind_listener(host: str, port: int) -> socket.socket:
+    """The server's listening socket, bound now, so a busy port fails before the model loads
+    (uvicorn serves on this very socket: no window for another process to take the port)."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as exc:
+        raise PreflightError(f"--host {host}: {exc.strerror}") from exc
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError as exc:
+        sock.close()
+        raise PreflightError(f"cannot listen on {host}:{port}: {exc.strerror}") from exc
+    sock.set_inheritable(True)
+    return sock
+
