@@ -1,7 +1,8 @@
 """The `deepinfer` console script.
 
     deepinfer plugins                             backends and plugin failures
-    deepinfer server start|stop|status [args]     a background deepinfer-serve (serve/server.sh)
+    deepinfer server start [serve args]           a background deepinfer-serve (serve/server.sh)
+    deepinfer server stop|status [--port N]       the one on port N (default 8000)
     deepinfer server path                         where server.sh is, to call it directly
 """
 from __future__ import annotations
@@ -40,11 +41,27 @@ def build_parser() -> argparse.ArgumentParser:
     commands.add_parser("plugins", help="list accelerator backends and plugin load failures")
     server = commands.add_parser(
         "server", help="start, stop or show a background deepinfer-serve in its own process "
-        "group (pid and log files under $DEEPINFER_RUN_DIR, default ~/.cache/deepinfer/run)")
+        "group (pid and log files per port, under $DEEPINFER_CACHE_DIR/run/port-<port>, "
+        "default ~/.cache/deepinfer/run/port-<port>; $DEEPINFER_RUN_DIR overrides)")
     server.add_argument("action", choices=["start", "stop", "status", "path"])
     server.add_argument("serve_args", nargs=argparse.REMAINDER,
-                        help="deepinfer-serve arguments (start only)")
+                        help="start: deepinfer-serve arguments; stop, status: [--port N], "
+                        "which server (default 8000)")
     return parser
+
+
+def script_args(action: str, args: list[str]) -> list[str]:
+    """What server.sh gets after the action. start passes deepinfer-serve's arguments through
+    (its --port keys the run files); stop and status take only --port, checked here so that a
+    typo fails with argparse's message instead of server.sh's usage line."""
+    if action == "start":
+        return args
+    parser = argparse.ArgumentParser(prog=f"deepinfer server {action}")
+    # No default: without --port server.sh picks 8000's files, or with DEEPINFER_RUN_DIR set,
+    # whichever server that folder holds.
+    parser.add_argument("--port", type=int, help="the server's port (default 8000)")
+    port = parser.parse_args(args).port
+    return [] if port is None else ["--port", str(port)]
 
 
 def server_script() -> str:
@@ -57,9 +74,10 @@ def run_server_script(action: str, serve_args: list[str]) -> int:
     if action == "path":
         print(script)
         return 0
+    argv = ["bash", script, action, *script_args(action, serve_args)]
     env = dict(os.environ)
     env.setdefault("DEEPINFER_PYTHON", sys.executable)
-    os.execvpe("bash", ["bash", script, action, *serve_args], env)
+    os.execvpe("bash", argv, env)
     return 1  # not reached
 
 

@@ -1,5 +1,6 @@
 """Prometheus metrics of the API process, named as vLLM names them where they mean the same, so
-existing dashboards and scorers read them. Engine gauges are refreshed from rank stats."""
+existing dashboards and scorers read them. Engine series are refreshed from rank stats at
+scrape time."""
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -17,6 +18,9 @@ _HICACHE_TOTALS = (
     ("load_seconds", "Seconds spent copying host to device"),
     ("store_seconds", "Seconds spent copying device to host"),
 )
+# The finish reasons a recorded generation can have (serve/generation.py: "abort" for a choice
+# that ended without one); failed requests raise before they are recorded.
+_FINISH_REASONS = ("stop", "length", "abort")
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
                     2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 
@@ -62,6 +66,20 @@ class ServerMetrics:
         self._seen: dict[tuple[int, str], float] = {}
         self.bad_requests = Counter("deepinfer:bad_requests", "Requests answered with 400",
                                     labels, registry=r)
+        self._zero_series()
+
+    def _zero_series(self) -> None:
+        """Create the labelled children that exist from the start, so a counter that has not
+        moved reads 0 instead of being absent (rate() misses a series' first increment, and
+        dashboards cannot tell "none yet" from "not exported"). The HiCache series are left
+        to _observe_hicache: they exist only where a rank runs with HiCache."""
+        m = self.model_name
+        for reason in _FINISH_REASONS:
+            self.requests.labels(m, reason)
+        for metric in (self.prompt_tokens, self.generation_tokens, self.ttft, self.itl,
+                       self.e2e, self.prefix_queries, self.prefix_hits, self.preemptions,
+                       self.bad_requests):
+            metric.labels(m)
 
     def observe_engine(self, stats: list[EngineStats | None]) -> None:
         live = [s for s in stats if s is not None]
@@ -93,8 +111,9 @@ class ServerMetrics:
     def _advance(self, counter: Counter, rank: int, key: str, total: float,
                  *labels: str) -> None:
         last = self._seen.get((rank, key), 0)
+        child = counter.labels(self.model_name, *labels)  # created at 0 on a first report
         if total > last:
-            counter.labels(self.model_name, *labels).inc(total - last)
+            child.inc(total - last)
         self._seen[(rank, key)] = total
 
     def observe_request(self, finish_reason: str, prompt_tokens: int, output_tokens: int,

@@ -15,7 +15,7 @@ from typing import Callable, Iterator
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from deepinfer.core.router import Router
+from deepinfer.core.router import DECISIONS, Router
 from deepinfer.serve.engine_client import RankView
 from deepinfer.serve.ipc import EngineStats
 
@@ -37,6 +37,8 @@ _TOTALS = (
     ("hicache_evicted_pages", "hicache_evicted_pages", "Host KV pages evicted"),
     ("hicache_load_bytes", "hicache_load_bytes", "Bytes copied host to device"),
     ("hicache_store_bytes", "hicache_store_bytes", "Bytes copied device to host"),
+    ("hicache_load_seconds", "hicache_load_seconds", "Seconds spent copying host to device"),
+    ("hicache_store_seconds", "hicache_store_seconds", "Seconds spent copying device to host"),
 )
 
 
@@ -52,6 +54,7 @@ class RankCollector(Collector):
         reported = [(v, v.stats) for v in views if v.stats is not None]
         yield from self._engine_series(reported, _GAUGES, GaugeMetricFamily, True)
         yield from self._engine_series(reported, _TOTALS, CounterMetricFamily, False)
+        yield self._hicache_hits(reported)
 
     def _family(self, kind, name: str, doc: str, extra: tuple[str, ...] = ()) -> Metric:
         return kind(f"deepinfer:{name}", doc, labels=["model_name", "rank", *extra])
@@ -76,12 +79,17 @@ class RankCollector(Collector):
     def _decisions(self) -> Metric:
         family = self._family(CounterMetricFamily, "router_decisions", "Routing decisions by "
                               "the rank chosen and the reason", ("reason",))
-        for (reason, rank), count in sorted(self.router.decisions_by_rank.items()):
-            family.add_metric([self.model_name, str(rank), reason], count)
+        # Every (rank, reason) pair from the start, at 0 until it happens: a series that
+        # appears only with its first increment loses that increment to rate().
+        for rank in range(self.router.num_ranks):
+            for reason in DECISIONS:
+                count = self.router.decisions_by_rank.get((reason, rank), 0)
+                family.add_metric([self.model_name, str(rank), reason], count)
         return family
 
-    def _engine_series(self, reported: list[tuple[RankView, EngineStats]], table,
-                       family_cls, dead_reads_zero: bool) -> Iterator[Metric]:
+    def _engine_series(self, reported: list[tuple[RankView, EngineStats]],
+                       table: tuple[tuple[str, str, str], ...], family_cls: type[Metric],
+                       dead_reads_zero: bool) -> Iterator[Metric]:
         """One family per (suffix, field, doc) row. A dead rank's gauges read 0; its counters
         keep their last value (counters never go down)."""
         for suffix, field, doc in table:
@@ -92,6 +100,10 @@ class RankCollector(Collector):
                 value = getattr(s, field) if v.alive or not dead_reads_zero else 0.0
                 family.add_metric([self.model_name, str(v.rank)], value)
             yield family
+
+    def _hicache_hits(self, reported: list[tuple[RankView, EngineStats]]) -> Metric:
+        """Hit tokens by tier. Its own family, built once per scrape: built inside
+        _engine_series it came out once per table, a duplicate family."""
         hits = self._family(CounterMetricFamily, "rank_hicache_hit_tokens", "Prompt tokens "
                             "served from a cache tier (device or host) where HiCache is on",
                             ("tier",))
@@ -100,4 +112,4 @@ class RankCollector(Collector):
                 for tier in ("device", "host"):
                     hits.add_metric([self.model_name, str(v.rank), tier],
                                     getattr(s, f"hicache_{tier}_hit_tokens"))
-        yield hits
+        return hits

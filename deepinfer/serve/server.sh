@@ -2,16 +2,21 @@
 # Run deepinfer-serve in the background as its own process group.
 #
 #   server.sh start [deepinfer-serve args]  start it, wait until /health answers, print the pid
-#   server.sh stop                          SIGTERM the whole group, wait, SIGKILL stragglers
-#   server.sh status                        pid, group members, address, /health; exit 3 when
+#   server.sh stop [--port N]               SIGTERM the whole group, wait, SIGKILL stragglers
+#   server.sh status [--port N]             pid, group members, address, /health; exit 3 when
 #                                           nothing runs, 1 when only stragglers are left
+#
+# Each server's files are keyed by its port (deepinfer-serve's --port, default 8000), so servers
+# on different ports never share them: `stop --port N` stops only the server on port N.
 #
 # The server (the API process, its engine rank processes and multiprocessing's helpers) shares
 # one process group whose id is the server's pid, so `stop` reaches every helper even after the
 # API process is gone, and nothing is left holding a device.
 #
 # Environment:
-#   DEEPINFER_RUN_DIR        folder of the files below (default ~/.cache/deepinfer/run)
+#   DEEPINFER_RUN_DIR        folder of one server's files below, whatever its port (default
+#                            $DEEPINFER_CACHE_DIR/run/port-<port>, the cache dir defaulting to
+#                            ~/.cache/deepinfer as for the model cache)
 #   DEEPINFER_PID_FILE       pid file (default $DEEPINFER_RUN_DIR/server.pid)
 #   DEEPINFER_LOG_FILE       server output, appended (default $DEEPINFER_RUN_DIR/server.log)
 #   DEEPINFER_PYTHON         the interpreter that has deepinfer installed (default python3)
@@ -20,17 +25,58 @@
 #   DEEPINFER_STOP_TIMEOUT   seconds `stop` waits after SIGTERM before SIGKILL (default 30)
 set -euo pipefail
 
-RUN_DIR="${DEEPINFER_RUN_DIR:-${HOME:-/tmp}/.cache/deepinfer/run}"
-PID_FILE="${DEEPINFER_PID_FILE:-$RUN_DIR/server.pid}"
-LOG_FILE="${DEEPINFER_LOG_FILE:-$RUN_DIR/server.log}"
-URL_FILE="${PID_FILE%.pid}.url"
+DEFAULT_PORT=8000  # deepinfer-serve's --port default
 PYTHON="${DEEPINFER_PYTHON:-python3}"
 START_TIMEOUT="${DEEPINFER_START_TIMEOUT:-600}"
 STOP_TIMEOUT="${DEEPINFER_STOP_TIMEOUT:-30}"
 
 usage() {
-    echo "usage: server.sh start [deepinfer-serve args] | stop | status" >&2
+    echo "usage: server.sh start [deepinfer-serve args] | stop [--port N] | status [--port N]" >&2
     exit 2
+}
+
+# The port from --port arguments (the last one wins, as in argparse), else the default.
+arg_port() {
+    local port="$DEFAULT_PORT"
+    while [ $# -gt 0 ]; do
+        case "$1" in
+            --port) port="${2:-$port}"; [ $# -lt 2 ] || shift ;;
+            --port=*) port="${1#--port=}" ;;
+        esac
+        shift
+    done
+    echo "$port"
+}
+
+# RUN_DIR, PID_FILE, LOG_FILE, URL_FILE of the server on port $1. Without DEEPINFER_RUN_DIR the
+# folder is per port, under the same cache dir as the models (DEEPINFER_CACHE_DIR), so neither
+# a second port nor a second cache dir shares (and then stops) another server's pid file.
+set_paths() {
+    local cache="${DEEPINFER_CACHE_DIR:-${HOME:-/tmp}/.cache/deepinfer}"
+    RUN_DIR="${DEEPINFER_RUN_DIR:-$cache/run/port-$1}"
+    PID_FILE="${DEEPINFER_PID_FILE:-$RUN_DIR/server.pid}"
+    LOG_FILE="${DEEPINFER_LOG_FILE:-$RUN_DIR/server.log}"
+    URL_FILE="${PID_FILE%.pid}.url"
+}
+
+# "(pid files for ports: ...)" when, in the default per-port layout, servers of other ports
+# have pid files: a bare `stop` (port 8000) then tells which --port was meant.
+other_servers_hint() {
+    local cache="${DEEPINFER_CACHE_DIR:-${HOME:-/tmp}/.cache/deepinfer}" f ports=""
+    [ -z "${DEEPINFER_RUN_DIR:-}${DEEPINFER_PID_FILE:-}" ] || return 0
+    for f in "$cache"/run/port-*/server.pid; do
+        [ -f "$f" ] || continue
+        f="${f%/server.pid}"
+        ports="$ports ${f##*/port-}"
+    done
+    [ -z "$ports" ] || echo "; pid files for port(s)$ports: pass --port"
+}
+
+# The port the server of $URL_FILE was started with (empty when unknown).
+recorded_port() {
+    local url
+    url="$(cat "$URL_FILE" 2>/dev/null)" || return 0
+    echo "${url##*:}"
 }
 
 # Live (non-zombie) members of process group $1, one "pid ppid etime args" line each.
@@ -84,7 +130,8 @@ EOF
 cmd_start() {
     local pid url deadline
     if pid="$(read_pid)" && group_alive "$pid"; then
-        echo "deepinfer server already running: pid $pid ($(cat "$URL_FILE" 2>/dev/null))" >&2
+        echo "deepinfer server already running: pid $pid ($(cat "$URL_FILE" 2>/dev/null)," \
+            "pid file $PID_FILE)" >&2
         exit 1
     fi
     mkdir -p "$(dirname "$PID_FILE")" "$(dirname "$LOG_FILE")"
@@ -140,7 +187,12 @@ stop_group() {
 cmd_stop() {
     local pid
     if ! pid="$(read_pid)"; then
-        echo "deepinfer server not running (no pid file $PID_FILE)"
+        echo "deepinfer server not running (no pid file $PID_FILE$(other_servers_hint))"
+        return 0
+    fi
+    if other_port; then
+        echo "deepinfer server not running on port $PORT ($PID_FILE is the server on port" \
+            "$(recorded_port)); left alone"
         return 0
     fi
     if ! group_alive "$pid"; then
@@ -155,7 +207,12 @@ cmd_stop() {
 cmd_status() {
     local pid url
     if ! pid="$(read_pid)"; then
-        echo "deepinfer server not running"
+        echo "deepinfer server not running (no pid file $PID_FILE$(other_servers_hint))"
+        exit 3
+    fi
+    if other_port; then
+        echo "deepinfer server not running on port $PORT ($PID_FILE is the server on port" \
+            "$(recorded_port))"
         exit 3
     fi
     url="$(cat "$URL_FILE" 2>/dev/null || echo unknown)"
@@ -174,9 +231,43 @@ cmd_status() {
     echo "health: $(probe_health "$url" || echo 'no answer')"
 }
 
-case "${1:-}" in
-    start) shift; cmd_start "$@" ;;
-    stop) shift; [ $# -eq 0 ] || usage; cmd_stop ;;
-    status) shift; [ $# -eq 0 ] || usage; cmd_status ;;
+# stop/status take only --port; true when it names a port other than the recorded one (an
+# explicit DEEPINFER_RUN_DIR or pid file is one server's, whatever its port), so that
+# `stop --port N` never stops a server on another port.
+other_port() {
+    local recorded
+    [ "$PORT_GIVEN" = 1 ] || return 1
+    recorded="$(recorded_port)"
+    [ -n "$recorded" ] && [ "$recorded" != "$PORT" ]
+}
+
+check_port_args() {
+    while [ $# -gt 0 ]; do
+        case "$1" in
+            --port) [ $# -ge 2 ] || usage; shift ;;
+            --port=*) ;;
+            *) usage ;;
+        esac
+        shift
+    done
+}
+
+ACTION="${1:-}"
+[ $# -eq 0 ] || shift
+case "$ACTION" in
+    start) ;;
+    stop | status) check_port_args "$@" ;;
     *) usage ;;
+esac
+PORT="$(arg_port "$@")"
+case "$PORT" in
+    "" | *[!0-9]*) echo "server.sh: --port must be a number, got '$PORT'" >&2; exit 2 ;;
+esac
+PORT_GIVEN=0  # stop/status: whether --port picked the server (their only arguments)
+[ "$ACTION" = start ] || [ $# -eq 0 ] || PORT_GIVEN=1
+set_paths "$PORT"
+case "$ACTION" in
+    start) cmd_start "$@" ;;
+    stop) cmd_stop ;;
+    status) cmd_status ;;
 esac

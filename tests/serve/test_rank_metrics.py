@@ -64,9 +64,14 @@ def test_rank_series_and_router_decisions():
 def test_health_body_names_dead_ranks():
     ok = health_body([_view(0, BASE), _view(1, BASE)])
     assert (ok["status"], ok["live"], ok["dead"]) == ("ok", [0, 1], [])
-    degraded = health_body([_view(0, BASE), _view(1, None, alive=False, lost_requests=2)])
+    degraded = health_body([_view(0, BASE), _view(1, None, alive=False, lost_requests=2,
+                                                   state="dead", restarts=1)])
     assert (degraded["status"], degraded["live"], degraded["dead"]) == ("degraded", [0], [1])
-    assert degraded["ranks"][1] == {"rank": 1, "alive": False, "pid": 101, "exitcode": -9,
-                                    "in_flight": 0, "load_tokens": 0, "lost_requests": 2}
+    assert degraded["ranks"][1] == {"rank": 1, "alive": False, "state": "dead", "restarts": 1,
+                                    "pid": 101, "exitcode": -9, "in_flight": 0,
+                                    "load_tokens": 0, "lost_requests": 2}
+    # Without the API key, /health names no process.
+    anonymous = health_body([_view(0, BASE)], detailed=False)["ranks"][0]
+    assert "pid" not in anonymous and "exitcode" not in anonymous
     down = health_body([_view(0, None, alive=False)])
     assert (down["status"], down["live"]) == ("unavailable", [])

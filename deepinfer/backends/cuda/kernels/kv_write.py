@@ -18,7 +18,10 @@ def _store_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, n_heads, d,
     slot = tl.load(slot_ptr + t).to(tl.int64)
     heads = tl.arange(0, BLOCK_H)[:, None]
     cols = tl.arange(0, BLOCK_D)[None, :]
-    mask = (heads < n_heads) & (cols < d) & (slot >= 0)
+    # A negative slot zeroes the head bound, masking the whole tile. (Not `& (slot >= 0)`:
+    # Triton's interpreter widens a scalar compare to an int tensor, which 3.9 rejects as a mask.)
+    live_heads = tl.where(slot >= 0, n_heads, 0)
+    mask = (heads < live_heads) & (cols < d)
     dst = slot * sc_slot + heads * sc_h + cols
     k = tl.load(k_ptr + t * sk_t + heads * sk_h + cols, mask=mask)
     v = tl.load(v_ptr + t * sv_t + heads * sv_h + cols, mask=mask)

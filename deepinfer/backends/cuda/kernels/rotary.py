@@ -22,8 +22,8 @@ _TILE = 4096
 
 @triton.jit
 def _rotate_heads(src, stride_h, dst, dst_stride_h, n_heads, cos1, cos2, sin1, sin2, cols, half,
-                  ok, BLOCK_H: tl.constexpr, CHUNKS: tl.constexpr):
-    col_mask = (cols < half) & ok
+                  BLOCK_H: tl.constexpr, CHUNKS: tl.constexpr):
+    col_mask = cols < half
     for chunk in tl.static_range(CHUNKS):
         heads = chunk * BLOCK_H + tl.arange(0, BLOCK_H)[:, None]
         mask = (heads < n_heads) & col_mask
@@ -37,11 +37,11 @@ def _rotate_heads(src, stride_h, dst, dst_stride_h, n_heads, cos1, cos2, sin1, s
 
 
 @triton.jit
-def _copy_heads(src, stride_h, dst, dst_stride_h, n_heads, lo, d, ok,
+def _copy_heads(src, stride_h, dst, dst_stride_h, n_heads, lo, d,
                 BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, CHUNKS: tl.constexpr):
     """dst[h, lo:d] = src[h, lo:d] for every head (v, and k's unrotated tail)."""
     cols = tl.arange(0, BLOCK_D)[None, :]
-    col_mask = (cols >= lo) & (cols < d) & ok
+    col_mask = (cols >= lo) & (cols < d)
     for chunk in tl.static_range(CHUNKS):
         heads = chunk * BLOCK_H + tl.arange(0, BLOCK_H)[:, None]
         mask = (heads < n_heads) & col_mask
@@ -71,21 +71,23 @@ def _rotary_kernel(q_ptr, k_ptr, pos_ptr, cos_ptr, sin_ptr, n_q, n_k, half,
     sin1 = tl.load(sin_row, mask=col_mask, other=0.0)
     sin2 = tl.load(sin_row + half, mask=col_mask, other=0.0)
     q = q_ptr + t * sq_t
-    _rotate_heads(q, sq_h, q, sq_h, n_q, cos1, cos2, sin1, sin2, cols, half, t >= 0,
-                  BLOCK_HQ, CHUNKS_Q)
+    _rotate_heads(q, sq_h, q, sq_h, n_q, cos1, cos2, sin1, sin2, cols, half, BLOCK_HQ, CHUNKS_Q)
     k = k_ptr + t * sk_t
     if STORE:
         slot = tl.load(slot_ptr + t).to(tl.int64)
-        ok = slot >= 0  # a padding row of a CUDA-graph batch writes nothing
+        # A padding row of a CUDA-graph batch (slot < 0) writes nothing: it gets no heads.
+        # (Not a scalar bool &-ed into the masks: Triton's interpreter widens a scalar compare
+        # to an int tensor, which 3.9 rejects as a mask.)
+        live_k = tl.where(slot >= 0, n_k, 0)
         k_dst = kc_ptr + slot * sc_slot
-        _rotate_heads(k, sk_h, k_dst, sc_h, n_k, cos1, cos2, sin1, sin2, cols, half, ok,
+        _rotate_heads(k, sk_h, k_dst, sc_h, live_k, cos1, cos2, sin1, sin2, cols, half,
                       BLOCK_HK, CHUNKS_K)
         if HAS_TAIL:
-            _copy_heads(k, sk_h, k_dst, sc_h, n_k, 2 * half, d, ok, BLOCK_HV, BLOCK_D, CHUNKS_V)
-        _copy_heads(v_ptr + t * sv_t, sv_h, vc_ptr + slot * sc_slot, sc_h, n_k, 0, d, ok,
+            _copy_heads(k, sk_h, k_dst, sc_h, live_k, 2 * half, d, BLOCK_HV, BLOCK_D, CHUNKS_V)
+        _copy_heads(v_ptr + t * sv_t, sv_h, vc_ptr + slot * sc_slot, sc_h, live_k, 0, d,
                     BLOCK_HV, BLOCK_D, CHUNKS_V)
     else:
-        _rotate_heads(k, sk_h, k, sk_h, n_k, cos1, cos2, sin1, sin2, cols, half, t >= 0,
+        _rotate_heads(k, sk_h, k, sk_h, n_k, cos1, cos2, sin1, sin2, cols, half,
                       BLOCK_HK, CHUNKS_K)
 
 
