@@ -118,8 +118,12 @@ class LLM:
     def _run(self, order: list[str]) -> list[GenerateOutput]:
         results: dict[str, GenerateOutput] = {}
         logprobs: dict[tuple[str, int], list[TokenLogprobs]] = {}
+        failed: dict[str, str] = {}
         while self.engine.has_unfinished_requests():
             for out in self.engine.step():
+                if out.error is not None:  # its batch mates go on; raised once all are done
+                    failed[out.request_id] = out.error
+                    continue
                 key = (out.request_id, out.index)
                 logprobs.setdefault(key, []).extend(out.new_logprobs)
                 if not out.finished:
@@ -129,6 +133,10 @@ class LLM:
                 result.outputs.append(CompletionOutput(
                     out.index, out.text, list(out.token_ids), out.finish_reason,
                     out.stop_reason, logprobs.pop(key)))
+        if failed:
+            rid, error = next(iter(failed.items()))
+            raise RuntimeError(f"{len(failed)} of {len(order)} request(s) failed in the engine; "
+                               f"{rid}: {error}")
         for result in results.values():
             result.outputs.sort(key=lambda c: c.index)
         return [results[rid] for rid in order]

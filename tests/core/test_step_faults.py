@@ -106,3 +106,20 @@ def test_a_broken_device_stops_the_engine(llama_dir):
             assert all(o[-1].finish_reason == "error" for o in outs.values())
     with pytest.raises(EngineDeadError):
         _run(engine)
+
+
+def test_offline_llm_raises_once_the_others_finished(llama_dir, monkeypatch):
+    from deepinfer import LLM
+
+    llm = LLM(llama_dir, dtype="float32", block_size=4, num_blocks=64, load_tokenizer=False)
+    healthy = llm.engine.accelerator.execute
+
+    def execute(batch):
+        if any(row.seed == BAD_SEED for row in batch.sampling):
+            raise RuntimeError("injected sampling fault")
+        return healthy(batch)
+
+    monkeypatch.setattr(llm.engine.accelerator, "execute", execute)
+    with pytest.raises(RuntimeError, match="1 of 2 request.*injected sampling fault"):
+        llm.generate([PROMPTS[0], PROMPTS[1]], [_params(1), _params(BAD_SEED)])
+    _assert_idle(llm.engine)
