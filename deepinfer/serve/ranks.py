@@ -1,0 +1,72 @@
+"""What the API process knows of each rank process, and the errors a rank's fate raises."""
+from __future__ import annotations
+
+import multiprocessing as mp
+import signal
+from dataclasses import dataclass
+
+import zmq.asyncio
+
+from deepinfer.serve.ipc import EngineStats, Ready
+from deepinfer.serve.rank_health import RankState
+
+
+class EngineRequestError(ValueError):
+    """The engine refused (status 400) or failed (500) the request; the message is meant for
+    the user."""
+
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class RankDiedError(RuntimeError):
+    """The rank serving a request exited (or was killed for not responding) before the
+    request finished."""
+
+    def __init__(self, rank: int, exitcode: int | None, reason: str = "") -> None:
+        what = reason or describe_exit(exitcode)
+        super().__init__(f"engine rank {rank} {what} while serving this request; the request "
+                         "was lost, retry it")
+        self.rank = rank
+
+
+def describe_exit(exitcode: int | None) -> str:
+    if exitcode is None:
+        return "exited"
+    if exitcode < 0:
+        try:
+            return f"was killed by {signal.Signals(-exitcode).name}"
+        except ValueError:
+            return f"was killed by signal {-exitcode}"
+    return f"exited with code {exitcode}"
+
+
+@dataclass
+class _Rank:
+    process: mp.process.BaseProcess
+    inbox: zmq.asyncio.Socket
+    ready: Ready | None = None
+    stats: EngineStats | None = None
+    lost_requests: int = 0  # in-flight requests failed because this rank died
+    state: RankState = RankState.STARTING
+    restarts: int = 0
+    last_beat: float = 0.0  # event-loop time of the last heartbeat (or of Ready)
+    kill_reason: str = ""  # why the watchdog killed it (for the failed requests' message)
+    busy_s: float = 0.0  # how long its step in progress ran, as of the last heartbeat
+
+
+@dataclass(frozen=True)
+class RankView:
+    """One rank as /health and the per-rank metrics show it."""
+
+    rank: int
+    alive: bool
+    pid: int | None
+    exitcode: int | None
+    in_flight: int  # requests the API process has sent it and not seen finish
+    load_tokens: int  # their prompt tokens (what least-loaded routing compares)
+    lost_requests: int
+    stats: EngineStats | None  # its latest report (kept after death: totals stay readable)
+    state: str = RankState.SERVING.value
+    restarts: int = 0
