@@ -116,8 +116,9 @@ def test_killed_rank_is_restarted_and_serves_again(server):
     print(f"\nkilled rank: serving again after {recovered:.1f} s")
 
 
-def test_frozen_rank_is_routed_around_failed_and_restarted(server):
-    key = _key_for(1)
+def _freeze_mid_stream(server, key: str) -> tuple[dict, _Stream, threading.Thread, float]:
+    """Start a long stream on rank 1, SIGSTOP the rank once tokens flow, and wait until the
+    server marks it unhealthy. The caller sends SIGCONT."""
     before = _wait_serving(server, 1, restarts=_rank(server, 1)["restarts"])
     out = _Stream()
     reader = threading.Thread(target=_stream, args=(server, key, out))
@@ -125,9 +126,15 @@ def test_frozen_rank_is_routed_around_failed_and_restarted(server):
     assert out.first_chunk.wait(60)
     os.kill(before["pid"], signal.SIGSTOP)
     frozen = time.monotonic()
+    _until(lambda: _rank(server, 1)["state"] == "unhealthy", UNHEALTHY_AFTER_S + SLACK_S,
+           "the frozen rank to be marked unhealthy")
+    return before, out, reader, frozen
+
+
+def test_frozen_rank_is_routed_around_failed_and_restarted(server):
+    key = _key_for(1)
+    before, out, reader, frozen = _freeze_mid_stream(server, key)
     try:
-        _until(lambda: _rank(server, 1)["state"] == "unhealthy", UNHEALTHY_AFTER_S + SLACK_S,
-               "the frozen rank to be marked unhealthy")
         noticed = time.monotonic() - frozen
         health = httpx.get(f"{server.url}/health", timeout=10)
         assert health.status_code == 200 and health.json()["status"] == "degraded"
@@ -150,18 +157,11 @@ def test_frozen_rank_is_routed_around_failed_and_restarted(server):
 
 
 def test_rank_that_thaws_in_time_keeps_its_requests(server):
-    key = _key_for(1)
-    before = _wait_serving(server, 1, restarts=_rank(server, 1)["restarts"])
-    out = _Stream()
-    reader = threading.Thread(target=_stream, args=(server, key, out))
-    reader.start()
-    assert out.first_chunk.wait(60)
-    os.kill(before["pid"], signal.SIGSTOP)
     try:
-        _until(lambda: _rank(server, 1)["state"] == "unhealthy", UNHEALTHY_AFTER_S + SLACK_S,
-               "the frozen rank to be marked unhealthy")
+        before, out, reader, _ = _freeze_mid_stream(server, _key_for(1))
     finally:
-        os.kill(before["pid"], signal.SIGCONT)
+        for pid in [r["pid"] for r in _health(server)["ranks"]]:
+            os.kill(pid, signal.SIGCONT)
     _until(lambda: _rank(server, 1)["state"] == "serving", SLACK_S, "the rank to recover")
     reader.join(60)
     assert not any("error" in e for e in out.events)
