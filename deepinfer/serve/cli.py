@@ -128,8 +128,9 @@ def _health_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rank-step-timeout", type=float, default=RankHealthConfig.step_timeout_s,
                    help="seconds one engine step may run before the rank counts as hung")
     p.add_argument("--max-rank-restarts", type=int, default=RankHealthConfig.max_restarts,
-                   help="times each rank is restarted after it dies (backoff doubling from "
-                        f"{RankHealthConfig.restart_backoff_s:g} s)")
+                   help="restarts in a row of a rank that dies (backoff doubling from "
+                        f"{RankHealthConfig.restart_backoff_s:g} s; a rank that served "
+                        f"{RankHealthConfig.stable_after_s:g} s starts over)")
 
 
 def _tokenizer_args(p: argparse.ArgumentParser) -> None:

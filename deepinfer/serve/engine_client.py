@@ -64,7 +64,7 @@ class EngineClient:
         now = asyncio.get_running_loop().time()
         for rank, r in enumerate(self._ranks):
             self._watch_exit(rank)
-            r.state, r.last_beat = RankState.SERVING, now
+            r.state, r.last_beat, r.serving_since = RankState.SERVING, now, now
         self._background(self._receive())
         self._background(self._watchdog())
         return [r.ready for r in self._ranks]
@@ -171,13 +171,16 @@ class EngineClient:
 
     def _schedule_restart(self, rank: int, failed_start: bool = False) -> None:
         r = self._ranks[rank]
-        if r.restarts >= self.health.max_restarts:
-            log.error("engine rank %d is not restarted: it was restarted %d time(s) already "
-                      "(--max-rank-restarts)", rank, r.restarts)
+        if r.serving_since is not None and \
+                asyncio.get_running_loop().time() - r.serving_since >= self.health.stable_after_s:
+            r.streak = 0  # it served long enough: this death starts a new streak
+        if r.streak >= self.health.max_restarts:
+            log.error("engine rank %d is not restarted: it died %d time(s) in a row after "
+                      "restarts (--max-rank-restarts)", rank, r.streak + 1)
             return
-        delay = self.health.backoff_s(r.restarts)
-        log.warning("restarting engine rank %d in %.1f s (restart %d of at most %d)%s", rank,
-                    delay, r.restarts + 1, self.health.max_restarts,
+        delay = self.health.backoff_s(r.streak)
+        log.warning("restarting engine rank %d in %.1f s (restart %d in a row, at most %d)%s",
+                    rank, delay, r.streak + 1, self.health.max_restarts,
                     "; its last start failed" if failed_start else "")
         self._background(self._restart(rank, delay))
 
@@ -188,7 +191,8 @@ class EngineClient:
         old = self._ranks[rank]
         old.inbox.close(linger=0)
         new = self._spawn(rank)
-        new.restarts, new.lost_requests = old.restarts + 1, old.lost_requests
+        new.restarts, new.streak, new.lost_requests = \
+            old.restarts + 1, old.streak + 1, old.lost_requests
         new.ready, new.stats = old.ready, old.stats  # shown until the new process reports
         self._ranks[rank] = new
         self._watch_exit(rank)  # a restart that dies while loading is retried too
@@ -199,7 +203,8 @@ class EngineClient:
         if r.state is not RankState.STARTING:
             return
         r.ready, r.stats, r.kill_reason = message, message.stats, ""
-        r.state, r.last_beat = RankState.SERVING, asyncio.get_running_loop().time()
+        r.state = RankState.SERVING
+        r.last_beat = r.serving_since = asyncio.get_running_loop().time()
         self.router.mark_alive(message.rank)
         log.info("engine rank %d (pid %s) restarted and serving", message.rank, r.process.pid)
 

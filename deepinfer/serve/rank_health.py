@@ -4,7 +4,9 @@ A rank's heartbeat thread reports every `heartbeat_interval_s`. Silence for `unh
 marks the rank unhealthy: new requests are routed around it, its streams wait. Silence for
 `fail_after_s`, or one step busy for `step_timeout_s`, means it will not recover by itself: it
 is killed, its in-flight requests fail with 503, and it is restarted. A rank that dies is
-restarted after a backoff that doubles with each restart, at most `max_restarts` times.
+restarted after a backoff that doubles with each restart, at most `max_restarts` times in a
+row: a rank that then served for `stable_after_s` starts over (so occasional deaths over a long
+life never use the budget up).
 """
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ class RankHealthConfig:
     max_restarts: int = 5
     restart_backoff_s: float = 1.0
     max_restart_backoff_s: float = 30.0
+    stable_after_s: float = 300.0
 
     def __post_init__(self) -> None:
         if not 0 < self.heartbeat_interval_s < self.unhealthy_after_s <= self.fail_after_s:

@@ -50,7 +50,9 @@ class _Rank:
     stats: EngineStats | None = None
     lost_requests: int = 0  # in-flight requests failed because this rank died
     state: RankState = RankState.STARTING
-    restarts: int = 0
+    restarts: int = 0  # over the server's life
+    streak: int = 0  # restarts since it last served for `stable_after_s` (backoff, limit)
+    serving_since: float | None = None  # event-loop time it became ready
     last_beat: float = 0.0  # event-loop time of the last heartbeat (or of Ready)
     kill_reason: str = ""  # why the watchdog killed it (for the failed requests' message)
     busy_s: float = 0.0  # how long its step in progress ran, as of the last heartbeat

@@ -27,6 +27,9 @@ class _Inbox:
         self.client, self.rank, self.sent = client, rank, sent
         self.answer = True
 
+    def close(self, linger: int | None = None) -> None:
+        pass
+
     async def send_pyobj(self, msg, flags: int = 0) -> None:
         self.sent.append((self.rank, msg))
         if isinstance(msg, AddRequest) and self.answer:  # one finishing token at once
