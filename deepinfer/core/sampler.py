@@ -23,6 +23,8 @@ from deepinfer.core.batch import SamplerOutput, SamplingRow, TokenLogprobs
 _SEED_MULTIPLIER = 1_000_003
 _SEED_MODULUS = 2**63
 
+MAX_TEMPERATURE = 1e4  # logits span far less than 1e4 nats: flat beyond this
+
 
 def noise_seed(seed: int, step: int) -> int:
     """Generator seed for a row's noise: a function of (seed, step) only."""
@@ -165,7 +167,10 @@ def _apply_min_tokens(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None
 def _sample_random(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
     """Temperature, filters, then the exponential race; returns one token id per row."""
     device = logits.device
-    logits = logits / _column([row.params.temperature for row in rows], device)
+    # Past MAX_TEMPERATURE every kept token is equally likely anyway; a float32 inf (1e39)
+    # would turn the -inf of banned tokens into NaN.
+    temperature = _column([min(row.params.temperature, MAX_TEMPERATURE) for row in rows], device)
+    logits = logits / temperature
     keep = _keep_mask(logits, rows)
     probs = torch.softmax(logits.masked_fill(~keep, float("-inf")), dim=-1)
     noise = torch.stack([_exponential_noise(row, logits.shape[-1], device) for row in rows])
@@ -190,6 +195,7 @@ def _keep_mask(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tenso
     top_p = _column([p.top_p for p in params], device)
     mass_above = probs.cumsum(dim=-1) - probs
     keep &= (mass_above < top_p) | (top_p >= 1.0)
+    keep[:, 0] = True  # even when top_p rounds to 0 in float32 (a top_p of 1e-46)
 
     # min-p compares with the top token; the earlier filters rescale both sides equally.
     min_p = _column([p.min_p for p in params], device)

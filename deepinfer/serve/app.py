@@ -109,10 +109,12 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.post("/tokenize")
     async def _tokenize(body: TokenizeRequest) -> dict:
+        check_model(state, body.model)
         return await tokenize(state, body)
 
     @app.post("/detokenize")
     async def _detokenize(body: DetokenizeRequest) -> dict:
+        check_model(state, body.model)
         vocab = len(state.tokenizer)
         if any(not 0 <= t < vocab for t in body.tokens):
             raise APIError(f"token ids must be in [0, {vocab})", param="tokens")

@@ -66,10 +66,11 @@ def route_request(client: EngineClient, route_key: str, prompt_tokens: int) -> R
         raise APIError(str(exc), status=503) from exc
 
 
-def check_length(prompt_len: int, params: SamplingParams, limit: int) -> None:
+def check_length(prompt_len: int, params: SamplingParams, limit: int,
+                 param: str = "messages") -> None:
     if prompt_len >= limit:
         raise APIError(f"This model's maximum context length is {limit} tokens. However, "
-                       f"your prompt has {prompt_len} tokens.", param="messages")
+                       f"your prompt has {prompt_len} tokens.", param=param)
     if params.max_tokens is not None and prompt_len + params.max_tokens > limit:
         raise APIError(f"This model's maximum context length is {limit} tokens. However, you "
                        f"requested {prompt_len + params.max_tokens} tokens ({prompt_len} in "

@@ -39,7 +39,10 @@ def check_json_value(value: Any) -> None:
 class _Body(BaseModel):
     # Clients send vendor fields through extra_body; unknown ones are ignored, as peers do.
     # Infinity and NaN (which Python's JSON reader accepts) are never valid numbers here.
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    # Strict: a string is not a number and a number is not a bool ("2" for n, true for
+    # temperature, [true, false] as token ids are refused, not converted); ints still fill
+    # float fields.
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, strict=True)
 
     @model_validator(mode="before")
     @classmethod

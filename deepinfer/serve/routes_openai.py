@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import uuid
 from typing import Any, AsyncIterator
@@ -104,6 +105,7 @@ async def render(state, messages: list, tools: list[dict] | None = None,
                  tool_choice: Any = None, add_generation_prompt: bool = True,
                  template_kwargs: dict | None = None):
     """The chat rendered with the checkpoint's template; anything it rejects is a 400."""
+    check_template_kwargs(state.tokenizer, template_kwargs)
     try:
         return await asyncio.to_thread(
             render_chat, state.tokenizer, state.model_dir, [m.for_template() for m in messages],
@@ -113,6 +115,17 @@ async def render(state, messages: list, tools: list[dict] | None = None,
     except Exception as exc:  # template errors (jinja raise_exception) are user errors too
         raise APIError(f"the chat template rejected the messages: {exc}",
                        param="messages") from exc
+
+
+def check_template_kwargs(tokenizer: Any, kwargs: dict | None) -> None:
+    """Template variables only: a key that is one of apply_chat_template's own parameters
+    would let a client swap the server's template (`chat_template`: arbitrary, unbounded
+    Jinja run in the API process) or change what rendering returns (`tokenize`, ...)."""
+    own = set(inspect.signature(tokenizer.apply_chat_template).parameters) - {"kwargs"}
+    taken = sorted(own & set(kwargs or ()))
+    if taken:
+        raise APIError(f"chat_template_kwargs may only set template variables, not "
+                       f"{', '.join(taken)}", param="chat_template_kwargs")
 
 
 async def chat_completions(state, body: ChatCompletionRequest, request: Request):
@@ -130,7 +143,7 @@ async def chat_completions(state, body: ChatCompletionRequest, request: Request)
     constraint = tool_call_constraint(tools, choice)
     if constraint is not None:
         params.structured = constraint
-    await _check_constraint(state, params, "response_format")
+    await _check_constraint(state, params, "tools" if constraint else "response_format")
     prompt_ids = await asyncio.to_thread(state.prompt_tokenizer.encode, rendered.prompt, False)
     check_length(len(prompt_ids), params, state.max_model_len)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
@@ -253,7 +266,7 @@ async def completions(state, body: CompletionRequest, request: Request):
                 raise APIError(f"prompt token ids must be non-empty and in [0, {vocab})",
                                param="prompt")
             ids = list(p)
-        check_length(len(ids), params, state.max_model_len)
+        check_length(len(ids), params, state.max_model_len, param="prompt")
         prompts.append(ids)
     rid = f"cmpl-{uuid.uuid4().hex}"
     gens = [Generation(ids, [Choice(i) for i in range(params.n)]) for ids in prompts]

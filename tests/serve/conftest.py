@@ -322,7 +322,7 @@ def server_pool(request, tmp_path_factory):
             ckpt = make_tiny_chat_checkpoint(str(tmp_path_factory.mktemp("tiny-chat")))
             common = ["--model", ckpt, "--block-size", str(TINY_BLOCK_SIZE),
                       "--max-num-seqs", "8", "--max-num-batched-tokens", "512",
-                      "--dtype", "float32"]
+                      "--dtype", "float32", "--max-request-body-mb", "1"]
             if "tiny" in wanted:
                 pool.launch("tiny", common + ["--num-kv-blocks", str(TINY_NUM_KV_BLOCKS),
                                               "--served-model-name", "tiny-chat"], "tiny-chat")
