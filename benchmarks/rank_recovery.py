@@ -91,7 +91,7 @@ def health_limits() -> dict[str, float]:
 
 # ---- talking to the server -------------------------------------------------------------------
 def key_for(rank: int) -> str:
-    from deepinfer.core.router import Router
+    from deepinfer.serve.router import Router
 
     router = Router(2)
     return next(k for k in (f"session-{i}" for i in range(1000)) if router.home(k) == rank)

@@ -359,9 +359,9 @@ def busy_processes(window_s: float = 1.0, exclude: set[int] | None = None) -> li
 
 def bench_tokenizer(label: str, hf_tok: Any, full: str, prefix: str, warm_text: str,
                     repeats: int) -> dict:
-    from deepinfer.core.tokenizer.fastokens_backend import FastokensTokenizer
-    from deepinfer.core.tokenizer.hf import HFTokenizer
-    from deepinfer.core.tokenizer.segment import SegmentTokenizer
+    from deepinfer.serve.tokenizer.fastokens_backend import FastokensTokenizer
+    from deepinfer.serve.tokenizer.hf import HFTokenizer
+    from deepinfer.serve.tokenizer.segment import SegmentTokenizer
 
     ref = hf_tok.encode(full, add_special_tokens=False)
     ref_prefix = hf_tok.encode(prefix, add_special_tokens=False)

@@ -6,7 +6,7 @@ import pytest
 
 from deepinfer.core.config import ENV_ACCELERATOR
 from deepinfer.core.plugins import describe, load_plugins, select_accelerator
-from deepinfer.core.testing import run_conformance
+from deepinfer.testing.conformance import run_conformance
 
 try:
     importlib.metadata.distribution("deepinfer-example-plugin")

@@ -2,7 +2,7 @@
 
     python benchmarks/cuda/check_engine.py [--out DIR]
 
-1. The backend conformance suite (deepinfer.core.testing) on CUDAAccelerator.
+1. The backend conformance suite (deepinfer.testing.conformance) on CUDAAccelerator.
 2. Greedy tokens of the engine (chunked prefill, decode graphs, a prefix-cache hit, each prompt
    alone at batch 1) equal transformers' greedy generate, float32, on random-weight llama and
    qwen3 checkpoints.
@@ -27,7 +27,7 @@ from deepinfer.backends.cuda.accelerator import CUDAAccelerator  # noqa: E402
 from deepinfer.core.config import CacheConfig, EngineConfig, ModelSpec, SchedulerConfig  # noqa: E402
 from deepinfer.core.engine import Engine  # noqa: E402
 from deepinfer.core.sampling import SamplingParams  # noqa: E402
-from deepinfer.core.testing import run_conformance  # noqa: E402
+from deepinfer.testing.conformance import run_conformance  # noqa: E402
 from tests.checkpoints import make_checkpoint  # noqa: E402
 
 SHAPES = {
@@ -139,7 +139,7 @@ def check_bf16_logits(family: str, workdir: str) -> dict:
 def check_hicache(workdir: str) -> dict:
     """HiCache through the engine on the GPU: the UVA copy kernel stores and loads the pages of a
     conversation that another user's prompt evicts; greedy tokens equal the run without it."""
-    from deepinfer.core.hicache.conformance import check_host_tier
+    from deepinfer.testing.hicache import check_host_tier
 
     path = make_checkpoint(os.path.join(workdir, "hicache"), "llama", torch.float32,
                            **SHAPES["llama"])

@@ -25,9 +25,9 @@ step() {  # step NAME CMD...: run, log, keep going on failure
   echo "=== $name took $((SECONDS - t0)) s"
 }
 wanted kernel_tests && step kernel_tests python3 -m pytest -q -p no:cacheprovider tests/backends/cuda
-wanted attention && step attention python3 -m deepinfer.backends.cuda.kernels.bench_attention --out "$out/attention.json"
-wanted gemv && step gemv python3 -m deepinfer.backends.cuda.kernels.bench_gemv --out "$out/gemv.json" $quick
-wanted page_copy && step page_copy python3 -m deepinfer.backends.cuda.bench_page_copy --out "$out/page_copy.json"
+wanted attention && step attention python3 benchmarks/cuda/bench_attention.py --out "$out/attention.json"
+wanted gemv && step gemv python3 benchmarks/cuda/bench_gemv.py --out "$out/gemv.json" $quick
+wanted page_copy && step page_copy python3 benchmarks/cuda/bench_page_copy.py --out "$out/page_copy.json"
 wanted check_engine && step check_engine python3 benchmarks/cuda/check_engine.py --out "$out"
 wanted check_greedy && step check_greedy python3 benchmarks/cuda/check_engine.py --out "$out" \
     --skip-conformance

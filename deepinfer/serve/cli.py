@@ -234,7 +234,7 @@ def sampling_defaults(args: argparse.Namespace, model_dir: str) -> dict:
 
 def build_prompt_tokenizer(args: argparse.Namespace, tokenizer):
     """Probe the prompt tokenizer backends and wrap the winner in live verification."""
-    from deepinfer.core.tokenizer import VerifiedTokenizer, select_prompt_tokenizer
+    from deepinfer.serve.tokenizer import VerifiedTokenizer, select_prompt_tokenizer
 
     primary, probes = select_prompt_tokenizer(tokenizer, args.tokenizer_backend,
                                               cache_bytes=args.tokenizer_cache_mb << 20)

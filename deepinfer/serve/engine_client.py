@@ -22,7 +22,7 @@ import zmq
 import zmq.asyncio
 
 from deepinfer.core.config import EngineConfig
-from deepinfer.core.router import Route, Router
+from deepinfer.serve.router import Route, Router
 from deepinfer.core.sampling import SamplingParams
 from deepinfer.serve.engine_proc import RankSpec, run_rank
 from deepinfer.serve.ipc import (AbortRequest, AddRequest, Control, ControlReply, EngineStats,

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 from deepinfer.core.batch import TokenLogprobs
-from deepinfer.core.router import NoLiveRankError, Route
+from deepinfer.serve.router import NoLiveRankError, Route
 from deepinfer.core.sampling import SamplingParams
 from deepinfer.serve.engine_client import EngineClient, EngineRequestError, RankDiedError
 from deepinfer.serve.errors import APIError

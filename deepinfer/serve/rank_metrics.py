@@ -15,7 +15,7 @@ from typing import Callable, Iterator
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from deepinfer.core.router import DECISIONS, Router
+from deepinfer.serve.router import DECISIONS, Router
 from deepinfer.serve.engine_client import RankView
 from deepinfer.serve.ipc import EngineStats
 

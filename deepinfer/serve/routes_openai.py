@@ -11,7 +11,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from deepinfer.core.batch import TokenLogprobs
-from deepinfer.core.router import Route, affinity_key
+from deepinfer.serve.router import Route, affinity_key
 from deepinfer.core.sampling import SamplingParams
 from deepinfer.serve.chat import (may_become_tool_call, parse_tool_calls, render_chat,
                                   tool_call_constraint)

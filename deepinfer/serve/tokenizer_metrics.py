@@ -7,7 +7,7 @@ from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
                                     HistogramMetricFamily, Metric)
 from prometheus_client.registry import Collector
 
-from deepinfer.core.tokenizer import VerifiedTokenizer
+from deepinfer.serve.tokenizer import VerifiedTokenizer
 
 BACKENDS = ("fastokens", "segment", "hf")
 

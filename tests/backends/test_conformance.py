@@ -6,7 +6,7 @@ import pytest
 
 from deepinfer.backends.cpu.accelerator import CPUAccelerator
 from deepinfer.core.batch import ModelBatch, SamplerOutput
-from deepinfer.core.testing import AcceleratorConformance, run_conformance
+from deepinfer.testing.conformance import AcceleratorConformance, run_conformance
 
 
 class TestCPUConformance(AcceleratorConformance):

@@ -7,7 +7,7 @@ import torch
 
 from deepinfer.backends.cpu.accelerator import CPUAccelerator
 from deepinfer.core.engine import Engine
-from deepinfer.core.hicache.conformance import BLOCK, check_host_tier, make_engine
+from deepinfer.testing.hicache import BLOCK, check_host_tier, make_engine
 
 
 def _engine(path: str, host_pages: int) -> Engine:

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from deepinfer.core.router import Router
+from deepinfer.serve.router import Router
 from deepinfer.serve.engine_client import RankView
 from deepinfer.serve.ipc import EngineStats
 from deepinfer.serve.metrics import ServerMetrics

@@ -5,7 +5,7 @@ import dataclasses
 
 from prometheus_client import CollectorRegistry, generate_latest
 
-from deepinfer.core.router import Router
+from deepinfer.serve.router import Router
 from deepinfer.serve.app import health_body
 from deepinfer.serve.engine_client import RankView
 from deepinfer.serve.ipc import EngineStats

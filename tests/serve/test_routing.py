@@ -1,4 +1,4 @@
-"""EngineClient routes through deepinfer.core.router (fake ranks, no processes)."""
+"""EngineClient routes through deepinfer.serve.router (fake ranks, no processes)."""
 from __future__ import annotations
 
 import asyncio
@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from deepinfer.core.router import NoLiveRankError, affinity_key
+from deepinfer.serve.router import NoLiveRankError, affinity_key
 from deepinfer.core.sampling import SamplingParams
 from deepinfer.serve.cli import build_parser
 from deepinfer.serve.engine_client import EngineClient, RankDiedError, _Rank

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, generate_latest
 
-from deepinfer.core.tokenizer import HFTokenizer, VerifiedTokenizer
+from deepinfer.serve.tokenizer import HFTokenizer, VerifiedTokenizer
 from deepinfer.serve.tokenizer_metrics import TokenizerCollector
 
 

@@ -1,6 +1,6 @@
 """Run DeepInfer's backend conformance suite on this plugin's accelerator."""
 from deepinfer.core.plugins import load_plugins, select_accelerator
-from deepinfer.core.testing import AcceleratorConformance, Chunk, run_step
+from deepinfer.testing.conformance import AcceleratorConformance, Chunk, run_step
 from deepinfer_example_plugin.accelerator import CountingAccelerator
 
 

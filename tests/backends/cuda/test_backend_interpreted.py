@@ -12,7 +12,7 @@ import torch
 from deepinfer.core.config import CacheConfig, EngineConfig, ModelSpec, SchedulerConfig
 from deepinfer.core.engine import Engine
 from deepinfer.core.sampling import SamplingParams
-from deepinfer.core.testing import AcceleratorConformance
+from deepinfer.testing.conformance import AcceleratorConformance
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                 reason="runs the kernels under Triton's CPU interpreter")
@@ -121,7 +121,7 @@ def test_decode_rows_equal_eager_inputs(tmp_path):
 
     from deepinfer.backends.cuda.step_inputs import DECODE_COLS, decode_inputs, \
         fill_decode_rows
-    from deepinfer.core.testing import BLOCK_SIZE, BlockPool, Chunk, Seq, build_batch
+    from deepinfer.testing.conformance import BLOCK_SIZE, BlockPool, Chunk, Seq, build_batch
     from tests.checkpoints import make_checkpoint
 
     acc = _interpreted_cls()()

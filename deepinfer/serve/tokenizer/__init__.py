@@ -3,10 +3,10 @@
 select_prompt_tokenizer picks one by probing it against hf; VerifiedTokenizer keeps checking a
 sample of live prompts in the background and falls back to hf on the first disagreement.
 """
-from deepinfer.core.tokenizer.base import PromptTokenizer, UnsupportedTokenizer
-from deepinfer.core.tokenizer.hf import HFTokenizer
-from deepinfer.core.tokenizer.select import ProbeResult, build_probes, select_prompt_tokenizer
-from deepinfer.core.tokenizer.verify import Mismatch, VerifiedTokenizer
+from deepinfer.serve.tokenizer.base import PromptTokenizer, UnsupportedTokenizer
+from deepinfer.serve.tokenizer.hf import HFTokenizer
+from deepinfer.serve.tokenizer.select import ProbeResult, build_probes, select_prompt_tokenizer
+from deepinfer.serve.tokenizer.verify import Mismatch, VerifiedTokenizer
 
 __all__ = [
     "HFTokenizer",

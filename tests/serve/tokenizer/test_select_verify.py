@@ -12,14 +12,14 @@ import pytest
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from deepinfer.core.tokenizer import (
+from deepinfer.serve.tokenizer import (
     Mismatch,
     PromptTokenizer,
     VerifiedTokenizer,
     select_prompt_tokenizer,
 )
-from deepinfer.core.tokenizer import select as select_module
-from deepinfer.core.tokenizer.hf import HFTokenizer
+from deepinfer.serve.tokenizer import select as select_module
+from deepinfer.serve.tokenizer.hf import HFTokenizer
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +74,7 @@ def test_forced_backends_build_and_pass(name: str, request) -> None:
     tokenizer, results = select_prompt_tokenizer(hf, "hf")
     assert isinstance(tokenizer, HFTokenizer) and [(r.backend, r.ok) for r in results] == [("hf", True)]
     try:
-        from deepinfer.core.tokenizer.segment import SegmentTokenizer  # noqa: F401
+        from deepinfer.serve.tokenizer.segment import SegmentTokenizer  # noqa: F401
     except ImportError:
         pytest.skip("segment backend not written yet")
     tokenizer, results = select_prompt_tokenizer(hf, "segment", cache_bytes=1 << 20)
@@ -167,7 +167,7 @@ def test_verification_catches_a_mismatch_and_switches_to_hf(smollm2, caplog) -> 
     assert verified.stats()["checks"] == 3 and verified.name == "fastokens" and not verified.switched
 
     bad = "<|im_start|>user\nsecret BUG report<|im_end|>"
-    with caplog.at_level(logging.WARNING, logger="deepinfer.core.tokenizer.verify"):
+    with caplog.at_level(logging.WARNING, logger="deepinfer.serve.tokenizer.verify"):
         wrong = verified.encode(bad)  # served from the primary at once; checked behind
         assert verified.wait_idle(10)
     assert wrong != smollm2.encode(bad, add_special_tokens=False)

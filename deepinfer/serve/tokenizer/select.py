@@ -14,8 +14,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from deepinfer.core.tokenizer.base import PromptTokenizer, UnsupportedTokenizer
-from deepinfer.core.tokenizer.hf import HFTokenizer
+from deepinfer.serve.tokenizer.base import PromptTokenizer, UnsupportedTokenizer
+from deepinfer.serve.tokenizer.hf import HFTokenizer
 
 BACKENDS = ("auto", "fastokens", "segment", "hf")
 _AUTO_ORDER = ("fastokens", "segment")
@@ -73,12 +73,12 @@ def build_backend(name: str, hf_tokenizer: Any,
     if name == "hf":
         return HFTokenizer(hf_tokenizer)
     if name == "fastokens":
-        from deepinfer.core.tokenizer.fastokens_backend import FastokensTokenizer
+        from deepinfer.serve.tokenizer.fastokens_backend import FastokensTokenizer
 
         return FastokensTokenizer(hf_tokenizer)
     if name == "segment":
         try:
-            from deepinfer.core.tokenizer.segment import SegmentTokenizer
+            from deepinfer.serve.tokenizer.segment import SegmentTokenizer
         except ImportError as exc:
             raise UnsupportedTokenizer(f"segment backend unavailable ({exc})") from exc
         return SegmentTokenizer(hf_tokenizer, cache_bytes=cache_bytes)

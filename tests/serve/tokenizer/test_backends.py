@@ -13,8 +13,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from deepinfer.core.tokenizer import UnsupportedTokenizer, build_probes
-from deepinfer.core.tokenizer.select import build_backend
+from deepinfer.serve.tokenizer import UnsupportedTokenizer, build_probes
+from deepinfer.serve.tokenizer.select import build_backend
 
 TOKENIZERS = ("smollm2", "deepseek_v4")
 BACKENDS = ("hf", "fastokens", "segment")

@@ -8,7 +8,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from deepinfer.core.tokenizer.base import UnsupportedTokenizer
+from deepinfer.serve.tokenizer.base import UnsupportedTokenizer
 
 
 class FastokensTokenizer:

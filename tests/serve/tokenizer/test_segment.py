@@ -13,8 +13,8 @@ from tokenizers import AddedToken, Regex, Tokenizer, models, normalizers, pre_to
 from tokenizers import trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from deepinfer.core.tokenizer.base import PromptTokenizer, UnsupportedTokenizer
-from deepinfer.core.tokenizer.segment import SegmentTokenizer
+from deepinfer.serve.tokenizer.base import PromptTokenizer, UnsupportedTokenizer
+from deepinfer.serve.tokenizer.segment import SegmentTokenizer
 
 # Rust's White_Space and look-alikes that are not (U+001C..U+001F are str.isspace, U+200B, U+180E).
 WHITESPACE = [" ", "  ", "\n", "\n\n", "\r\n", "\t", "\x0b", "\x0c", "\x85", "\xa0", "\u2003",

@@ -1,7 +1,7 @@
 """Benchmark of HiCache page copies at Llama-3-8B shapes (32 layers, 8 KV heads of 128, bf16,
 block 128: 512 KiB per page-layer, 16 MiB per page).
 
-    python -m deepinfer.backends.cuda.bench_page_copy --out page_copy.json
+    python benchmarks/cuda/bench_page_copy.py --out page_copy.json
 
 Checks every method against a torch gather first (poisoned destinations, both directions), then
 times with CUDA events (median of --reps after warm-up): the UVA kernel under several launch

@@ -1,6 +1,6 @@
 """Check and time the paged attention kernels on a GPU at Llama-3-8B shapes.
 
-    python -m deepinfer.backends.cuda.kernels.bench_attention [--out results.json]
+    python benchmarks/cuda/bench_attention.py [--out results.json]
 
 Every case draws fresh random bf16 inputs, poisons the output with NaN, and reports the
 relative error against a float32 torch reference before it is timed (triton's do_bench, median;

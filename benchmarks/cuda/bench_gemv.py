@@ -1,6 +1,6 @@
 """Check and time the one-token projection kernel on a GPU at Llama-3-8B shapes.
 
-    python -m deepinfer.backends.cuda.kernels.bench_gemv [--out results.json] [--quick]
+    python benchmarks/cuda/bench_gemv.py [--out results.json] [--quick]
 
 1. Relative error against a float32 matmul, output poisoned first.
 2. Each projection shape: cuBLAS (torch.nn.functional.linear) beside the Triton GEMV under a

@@ -19,7 +19,7 @@ from typing import Any
 
 from tokenizers import AddedToken, Tokenizer
 
-from deepinfer.core.tokenizer.base import UnsupportedTokenizer
+from deepinfer.serve.tokenizer.base import UnsupportedTokenizer
 
 # What lstrip/rstrip tokens swallow: Rust regex `\s` = White_Space (str.isspace adds U+001C-1F).
 _WHITESPACE = frozenset("\t\n\x0b\x0c\r \x85\xa0\u1680\u2028\u2029\u202f\u205f\u3000"

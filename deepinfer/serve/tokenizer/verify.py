@@ -17,8 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from deepinfer.core.tokenizer.base import PromptTokenizer
-from deepinfer.core.tokenizer.hf import HFTokenizer
+from deepinfer.serve.tokenizer.base import PromptTokenizer
+from deepinfer.serve.tokenizer.hf import HFTokenizer
 
 logger = logging.getLogger(__name__)
 
