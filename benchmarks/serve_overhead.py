@@ -672,13 +672,12 @@ def main(argv: list[str] | None = None) -> int:
     proc = start_server(model_dir, port, args, server_log, trace_dir)
     try:
         from deepinfer import LLM
-        from deepinfer.models.model_config import ModelConfig
 
         # Loads while the server starts; both engines take the same scheduler settings.
         llm = LLM(model=model_dir, dtype=args.dtype, kv_cache_memory_gb=args.kv_cache_memory_gb,
                   max_num_seqs=args.max_num_seqs,
                   max_num_batched_tokens=args.max_num_batched_tokens)
-        vocab = ModelConfig.from_dir(model_dir).vocab_size
+        vocab = llm.engine.model.vocab_size
         wait_healthy(proc, base, server_log)
         import httpx
 

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, Sequence
+
+from deepinfer.core.kv.spec import KVSpec
 
 if TYPE_CHECKING:
     from deepinfer.core.batch import ModelBatch, SamplerOutput
@@ -18,16 +20,45 @@ if TYPE_CHECKING:
 class Capabilities:
     """What a backend can do, as data, so the neutral scheduler adapts without subclassing."""
 
+    # Runs partial prefill chunks; without it a prompt is prefilled in one step or waits.
     chunked_prefill: bool = True
-    # A backend with a fixed KV pool sizes it once at start-up and never grows it.
+    # The KV pool is sized once and may never be outgrown: the scheduler admits a request only
+    # when every block it can ever need (prompt + max_tokens) is free, so nothing is preempted.
     fixed_kv_pool: bool = False
-    # Static-shape backends (graphs, Neuron) pad batches up to one of these sizes.
+    # Static-shape backends: the scheduler pads a step's token count up to one of
+    # token_buckets, and a decode-only step's sequence count up to one of batch_buckets.
+    # Padding rows are one token of the null block, never sampled.
     batch_buckets: tuple[int, ...] = ()
     token_buckets: tuple[int, ...] = ()
-    graph_capture: bool = False
     # Implements host_page_bytes / allocate_host_pool / copy_pages (HiCache's host tier).
     host_page_copy: bool = False
+    # Activation dtypes the backend runs; a model asking for another is refused at load.
     dtypes: tuple[str, ...] = ("float32", "bfloat16")
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the core needs to know of a loaded model; the backend's load_model returns it."""
+
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    max_model_len: int
+    kv_spec: KVSpec
+    dtype: str = "float32"
+    # Layers exchange data between ranks (expert parallel MoE): ranks must step together.
+    needs_collectives: bool = False
+
+
+@dataclass(frozen=True)
+class ParallelContext:
+    """A rank's place among its peers, given to init_device. `group` is a torch.distributed
+    process group over all ranks (gloo on CPU, NCCL on CUDA, a plugin's own), or None when the
+    ranks run independently."""
+
+    rank: int = 0
+    world_size: int = 1
+    group: Any = None
+    expert_parallel: bool = False
 
 
 @dataclass(frozen=True)
@@ -69,18 +100,21 @@ class CopyHandle(Protocol):
 class Accelerator(ABC):
     """A backend. One instance per rank process.
 
-    Lifecycle: init_device -> configure -> load_model -> num_kv_blocks -> allocate_kv_cache -> execute* -> shutdown.
+    Lifecycle: init_device -> configure -> load_model -> num_kv_blocks -> allocate_kv_cache
+    -> execute* -> shutdown.
     """
 
     name: str = "abstract"
     capabilities: Capabilities = Capabilities()
+    # The torch.distributed backend of the rank group (gloo on CPU, nccl on CUDA, a plugin's).
+    distributed_backend: str = "gloo"
 
     @classmethod
     def is_available(cls) -> bool:
         """Cheap probe: can this backend run on this machine?"""
         return True
 
-    def init_device(self, rank: int = 0, world_size: int = 1) -> None:
+    def init_device(self, parallel: ParallelContext = ParallelContext()) -> None:
         """Per-rank environment and device setup (pinning, threads, visible devices)."""
 
     def configure(self, config: "EngineConfig") -> None:
@@ -88,16 +122,18 @@ class Accelerator(ABC):
         max_num_seqs) that size memory profiling and captured graphs, enforce_eager."""
 
     @abstractmethod
-    def load_model(self, spec: "ModelSpec") -> None:
-        """Build the model for `spec` and load its weights onto the device."""
+    def load_model(self, spec: "ModelSpec") -> ModelInfo:
+        """Build the model for `spec`, load its weights onto the device, say what it is."""
 
     @abstractmethod
     def num_kv_blocks(self, cache: "CacheConfig") -> int:
-        """How many KV blocks of cache.block_size tokens fit in the memory budget."""
+        """How many pages (one block of every KV group) fit in the memory budget."""
 
     @abstractmethod
-    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
-        """Allocate the paged KV cache. Block 0 is the null block (padding only)."""
+    def allocate_kv_cache(self, num_blocks: int, block_size: int,
+                          num_state_slots: int = 0) -> None:
+        """Allocate num_blocks blocks in every KV group (block 0 is the null block, padding
+        only) and, for models with per-request state, num_state_slots state slots."""
 
     @abstractmethod
     def execute(self, batch: "ModelBatch") -> "SamplerOutput":
@@ -105,16 +141,17 @@ class Accelerator(ABC):
 
     # ---- HiCache host tier (optional; Capabilities.host_page_copy says a backend has it) ------
     def host_page_bytes(self) -> int:
-        """Bytes of one host page (one KV block of every layer), after allocate_kv_cache."""
+        """Bytes of one host page (one block of every KV group), after allocate_kv_cache."""
         raise NotImplementedError(f"the {self.name} backend has no host page copy")
 
     def allocate_host_pool(self, num_pages: int, num_state_slots: int = 0) -> HostPoolLayout:
         """Allocate host memory for num_pages pages (pinned where the backend can)."""
         raise NotImplementedError(f"the {self.name} backend has no host page copy")
 
-    def copy_pages(self, host_pages: Sequence[int], device_blocks: Sequence[int],
+    def copy_pages(self, host_pages: Sequence[int], device_blocks: Sequence[Sequence[int]],
                    to_device: bool) -> CopyHandle | None:
-        """Copy host_pages[i] <-> device_blocks[i] (every layer). Backends with streams enqueue
+        """Copy host_pages[i] <-> block device_blocks[g][i] of every KV group g (every chunk of
+        the KV spec). Backends with streams enqueue
         the copy on the engine stream, so later steps see it in order, and return a handle the
         caller polls before reusing the host pages; None means it is already done."""
         raise NotImplementedError(f"the {self.name} backend has no host page copy")

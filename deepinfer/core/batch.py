@@ -27,24 +27,48 @@ class SamplingRow:
 
 
 @dataclass(frozen=True)
+class GroupBatch:
+    """One KV group's view of a step: each sequence's block table in that group and the slot
+    (block_id * block_size + offset) each input token's entries are written to. Blocks a
+    sliding-window group freed read as block 0, the null block."""
+
+    block_tables: list[list[int]]
+    slot_mapping: list[int]
+
+
+@dataclass(frozen=True)
 class ModelBatch:
     """One forward pass over a flattened set of sequences (prefill chunks and decodes).
 
     Sequence i contributes query_lens[i] new tokens at positions
-    [seq_lens[i] - query_lens[i], seq_lens[i]); its KV lives in block_tables[i].
+    [seq_lens[i] - query_lens[i], seq_lens[i]); its KV lives in groups[g].block_tables[i] for
+    each KV group g of the model's KV spec.
     """
 
     input_ids: list[int]
     positions: list[int]
     query_lens: list[int]
     seq_lens: list[int]
-    block_tables: list[list[int]]
-    slot_mapping: list[int]  # flat KV slot (block_id * block_size + offset) of each input token
+    groups: tuple[GroupBatch, ...]
     block_size: int
     # Indices (into the sequence list) whose last token's logits are sampled: decodes and
     # prefills whose final chunk is in this step. Partial prefill chunks sample nothing.
     sample_indices: list[int]
     sampling: list[SamplingRow]  # parallel to sample_indices
+    # Per sequence: its per-request state slot (models whose KV spec has state), else empty.
+    state_slots: list[int] = field(default_factory=list)
+    # Trailing sequences that only pad the step to a backend's bucket (one null-block token
+    # each, never sampled).
+    num_padding_seqs: int = 0
+
+    @property
+    def block_tables(self) -> list[list[int]]:
+        """The first KV group's block tables (all of them for single-group models)."""
+        return self.groups[0].block_tables
+
+    @property
+    def slot_mapping(self) -> list[int]:
+        return self.groups[0].slot_mapping
 
     @property
     def num_seqs(self) -> int:

@@ -68,10 +68,34 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class ParallelConfig:
+    """How ranks share the work: data parallel ranks (one process and device each), expert
+    parallelism across them (MoE layers), tensor parallel size (1 only, for now)."""
+
+    dp: int = 1
+    ep: bool = False
+    tp: int = 1
+    # Where ranks meet for torch.distributed (the API process picks a free port when 0).
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0
+
+    def __post_init__(self) -> None:
+        if self.dp < 1:
+            raise ValueError(f"dp must be >= 1, got {self.dp}")
+        if self.tp != 1:
+            raise ValueError("tensor parallelism is not supported yet; use tp=1")
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelSpec
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     accelerator: str | None = None  # None: DEEPINFER_ACCELERATOR, else probe
     seed: int = 0
     # Graph-capturing backends run every step eagerly (debugging, profiling).

@@ -10,18 +10,18 @@ import random
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from deepinfer.core.accelerator import Accelerator
+from deepinfer.core.accelerator import Accelerator, ParallelContext
 from deepinfer.core.config import EngineConfig
 from deepinfer.core.detokenizer import IncrementalDetokenizer
 from deepinfer.core.hicache import HiCache
 from deepinfer.core.kv.manager import KVCacheManager
 from deepinfer.core.outputs import RequestOutput
+from deepinfer.core.padding import Buckets, dummy_batch
 from deepinfer.core.request import FinishReason, Request
 from deepinfer.core.sampling import SamplingParams
 from deepinfer.core.scheduler import Scheduler, SchedulerOutput, TokenUpdate
 from deepinfer.core.step_faults import isolate
 from deepinfer.core.structured import GrammarCompiler, RequestGrammar
-from deepinfer.models.model_config import ModelConfig
 
 log = logging.getLogger("deepinfer.engine")
 # Steps in a row in which every sequence failed on its own: the device, not a request, is
@@ -47,24 +47,31 @@ class _Sample:
 
 class Engine:
     def __init__(self, config: EngineConfig, accelerator: Accelerator | None = None,
-                 tokenizer: Any = None, load_tokenizer: bool = True, rank: int = 0,
-                 world_size: int = 1) -> None:
+                 tokenizer: Any = None, load_tokenizer: bool = True,
+                 parallel: ParallelContext = ParallelContext()) -> None:
         self.config = config
-        self.model_config = ModelConfig.from_dir(config.model.path)
         self.accelerator = accelerator or _select_accelerator(config)
         self.tokenizer = tokenizer if tokenizer is not None or not load_tokenizer \
             else load_hf_tokenizer(config.model.path)
-        self.accelerator.init_device(rank, world_size)
+        caps = self.accelerator.capabilities
+        self.accelerator.init_device(parallel)
         self.accelerator.configure(config)
-        self.accelerator.load_model(config.model)
+        self.model = self.accelerator.load_model(config.model)
+        self.max_model_len = self.model.max_model_len
         num_blocks = self.accelerator.num_kv_blocks(config.cache)
-        self.accelerator.allocate_kv_cache(num_blocks, config.cache.block_size)
+        # Every sequence that can run at once holds one state slot (models with state only).
+        num_slots = config.scheduler.max_num_seqs if self.model.kv_spec.state_bytes else 0
+        self.accelerator.allocate_kv_cache(num_blocks, config.cache.block_size, num_slots)
         self.kv = KVCacheManager(num_blocks, config.cache.block_size,
-                                 config.cache.enable_prefix_caching)
-        self.max_model_len = min(config.model.max_model_len or self.model_config.max_position_embeddings,
-                                 self.model_config.sliding_window or 1 << 62)
-        self.hicache = HiCache.create(self.accelerator, config.cache)
-        self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, self.hicache)
+                                 config.cache.enable_prefix_caching, self.model.kv_spec,
+                                 num_slots)
+        self.hicache = HiCache.create(self.accelerator, config.cache, self.model.kv_spec)
+        scheduler_config = config.scheduler
+        if not caps.chunked_prefill and scheduler_config.enable_chunked_prefill:
+            scheduler_config = dataclasses.replace(scheduler_config, enable_chunked_prefill=False)
+        buckets = Buckets(caps.token_buckets, caps.batch_buckets)
+        self.scheduler = Scheduler(scheduler_config, self.kv, self.max_model_len, self.hicache,
+                                   buckets, caps.fixed_kv_pool)
         self._samples: dict[str, _Sample] = {}  # child request id -> sample
         self._children: dict[str, list[str]] = {}  # request id -> child ids
         self._rng = random.Random(config.seed)
@@ -74,13 +81,19 @@ class Engine:
     # ---- requests ------------------------------------------------------------------------
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
-        ids = set(self.model_config.eos_token_ids)
+        ids = set(self.model.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             ids.add(self.tokenizer.eos_token_id)
         return tuple(sorted(ids))
 
     def token_limit(self) -> int:
-        """Most tokens one sequence can hold: the context length, or the whole KV pool."""
+        """Most tokens one sequence can hold: the context length, or the whole KV pool (a
+        sliding-window model holds only its windows, so the pool does not bound it)."""
+        window = max(g.sliding_window or 0 for g in self.model.kv_spec.groups)
+        budget = self.config.scheduler.max_num_batched_tokens
+        if self.kv.all_sliding and \
+                (window + budget) // self.kv.block_size + 2 <= self.kv.pool.num_usable:
+            return self.max_model_len
         return min(self.max_model_len, self.kv.pool.num_usable * self.kv.block_size)
 
     def add_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams,
@@ -113,7 +126,7 @@ class Engine:
         if self.tokenizer is None:
             raise ValueError("structured outputs need the model's tokenizer")
         if self._grammars is None:
-            self._grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size,
+            self._grammars = GrammarCompiler(self.tokenizer, self.model.vocab_size,
                                              self.eos_token_ids)
         return self._grammars.matcher(params.structured)
 
@@ -126,7 +139,7 @@ class Engine:
             ids = [int(t) for t in prompt]
         if not ids:
             raise ValueError("the prompt is empty")
-        vocab = self.model_config.vocab_size
+        vocab = self.model.vocab_size
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"token ids out of range [0, {vocab}): {bad[:5]}")
@@ -160,6 +173,11 @@ class Engine:
             scheduled, sampled = self._isolate_fault(scheduled, failed)
         updates = self.scheduler.update(scheduled, sampled)
         return failed + [out for u in updates if (out := self._safe_output(u, failed))]
+
+    def dummy_step(self) -> None:
+        """A step of no real work, for a rank whose peers step (their collectives must be
+        matched): one padding token in the null block, nothing sampled."""
+        self.accelerator.execute(dummy_batch(len(self.kv.groups), self.kv.block_size))
 
     def _execute(self, scheduled: SchedulerOutput):
         return self.accelerator.execute(self._constrain(scheduled))

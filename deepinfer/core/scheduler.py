@@ -14,8 +14,9 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from deepinfer.core.batch import ModelBatch, SamplerOutput, SamplingRow, TokenLogprobs
+from deepinfer.core.batch import GroupBatch, ModelBatch, SamplerOutput, SamplingRow, TokenLogprobs
 from deepinfer.core.config import SchedulerConfig
+from deepinfer.core.padding import Buckets, pad_batch
 from deepinfer.core.hicache import HiCache
 from deepinfer.core.kv.manager import KVCacheManager
 from deepinfer.core.request import FinishReason, Request, RequestStatus
@@ -50,11 +51,16 @@ class TokenUpdate:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int,
-                 hicache: HiCache | None = None) -> None:
+                 hicache: HiCache | None = None, buckets: Buckets = Buckets(),
+                 fixed_pool: bool = False) -> None:
         self.config = config
         self.kv = kv
         self.hicache = hicache
         self.max_model_len = max_model_len
+        self.buckets = buckets
+        # A fixed pool admits a request only with room for all it may ever hold: no preemption.
+        self.fixed_pool = fixed_pool
+        self.max_num_seqs = buckets.max_seqs(config.max_num_seqs)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -80,7 +86,7 @@ class Scheduler:
     # ---- one step ------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = self.config.max_num_batched_tokens
+        budget = self.buckets.token_budget(self.config.max_num_batched_tokens)
         budget = self._schedule_running(out, budget)
         if not out.preempted:
             self._schedule_waiting(out, budget)
@@ -115,7 +121,7 @@ class Scheduler:
     def _admission_reserve(self) -> int:
         """Budget that prefills in progress leave for the waiting head (an upper bound: its
         prefix hits are only known at admission)."""
-        if not self.waiting or len(self.running) >= self.config.max_num_seqs:
+        if not self.waiting or len(self.running) >= self.max_num_seqs:
             return 0
         return self.waiting[0].num_tokens
 
@@ -129,6 +135,7 @@ class Scheduler:
             num_new = self._chunk(req, budget)
             if num_new == 0:
                 continue
+            self.kv.free_out_of_window(req)
             while not self.kv.allocate(req, num_new):
                 victim = self.running[-1]
                 if id(victim) in scheduled:
@@ -153,11 +160,12 @@ class Scheduler:
         self.num_preemptions += 1
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             cached = self.kv.find_cached_prefix(req)
-            device_tokens = len(cached) * self.kv.block_size
-            host = self.hicache.match(req, len(cached)) if self.hicache is not None else None
+            num_cached = len(cached[0])
+            device_tokens = num_cached * self.kv.block_size
+            host = self.hicache.match(req, num_cached) if self.hicache is not None else None
             host_tokens = host.num_tokens if host is not None else 0
             hit_tokens = device_tokens + host_tokens
             req.num_computed_tokens = 0
@@ -167,13 +175,16 @@ class Scheduler:
             num_new = min(remaining, budget)
             if self.config.long_prefill_token_threshold > 0:
                 num_new = min(num_new, self.config.long_prefill_token_threshold)
+            if self.fixed_pool and not self._fits_whole(req, hit_tokens, cached):
+                break
             # Host-hit pages need device blocks too: allocated here with the first chunk's.
             if not self.kv.allocate(req, host_tokens + num_new, cached):
                 break
             self.waiting.popleft()
             if host is not None:
-                blocks = self.kv.block_ids(req.request_id)
-                self.hicache.load(req, host, blocks[len(cached):len(cached) + len(host.pages)])
+                end = num_cached + len(host.pages)
+                self.hicache.load(req, host, [ids[num_cached:end] for ids in
+                                              self.kv.group_block_ids(req.request_id)])
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = hit_tokens
                 self.kv.record_lookup(req.num_tokens, device_tokens)
@@ -185,6 +196,18 @@ class Scheduler:
             out.seqs.append(ScheduledSeq(req, num_new, self._will_sample(req, num_new)))
             budget -= num_new
 
+    def _fits_whole(self, req: Request, hit_tokens: int, cached) -> bool:
+        """Room for every block the request may hold, minus what running requests may still
+        claim of theirs (a fixed pool is never outgrown, so nothing is ever preempted)."""
+        most = min(req.num_prompt_tokens + req.max_tokens, self.max_model_len)
+        need = self.kv.blocks_needed(req, most - hit_tokens, cached)
+        reserved = sum(self._still_to_claim(r) for r in self.running)
+        return self.kv.can_allocate(need + reserved)
+
+    def _still_to_claim(self, req: Request) -> int:
+        most = min(req.num_prompt_tokens + req.max_tokens, self.max_model_len)
+        return max(0, self.kv.blocks_needed(req, most - req.num_computed_tokens))
+
     @staticmethod
     def _will_sample(req: Request, num_new: int) -> bool:
         return req.num_computed_tokens + num_new == req.num_tokens
@@ -192,29 +215,42 @@ class Scheduler:
     # ---- the batch a backend sees --------------------------------------------------------
     def build_batch(self, out: SchedulerOutput) -> ModelBatch:
         bs = self.kv.block_size
-        ids, positions, qlens, slens, tables, slots = [], [], [], [], [], []
-        sample_indices, rows = [], []
+        num_groups = len(self.kv.groups)
+        ids, positions, qlens, slens, sample_indices, rows = [], [], [], [], [], []
+        tables: list[list[list[int]]] = [[] for _ in range(num_groups)]
+        slots: list[list[int]] = [[] for _ in range(num_groups)]
+        state_slots: list[int] = []
         for i, seq in enumerate(out.seqs):
             req, start = seq.request, seq.request.num_computed_tokens
             end = start + seq.num_new_tokens
-            table = self.kv.block_ids(req.request_id)
+            rid = req.request_id
             if end - start == 1:  # decodes: most rows of a busy step
                 ids.append(req.token_at(start))
                 positions.append(start)
-                slots.append(table[start // bs] * bs + start % bs)
             else:
                 ids.extend(req.token_slice(start, end))
                 positions.extend(range(start, end))
-                slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            for g in range(num_groups):
+                table = self.kv.block_ids(rid, g)
+                tables[g].append(table)
+                if end - start == 1:
+                    slots[g].append(table[start // bs] * bs + start % bs)
+                else:
+                    slots[g].extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            slot = self.kv.state_slot(rid)
+            if slot is not None:
+                state_slots.append(slot)
             qlens.append(seq.num_new_tokens)
             slens.append(end)
-            tables.append(table)
             if seq.sampled:
                 sample_indices.append(i)
                 rows.append(SamplingRow(req.params, req.seed, len(req.output_token_ids),
                                         req.prompt_token_ids, req.output_token_ids,
                                         req.eos_token_ids))
-        return ModelBatch(ids, positions, qlens, slens, tables, slots, bs, sample_indices, rows)
+        batch = ModelBatch(ids, positions, qlens, slens,
+                           tuple(GroupBatch(t, s) for t, s in zip(tables, slots)), bs,
+                           sample_indices, rows, state_slots)
+        return pad_batch(batch, self.buckets)
 
     # ---- results back --------------------------------------------------------------------
     def update(self, out: SchedulerOutput, sampled: SamplerOutput) -> list[TokenUpdate]:
@@ -233,7 +269,7 @@ class Scheduler:
             if self.hicache is not None and \
                     before < req.num_prompt_tokens <= req.num_computed_tokens:
                 # Write-through once the prompt is computed, before a stop can free the blocks.
-                self.hicache.store(req, self.kv.block_ids(req.request_id))
+                self.hicache.store(req, self.kv.group_block_ids(req.request_id))
             if token is not None:
                 self._check_stop(req, token)
             updates.append(TokenUpdate(req, token, logprobs, req.is_finished))

@@ -1,109 +1,218 @@
 """The llama family (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM2) over backend ops.
 
-Q/K/V and gate/up projections are fused into one matmul each (fewer, larger GEMMs); the loader
+Q/K/V and gate/up projections are fused into one matmul each (fewer, larger GEMMs); the model
 maps the checkpoint's separate tensors into their slices. Every projection goes through
-ops.linear, so a backend can route the one-token (decode) case to a GEMV kernel.
+ops.linear, so a backend can route the one-token (decode) case to a GEMV kernel. Layers with a
+sliding window (Mistral's `sliding_window`, `layer_types`) declare it in the KV spec, and the
+backend's attention honours it.
 """
 from __future__ import annotations
 
-from typing import Any
+import re
+from dataclasses import dataclass
+from typing import Any, Iterable
 
 import torch
 from torch import nn
+from transformers import PretrainedConfig
 
-from deepinfer.models.model_config import ModelConfig
+from deepinfer.core.kv.spec import KVSpec, kv_heads_layer
 from deepinfer.models.ops import ModelOps
 from deepinfer.models.rope import rope_cos_sin
+from deepinfer.models.weights import Target, load_mapped
+
+_FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+          "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+
+
+@dataclass(frozen=True)
+class LlamaDims:
+    """The config fields the model reads, normalised across the family's configs."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    attention_bias: bool
+    qk_norm: bool
+    windows: tuple[int | None, ...]  # per layer: its sliding window, None for full attention
+
+    @classmethod
+    def from_config(cls, config: PretrainedConfig) -> "LlamaDims":
+        heads = config.num_attention_heads
+        model_type = getattr(config, "model_type", "llama")
+        return cls(
+            vocab_size=config.vocab_size, hidden_size=config.hidden_size,
+            intermediate_size=config.intermediate_size, num_layers=config.num_hidden_layers,
+            num_heads=heads, num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+            head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+            rms_norm_eps=getattr(config, "rms_norm_eps", 1e-6),
+            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+            # Qwen2 has q/k/v biases without a config field saying so.
+            attention_bias=model_type == "qwen2" or bool(getattr(config, "attention_bias", False)),
+            qk_norm=model_type == "qwen3", windows=layer_windows(config))
+
+
+def layer_windows(config: PretrainedConfig) -> tuple[int | None, ...]:
+    """Per layer, its sliding window: `layer_types` where the config has them, else one window
+    for every layer (Mistral), else none."""
+    window = getattr(config, "sliding_window", None)
+    layers = config.num_hidden_layers
+    types = getattr(config, "layer_types", None)
+    if window is None or getattr(config, "use_sliding_window", True) is False:
+        return (None,) * layers
+    if types:
+        return tuple(window if t == "sliding_attention" else None for t in types)
+    return (int(window),) * layers
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, ops: ModelOps) -> None:
+    def __init__(self, dims: LlamaDims, layer: int, ops: ModelOps) -> None:
         super().__init__()
-        self.cfg, self.layer, self.ops = cfg, layer, ops
-        self.q_size = cfg.num_heads * cfg.head_dim
-        self.kv_size = cfg.num_kv_heads * cfg.head_dim
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size,
-                                  bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
-        if cfg.qk_norm:
-            self.q_norm = nn.Parameter(torch.ones(cfg.head_dim))
-            self.k_norm = nn.Parameter(torch.ones(cfg.head_dim))
+        self.dims, self.layer, self.ops = dims, layer, ops
+        self.q_size = dims.num_heads * dims.head_dim
+        self.kv_size = dims.num_kv_heads * dims.head_dim
+        self.qkv_proj = nn.Linear(dims.hidden_size, self.q_size + 2 * self.kv_size,
+                                  bias=dims.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, dims.hidden_size, bias=False)
+        if dims.qk_norm:
+            self.q_norm = nn.Parameter(torch.ones(dims.head_dim))
+            self.k_norm = nn.Parameter(torch.ones(dims.head_dim))
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor,
                 sin: torch.Tensor, meta: Any) -> torch.Tensor:
-        cfg, ops = self.cfg, self.ops
+        d, ops = self.dims, self.ops
         tokens = hidden.shape[0]
         qkv = ops.linear(hidden, self.qkv_proj.weight, self.qkv_proj.bias)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(tokens, cfg.num_heads, cfg.head_dim)
-        k = k.view(tokens, cfg.num_kv_heads, cfg.head_dim)
-        v = v.view(tokens, cfg.num_kv_heads, cfg.head_dim)
-        if cfg.qk_norm:
-            q = ops.rms_norm(q, self.q_norm, cfg.rms_norm_eps)
-            k = ops.rms_norm(k, self.k_norm, cfg.rms_norm_eps)
+        q = q.view(tokens, d.num_heads, d.head_dim)
+        k = k.view(tokens, d.num_kv_heads, d.head_dim)
+        v = v.view(tokens, d.num_kv_heads, d.head_dim)
+        if d.qk_norm:
+            q = ops.rms_norm(q, self.q_norm, d.rms_norm_eps)
+            k = ops.rms_norm(k, self.k_norm, d.rms_norm_eps)
         out = ops.rotary_attention(q, k, v, positions, cos, sin, self.layer, meta)
         return ops.linear(out.reshape(tokens, self.q_size), self.o_proj.weight)
 
+    def fused_rows(self, shard: int) -> tuple[int, int]:
+        q, kv = self.q_size, self.kv_size
+        return [(0, q), (q, q + kv), (q + kv, q + 2 * kv)][shard]
+
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, ops: ModelOps) -> None:
+    def __init__(self, dims: LlamaDims, ops: ModelOps) -> None:
         super().__init__()
         self.ops = ops
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.intermediate_size = dims.intermediate_size
+        self.gate_up_proj = nn.Linear(dims.hidden_size, 2 * dims.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(dims.intermediate_size, dims.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ops = self.ops
         return ops.linear(ops.silu_and_mul(ops.linear(x, self.gate_up_proj.weight)),
                           self.down_proj.weight)
 
+    def fused_rows(self, shard: int) -> tuple[int, int]:
+        f = self.intermediate_size
+        return [(0, f), (f, 2 * f)][shard]
+
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, ops: ModelOps) -> None:
+    def __init__(self, dims: LlamaDims, layer: int, ops: ModelOps) -> None:
         super().__init__()
-        self.cfg, self.ops = cfg, ops
-        self.self_attn = LlamaAttention(cfg, layer, ops)
-        self.mlp = LlamaMLP(cfg, ops)
-        self.input_layernorm = nn.Parameter(torch.ones(cfg.hidden_size))
-        self.post_attention_layernorm = nn.Parameter(torch.ones(cfg.hidden_size))
+        self.eps, self.ops = dims.rms_norm_eps, ops
+        self.self_attn = LlamaAttention(dims, layer, ops)
+        self.mlp = LlamaMLP(dims, ops)
+        self.input_layernorm = nn.Parameter(torch.ones(dims.hidden_size))
+        self.post_attention_layernorm = nn.Parameter(torch.ones(dims.hidden_size))
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
                 cos: torch.Tensor, sin: torch.Tensor, meta: Any
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        eps = self.cfg.rms_norm_eps
         if residual is None:
             residual = hidden
-            hidden = self.ops.rms_norm(hidden, self.input_layernorm, eps)
+            hidden = self.ops.rms_norm(hidden, self.input_layernorm, self.eps)
         else:
-            hidden, residual = self.ops.add_rms_norm(hidden, residual, self.input_layernorm, eps)
+            hidden, residual = self.ops.add_rms_norm(hidden, residual, self.input_layernorm,
+                                                     self.eps)
         hidden = self.self_attn(positions, hidden, cos, sin, meta)
         hidden, residual = self.ops.add_rms_norm(hidden, residual,
-                                                 self.post_attention_layernorm, eps)
+                                                 self.post_attention_layernorm, self.eps)
         return self.mlp(hidden), residual
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, ops: ModelOps, max_model_len: int) -> None:
+    def __init__(self, config: PretrainedConfig, ops: ModelOps, max_model_len: int) -> None:
         super().__init__()
-        self.cfg, self.ops = cfg, ops
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, ops) for i in range(cfg.num_layers))
-        self.norm = nn.Parameter(torch.ones(cfg.hidden_size))
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(
-            cfg.hidden_size, cfg.vocab_size, bias=False)
-        cos, sin = rope_cos_sin(cfg.rope, cfg.head_dim, cfg.max_position_embeddings, max_model_len)
-        # Tables are built in float32; the backend casts them to the activation dtype.
-        self.register_buffer("rope_cos", cos, persistent=False)
-        self.register_buffer("rope_sin", sin, persistent=False)
+        self.config, self.ops, self.max_model_len = config, ops, max_model_len
+        self.dims = dims = LlamaDims.from_config(config)
+        self.embed_tokens = nn.Embedding(dims.vocab_size, dims.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(dims, i, ops) for i in range(dims.num_layers))
+        self.norm = nn.Parameter(torch.ones(dims.hidden_size))
+        self.lm_head = None if dims.tie_word_embeddings else nn.Linear(
+            dims.hidden_size, dims.vocab_size, bias=False)
+        self.rope_cos: torch.Tensor | None = None
+        self.rope_sin: torch.Tensor | None = None
+
+    def kv_spec(self) -> KVSpec:
+        d = self.dims
+        return KVSpec(tuple(kv_heads_layer(d.num_kv_heads, d.head_dim, w) for w in d.windows))
+
+    def init_buffers(self, device: torch.device | str) -> None:
+        """Rotary tables, computed (not loaded) in float32; the backend casts them."""
+        rotary_dim = int(self.dims.head_dim * _partial_rotary(self.config))
+        cos, sin = rope_cos_sin(self.config, rotary_dim, self.max_model_len)
+        self.rope_cos, self.rope_sin = cos.to(device), sin.to(device)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: Any) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
         residual = None
         for layer in self.layers:
             hidden, residual = layer(positions, hidden, residual, self.rope_cos, self.rope_sin, meta)
-        hidden, _ = self.ops.add_rms_norm(hidden, residual, self.norm, self.cfg.rms_norm_eps)
+        hidden, _ = self.ops.add_rms_norm(hidden, residual, self.norm, self.dims.rms_norm_eps)
         return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return self.ops.linear(hidden, weight).float()
+
+    # ---- checkpoint names ----------------------------------------------------------------
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        load_mapped(self, weights, self.checkpoint_target)
+
+    def checkpoint_target(self, name: str) -> Target | None:
+        """HF checkpoint name -> (our parameter, rows of a fused one); None to skip."""
+        name = name.removeprefix("model.")
+        if name.startswith("lm_head."):
+            return None if self.lm_head is None else (name, None)
+        if name == "norm.weight":
+            return "norm", None
+        match = re.match(r"layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.(weight|bias)$", name)
+        if match is None:
+            return _layer_norm_target(name)
+        layer, block, proj, kind = match.groups()
+        if proj in ("q_norm", "k_norm"):
+            return f"layers.{layer}.self_attn.{proj}", None
+        if proj not in _FUSED:
+            return f"layers.{layer}.{block}.{proj}.{kind}", None
+        fused, shard = _FUSED[proj]
+        module = getattr(self.layers[int(layer)], block)
+        return f"layers.{layer}.{block}.{fused}.{kind}", module.fused_rows(shard)
+
+
+def _layer_norm_target(name: str) -> Target | None:
+    if "rotary_emb" in name:
+        return None
+    match = re.match(r"(layers\.\d+\.(?:input|post_attention)_layernorm)\.weight$", name)
+    return (match.group(1), None) if match else (name, None)
+
+
+def _partial_rotary(config: PretrainedConfig) -> float:
+    params = getattr(config, "rope_parameters", None) or {}
+    return float(params.get("partial_rotary_factor",
+                            getattr(config, "partial_rotary_factor", 1.0)) or 1.0)

@@ -41,6 +41,13 @@ class ModelOps(ABC):
         """Write k, v [T, Hk, D] into layer's paged cache; attend q [T, Hq, D] causally over
         each sequence's cached prefix plus its new tokens. Returns [T, Hq, D]."""
 
+    def latent_attention(self, q: torch.Tensor, latent: torch.Tensor, layer: int, meta: Any,
+                         value_dim: int, scale: float) -> torch.Tensor:
+        """MLA (weight-absorbed): write latent [T, L] into layer's paged cache; every head of
+        q [T, H, L] attends the shared latents causally (scores over all L dims, values their
+        first value_dim dims). Returns [T, H, value_dim]."""
+        raise NotImplementedError(f"{type(self).__name__} has no MLA attention")
+
     # ---- composites: reference definitions, overridden where a better kernel exists -------
     def linear(self, x: torch.Tensor, weight: torch.Tensor,
                bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -3,13 +3,18 @@ from __future__ import annotations
 
 import importlib
 from types import MappingProxyType
-from typing import Mapping
+from typing import TYPE_CHECKING, Mapping
+
+if TYPE_CHECKING:
+    from deepinfer.core.kv.spec import KVSpec
 
 BUILTIN_MODELS: Mapping[str, str] = MappingProxyType({
     "LlamaForCausalLM": "deepinfer.models.llama:LlamaForCausalLM",
     "MistralForCausalLM": "deepinfer.models.llama:LlamaForCausalLM",
     "Qwen2ForCausalLM": "deepinfer.models.llama:LlamaForCausalLM",
     "Qwen3ForCausalLM": "deepinfer.models.llama:LlamaForCausalLM",
+    "DeepseekV2ForCausalLM": "deepinfer.models.deepseek_v3:DeepseekV3ForCausalLM",
+    "DeepseekV3ForCausalLM": "deepinfer.models.deepseek_v3:DeepseekV3ForCausalLM",
 })
 
 
@@ -25,3 +30,16 @@ def model_class(architecture: str, extra: Mapping[str, str] | None = None) -> ty
                          f"supported: {', '.join(sorted(table))}")
     module, _, name = table[architecture].partition(":")
     return getattr(importlib.import_module(module), name)
+
+
+def kv_spec_of(path: str) -> "KVSpec":
+    """The KV spec of the checkpoint at `path`, from its config alone (the model is built on
+    the meta device: no weights are read or allocated)."""
+    import torch
+
+    from deepinfer.models.hf_config import architecture, load_config
+
+    config = load_config(path)
+    with torch.device("meta"):
+        model = model_class(architecture(config))(config, None, 1)
+    return model.kv_spec()

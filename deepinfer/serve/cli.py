@@ -14,7 +14,8 @@ import socket
 import sys
 from typing import Sequence
 
-from deepinfer.core.config import CacheConfig, EngineConfig, ModelSpec, SchedulerConfig
+from deepinfer.core.config import (CacheConfig, EngineConfig, ModelSpec, ParallelConfig,
+                                   SchedulerConfig)
 from deepinfer.serve.limits import RequestLimits
 from deepinfer.serve.rank_health import RankHealthConfig
 
@@ -66,7 +67,12 @@ def _server_args(p: argparse.ArgumentParser) -> None:
                         "DEEPINFER_ACCELERATOR, else the first available by priority)")
     p.add_argument("--list-accelerators", action="store_true",
                    help="list the backends and plugin failures, then exit")
-    p.add_argument("--dp", type=int, default=1, help="engine processes (one per device)")
+    p.add_argument("--dp", type=int, default=ParallelConfig.dp,
+                   help="engine processes (one per device)")
+    p.add_argument("--ep", action="store_true",
+                   help="expert parallel: the --dp ranks form one torch.distributed group and "
+                        "step in lockstep (an idle rank runs a dummy step), so MoE layers can "
+                        "exchange tokens")
     p.add_argument("--routing", default="affinity", choices=["affinity", "least-loaded"],
                    help="how --dp ranks share requests: affinity pins a conversation (session "
                         "header, user field or first user message) to one rank for its prefix "
@@ -153,6 +159,7 @@ def engine_config(args: argparse.Namespace, model_dir: str) -> EngineConfig:
                           hicache_state_slots=args.hicache_state_slots,
                           yoco_keep_tokens=args.yoco_keep_tokens),
         scheduler=SchedulerConfig(args.max_num_batched_tokens, args.max_num_seqs),
+        parallel=ParallelConfig(dp=args.dp, ep=args.ep),
         accelerator=args.accelerator, seed=args.seed, enforce_eager=args.enforce_eager)
 
 

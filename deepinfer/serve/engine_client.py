@@ -11,8 +11,10 @@ and killed (then restarted) if it stays silent.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
+import socket
 import multiprocessing as mp
 import os
 import tempfile
@@ -40,7 +42,7 @@ log = logging.getLogger("deepinfer.serve")
 class EngineClient:
     def __init__(self, config: EngineConfig, num_ranks: int = 1,
                  routing: str = "affinity", health: RankHealthConfig | None = None) -> None:
-        self.config = config
+        self.config = _with_rendezvous(config, num_ranks)
         self.num_ranks = num_ranks
         self.health = health or RankHealthConfig()
         self.router = Router(num_ranks, routing)
@@ -356,3 +358,14 @@ class EngineClient:
             queue = self._queues.get(error.request_id)
             if queue is not None:
                 queue.put_nowait(EngineRequestError(error.message, error.status))
+
+
+def _with_rendezvous(config: EngineConfig, num_ranks: int) -> EngineConfig:
+    """The config every rank gets: dp is the rank count, and ranks that form a
+    torch.distributed group meet on a port free on this host."""
+    parallel = dataclasses.replace(config.parallel, dp=num_ranks)
+    if parallel.ep and num_ranks > 1 and parallel.master_port == 0:
+        with socket.socket() as probe:
+            probe.bind((parallel.master_addr, 0))
+            parallel = dataclasses.replace(parallel, master_port=probe.getsockname()[1])
+    return dataclasses.replace(config, parallel=parallel)

@@ -15,9 +15,11 @@ from dataclasses import dataclass
 
 import zmq
 
+from deepinfer.core.accelerator import ParallelContext
 from deepinfer.core.config import EngineConfig
 from deepinfer.core.engine import Engine
 from deepinfer.core.outputs import RequestOutput
+from deepinfer.serve.lockstep import Lockstep, init_rank_group, shutdown_group
 from deepinfer.serve.ipc import (AbortRequest, AddRequest, Control, ControlReply, EngineStats,
                                  Failed, Heartbeat, Ready, RequestError, StepResult, TokenDelta)
 
@@ -75,7 +77,7 @@ def run_rank(spec: RankSpec) -> None:
 
     registry = load_plugins()
     try:
-        engine = _start_engine(spec, registry)
+        engine, lockstep = _start_engine(spec, registry)
     except Exception:  # noqa: BLE001 - report any start-up failure to the API process
         outbox.send_pyobj(Failed(spec.rank, traceback.format_exc()))
         return
@@ -89,20 +91,26 @@ def run_rank(spec: RankSpec) -> None:
                             name="deepinfer-heartbeat", daemon=True)
     beat.start()
     try:
-        _loop(engine, spec.rank, inbox, outbox, parent, clock)
+        _loop(engine, spec.rank, inbox, outbox, parent, clock, lockstep)
     finally:
         stop.set()
         beat.join()
         engine.shutdown()
+        shutdown_group()
         registry.engine_stopped(spec.config)
         ctx.destroy(linger=0)
 
 
-def _start_engine(spec: RankSpec, registry) -> Engine:
+def _start_engine(spec: RankSpec, registry) -> tuple[Engine, Lockstep | None]:
     from deepinfer.core.plugins import select_accelerator
 
     accelerator = select_accelerator(registry, spec.config.accelerator)()
-    return Engine(spec.config, accelerator, rank=spec.rank, world_size=spec.world_size)
+    parallel = spec.config.parallel
+    if not (parallel.ep and parallel.world_size > 1):
+        context = ParallelContext(spec.rank, spec.world_size)
+        return Engine(spec.config, accelerator, parallel=context), None
+    context = init_rank_group(parallel, spec.rank, accelerator.distributed_backend)
+    return Engine(spec.config, accelerator, parallel=context), Lockstep()
 
 
 def _heartbeat(ctx: zmq.Context, spec: RankSpec, clock: StepClock,
@@ -124,12 +132,14 @@ def _heartbeat(ctx: zmq.Context, spec: RankSpec, clock: StepClock,
 
 
 def _loop(engine: Engine, rank: int, inbox: zmq.Socket, outbox: zmq.Socket, parent: int,
-          clock: StepClock | None = None) -> None:
+          clock: StepClock | None = None, lockstep: Lockstep | None = None) -> None:
     clock = clock or StepClock()
     poller = zmq.Poller()
     poller.register(inbox, zmq.POLLIN)
     while True:
-        timeout = 0 if engine.has_unfinished_requests() else IDLE_POLL_MS
+        # In lockstep a busy peer needs this rank's vote (and dummy step) at once.
+        peers_busy = lockstep is not None and lockstep.peers_busy
+        timeout = 0 if engine.has_unfinished_requests() or peers_busy else IDLE_POLL_MS
         errors: list[RequestError] = []
         handled = False
         while poller.poll(timeout):
@@ -142,7 +152,7 @@ def _loop(engine: Engine, rank: int, inbox: zmq.Socket, outbox: zmq.Socket, pare
             handled = True
         if os.getppid() != parent:
             return  # orphaned: the API process is gone
-        outputs = _step(engine, clock) if engine.has_unfinished_requests() else []
+        outputs = _step(engine, clock, lockstep)
         errors += [RequestError(o.request_id, o.error, 500) for o in outputs if o.error]
         deltas = [_delta(o) for o in outputs if o.error is None]
         # Also report after handled messages: an abort frees blocks without any step output,
@@ -151,7 +161,23 @@ def _loop(engine: Engine, rank: int, inbox: zmq.Socket, outbox: zmq.Socket, pare
             outbox.send_pyobj(StepResult(rank, deltas, errors, _stats(engine)))
 
 
-def _step(engine: Engine, clock: StepClock) -> list[RequestOutput]:
+def _step(engine: Engine, clock: StepClock, lockstep: Lockstep | None) -> list[RequestOutput]:
+    """One engine step if this rank has work; in lockstep, also a dummy step when only a
+    peer has (every rank takes the same branch: the vote is a collective)."""
+    busy = engine.has_unfinished_requests()
+    if lockstep is not None and not busy:
+        if lockstep.anyone_busy(False):
+            clock.begin()
+            try:
+                engine.dummy_step()
+                lockstep.dummy_steps += 1
+            finally:
+                clock.end()
+        return []
+    if lockstep is not None:
+        lockstep.anyone_busy(True)
+    if not busy:
+        return []
     clock.begin()
     try:
         return engine.step()

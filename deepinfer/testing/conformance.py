@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 from deepinfer.core.accelerator import Accelerator, Capabilities
-from deepinfer.core.batch import ModelBatch, SamplingRow
+from deepinfer.core.batch import GroupBatch, ModelBatch, SamplingRow
 from deepinfer.core.config import CacheConfig, ModelSpec
 from deepinfer.core.sampling import SamplingParams
 
@@ -92,7 +92,7 @@ def build_batch(chunks: list[Chunk], block_size: int = BLOCK_SIZE) -> ModelBatch
         input_ids=input_ids, positions=positions,
         query_lens=[c.num_tokens for c in chunks],
         seq_lens=[c.seq.computed + c.num_tokens for c in chunks],
-        block_tables=tables, slot_mapping=slots, block_size=block_size,
+        groups=(GroupBatch(tables, slots),), block_size=block_size,
         sample_indices=sample_indices, sampling=rows)
 
 
@@ -160,7 +160,7 @@ class ConformanceSuite:
     @contextmanager
     def loaded(self) -> Iterator[tuple[Accelerator, BlockPool]]:
         accelerator = self.accelerator_cls()
-        accelerator.init_device(0, 1)
+        accelerator.init_device()
         try:
             accelerator.load_model(ModelSpec(self.workdir, dtype="float32"))
             # A tiny model needs a tiny pool on any backend (a GPU's default fraction would
@@ -235,7 +235,7 @@ class ConformanceSuite:
             c_prompt = self.prompts["C"]
             c = Seq("C", c_prompt, pool.take(len(c_prompt) + DECODE_STEPS), computed=n * BLOCK_SIZE)
             for blocks, to_device in ((b.blocks[:n], False), (c.blocks[:n], True)):
-                handle = acc.copy_pages([3, 1], blocks, to_device)  # pages out of block order
+                handle = acc.copy_pages([3, 1], [blocks], to_device)  # pages out of block order
                 if handle is not None:
                     handle.wait()
             run_step(acc, [Chunk(c, len(c_prompt) - SHARED_PREFIX_LEN)])

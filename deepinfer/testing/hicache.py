@@ -26,12 +26,9 @@ class ConversationResult:
 
 
 def make_engine(path: str, accelerator: Accelerator, host_pages: int) -> Engine:
-    import torch
+    from deepinfer.models.registry import kv_spec_of
 
-    from deepinfer.models.loader import kv_block_bytes
-    from deepinfer.models.model_config import ModelConfig
-
-    page_bytes = kv_block_bytes(ModelConfig.from_dir(path), BLOCK, torch.float32)
+    page_bytes = kv_spec_of(path).block_bytes(BLOCK, 4)  # float32
     config = EngineConfig(
         model=ModelSpec(path, "float32"),
         cache=CacheConfig(block_size=BLOCK, num_blocks=DEVICE_BLOCKS, yoco_keep_tokens=8,

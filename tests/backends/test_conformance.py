@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 
 from deepinfer.backends.cpu.accelerator import CPUAccelerator
-from deepinfer.core.batch import ModelBatch, SamplerOutput
+from deepinfer.core.batch import GroupBatch, ModelBatch, SamplerOutput
 from deepinfer.testing.conformance import AcceleratorConformance, run_conformance
 
 
@@ -18,7 +18,8 @@ class MisplacedKV(CPUAccelerator):
 
     def execute(self, batch: ModelBatch) -> SamplerOutput:
         shifted = [slot + batch.block_size for slot in batch.slot_mapping]
-        return super().execute(dataclasses.replace(batch, slot_mapping=shifted))
+        groups = (GroupBatch(batch.block_tables, shifted),)
+        return super().execute(dataclasses.replace(batch, groups=groups))
 
 
 class SamplesEverySequence(CPUAccelerator):
@@ -35,7 +36,7 @@ class LoadsOnePageShort(CPUAccelerator):
 
     def copy_pages(self, host_pages, device_blocks, to_device):
         if to_device:
-            host_pages, device_blocks = host_pages[:-1], device_blocks[:-1]
+            host_pages, device_blocks = host_pages[:-1], [b[:-1] for b in device_blocks]
         return super().copy_pages(host_pages, device_blocks, to_device)
 
 

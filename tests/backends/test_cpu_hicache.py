@@ -17,19 +17,18 @@ def _engine(path: str, host_pages: int) -> Engine:
 def test_host_pages_round_trip(llama_dir):
     engine = _engine(llama_dir, host_pages=8)
     acc = engine.accelerator
-    for cache in acc.attention.k_cache + acc.attention.v_cache:
-        cache.normal_()
-    k0 = [c.clone() for c in acc.attention.k_cache]
-    v0 = [c.clone() for c in acc.attention.v_cache]
-    acc.copy_pages([5, 2], [3, 7], to_device=False)
-    acc.copy_pages([5, 2], [9, 1], to_device=True)
-    for layer in range(len(k0)):
-        for new, old in ((acc.attention.k_cache[layer], k0[layer]),
-                         (acc.attention.v_cache[layer], v0[layer])):
-            paged_new, paged_old = new.view(-1, BLOCK, 2, 16), old.view(-1, BLOCK, 2, 16)
-            assert torch.equal(paged_new[9], paged_old[3])
-            assert torch.equal(paged_new[1], paged_old[7])
-            assert torch.equal(paged_new[3], paged_old[3])  # sources untouched
+    chunks = [tensor for _, tensor in acc.runner.cache.chunk_tensors()]
+    assert len(chunks) == 2 * 2  # K and V of 2 layers
+    for tensor in chunks:
+        tensor.normal_()
+    before = [t.clone() for t in chunks]
+    acc.copy_pages([5, 2], [[3, 7]], to_device=False)
+    acc.copy_pages([5, 2], [[9, 1]], to_device=True)
+    for new, old in zip(chunks, before):
+        paged_new, paged_old = new.view(-1, BLOCK, 2, 16), old.view(-1, BLOCK, 2, 16)
+        assert torch.equal(paged_new[9], paged_old[3])
+        assert torch.equal(paged_new[1], paged_old[7])
+        assert torch.equal(paged_new[3], paged_old[3])  # sources untouched
     assert engine.hicache.layout.page_bytes == acc.host_page_bytes() == 2 * 2 * BLOCK * 2 * 16 * 4
 
 

@@ -16,9 +16,10 @@ import torch
 from dataclasses import dataclass
 from typing import Sequence
 
-from deepinfer.core.accelerator import Accelerator, Capabilities, HostPoolLayout
+from deepinfer.core.accelerator import Accelerator, Capabilities, HostPoolLayout, ModelInfo
 from deepinfer.core.batch import ModelBatch, SamplerOutput
 from deepinfer.core.config import CacheConfig, ModelSpec
+from deepinfer.core.kv.spec import KVSpec, kv_heads_layer
 
 VOCAB = 97
 FAKE_PAGE_BYTES = 1 << 20  # so hicache_size_gb = n / 1024 gives exactly n host pages
@@ -28,8 +29,10 @@ def host_gb(num_pages: int) -> float:
     return num_pages * FAKE_PAGE_BYTES / (1 << 30)
 
 
-def next_token(context: list[int]) -> int:
-    return (sum(t * (i + 1) for i, t in enumerate(context[-4:])) + len(context)) % VOCAB
+def next_token(context: list[int], length: int | None = None) -> int:
+    """A function of the last 4 tokens and the sequence length only."""
+    length = len(context) if length is None else length
+    return (sum(t * (i + 1) for i, t in enumerate(context[-4:])) + length) % VOCAB
 
 
 def reference(prompt: list[int], n: int, eos: int | None = None) -> list[int]:
@@ -71,8 +74,14 @@ class PagedFakeAccelerator(Accelerator):
     capabilities = Capabilities(host_page_copy=True)
 
     def __init__(self, num_blocks: int | None = None, state_bytes: int = 0,
-                 async_copies: bool = False) -> None:
+                 async_copies: bool = False, window: int | None = None,
+                 capabilities: Capabilities | None = None) -> None:
         self.fixed_blocks = num_blocks
+        # With a window, the 'model' is a sliding-window one: it reads only the last
+        # `window` tokens (next_token needs 4), and the KV spec lets the manager free the rest.
+        self.window = window
+        if capabilities is not None:
+            self.capabilities = capabilities
         self.slots = torch.empty(0)
         self.steps: list[ModelBatch] = []
         self.block_size = 0
@@ -84,13 +93,18 @@ class PagedFakeAccelerator(Accelerator):
         self.copies: list[FakeCopy] = []
         self.copied_pages = {"to_device": 0, "to_host": 0}
 
-    def load_model(self, spec: ModelSpec) -> None:
-        pass
+    def load_model(self, spec: ModelSpec) -> ModelInfo:
+        with open(os.path.join(spec.path, "config.json")) as f:
+            max_len = json.load(f)["max_position_embeddings"]
+        layer = kv_heads_layer(1, 1, self.window)
+        return ModelInfo(vocab_size=VOCAB, eos_token_ids=(0,), max_model_len=max_len,
+                         kv_spec=KVSpec((layer,)))
 
     def num_kv_blocks(self, cache: CacheConfig) -> int:
         return self.fixed_blocks or cache.num_blocks or 64
 
-    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
+    def allocate_kv_cache(self, num_blocks: int, block_size: int,
+                          num_state_slots: int = 0) -> None:
         self.slots = torch.full((num_blocks * block_size,), -1, dtype=torch.long)
         self.block_size = block_size
 
@@ -101,8 +115,9 @@ class PagedFakeAccelerator(Accelerator):
         self.host = torch.full((num_pages, self.block_size), -1, dtype=torch.long)
         return HostPoolLayout(num_pages, FAKE_PAGE_BYTES, num_state_slots, self.state_bytes)
 
-    def copy_pages(self, host_pages: Sequence[int], device_blocks: Sequence[int],
+    def copy_pages(self, host_pages: Sequence[int], device_blocks: Sequence[Sequence[int]],
                    to_device: bool) -> FakeCopy | None:
+        (device_blocks,) = device_blocks  # one KV group
         assert len(host_pages) == len(device_blocks)
         bs = self.block_size
         for page, block in zip(host_pages, device_blocks):
@@ -140,13 +155,19 @@ class PagedFakeAccelerator(Accelerator):
     def execute(self, batch: ModelBatch) -> SamplerOutput:
         self.steps.append(batch)
         bs = batch.block_size
-        for t, slot in enumerate(batch.slot_mapping):
+        real = len(batch.slot_mapping) - sum(batch.query_lens[batch.num_seqs -
+                                                               batch.num_padding_seqs:])
+        for t, slot in enumerate(batch.slot_mapping[:real]):
             assert slot >= bs, "the null block must never be written"
             self.slots[slot] = batch.input_ids[t]
         tokens = []
         for i in batch.sample_indices:
             table, seq_len = batch.block_tables[i], batch.seq_lens[i]
-            context = [int(self.slots[table[p // bs] * bs + p % bs]) for p in range(seq_len)]
+            first = 0 if self.window is None else max(0, seq_len - self.window)
+            context = [int(self.slots[table[p // bs] * bs + p % bs])
+                       for p in range(first, seq_len)]
             assert -1 not in context, "read a slot that was never written"
-            tokens.append(next_token(context))
+            assert all(table[p // bs] != 0 for p in range(first, seq_len)), \
+                "a visible key sits in the null block"
+            tokens.append(next_token(context, seq_len))
         return SamplerOutput(tokens, [None] * len(tokens))

@@ -103,7 +103,7 @@ def test_the_fake_catches_pages_loaded_into_the_wrong_blocks(tmp_path, monkeypat
 
     load = HiCache.load
     monkeypatch.setattr(HiCache, "load", lambda self, req, hit, blocks:
-                        load(self, req, hit, blocks[::-1]))
+                        load(self, req, hit, [b[::-1] for b in blocks]))
     engine = _engine(tmp_path)
     prompt = _prompt(1, 18)
     _run(engine, "a", prompt)

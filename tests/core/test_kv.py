@@ -68,9 +68,9 @@ def test_manager_shares_prefix_pages_and_frees_everything():
     first.num_computed_tokens = 10
     kv.cache_computed_pages(first)
     second = _req("b", list(range(8)) + [50, 51, 52])
-    hit = kv.find_cached_prefix(second)
+    (hit,) = kv.find_cached_prefix(second)  # one KV group
     assert [b.block_id for b in hit] == kv.block_ids("a")[:2]
-    assert kv.allocate(second, 3, hit)
+    assert kv.allocate(second, 3, [hit])
     assert kv.block_ids("b")[:2] == kv.block_ids("a")[:2]
     assert hit[0].ref_cnt == 2
     kv.free(first)
@@ -86,7 +86,7 @@ def test_whole_prompt_hit_leaves_one_token_to_compute():
     first.num_computed_tokens = 8
     kv.cache_computed_pages(first)
     again = _req("b", list(range(8)))
-    assert len(kv.find_cached_prefix(again)) == 1  # not 2: the last token must run
+    assert len(kv.find_cached_prefix(again)[0]) == 1  # not 2: the last token must run
 
 
 def test_allocation_failure_takes_nothing():

@@ -66,9 +66,13 @@ def test_builtin_cpu_backend_and_llama_models_are_registered():
     registry = load_plugins()
     assert select_accelerator(registry, "CPU") is CPUAccelerator
     assert select_accelerator(registry) is CPUAccelerator
-    models = registry.models()
+    from deepinfer.models.llama import LlamaForCausalLM
+    from deepinfer.models.registry import model_class
+
     for arch in ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM"):
-        assert models[arch] == "deepinfer.models.llama:LlamaForCausalLM"
+        assert model_class(arch) is LlamaForCausalLM
+    # Built-in models are registered once, in models/registry.py; plugins add theirs.
+    assert "LlamaForCausalLM" not in registry.models()
 
 
 def test_probe_takes_highest_priority_available_backend():

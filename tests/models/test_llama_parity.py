@@ -7,7 +7,7 @@ import transformers
 
 from checkpoints import make_checkpoint
 from deepinfer.backends.cpu.accelerator import CPUAccelerator
-from deepinfer.core.batch import ModelBatch
+from deepinfer.core.batch import GroupBatch, ModelBatch
 from deepinfer.core.config import CacheConfig, EngineConfig, ModelSpec, SchedulerConfig
 from deepinfer.core.engine import Engine
 from deepinfer.core.sampling import SamplingParams
@@ -56,7 +56,8 @@ def _prefill_logits(path: str, prompt: list[int], table: list[int], block_size: 
     acc.allocate_kv_cache(num_blocks, block_size)
     n = len(prompt)
     slots = [table[p // block_size] * block_size + p % block_size for p in range(n)]
-    batch = ModelBatch(prompt, list(range(n)), [n], [n], [table], slots, block_size, [0], [])
+    batch = ModelBatch(prompt, list(range(n)), [n], [n], (GroupBatch([table], slots),),
+                       block_size, [0], [])
     return acc.forward_logits(batch, all_tokens=True)
 
 
@@ -114,12 +115,12 @@ def test_bf16_runs_close_to_transformers_bf16(tmp_path):
     path = make_checkpoint(str(tmp_path), "llama", dtype=torch.bfloat16)
     acc = CPUAccelerator()
     acc.load_model(ModelSpec(path, "auto"))
-    assert acc.dtype == torch.bfloat16
+    assert acc.runner.dtype == torch.bfloat16
     acc.allocate_kv_cache(8, 8)
     prompt = _prompts((20,))[0]
-    batch = ModelBatch(prompt, list(range(20)), [20], [20], [[1, 2, 3]],
-                       [1 * 8 + p if p < 8 else (2 * 8 + p - 8 if p < 16 else 3 * 8 + p - 16)
-                        for p in range(20)], 8, [0], [])
+    slots = [(1 + p // 8) * 8 + p % 8 for p in range(20)]
+    batch = ModelBatch(prompt, list(range(20)), [20], [20], (GroupBatch([[1, 2, 3]], slots),),
+                       8, [0], [])
     ours = acc.forward_logits(batch, all_tokens=True)
     ref_model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
     with torch.no_grad():

@@ -1,7 +1,9 @@
-"""Paged attention on the CPU: KV written by slot, read back through block tables.
+"""Paged attention on the CPU: entries written by slot, read back through block tables.
 
-The cache of each layer is two flat tensors [num_blocks * block_size, kv_heads, head_dim], so
-a slot id (block * block_size + offset) indexes a token's K or V directly.
+Each layer's cache entries are flat tensors [num_blocks * block_size, ...] (backends/
+paged_cache.py), so a slot id (block * block_size + offset) indexes a token's entry directly.
+Metadata is built once per step and KV group; a sliding-window group gathers only the keys its
+window can see (its table holds the null block before them).
 """
 from __future__ import annotations
 
@@ -10,103 +12,141 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from deepinfer.core.batch import ModelBatch
+from deepinfer.core.batch import GroupBatch, ModelBatch
+from deepinfer.core.kv.spec import KVSpec
+
+
+@dataclass
+class GroupMeta:
+    """One KV group's view of the step."""
+
+    slot_mapping: torch.Tensor  # [T] long
+    key_starts: list[int]  # per sequence: position of its first visible key
+    context_slots: list[torch.Tensor]  # per sequence: slots of keys key_starts[i]..seq_len-1
+    window: int | None
+    decode_slots: torch.Tensor | None  # [B, max_keys] for decode-only steps
+    decode_mask: torch.Tensor | None  # [B, 1, 1, max_keys] True where a key is visible
 
 
 @dataclass
 class CPUAttentionMeta:
-    slot_mapping: torch.Tensor  # [T] long
     query_starts: list[int]
     query_lens: list[int]
     seq_lens: list[int]
-    context_slots: list[torch.Tensor]  # per sequence: slots of all seq_len tokens
-    decode_slots: torch.Tensor | None  # [B, max_len] for decode-only batches
-    decode_mask: torch.Tensor | None  # [B, 1, 1, max_len] True where a key is valid
+    groups: list[GroupMeta]
+    group_of: dict[int, int]  # layer -> group
 
     @classmethod
-    def from_batch(cls, batch: ModelBatch) -> "CPUAttentionMeta":
-        bs = batch.block_size
-        offsets = torch.arange(bs)
-        context = []
-        for table, seq_len in zip(batch.block_tables, batch.seq_lens):
-            blocks = torch.tensor(table[: (seq_len + bs - 1) // bs], dtype=torch.long)
-            context.append((blocks[:, None] * bs + offsets).flatten()[:seq_len])
+    def from_batch(cls, batch: ModelBatch, spec: KVSpec) -> "CPUAttentionMeta":
         starts = [0]
         for q in batch.query_lens[:-1]:
             starts.append(starts[-1] + q)
-        slots, mask = (None, None)
-        if batch.is_decode_only:
-            slots, mask = _padded(context, batch.seq_lens)
-        return cls(torch.tensor(batch.slot_mapping, dtype=torch.long), starts,
-                   list(batch.query_lens), list(batch.seq_lens), context, slots, mask)
+        groups = [_group_meta(g, batch, kv.sliding_window)
+                  for g, kv in zip(batch.groups, spec.groups)]
+        group_of = {layer: g.index for g in spec.groups for layer in g.layers}
+        return cls(starts, list(batch.query_lens), list(batch.seq_lens), groups, group_of)
 
 
-def _padded(context: list[torch.Tensor], seq_lens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    max_len = max(seq_lens)
+def _group_meta(group: GroupBatch, batch: ModelBatch, window: int | None) -> GroupMeta:
+    bs = batch.block_size
+    key_starts, context = [], []
+    for table, qlen, seq_len in zip(group.block_tables, batch.query_lens, batch.seq_lens):
+        first_query = seq_len - qlen
+        start = 0 if window is None else max(0, first_query - window + 1)
+        positions = torch.arange(start, seq_len)
+        blocks = torch.tensor(table[: (seq_len + bs - 1) // bs], dtype=torch.long)
+        context.append(blocks[positions // bs] * bs + positions % bs)
+        key_starts.append(start)
+    slots, mask = (None, None)
+    if batch.is_decode_only:
+        slots, mask = _padded(context)
+    return GroupMeta(torch.tensor(group.slot_mapping, dtype=torch.long), key_starts, context,
+                     window, slots, mask)
+
+
+def _padded(context: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    lens = torch.tensor([c.numel() for c in context])
+    max_len = int(lens.max())
     slots = torch.zeros(len(context), max_len, dtype=torch.long)
     for i, c in enumerate(context):
         slots[i, : c.numel()] = c
-    lens = torch.tensor(seq_lens)
     mask = (torch.arange(max_len)[None, :] < lens[:, None])[:, None, None, :]
     return slots, mask
 
 
 class CPUPagedAttention:
-    def __init__(self, num_layers: int) -> None:
-        self.k_cache: list[torch.Tensor] = []
-        self.v_cache: list[torch.Tensor] = []
-        self.num_layers = num_layers
+    """Attention of one layer over its paged entries: K/V layers and MLA latent layers."""
 
-    def allocate(self, num_slots: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> None:
-        shape = (num_slots, kv_heads, head_dim)
-        self.k_cache = [torch.zeros(shape, dtype=dtype) for _ in range(self.num_layers)]
-        self.v_cache = [torch.zeros(shape, dtype=dtype) for _ in range(self.num_layers)]
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, meta: CPUAttentionMeta, layer: int,
+                scale: float | None = None) -> torch.Tensor:
+        g = meta.groups[meta.group_of[layer]]
+        k_cache.index_copy_(0, g.slot_mapping, k)
+        v_cache.index_copy_(0, g.slot_mapping, v)
+        return _attend(q, k, v, k_cache, v_cache, g, meta, scale)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
-                meta: CPUAttentionMeta) -> torch.Tensor:
-        k_cache, v_cache = self.k_cache[layer], self.v_cache[layer]
-        k_cache.index_copy_(0, meta.slot_mapping, k)
-        v_cache.index_copy_(0, meta.slot_mapping, v)
-        if meta.decode_slots is not None:
-            return self._decode(q, k_cache, v_cache, meta)
-        out = torch.empty_like(q)
-        for i, start in enumerate(meta.query_starts):
-            qlen, seq_len = meta.query_lens[i], meta.seq_lens[i]
-            rows = slice(start, start + qlen)
-            if qlen == seq_len:  # no cached prefix: attend over the fresh K/V directly
-                keys, values = k[rows], v[rows]
-            else:
-                keys = k_cache.index_select(0, meta.context_slots[i])
-                values = v_cache.index_select(0, meta.context_slots[i])
-            out[rows] = _causal(q[rows], keys, values)
-        return out
-
-    @staticmethod
-    def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                meta: CPUAttentionMeta) -> torch.Tensor:
-        batch, max_len = meta.decode_slots.shape
-        kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2]
-        # index_select on the flat slot list is several times faster than advanced indexing.
-        flat = meta.decode_slots.flatten()
-        keys = k_cache.index_select(0, flat).view(batch, max_len, kv_heads, head_dim)
-        values = v_cache.index_select(0, flat).view(batch, max_len, kv_heads, head_dim)
-        # The query heads sharing a KV head act as that head's query rows: one dense attention
-        # per KV head instead of the slow grouped-query path for one-token queries.
-        group = q.shape[1] // kv_heads
-        out = F.scaled_dot_product_attention(
-            q.view(batch, kv_heads, group, head_dim), keys.transpose(1, 2),
-            values.transpose(1, 2), attn_mask=meta.decode_mask)
-        return out.reshape(batch, kv_heads * group, head_dim)
+    def latent(self, q: torch.Tensor, latent: torch.Tensor, cache: torch.Tensor,
+               meta: CPUAttentionMeta, layer: int, value_dim: int, scale: float) -> torch.Tensor:
+        """MLA, weight-absorbed: every head attends one shared latent per token (keys: all of
+        it, values: its first value_dim dims), written once and read twice."""
+        g = meta.groups[meta.group_of[layer]]
+        cache.index_copy_(0, g.slot_mapping, latent)
+        keys, fresh = cache.unsqueeze(1), latent.unsqueeze(1)
+        return _attend(q, fresh, fresh[..., :value_dim], keys, keys[..., :value_dim], g, meta,
+                       scale)
 
 
-def _causal(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """q [Q, Hq, D] are the last Q of the L keys; each sees keys up to its own position."""
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+            v_cache: torch.Tensor, g: GroupMeta, meta: CPUAttentionMeta,
+            scale: float | None) -> torch.Tensor:
+    """Attention over caches that already hold this step's entries."""
+    if g.decode_slots is not None:
+        return _decode(q, k_cache, v_cache, g, scale)
+    out = torch.empty(q.shape[:-1] + v.shape[-1:], dtype=q.dtype)
+    for i, start in enumerate(meta.query_starts):
+        qlen, seq_len = meta.query_lens[i], meta.seq_lens[i]
+        rows = slice(start, start + qlen)
+        if qlen == seq_len and g.window is None:  # no cached prefix: the fresh entries
+            keys, values = k[rows], v[rows]
+        else:
+            keys = k_cache.index_select(0, g.context_slots[i])
+            values = v_cache.index_select(0, g.context_slots[i])
+        out[rows] = _causal(q[rows], keys, values, seq_len, g.key_starts[i], g.window, scale)
+    return out
+
+
+def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, g: GroupMeta,
+            scale: float | None) -> torch.Tensor:
+    batch, max_len = g.decode_slots.shape
+    kv_heads = k_cache.shape[1]
+    # index_select on the flat slot list is several times faster than advanced indexing.
+    flat = g.decode_slots.flatten()
+    keys = k_cache.index_select(0, flat).view(batch, max_len, kv_heads, -1)
+    values = v_cache.index_select(0, flat).view(batch, max_len, kv_heads, -1)
+    # The query heads sharing a KV head act as that head's query rows: one dense attention
+    # per KV head instead of the slow grouped-query path for one-token queries.
+    group = q.shape[1] // kv_heads
+    out = F.scaled_dot_product_attention(
+        q.view(batch, kv_heads, group, q.shape[-1]), keys.transpose(1, 2),
+        values.transpose(1, 2), attn_mask=g.decode_mask, scale=scale)
+    return out.reshape(batch, kv_heads * group, values.shape[-1])
+
+
+def _causal(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, seq_len: int,
+            key_start: int, window: int | None, scale: float | None) -> torch.Tensor:
+    """q [Q, Hq, D] are the last Q positions of the sequence; keys start at key_start; each
+    query sees keys up to its own position (and within its window)."""
     qlen, klen = q.shape[0], keys.shape[0]
     qh, kh, vh = q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1)
-    if qlen == klen:
-        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=True)
+    if qlen == klen and window is None:
+        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=True,
+                                             scale=scale)
     else:
-        pos = torch.arange(klen - qlen, klen)[:, None]
-        mask = torch.arange(klen)[None, :] <= pos
-        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, enable_gqa=True)
+        qpos = torch.arange(seq_len - qlen, seq_len)[:, None]
+        kpos = torch.arange(key_start, key_start + klen)[None, :]
+        mask = kpos <= qpos
+        if window is not None:
+            mask &= kpos > qpos - window
+        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, enable_gqa=True,
+                                             scale=scale)
     return out.transpose(0, 1)

@@ -6,6 +6,7 @@ from typing import Any
 import torch
 
 from deepinfer.backends.cpu.attention import CPUPagedAttention
+from deepinfer.backends.paged_cache import PagedCache
 from deepinfer.models.ops import ModelOps
 
 
@@ -33,8 +34,9 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 class CPUOps(ModelOps):
     """ModelOps over torch; attention goes to the paged KV cache."""
 
-    def __init__(self, attention: CPUPagedAttention) -> None:
-        self.paged = attention
+    def __init__(self, cache: PagedCache) -> None:
+        self.cache = cache
+        self.paged = CPUPagedAttention()
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return rms_norm(x, weight, eps)
@@ -56,4 +58,10 @@ class CPUOps(ModelOps):
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
                   meta: Any) -> torch.Tensor:
-        return self.paged.forward(q, k, v, layer, meta)
+        k_cache, v_cache = self.cache.layer(layer)
+        return self.paged.forward(q, k, v, k_cache, v_cache, meta, layer)
+
+    def latent_attention(self, q: torch.Tensor, latent: torch.Tensor, layer: int, meta: Any,
+                         value_dim: int, scale: float) -> torch.Tensor:
+        (cache,) = self.cache.layer(layer)
+        return self.paged.latent(q, latent, cache, meta, layer, value_dim, scale)

@@ -9,9 +9,6 @@ from deepinfer.core.plugins import AcceleratorInfo, hookimpl
 if TYPE_CHECKING:
     from deepinfer.core.accelerator import Accelerator
 
-LLAMA = "deepinfer.models.llama:LlamaForCausalLM"
-
-
 def _load_cpu() -> type["Accelerator"]:
     # Imported on demand: listing plugins must not pay for (or fail on) building the backend.
     from deepinfer.backends.cpu.accelerator import CPUAccelerator
@@ -25,10 +22,3 @@ def deepinfer_register_accelerators() -> list[AcceleratorInfo]:
         name="cpu", aliases=(), priority=0, load=_load_cpu,
         description="reference backend: plain torch ops on the host CPU; always available",
     )]
-
-
-@hookimpl
-def deepinfer_register_models() -> dict[str, str]:
-    # One implementation serves the llama family: these differ only in config fields.
-    return {arch: LLAMA for arch in (
-        "LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")}

@@ -1,4 +1,6 @@
 """ModelOps on the GPU: every op is one Triton kernel, rotary fused into the KV cache write.
+Sliding-window layers pass their window to the attention kernels; MLA layers attend a paged
+latent cache with the MLA kernels.
 Projections go to cuBLAS via torch, except one-token ones (batch-1 decode), which go to the
 Triton GEMV (kernels/gemv.py): 9% less time over a decode step's weights on an H200."""
 from __future__ import annotations
@@ -11,41 +13,23 @@ from deepinfer.backends.cuda.kernels.activation import silu_and_mul
 from deepinfer.backends.cuda.kernels.decode_attention import paged_decode_attention
 from deepinfer.backends.cuda.kernels.gemv import gemv
 from deepinfer.backends.cuda.kernels.kv_write import store_kv
+from deepinfer.backends.cuda.kernels.mla_attention import (paged_mla_decode, paged_mla_prefill,
+                                                           store_latent)
 from deepinfer.backends.cuda.kernels.norm import add_rms_norm, rms_norm
 from deepinfer.backends.cuda.kernels.prefill_attention import paged_prefill_attention
 from deepinfer.backends.cuda.kernels.rotary import apply_rotary_, rotary_store_kv_
 from deepinfer.backends.cuda.step_inputs import AttentionMeta
+from deepinfer.backends.paged_cache import PagedCache
 from deepinfer.models.ops import ModelOps
 
 
-class PagedKVCache:
-    """All layers' K and V in one tensor [layers, 2, slots, kv_heads, head_dim]: layer-first, so
-    a host page (one block of every layer) is 2 * layers contiguous chunks on the device."""
-
-    def __init__(self, num_layers: int) -> None:
-        self.num_layers = num_layers
-        self.kv: torch.Tensor | None = None
-
-    def allocate(self, num_slots: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
-        self.kv = torch.zeros((self.num_layers, 2, num_slots, kv_heads, head_dim),
-                              dtype=dtype, device=device)
-
-    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.kv[index, 0], self.kv[index, 1]
-
-    @property
-    def nbytes(self) -> int:
-        return 0 if self.kv is None else self.kv.numel() * self.kv.element_size()
-
-
 class CUDAOps(ModelOps):
-    def __init__(self, cache: PagedKVCache, head_dim: int, block_size: int = 0,
-                 use_gemv: bool = True) -> None:
+    def __init__(self, cache: PagedCache, use_gemv: bool = True) -> None:
         self.cache = cache
-        self.block_size = block_size
-        self.scale = 1.0 / math.sqrt(head_dim)
         self.use_gemv = use_gemv  # off: every projection goes to cuBLAS (for comparison)
+
+    def _window(self, layer: int) -> int:
+        return self.cache.spec.layers[layer].sliding_window or 0
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return rms_norm(x, weight, eps)
@@ -68,6 +52,17 @@ class CUDAOps(ModelOps):
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         return self._attend(q, layer, meta)
 
+    def latent_attention(self, q: torch.Tensor, latent: torch.Tensor, layer: int,
+                         meta: AttentionMeta, value_dim: int, scale: float) -> torch.Tensor:
+        (cache,) = self.cache.layer(layer)
+        store_latent(latent, cache, meta.slot_mapping)
+        bs = self.cache.block_size
+        if meta.decode:
+            return paged_mla_decode(q, cache, meta.block_tables, meta.seq_lens, bs, scale,
+                                    meta.num_splits, value_dim)
+        return paged_mla_prefill(q, cache, meta.block_tables, meta.query_starts, meta.seq_lens,
+                                 meta.max_query_len, bs, scale, value_dim)
+
     def rotary_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                          layer: int, meta: AttentionMeta) -> torch.Tensor:
@@ -84,9 +79,10 @@ class CUDAOps(ModelOps):
     def _attend(self, q: torch.Tensor, layer: int, meta: AttentionMeta) -> torch.Tensor:
         """Attention over the layer's cache, which already holds this step's K and V."""
         k_cache, v_cache = self.cache.layer(layer)
+        bs, scale, window = self.cache.block_size, 1.0 / math.sqrt(q.shape[-1]), self._window(layer)
         if meta.decode:
             return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
-                                          self.block_size, self.scale, meta.num_splits)
+                                          bs, scale, meta.num_splits, window=window)
         return paged_prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.query_starts,
-                                       meta.seq_lens, meta.max_query_len, self.block_size,
-                                       self.scale)
+                                       meta.seq_lens, meta.max_query_len, bs, scale,
+                                       window=window)

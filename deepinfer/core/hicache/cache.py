@@ -15,6 +15,7 @@ from deepinfer.core.accelerator import Accelerator, CopyHandle, HostPoolLayout
 from deepinfer.core.config import CacheConfig
 from deepinfer.core.hicache.pool import HostPage, HostPagePool
 from deepinfer.core.kv.hashing import BlockHash, extend_block_hashes
+from deepinfer.core.kv.spec import KVSpec
 from deepinfer.core.request import Request
 
 GIB = 1 << 30
@@ -80,13 +81,19 @@ class HiCache:
         self._inflight: list[_Copy] = []
 
     @classmethod
-    def create(cls, accelerator: Accelerator, cache: CacheConfig) -> "HiCache | None":
+    def create(cls, accelerator: Accelerator, cache: CacheConfig,
+               kv_spec: KVSpec | None = None) -> "HiCache | None":
         """The rank's host tier, or None when it is off (size 0 or no prefix caching)."""
         if cache.hicache_size_gb <= 0 or not cache.enable_prefix_caching:
             return None
         if not accelerator.capabilities.host_page_copy:
             raise ValueError(f"the {accelerator.name} backend cannot copy KV pages to host "
                              "memory; run without hicache_size_gb")
+        if kv_spec is not None and kv_spec.has_sliding_window:
+            # A sliding group frees its old pages during prefill, so the write-through at the
+            # end of the prompt finds them gone; its window would have to be a state slot.
+            raise ValueError("HiCache does not serve sliding-window models yet; run without "
+                             "hicache_size_gb")
         page_bytes = accelerator.host_page_bytes()
         num_pages = int(cache.hicache_size_gb * GIB) // page_bytes
         if num_pages < 1:
@@ -117,9 +124,10 @@ class HiCache:
                 pages.pop()
         return HostHit(num_device_pages, tuple(pages), bs) if pages else None
 
-    def load(self, req: Request, hit: HostHit, device_blocks: list[int]) -> None:
-        """Copy the hit's pages (and state) into the request's new device blocks."""
-        if len(device_blocks) != len(hit.pages):
+    def load(self, req: Request, hit: HostHit, device_blocks: list[list[int]]) -> None:
+        """Copy the hit's pages (and state) into the request's new device blocks (one list per
+        KV group)."""
+        if any(len(blocks) != len(hit.pages) for blocks in device_blocks):
             raise ValueError(f"{len(hit.pages)} host pages for {len(device_blocks)} blocks")
         pages = list(hit.pages)
         self.pool.pin(pages)
@@ -147,12 +155,13 @@ class HiCache:
         self._stats.host_hit_tokens += host_hit_tokens
 
     # ---- write-through -------------------------------------------------------------------
-    def store(self, req: Request, device_blocks: list[int]) -> None:
-        """Copy the request's full prompt pages the host lacks from device to host."""
+    def store(self, req: Request, device_blocks: list[list[int]]) -> None:
+        """Copy the request's full prompt pages the host lacks from device to host
+        (device_blocks: the request's block table in each KV group)."""
         if not req.use_prefix_cache:
             return
         bs = self.block_size
-        num_full = min(req.num_prompt_tokens // bs, len(device_blocks))
+        num_full = min(req.num_prompt_tokens // bs, *(len(b) for b in device_blocks))
         if num_full == 0:
             return
         extend_block_hashes(req.block_hashes, req.token_slice, num_full * bs, bs, req.cache_salt)
@@ -176,8 +185,8 @@ class HiCache:
         try:
             if fresh:
                 copy.handles.append(self.accelerator.copy_pages(
-                    [p.page_id for p in fresh], [device_blocks[i] for i in missing],
-                    to_device=False))
+                    [p.page_id for p in fresh],
+                    [[blocks[i] for i in missing] for blocks in device_blocks], to_device=False))
             nbytes = len(fresh) * self.layout.page_bytes
             whole = len(pages) == num_full  # every prompt page is (or will be) on the host
             if self.layout.stateful and whole and chain[-1].state_slot is None:

@@ -1,0 +1,63 @@
+"""The device KV pool of a torch backend, laid out from the model's KV spec.
+
+One tensor per (layer, cache entry) — a llama layer's K and V, an MLA layer's latent —
+[num_blocks * entries_per_block, *entry shape], so a slot id (block * block_size + offset)
+indexes a token's entry directly. Each chunk of the spec is one such tensor, and block b of it
+is one contiguous run: what a page copy moves. Models with per-request state get a
+[num_slots, state_bytes] byte tensor besides.
+"""
+from __future__ import annotations
+
+import torch
+
+from deepinfer.core.kv.spec import Chunk, KVSpec
+
+
+class PagedCache:
+    def __init__(self) -> None:
+        self.spec: KVSpec | None = None  # set once the model is built
+        self.block_size = 0
+        self.num_blocks = 0
+        self._layers: dict[int, tuple[torch.Tensor, ...]] = {}
+        self.state: torch.Tensor | None = None
+
+    def allocate(self, num_blocks: int, block_size: int, dtype: torch.dtype,
+                 device: torch.device | str, num_state_slots: int = 0) -> None:
+        self.free()  # the old pool first: the two need not fit together
+        self.block_size, self.num_blocks = block_size, num_blocks
+        for group in self.spec.groups:
+            for layer in group.layers:
+                self._layers[layer] = tuple(
+                    torch.zeros((num_blocks * e.entries_per_block(block_size), *e.shape),
+                                dtype=dtype, device=device) for e in group.kind.entries)
+        if self.spec.state_bytes and num_state_slots:
+            self.state = torch.zeros((num_state_slots, self.spec.state_bytes), dtype=torch.uint8,
+                                     device=device)
+
+    def layer(self, index: int) -> tuple[torch.Tensor, ...]:
+        """The layer's entry tensors, in the order its LayerKV lists them."""
+        return self._layers[index]
+
+    def chunk_tensors(self) -> list[tuple[Chunk, torch.Tensor]]:
+        """Every chunk of a page with the tensor holding it, in page order."""
+        names = {}
+        for group in self.spec.groups:
+            for layer in group.layers:
+                for entry, tensor in zip(group.kind.entries, self._layers[layer]):
+                    names[(layer, entry.name)] = tensor
+        return [(c, names[(c.layer, c.entry.name)]) for c in self.spec.chunks(self.block_size)]
+
+    @property
+    def allocated(self) -> bool:
+        return bool(self._layers)
+
+    @property
+    def nbytes(self) -> int:
+        tensors = [t for entries in self._layers.values() for t in entries]
+        if self.state is not None:
+            tensors.append(self.state)
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def free(self) -> None:
+        self._layers = {}
+        self.state = None

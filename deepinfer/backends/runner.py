@@ -1,0 +1,114 @@
+"""The torch model runner shared by torch-based backends: load a checkpoint into the model its
+architecture names, size and allocate the KV pool from the model's KV spec, run the forward
+pass, sample, report memory. A backend brings its ModelOps (kernels) and how it turns a
+ModelBatch into the attention metadata its ops read; a plugin author starts here.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from deepinfer.backends.paged_cache import PagedCache
+from deepinfer.core.accelerator import Capabilities, MemoryStats, ModelInfo
+from deepinfer.core.batch import SamplerOutput, SamplingRow
+from deepinfer.core.config import ModelSpec
+from deepinfer.core.sampler import Sampler
+from deepinfer.models import hf_config
+from deepinfer.models.ops import ModelOps
+from deepinfer.models.registry import model_class
+from deepinfer.models.weights import init_dummy_weights, iter_checkpoint
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+
+def resolve_dtype(requested: str, checkpoint: str, supported: tuple[str, ...]) -> torch.dtype:
+    """The activation dtype: the requested one, or the checkpoint's for "auto"; refused when
+    the backend does not run it (Capabilities.dtypes)."""
+    name = checkpoint if requested == "auto" else requested
+    if name not in DTYPES:
+        raise ValueError(f"unsupported dtype {name!r}; choose one of {sorted(DTYPES)}")
+    dtype = DTYPES[name]
+    if str(dtype).removeprefix("torch.") not in supported:
+        if requested == "auto":  # a checkpoint dtype the backend lacks: its widest instead
+            return DTYPES["float32" if "float32" in supported else supported[0]]
+        raise ValueError(f"this backend runs {', '.join(supported)}, not {name}")
+    return dtype
+
+
+class TorchRunner:
+    def __init__(self, device: torch.device | str, capabilities: Capabilities,
+                 make_ops: Callable[[PagedCache], ModelOps], seed: int = 0) -> None:
+        self.device = torch.device(device)
+        self.capabilities = capabilities
+        self.cache = PagedCache()
+        self.ops = make_ops(self.cache)
+        self.seed = seed
+        self.sampler = Sampler()
+        self.model: torch.nn.Module | None = None
+        self.info: ModelInfo | None = None
+        self.dtype = torch.float32
+
+    # ---- model ---------------------------------------------------------------------------
+    def load(self, spec: ModelSpec) -> ModelInfo:
+        config = hf_config.load_config(spec.path)
+        self.dtype = resolve_dtype(spec.dtype, hf_config.checkpoint_dtype(config),
+                                   self.capabilities.dtypes)
+        max_len = hf_config.max_model_len(config, spec.max_model_len)
+        # Built on the meta device: no time goes into random init of weights that are then
+        # overwritten.
+        with torch.device("meta"):
+            model = model_class(hf_config.architecture(config))(config, self.ops, max_len)
+        model = model.to_empty(device=self.device).to(self.dtype)
+        if spec.load_format == "dummy":
+            init_dummy_weights(model, self.seed)
+        else:
+            model.load_weights(iter_checkpoint(spec.path))
+        model.init_buffers(self.device)
+        self.model = model.eval()
+        self.cache.spec = model.kv_spec()
+        self.info = ModelInfo(
+            vocab_size=config.vocab_size, eos_token_ids=hf_config.eos_token_ids(config, spec.path),
+            max_model_len=max_len, kv_spec=self.cache.spec,
+            dtype=str(self.dtype).removeprefix("torch."),
+            needs_collectives=bool(getattr(model, "needs_collectives", False)))
+        return self.info
+
+    # ---- KV pool -------------------------------------------------------------------------
+    def block_bytes(self, block_size: int) -> int:
+        """Bytes of one page: one block of every KV group."""
+        element = torch.empty((), dtype=self.dtype).element_size()
+        return self.cache.spec.block_bytes(block_size, element)
+
+    def blocks_in(self, nbytes: int, block_size: int) -> int:
+        return max(2, nbytes // self.block_bytes(block_size))
+
+    def allocate(self, num_blocks: int, block_size: int, num_state_slots: int = 0) -> None:
+        self.cache.allocate(num_blocks, block_size, self.dtype, self.device, num_state_slots)
+
+    # ---- steps ---------------------------------------------------------------------------
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: Any) -> torch.Tensor:
+        return self.model(input_ids, positions, meta)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.compute_logits(hidden)
+
+    def sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+        if not rows:
+            return SamplerOutput(token_ids=[], logprobs=[])
+        return self.sampler.sample(logits, rows)
+
+    # ---- accounting ----------------------------------------------------------------------
+    def weights_bytes(self) -> int:
+        if self.model is None:
+            return 0
+        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+
+    def memory_stats(self, device_total: int, extra: dict[str, int] | None = None) -> MemoryStats:
+        return MemoryStats(device_total_bytes=device_total, weights_bytes=self.weights_bytes(),
+                           kv_cache_bytes=self.cache.nbytes, extra=extra or {})
+
+    def shutdown(self) -> None:
+        self.model = None
+        self.cache.free()

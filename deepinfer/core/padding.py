@@ -1,0 +1,89 @@
+"""Static-shape padding: a step grown to a backend's bucket sizes (Capabilities.token_buckets,
+batch_buckets) with rows that write to the null block and are never sampled."""
+from __future__ import annotations
+
+import bisect
+import dataclasses
+from dataclasses import dataclass
+
+from deepinfer.core.batch import GroupBatch, ModelBatch
+from deepinfer.core.kv.block_pool import NULL_BLOCK_ID
+
+
+@dataclass(frozen=True)
+class Buckets:
+    tokens: tuple[int, ...] = ()  # a step's token count is padded up to one of these
+    batch: tuple[int, ...] = ()  # a decode-only step's sequence count, likewise
+
+    def __post_init__(self) -> None:
+        for name, sizes in (("token_buckets", self.tokens), ("batch_buckets", self.batch)):
+            if any(s < 1 for s in sizes) or list(sizes) != sorted(set(sizes)):
+                raise ValueError(f"{name} must be increasing positive sizes, got {sizes}")
+
+    def token_budget(self, budget: int) -> int:
+        """The step budget, capped at the largest token bucket."""
+        return min(budget, self.tokens[-1]) if self.tokens else budget
+
+    def max_seqs(self, max_seqs: int) -> int:
+        return min(max_seqs, self.batch[-1]) if self.batch else max_seqs
+
+    def padded_tokens(self, num_tokens: int) -> int:
+        return _bucket(self.tokens, num_tokens)
+
+    def padded_seqs(self, num_seqs: int) -> int:
+        return _bucket(self.batch, num_seqs)
+
+
+def _bucket(sizes: tuple[int, ...], n: int) -> int:
+    if not sizes:
+        return n
+    i = bisect.bisect_left(sizes, n)
+    if i == len(sizes):
+        raise ValueError(f"{n} exceeds the largest bucket {sizes[-1]}")
+    return sizes[i]
+
+
+def pad_batch(batch: ModelBatch, buckets: Buckets) -> ModelBatch:
+    """Append one-token padding sequences at position 0 of the null block until the step's
+    sequence count (decode-only steps) and token count reach their buckets."""
+    if not (buckets.tokens or buckets.batch) or not batch.num_seqs:
+        return batch
+    seqs = batch.num_seqs
+    if batch.is_decode_only and buckets.batch:
+        seqs = buckets.padded_seqs(seqs)
+    tokens = buckets.padded_tokens(batch.num_tokens + seqs - batch.num_seqs)
+    extra_seqs = seqs - batch.num_seqs
+    extra_tokens = tokens - batch.num_tokens - extra_seqs
+    if extra_seqs == 0 and extra_tokens == 0:
+        return batch
+    lens = [1] * extra_seqs
+    if extra_tokens:
+        if lens:
+            lens[-1] += extra_tokens
+        else:
+            lens = [extra_tokens]
+    return _with_padding(batch, lens)
+
+
+def _with_padding(batch: ModelBatch, lens: list[int]) -> ModelBatch:
+    """Padding sequences of the given lengths: positions 0.., the null block's slots (its
+    contents are garbage by definition), never sampled."""
+    bs = batch.block_size
+    # Positions wrap inside the block so that no table (rotary, block) is read past its end.
+    pad_positions = [p % bs for n in lens for p in range(n)]
+    pad_slots = [NULL_BLOCK_ID * bs + p for p in pad_positions]
+    groups = tuple(GroupBatch(g.block_tables + [[NULL_BLOCK_ID] * -(-n // bs) for n in lens],
+                              g.slot_mapping + pad_slots) for g in batch.groups)
+    return dataclasses.replace(
+        batch, input_ids=batch.input_ids + [0] * len(pad_positions),
+        positions=batch.positions + pad_positions, query_lens=batch.query_lens + lens,
+        seq_lens=batch.seq_lens + lens, groups=groups,
+        state_slots=batch.state_slots + ([0] * len(lens) if batch.state_slots else []),
+        num_padding_seqs=batch.num_padding_seqs + len(lens))
+
+
+def dummy_batch(num_groups: int, block_size: int) -> ModelBatch:
+    """One padding token at position 0 of the null block, in every KV group; samples nothing."""
+    group = GroupBatch([[NULL_BLOCK_ID]], [NULL_BLOCK_ID * block_size])
+    return ModelBatch([0], [0], [1], [1], (group,) * num_groups, block_size, [], [],
+                      num_padding_seqs=1)
