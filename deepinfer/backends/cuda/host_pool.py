@@ -1,17 +1,22 @@
 """HiCache's host tier on NVIDIA GPUs: a pinned, page-first pool moved by the UVA copy kernel.
 
-Copies are enqueued on the engine's stream, so a step launched after a load reads the loaded
-pages in order without a host wait; the returned handle (an event) tells HiCache when a host
-page may be reused.
+    chunks = DeviceChunks.prepare(tensors, groups, num_blocks)  # the device KV cache, checked
+    pool = CUDAHostPool.allocate(num_pages, chunks)  # pinned uint8 [num_pages, page_bytes]
+    handle = pool.copy(host_pages, device_blocks_per_group, to_device=True)
+
+A page is one block of every KV group: the chunks' blocks back to back, in chunk order (see
+page_copy.py). Copies are enqueued on the current stream of the chunks' device (the engine's),
+so a step launched after a load reads the loaded pages in order without a host wait; the returned
+handle (an event) tells HiCache when a host page may be reused.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 
-from deepinfer.backends.cuda.page_copy import UVAPageCopier
+from deepinfer.backends.cuda.page_copy import (DeviceChunks, GroupIndices, Indices,
+                                               UVAPageCopier, pinned_empty)
 
 
 @dataclass
@@ -27,25 +32,36 @@ class EventHandle:
 
 @dataclass
 class CUDAHostPool:
-    pages: torch.Tensor  # pinned [num_pages, layers, 2, block_size, kv_heads, head_dim]
+    pages: torch.Tensor  # pinned uint8 [num_pages, page_bytes]
+    chunks: DeviceChunks
     copier: UVAPageCopier
 
     @classmethod
-    def allocate(cls, num_pages: int, kv: torch.Tensor, block_size: int) -> "CUDAHostPool":
-        layers, _, _, kv_heads, head_dim = kv.shape
-        pages = torch.empty((num_pages, layers, 2, block_size, kv_heads, head_dim),
-                            dtype=kv.dtype, pin_memory=True)
-        return cls(pages, UVAPageCopier())
+    def allocate(cls, num_pages: int, chunks: DeviceChunks,
+                 copier: UVAPageCopier | None = None) -> "CUDAHostPool":
+        if num_pages < 1:
+            raise ValueError(f"num_pages must be >= 1, got {num_pages}")
+        # Exactly the bytes asked for: torch's pinned allocator would round up to a power of two.
+        pages = pinned_empty(num_pages * chunks.page_bytes, chunks.device)
+        return cls(pages.view(num_pages, chunks.page_bytes), chunks, copier or UVAPageCopier())
 
-    def copy(self, kv: torch.Tensor, host_pages: Sequence[int], device_blocks: Sequence[int],
-             block_size: int, to_device: bool) -> EventHandle | None:
-        if len(host_pages) != len(device_blocks):
-            raise ValueError(f"{len(host_pages)} host pages for {len(device_blocks)} blocks")
-        if not host_pages:
+    @property
+    def num_pages(self) -> int:
+        return self.pages.shape[0]
+
+    @property
+    def page_bytes(self) -> int:
+        return self.chunks.page_bytes
+
+    def copy(self, host_pages: Indices, device_blocks: GroupIndices,
+             to_device: bool) -> EventHandle | None:
+        """Pair i: host page host_pages[i] <-> block device_blocks[g][i] of every chunk of group
+        g. Lists are range-checked and uploaded through pinned staging by the copier; tensors
+        already on the device are trusted. None when there is nothing to copy."""
+        # Validated even when empty, so a wrong group count fails on the first call.
+        self.copier.copy(self.pages, self.chunks, host_pages, device_blocks, to_device)
+        if len(host_pages) == 0:
             return None
-        # Lists are range-checked and uploaded through pinned staging by the copier.
-        self.copier.copy(self.pages, kv, list(host_pages), list(device_blocks), block_size,
-                         to_device)
         event = torch.cuda.Event()
-        event.record()
+        event.record(torch.cuda.current_stream(self.chunks.device))
         return EventHandle(event)

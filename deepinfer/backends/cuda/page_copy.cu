@@ -1,15 +1,23 @@
-// Page copies between HiCache's pinned host pool and the device KV pool.
+// Page copies between HiCache's pinned host pool and the device KV pool, for any list of chunks.
 //
-// Host pool:  [num_pages, num_layers, 2, chunk]                    (page-first)
-// Device kv:  [num_layers, 2, num_slots, kv_heads, head_dim]       (layer-first)
-// chunk = block_size * kv_heads * head_dim elements: one layer's K (or V) of one block. The chunk
-// of (layer l, kv c, block b) starts at element ((l*2 + c) * num_slots + b*block_size) * kv_heads
-// * head_dim of the device pool, so a page is num_layers * 2 chunks scattered over the device pool.
+// A model's KV cache is a list of chunks (one per (layer, cache entry): K and V of a llama layer,
+// the latent of an MLA layer, ...), each a contiguous device tensor whose bytes are num_blocks_g
+// blocks of block_bytes_c, block b at byte b * block_bytes_c; chunk c belongs to KV group g, and
+// each group has its own block ids. A host page is one block of every group: the chunks' blocks
+// back to back, in list order, page_bytes in all.
 //
-// copy_uva: one kernel moves every chunk. It dereferences the pinned host pool through its UVA
-// device pointer, so one launch replaces num_layers * 2 DMA commands per page and the index
-// arrays can stay on the device. copy_memcpy: the baseline, one cudaMemcpyAsync per chunk.
-// Both run on the current torch stream.
+// Host pool:  [num_pages, page_bytes]                                        (page-first)
+// Chunk c:    [num_blocks_g, block_bytes_c] at base_c, group g = group_c    (chunk-first)
+// Pair i:     host page host_pages[i] <-> block device_blocks[g][i] of every chunk of group g.
+//
+// The per-chunk facts live in an int64 table [kRows, num_chunks] (rows in enum Row below; the
+// Python side builds it once, from validated tensors, and keeps it on the device), so a copy only
+// uploads its index arrays.
+//
+// copy_uva: one kernel moves every chunk of every pair. It dereferences the pinned host pool
+// through its UVA device pointer, so one launch replaces num_chunks DMA commands per page and the
+// index arrays can stay on the device. copy_memcpy: the baseline, one cudaMemcpyAsync per
+// (pair, chunk). Both run on the current torch stream.
 
 #include <torch/extension.h>
 
@@ -24,12 +32,17 @@
 
 namespace {
 
-struct Geometry {
-  int64_t chunks_per_page;  // num_layers * 2
-  int64_t chunk_vecs;       // 16-byte vectors per chunk
-  int64_t layer_kv_vecs;    // 16-byte vectors per (layer, kv) slice of the device pool
-  int64_t ctas_per_chunk;
+// Rows of the chunk table; page_copy.py's TABLE_ROWS lists the same names in the same order.
+enum Row : int64_t {
+  kBase = 0,        // device address of the chunk's block 0
+  kBlockBytes = 1,  // bytes of one block of the chunk (a multiple of 16)
+  kHostOffset = 2,  // byte offset of the chunk's block within a host page
+  kGroup = 3,       // KV group: the row of device_blocks that indexes this chunk
+  kNumBlocks = 4,   // blocks of that group (range checks of the memcpy baseline)
+  kRows = 5,
 };
+
+constexpr int64_t kVec = 16;  // bytes per uint4, the unit every copy moves
 
 // Copies vectors [begin, end) of src to dst. UNROLL independent 16-byte loads per thread are
 // issued before any store, so a warp keeps many PCIe (or HBM) reads in flight. Streaming cache
@@ -49,138 +62,182 @@ __device__ __forceinline__ void copy_range(const uint4* __restrict__ src, uint4*
   for (; i < end; i += step) __stcs(dst + i, __ldcs(src + i));
 }
 
-// One CTA (or ctas_per_chunk of them) per (pair i, layer, kv) chunk; pair i moves host page
-// host_pages[i] <-> device block device_blocks[i].
+struct Launch {
+  int64_t num_chunks;
+  int64_t num_pairs;  // n: the row length of device_blocks [num_groups, n]
+  int64_t page_bytes;
+  int64_t ctas_per_chunk;
+};
+
+// ctas_per_chunk CTAs per (pair, chunk), chunk fastest: consecutive CTAs walk one host page in
+// order. Indices are trusted (the Python side range-checks those it uploads).
 template <int UNROLL>
-__global__ void page_copy_kernel(uint4* host, uint4* device, const int64_t* __restrict__ host_pages,
-                                 const int64_t* __restrict__ device_blocks, Geometry g,
+__global__ void page_copy_kernel(char* host, const int64_t* __restrict__ table,
+                                 const int64_t* __restrict__ host_pages,
+                                 const int64_t* __restrict__ device_blocks, Launch l,
                                  bool to_device) {
-  const int64_t chunk = blockIdx.x / g.ctas_per_chunk;
-  const int64_t part = blockIdx.x % g.ctas_per_chunk;
-  const int64_t pair = chunk / g.chunks_per_page;
-  const int64_t layer_kv = chunk % g.chunks_per_page;  // layer * 2 + kv
-  const int64_t host_off = (host_pages[pair] * g.chunks_per_page + layer_kv) * g.chunk_vecs;
-  const int64_t dev_off = layer_kv * g.layer_kv_vecs + device_blocks[pair] * g.chunk_vecs;
-  const int64_t span = (g.chunk_vecs + g.ctas_per_chunk - 1) / g.ctas_per_chunk;
-  const int64_t begin = part * span;
-  const int64_t end = begin + span < g.chunk_vecs ? begin + span : g.chunk_vecs;
+  const int64_t task = blockIdx.x / l.ctas_per_chunk;
+  const int64_t part = blockIdx.x % l.ctas_per_chunk;
+  const int64_t pair = task / l.num_chunks;
+  const int64_t c = task % l.num_chunks;
+  const int64_t block_bytes = table[kBlockBytes * l.num_chunks + c];
+  const int64_t group = table[kGroup * l.num_chunks + c];
+  const int64_t block = device_blocks[group * l.num_pairs + pair];
+  char* dev = reinterpret_cast<char*>(static_cast<intptr_t>(table[kBase * l.num_chunks + c])) +
+              block * block_bytes;
+  char* hst = host + host_pages[pair] * l.page_bytes + table[kHostOffset * l.num_chunks + c];
+  const int64_t vecs = block_bytes / kVec;
+  const int64_t span = (vecs + l.ctas_per_chunk - 1) / l.ctas_per_chunk;
+  const int64_t begin = part * span < vecs ? part * span : vecs;
+  const int64_t end = begin + span < vecs ? begin + span : vecs;
+  auto* d = reinterpret_cast<uint4*>(dev);
+  auto* h = reinterpret_cast<uint4*>(hst);
   if (to_device) {
-    copy_range<UNROLL>(host + host_off, device + dev_off, begin, end);
+    copy_range<UNROLL>(h, d, begin, end);
   } else {
-    copy_range<UNROLL>(device + dev_off, host + host_off, begin, end);
+    copy_range<UNROLL>(d, h, begin, end);
   }
 }
 
-struct Layout {
-  int64_t num_layers, chunk_bytes, layer_kv_bytes;
-};
-
-Layout check_layout(const torch::Tensor& host_pool, const torch::Tensor& kv, int64_t block_size) {
-  TORCH_CHECK(kv.is_cuda() && kv.dim() == 5 && kv.size(1) == 2 && kv.is_contiguous(),
-              "kv must be a contiguous CUDA tensor [num_layers, 2, num_slots, kv_heads, head_dim]");
-  TORCH_CHECK(!host_pool.is_cuda() && host_pool.is_pinned() && host_pool.is_contiguous(),
+void check_host_pool(const torch::Tensor& host_pool, int64_t page_bytes) {
+  TORCH_CHECK(page_bytes > 0 && page_bytes % kVec == 0,
+              "page_bytes must be a positive multiple of 16, got ", page_bytes);
+  TORCH_CHECK(!host_pool.is_cuda() && host_pool.is_pinned() && host_pool.is_contiguous() &&
+                  host_pool.dim() >= 1,
               "host_pool must be a contiguous pinned CPU tensor");
-  TORCH_CHECK(host_pool.scalar_type() == kv.scalar_type(), "host_pool and kv dtypes differ");
-  TORCH_CHECK(block_size > 0 && kv.size(2) % block_size == 0,
-              "num_slots must be a multiple of block_size");
-  const int64_t num_layers = kv.size(0);
-  const int64_t chunk = block_size * kv.size(3) * kv.size(4);
-  TORCH_CHECK(host_pool.dim() >= 3 && host_pool.size(1) == num_layers && host_pool.size(2) == 2 &&
-                  host_pool.numel() == host_pool.size(0) * num_layers * 2 * chunk,
-              "host_pool must be [num_pages, num_layers, 2, block_size * kv_heads * head_dim]");
-  const int64_t elem = kv.element_size();
-  return {num_layers, chunk * elem, kv.size(2) * kv.size(3) * kv.size(4) * elem};
+  TORCH_CHECK(host_pool.nbytes() == static_cast<size_t>(host_pool.size(0) * page_bytes),
+              "host_pool must hold [num_pages, ", page_bytes, "] bytes");
+}
+
+void check_table(const torch::Tensor& table) {
+  TORCH_CHECK(table.scalar_type() == torch::kInt64 && table.dim() == 2 &&
+                  table.size(0) == kRows && table.size(1) >= 1 && table.is_contiguous(),
+              "the chunk table must be a contiguous int64 [", kRows, ", num_chunks] tensor");
+}
+
+void check_indices(const torch::Tensor& pages, const torch::Tensor& blocks) {
+  TORCH_CHECK(pages.scalar_type() == torch::kInt64 && blocks.scalar_type() == torch::kInt64 &&
+                  pages.dim() == 1 && blocks.dim() == 2 && blocks.size(0) >= 1 &&
+                  blocks.size(1) == pages.size(0) && pages.is_contiguous() &&
+                  blocks.is_contiguous(),
+              "host_pages must be a contiguous int64 [n] tensor and device_blocks a contiguous "
+              "int64 [num_groups, n] tensor");
 }
 
 // The device-side address of the pinned pool: the host address itself for cudaHostAlloc memory
 // under UVA, a mapped alias for cudaHostRegister'ed memory on systems that need one.
-void* host_device_pointer(const torch::Tensor& host_pool) {
+char* host_device_pointer(const torch::Tensor& host_pool) {
   void* dev = nullptr;
   C10_CUDA_CHECK(cudaHostGetDevicePointer(&dev, host_pool.data_ptr(), 0));
-  return dev;
+  return static_cast<char*>(dev);
 }
 
 template <int UNROLL>
-void launch(uint4* host, uint4* device, const torch::Tensor& pages, const torch::Tensor& blocks,
-            const Geometry& g, bool to_device, int threads, cudaStream_t stream) {
-  const int64_t ctas = pages.size(0) * g.chunks_per_page * g.ctas_per_chunk;
+void launch(char* host, const torch::Tensor& table, const torch::Tensor& pages,
+            const torch::Tensor& blocks, const Launch& l, bool to_device, int threads,
+            cudaStream_t stream) {
+  const int64_t ctas = l.num_pairs * l.num_chunks * l.ctas_per_chunk;
   TORCH_CHECK(ctas <= INT32_MAX, "too many pages for one launch");
   page_copy_kernel<UNROLL><<<static_cast<unsigned>(ctas), threads, 0, stream>>>(
-      host, device, pages.data_ptr<int64_t>(), blocks.data_ptr<int64_t>(), g, to_device);
+      host, table.data_ptr<int64_t>(), pages.data_ptr<int64_t>(), blocks.data_ptr<int64_t>(), l,
+      to_device);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-void copy_uva(const torch::Tensor& host_pool, const torch::Tensor& kv, const torch::Tensor& pages,
-              const torch::Tensor& blocks, int64_t block_size, bool to_device, int64_t threads,
-              int64_t ctas_per_chunk, int64_t unroll) {
-  const Layout layout = check_layout(host_pool, kv, block_size);
-  TORCH_CHECK(pages.device() == kv.device() && blocks.device() == kv.device() &&
-                  pages.scalar_type() == torch::kInt64 && blocks.scalar_type() == torch::kInt64 &&
-                  pages.dim() == 1 && pages.is_contiguous() && blocks.is_contiguous() &&
-                  blocks.sizes() == pages.sizes(),
-              "host_pages and device_blocks must be contiguous int64 [n] tensors on kv's device");
-  TORCH_CHECK(layout.chunk_bytes % 16 == 0, "a chunk must be a multiple of 16 bytes");
+void copy_uva(const torch::Tensor& host_pool, const torch::Tensor& table, int64_t page_bytes,
+              const torch::Tensor& pages, const torch::Tensor& blocks, bool to_device,
+              int64_t threads, int64_t ctas_per_chunk, int64_t unroll) {
+  check_host_pool(host_pool, page_bytes);
+  check_table(table);
+  check_indices(pages, blocks);
+  TORCH_CHECK(table.is_cuda() && pages.device() == table.device() &&
+                  blocks.device() == table.device(),
+              "the chunk table, host_pages and device_blocks must be on the chunks' device");
   TORCH_CHECK(threads >= 32 && threads <= 1024 && threads % 32 == 0 && ctas_per_chunk >= 1,
               "threads must be a multiple of 32 in [32, 1024], ctas_per_chunk >= 1");
   if (pages.size(0) == 0) return;
-  const c10::cuda::CUDAGuard guard(kv.device());
-  auto* host = static_cast<uint4*>(host_device_pointer(host_pool));
-  auto* device = static_cast<uint4*>(kv.data_ptr());
-  TORCH_CHECK(reinterpret_cast<uintptr_t>(host) % 16 == 0 &&
-                  reinterpret_cast<uintptr_t>(device) % 16 == 0,
-              "host_pool and kv must be 16-byte aligned");
-  const Geometry g{layout.num_layers * 2, layout.chunk_bytes / 16, layout.layer_kv_bytes / 16,
-                   ctas_per_chunk};
+  const c10::cuda::CUDAGuard guard(table.device());
+  char* host = host_device_pointer(host_pool);
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(host) % kVec == 0, "host_pool must be 16-byte aligned");
+  const Launch l{table.size(1), pages.size(0), page_bytes, ctas_per_chunk};
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const int t = static_cast<int>(threads);
   switch (unroll) {
-    case 1: return launch<1>(host, device, pages, blocks, g, to_device, t, stream);
-    case 2: return launch<2>(host, device, pages, blocks, g, to_device, t, stream);
-    case 4: return launch<4>(host, device, pages, blocks, g, to_device, t, stream);
-    case 8: return launch<8>(host, device, pages, blocks, g, to_device, t, stream);
+    case 1: return launch<1>(host, table, pages, blocks, l, to_device, t, stream);
+    case 2: return launch<2>(host, table, pages, blocks, l, to_device, t, stream);
+    case 4: return launch<4>(host, table, pages, blocks, l, to_device, t, stream);
+    case 8: return launch<8>(host, table, pages, blocks, l, to_device, t, stream);
     default: TORCH_CHECK(false, "unroll must be 1, 2, 4 or 8, got ", unroll);
   }
 }
 
-// Baseline: one cudaMemcpyAsync per (page, layer, kv) chunk; the indices are read on the host.
-void copy_memcpy(const torch::Tensor& host_pool, const torch::Tensor& kv,
-                 const torch::Tensor& pages, const torch::Tensor& blocks, int64_t block_size,
-                 bool to_device) {
-  const Layout layout = check_layout(host_pool, kv, block_size);
-  TORCH_CHECK(!pages.is_cuda() && !blocks.is_cuda() && pages.scalar_type() == torch::kInt64 &&
-                  blocks.scalar_type() == torch::kInt64 && pages.dim() == 1 &&
-                  blocks.sizes() == pages.sizes(),
-              "host_pages and device_blocks must be int64 [n] CPU tensors");
-  const c10::cuda::CUDAGuard guard(kv.device());
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  auto* host = static_cast<char*>(host_pool.data_ptr());
-  auto* device = static_cast<char*>(kv.data_ptr());
+// Baseline: one cudaMemcpyAsync per (pair, chunk); the table and indices are read on the host.
+void copy_memcpy(const torch::Tensor& host_pool, const torch::Tensor& table, int64_t page_bytes,
+                 const torch::Tensor& pages, const torch::Tensor& blocks, bool to_device,
+                 int64_t device_index) {
+  check_host_pool(host_pool, page_bytes);
+  check_table(table);
+  check_indices(pages, blocks);
+  TORCH_CHECK(!table.is_cuda() && !pages.is_cuda() && !blocks.is_cuda(),
+              "copy_memcpy reads the chunk table and the indices on the host: pass CPU tensors");
+  const int64_t num_chunks = table.size(1);
+  const int64_t n = pages.size(0);
+  const auto t = table.accessor<int64_t, 2>();
   const auto page_ids = pages.accessor<int64_t, 1>();
-  const auto block_ids = blocks.accessor<int64_t, 1>();
-  const int64_t per_page = layout.num_layers * 2;
-  const cudaMemcpyKind kind = to_device ? cudaMemcpyHostToDevice : cudaMemcpyDeviceToHost;
-  const int64_t num_blocks = kv.size(2) / block_size;
-  for (int64_t i = 0; i < pages.size(0); ++i) {
-    TORCH_CHECK(page_ids[i] >= 0 && page_ids[i] < host_pool.size(0) && block_ids[i] >= 0 &&
-                    block_ids[i] < num_blocks,
-                "page ", page_ids[i], " or block ", block_ids[i], " out of range");
-    for (int64_t lk = 0; lk < per_page; ++lk) {
-      char* h = host + (page_ids[i] * per_page + lk) * layout.chunk_bytes;
-      char* d = device + lk * layout.layer_kv_bytes + block_ids[i] * layout.chunk_bytes;
-      C10_CUDA_CHECK(to_device ? cudaMemcpyAsync(d, h, layout.chunk_bytes, kind, stream)
-                               : cudaMemcpyAsync(h, d, layout.chunk_bytes, kind, stream));
+  const auto block_ids = blocks.accessor<int64_t, 2>();
+  for (int64_t c = 0; c < num_chunks; ++c) {
+    TORCH_CHECK(t[kGroup][c] >= 0 && t[kGroup][c] < blocks.size(0), "chunk ", c, " names group ",
+                t[kGroup][c], " but device_blocks has ", blocks.size(0), " rows");
+  }
+  // Every index is checked before the first copy is enqueued, so a bad one copies nothing.
+  for (int64_t i = 0; i < n; ++i) {
+    TORCH_CHECK(page_ids[i] >= 0 && page_ids[i] < host_pool.size(0), "host page ", page_ids[i],
+                " out of range [0, ", host_pool.size(0), ")");
+    for (int64_t c = 0; c < num_chunks; ++c) {
+      const int64_t block = block_ids[t[kGroup][c]][i];
+      TORCH_CHECK(block >= 0 && block < t[kNumBlocks][c], "block ", block, " of group ",
+                  t[kGroup][c], " out of range [0, ", t[kNumBlocks][c], ")");
     }
   }
+  const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_index));
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  auto* host = static_cast<char*>(host_pool.data_ptr());
+  const cudaMemcpyKind kind = to_device ? cudaMemcpyHostToDevice : cudaMemcpyDeviceToHost;
+  for (int64_t i = 0; i < n; ++i) {
+    for (int64_t c = 0; c < num_chunks; ++c) {
+      const int64_t block = block_ids[t[kGroup][c]][i];
+      const int64_t bytes = t[kBlockBytes][c];
+      char* h = host + page_ids[i] * page_bytes + t[kHostOffset][c];
+      char* d = reinterpret_cast<char*>(static_cast<intptr_t>(t[kBase][c])) + block * bytes;
+      C10_CUDA_CHECK(to_device ? cudaMemcpyAsync(d, h, bytes, kind, stream)
+                               : cudaMemcpyAsync(h, d, bytes, kind, stream));
+    }
+  }
+}
+
+// Exactly nbytes of pinned host memory (under UVA, which 64-bit CUDA always has, it is mapped
+// into every device's address space and portable), freed with the tensor. torch's pinned
+// allocator would round the request up to a power of two.
+torch::Tensor pinned_empty(int64_t nbytes, int64_t device_index) {
+  TORCH_CHECK(nbytes > 0, "a pinned buffer needs at least one byte, got ", nbytes);
+  const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_index));
+  void* ptr = nullptr;
+  C10_CUDA_CHECK(cudaHostAlloc(&ptr, static_cast<size_t>(nbytes), cudaHostAllocDefault));
+  // The deleter may run at interpreter exit, after the CUDA context is gone: its error is moot.
+  return torch::from_blob(ptr, {nbytes}, [](void* p) { (void)cudaFreeHost(p); },
+                          torch::TensorOptions().dtype(torch::kUInt8));
 }
 
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("copy_uva", &copy_uva, "Pinned host pages <-> device KV blocks in one UVA kernel",
-        py::arg("host_pool"), py::arg("kv"), py::arg("host_pages"), py::arg("device_blocks"),
-        py::arg("block_size"), py::arg("to_device"), py::arg("threads"),
+  m.def("copy_uva", &copy_uva, "Pinned host pages <-> device KV chunks in one UVA kernel",
+        py::arg("host_pool"), py::arg("table"), py::arg("page_bytes"), py::arg("host_pages"),
+        py::arg("device_blocks"), py::arg("to_device"), py::arg("threads"),
         py::arg("ctas_per_chunk"), py::arg("unroll"));
-  m.def("copy_memcpy", &copy_memcpy, "Pinned host pages <-> device KV blocks, a memcpy per chunk",
-        py::arg("host_pool"), py::arg("kv"), py::arg("host_pages"), py::arg("device_blocks"),
-        py::arg("block_size"), py::arg("to_device"));
+  m.def("copy_memcpy", &copy_memcpy, "Pinned host pages <-> device KV chunks, a memcpy per chunk",
+        py::arg("host_pool"), py::arg("table"), py::arg("page_bytes"), py::arg("host_pages"),
+        py::arg("device_blocks"), py::arg("to_device"), py::arg("device_index"));
+  m.def("pinned_empty", &pinned_empty, "Exactly nbytes of pinned host memory, uint8 [nbytes]",
+        py::arg("nbytes"), py::arg("device_index"));
 }
