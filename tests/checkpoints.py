@@ -23,6 +23,9 @@ def make_checkpoint(path: str, family: str = "llama", dtype: torch.dtype = torch
     elif family == "qwen2":
         config = transformers.Qwen2Config(**common)
         cls = transformers.Qwen2ForCausalLM
+    elif family == "mistral":
+        config = transformers.MistralConfig(**common)
+        cls = transformers.MistralForCausalLM
     else:
         raise ValueError(family)
     torch.manual_seed(0)

@@ -196,8 +196,12 @@ class CUDAAccelerator(Accelerator):
         if not self.on_gpu:
             raise RuntimeError("the host page pool needs a CUDA device")
         from deepinfer.backends.cuda.host_pool import CUDAHostPool
+        from deepinfer.backends.cuda.page_copy import DeviceChunks
 
-        self.host_pool = CUDAHostPool.allocate(num_pages, self.cache.chunk_tensors())
+        pairs = self.cache.chunk_tensors()
+        chunks = DeviceChunks.prepare([t for _, t in pairs], [c.group for c, _ in pairs],
+                                      self.cache.num_blocks)
+        self.host_pool = CUDAHostPool.allocate(num_pages, chunks)
         return HostPoolLayout(num_pages, self.host_page_bytes(), num_state_slots, 0, True)
 
     def copy_pages(self, host_pages: Sequence[int], device_blocks: Sequence[Sequence[int]],
