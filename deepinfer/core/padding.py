@@ -44,25 +44,18 @@ def _bucket(sizes: tuple[int, ...], n: int) -> int:
 
 
 def pad_batch(batch: ModelBatch, buckets: Buckets) -> ModelBatch:
-    """Append one-token padding sequences at position 0 of the null block until the step's
-    sequence count (decode-only steps) and token count reach their buckets."""
-    if not (buckets.tokens or buckets.batch) or not batch.num_seqs:
+    """Pad a decode-only step's sequence count to a batch bucket (one-token padding rows),
+    any other step's token count to a token bucket (one padding sequence), as static-shape
+    backends keep one graph per decode batch size and one per prefill token count."""
+    if not batch.num_seqs:
         return batch
-    seqs = batch.num_seqs
     if batch.is_decode_only and buckets.batch:
-        seqs = buckets.padded_seqs(seqs)
-    tokens = buckets.padded_tokens(batch.num_tokens + seqs - batch.num_seqs)
-    extra_seqs = seqs - batch.num_seqs
-    extra_tokens = tokens - batch.num_tokens - extra_seqs
-    if extra_seqs == 0 and extra_tokens == 0:
+        extra = buckets.padded_seqs(batch.num_seqs) - batch.num_seqs
+        return _with_padding(batch, [1] * extra) if extra else batch
+    if not buckets.tokens:
         return batch
-    lens = [1] * extra_seqs
-    if extra_tokens:
-        if lens:
-            lens[-1] += extra_tokens
-        else:
-            lens = [extra_tokens]
-    return _with_padding(batch, lens)
+    extra = buckets.padded_tokens(batch.num_tokens) - batch.num_tokens
+    return _with_padding(batch, [extra]) if extra else batch
 
 
 def _with_padding(batch: ModelBatch, lens: list[int]) -> ModelBatch:
