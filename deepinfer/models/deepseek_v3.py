@@ -1,0 +1,308 @@
+"""DeepSeek V3 (and V2) with Multi-head Latent Attention, weight-absorbed, over backend ops.
+
+Each layer caches one latent per token: [rms-normed c_kv (kv_lora_rank), roped k_pe
+(qk_rope_head_dim)], shared by every head. kv_b_proj never runs on cached tokens: its key half
+W_UK is folded into the query (q_nope @ W_UK gives a query in latent space) and its value half
+W_UV is applied after attention (the attention output is a mix of latents), as DeepSeek, vLLM
+and SGLang serve it. The split happens at load time.
+
+DeepSeek's rope rotates interleaved pairs (x0, x1), (x2, x3), ...; the backends rotate NeoX
+halves. The rope rows of the query and k_pe projections are permuted at load time (evens
+first, then odds) so that NeoX rotary on our q_pe / k_pe gives exactly the reference's rotated
+values.
+
+Only checkpoints whose layers are all dense (first_k_dense_replace >= num_hidden_layers) load
+for now; MoE layers come next.
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Any, Iterable, Iterator
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+
+from deepinfer.core.kv.spec import KVSpec, latent_layer
+from deepinfer.models.ops import ModelOps
+from deepinfer.models.rope import rope_cos_sin, rope_parameters
+from deepinfer.models.weights import Target, load_mapped
+
+_FUSED_MLP = {"gate_proj": 0, "up_proj": 1}
+_ROPE_ROWS = ("q_proj", "q_b_proj", "kv_a_proj_with_mqa")
+
+
+@dataclass(frozen=True)
+class MLADims:
+    """The config fields the model reads (DeepSeek V2 and V3 configs name them alike)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    attention_bias: bool
+    mlp_bias: bool
+    rope_interleave: bool
+
+    @classmethod
+    def from_config(cls, config: PretrainedConfig) -> "MLADims":
+        _check_supported(config)
+        return cls(
+            vocab_size=config.vocab_size, hidden_size=config.hidden_size,
+            intermediate_size=config.intermediate_size, num_layers=config.num_hidden_layers,
+            num_heads=config.num_attention_heads, q_lora_rank=config.q_lora_rank,
+            kv_lora_rank=config.kv_lora_rank, qk_nope_head_dim=config.qk_nope_head_dim,
+            qk_rope_head_dim=config.qk_rope_head_dim, v_head_dim=config.v_head_dim,
+            rms_norm_eps=getattr(config, "rms_norm_eps", 1e-6),
+            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+            attention_bias=bool(getattr(config, "attention_bias", False)),
+            mlp_bias=bool(getattr(config, "mlp_bias", False)),  # a V2 field; V3 has none
+            # V2 configs have no such field: V2 always rotates interleaved pairs.
+            rope_interleave=bool(getattr(config, "rope_interleave", True)))
+
+    @property
+    def latent_dim(self) -> int:
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+
+def _check_supported(config: PretrainedConfig) -> None:
+    dense = getattr(config, "first_k_dense_replace", 0) or 0
+    if dense < config.num_hidden_layers:
+        raise ValueError(
+            f"MoE layers are not supported yet: layers {dense}..{config.num_hidden_layers - 1} "
+            f"of this checkpoint are MoE (first_k_dense_replace={dense}); only all-dense "
+            f"DeepSeek checkpoints load for now")
+    act = getattr(config, "hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"unsupported hidden_act {act!r}; DeepSeek MLPs use silu")
+
+
+def softmax_scale(config: PretrainedConfig) -> float:
+    """transformers' DeepseekV3Attention.scaling: qk_head_dim ** -0.5, times mscale^2 for a
+    scaled rope with mscale_all_dim (yarn_apply_mscale)."""
+    scale = (config.qk_nope_head_dim + config.qk_rope_head_dim) ** -0.5
+    params = rope_parameters(config)
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind != "default" and params.get("mscale_all_dim"):
+        mscale = _yarn_mscale(float(params["factor"]), float(params["mscale_all_dim"]))
+        scale *= mscale * mscale
+    return scale
+
+
+def _yarn_mscale(factor: float, mscale: float) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def interleaved_to_halves(rope_dim: int) -> torch.Tensor:
+    """Row order that turns interleaved rope pairs (x0, x1), (x2, x3), ... into NeoX halves
+    (x0, x2, ... | x1, x3, ...): NeoX rotary on the permuted vector equals the reference's
+    apply_rotary_pos_emb_interleave on the original, value for value."""
+    return torch.cat((torch.arange(0, rope_dim, 2), torch.arange(1, rope_dim, 2)))
+
+
+class MLAttention(nn.Module):
+    def __init__(self, dims: MLADims, layer: int, ops: ModelOps, scale: float) -> None:
+        super().__init__()
+        self.dims, self.layer, self.ops, self.scale = dims, layer, ops, scale
+        d, bias = dims, dims.attention_bias
+        q_out = d.num_heads * d.qk_head_dim
+        if d.q_lora_rank is None:
+            self.q_proj = nn.Linear(d.hidden_size, q_out, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(d.hidden_size, d.q_lora_rank, bias=bias)
+            self.q_a_layernorm = nn.Parameter(torch.ones(d.q_lora_rank))
+            self.q_b_proj = nn.Linear(d.q_lora_rank, q_out, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(d.hidden_size, d.latent_dim, bias=bias)
+        self.kv_a_layernorm = nn.Parameter(torch.ones(d.kv_lora_rank))
+        # kv_b_proj, split and laid out for batched matmuls over heads:
+        # w_uk [H, qk_nope, L] takes q_nope into latent space; w_uv [H, L, v_head] (W_UV
+        # transposed) takes an attention output in latent space to the head's value.
+        self.w_uk = nn.Parameter(torch.empty(d.num_heads, d.qk_nope_head_dim, d.kv_lora_rank))
+        self.w_uv = nn.Parameter(torch.empty(d.num_heads, d.kv_lora_rank, d.v_head_dim))
+        self.o_proj = nn.Linear(d.num_heads * d.v_head_dim, d.hidden_size, bias=bias)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor,
+                sin: torch.Tensor, meta: Any) -> torch.Tensor:
+        d, ops = self.dims, self.ops
+        tokens = hidden.shape[0]
+        q = self._query(hidden).view(tokens, d.num_heads, d.qk_head_dim)
+        q_nope, q_pe = q.split([d.qk_nope_head_dim, d.qk_rope_head_dim], dim=-1)
+        kv = ops.linear(hidden, self.kv_a_proj_with_mqa.weight, self.kv_a_proj_with_mqa.bias)
+        c_kv, k_pe = kv.split([d.kv_lora_rank, d.qk_rope_head_dim], dim=-1)
+        # One shared rope key: a single "kv head". A backend may rotate in place.
+        q_pe, k_pe = ops.rotary(q_pe, k_pe.unsqueeze(1), positions, cos, sin)
+        c_kv = ops.rms_norm(c_kv.contiguous(), self.kv_a_layernorm, d.rms_norm_eps)
+        latent = torch.cat((c_kv, k_pe.squeeze(1)), dim=-1)
+        q_latent = torch.einsum("thn,hnl->thl", q_nope, self.w_uk)
+        query = torch.cat((q_latent, q_pe), dim=-1)
+        out = ops.latent_attention(query, latent, self.layer, meta, d.kv_lora_rank, self.scale)
+        values = torch.einsum("thl,hlv->thv", out, self.w_uv)
+        return ops.linear(values.reshape(tokens, d.num_heads * d.v_head_dim),
+                          self.o_proj.weight, self.o_proj.bias)
+
+    def _query(self, hidden: torch.Tensor) -> torch.Tensor:
+        ops = self.ops
+        if self.dims.q_lora_rank is None:
+            return ops.linear(hidden, self.q_proj.weight)
+        q_a = ops.linear(hidden, self.q_a_proj.weight, self.q_a_proj.bias)
+        q_a = ops.rms_norm(q_a, self.q_a_layernorm, self.dims.rms_norm_eps)
+        return ops.linear(q_a, self.q_b_proj.weight)
+
+
+class DenseMLP(nn.Module):
+    """DeepseekV3MLP: silu(gate) * up -> down, gate and up fused into one matmul."""
+
+    def __init__(self, dims: MLADims, ops: ModelOps) -> None:
+        super().__init__()
+        self.ops = ops
+        self.intermediate_size = f = dims.intermediate_size
+        self.gate_up_proj = nn.Linear(dims.hidden_size, 2 * f, bias=dims.mlp_bias)
+        self.down_proj = nn.Linear(f, dims.hidden_size, bias=dims.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ops = self.ops
+        gate_up = ops.linear(x, self.gate_up_proj.weight, self.gate_up_proj.bias)
+        return ops.linear(ops.silu_and_mul(gate_up), self.down_proj.weight, self.down_proj.bias)
+
+    def fused_rows(self, shard: int) -> tuple[int, int]:
+        f = self.intermediate_size
+        return (shard * f, (shard + 1) * f)
+
+
+class DeepseekDecoderLayer(nn.Module):
+    def __init__(self, dims: MLADims, layer: int, ops: ModelOps, scale: float) -> None:
+        super().__init__()
+        self.eps, self.ops = dims.rms_norm_eps, ops
+        self.self_attn = MLAttention(dims, layer, ops, scale)
+        self.mlp = DenseMLP(dims, ops)
+        self.input_layernorm = nn.Parameter(torch.ones(dims.hidden_size))
+        self.post_attention_layernorm = nn.Parameter(torch.ones(dims.hidden_size))
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
+                cos: torch.Tensor, sin: torch.Tensor, meta: Any
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = hidden
+            hidden = self.ops.rms_norm(hidden, self.input_layernorm, self.eps)
+        else:
+            hidden, residual = self.ops.add_rms_norm(hidden, residual, self.input_layernorm,
+                                                     self.eps)
+        hidden = self.self_attn(positions, hidden, cos, sin, meta)
+        hidden, residual = self.ops.add_rms_norm(hidden, residual,
+                                                 self.post_attention_layernorm, self.eps)
+        return self.mlp(hidden), residual
+
+
+class DeepseekV3ForCausalLM(nn.Module):
+    def __init__(self, config: PretrainedConfig, ops: ModelOps, max_model_len: int) -> None:
+        super().__init__()
+        self.config, self.ops, self.max_model_len = config, ops, max_model_len
+        self.dims = dims = MLADims.from_config(config)
+        scale = softmax_scale(config)
+        self.embed_tokens = nn.Embedding(dims.vocab_size, dims.hidden_size)
+        self.layers = nn.ModuleList(DeepseekDecoderLayer(dims, i, ops, scale)
+                                    for i in range(dims.num_layers))
+        self.norm = nn.Parameter(torch.ones(dims.hidden_size))
+        self.lm_head = None if dims.tie_word_embeddings else nn.Linear(
+            dims.hidden_size, dims.vocab_size, bias=False)
+        self.rope_cos: torch.Tensor | None = None
+        self.rope_sin: torch.Tensor | None = None
+
+    def kv_spec(self) -> KVSpec:
+        return KVSpec.uniform(self.dims.num_layers, latent_layer(self.dims.latent_dim))
+
+    def init_buffers(self, device: torch.device | str) -> None:
+        """Rotary tables over qk_rope_head_dim, computed (not loaded) in float32."""
+        cos, sin = rope_cos_sin(self.config, self.dims.qk_rope_head_dim, self.max_model_len)
+        self.rope_cos, self.rope_sin = cos.to(device), sin.to(device)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: Any) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        residual = None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual, self.rope_cos, self.rope_sin,
+                                     meta)
+        hidden, _ = self.ops.add_rms_norm(hidden, residual, self.norm, self.dims.rms_norm_eps)
+        return hidden
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return self.ops.linear(hidden, weight).float()
+
+    # ---- checkpoint names ----------------------------------------------------------------
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        load_mapped(self, self._absorbed(weights), self.checkpoint_target)
+
+    def _absorbed(self, weights: Iterable[tuple[str, torch.Tensor]]
+                  ) -> Iterator[tuple[str, torch.Tensor]]:
+        """The checkpoint as this model stores it: rope rows in NeoX order, kv_b_proj split
+        into w_uk / w_uv (named `...self_attn.w_uk` / `.w_uv`)."""
+        d = self.dims
+        for name, tensor in weights:
+            match = re.match(r"(.*self_attn\.)(\w+)\.(weight|bias)$", name)
+            proj = match.group(2) if match else None
+            if proj == "kv_b_proj":
+                w = tensor.view(d.num_heads, d.qk_nope_head_dim + d.v_head_dim, d.kv_lora_rank)
+                w_uk, w_uv = w.split([d.qk_nope_head_dim, d.v_head_dim], dim=1)
+                yield match.group(1) + "w_uk", w_uk.contiguous()
+                yield match.group(1) + "w_uv", w_uv.transpose(1, 2).contiguous()
+            elif proj in _ROPE_ROWS and d.rope_interleave:
+                yield name, self._rope_rows_to_halves(proj, tensor)
+            else:
+                yield name, tensor
+
+    def _rope_rows_to_halves(self, proj: str, tensor: torch.Tensor) -> torch.Tensor:
+        d = self.dims
+        perm = interleaved_to_halves(d.qk_rope_head_dim)
+        out = tensor.clone()
+        if proj == "kv_a_proj_with_mqa":  # rows [c_kv | k_pe]
+            out[d.kv_lora_rank:] = tensor[d.kv_lora_rank:][perm]
+            return out
+        heads = out.view(d.num_heads, d.qk_head_dim, *tensor.shape[1:])  # per head [nope | pe]
+        heads[:, d.qk_nope_head_dim:] = heads[:, d.qk_nope_head_dim:][:, perm].clone()
+        return out
+
+    def checkpoint_target(self, name: str) -> Target | None:
+        """Checkpoint name (after _absorbed) -> (our parameter, rows of a fused one); None to
+        skip."""
+        name = name.removeprefix("model.")
+        if name.startswith("lm_head."):
+            return None if self.lm_head is None else (name, None)
+        if name == "norm.weight":
+            return "norm", None
+        if "rotary_emb" in name:
+            return None
+        match = re.match(r"layers\.(\d+)\.(.+)$", name)
+        if match is None:
+            return name, None
+        layer, rest = int(match.group(1)), match.group(2)
+        if layer >= self.dims.num_layers:
+            return None  # multi-token-prediction layers past the decoder (V3's layer 61)
+        return _layer_target(self.layers[layer], f"layers.{layer}", rest)
+
+
+def _layer_target(layer: DeepseekDecoderLayer, prefix: str, rest: str) -> Target:
+    """A name inside one decoder layer -> our parameter."""
+    norm = re.match(r"(input_layernorm|post_attention_layernorm|self_attn\.q_a_layernorm"
+                    r"|self_attn\.kv_a_layernorm)\.weight$", rest)
+    if norm:
+        return f"{prefix}.{norm.group(1)}", None
+    fused = re.match(r"mlp\.(gate_proj|up_proj)\.(weight|bias)$", rest)
+    if fused:
+        rows = layer.mlp.fused_rows(_FUSED_MLP[fused.group(1)])
+        return f"{prefix}.mlp.gate_up_proj.{fused.group(2)}", rows
+    return f"{prefix}.{rest}", None
