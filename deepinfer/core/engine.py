@@ -77,6 +77,7 @@ class Engine:
         self._rng = random.Random(config.seed)
         self._grammars: GrammarCompiler | None = None  # built on the first constrained request
         self._broken_steps = 0
+        self.num_dummy_steps = 0
 
     # ---- requests ------------------------------------------------------------------------
     @property
@@ -178,6 +179,7 @@ class Engine:
         """A step of no real work, for a rank whose peers step (their collectives must be
         matched): one padding token in the null block, nothing sampled."""
         self.accelerator.execute(dummy_batch(len(self.kv.groups), self.kv.block_size))
+        self.num_dummy_steps += 1
 
     def _execute(self, scheduled: SchedulerOutput):
         return self.accelerator.execute(self._constrain(scheduled))

@@ -12,49 +12,56 @@ import os
 import signal
 import socket
 import sys
-from typing import Sequence
+from collections.abc import Callable
+from typing import Any, Sequence, TypeAlias
 
-from deepinfer.core.config import (CacheConfig, EngineConfig, ModelSpec, ParallelConfig,
-                                   SchedulerConfig)
+from deepinfer.core.config import (EngineConfig, EngineOption, engine_config_from_options,
+                                   engine_options)
 from deepinfer.serve.limits import RequestLimits
 from deepinfer.serve.rank_health import RankHealthConfig
 
 log = logging.getLogger("deepinfer.serve")
 
 
+# A parser or one of its argument groups (both have add_argument); a forward reference, so
+# argparse's private base class is never touched at run time.
+Flags: TypeAlias = "argparse._ActionsContainer"
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="deepinfer-serve", description=__doc__,
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    _model_args(p)
-    _server_args(p)
-    _engine_args(p)
-    _limit_args(p)
-    _health_args(p)
-    _tokenizer_args(p)
+    _model_args(p.add_argument_group("model"))
+    _server_args(p.add_argument_group("server"))
+    _engine_args(p.add_argument_group("engine"))
+    _parallel_args(p.add_argument_group("parallel"))
+    _limit_args(p.add_argument_group("request limits"))
+    _health_args(p.add_argument_group("rank health"))
+    _tokenizer_args(p.add_argument_group("prompt tokenizer"))
     p.add_argument("--log-level", default="info", type=str.lower,
                    choices=["debug", "info", "warning", "error"], help="log level")
     return p
 
 
-def _model_args(p: argparse.ArgumentParser) -> None:
+# The engine flags are made from the config dataclasses' fields (core/config.py: help, flag
+# name, choices), so a new field is a flag with no edit here. The model and parallel sections
+# have help groups of their own; every other section (a new one too) is in "engine".
+_OWN_GROUP_SECTIONS = ("model", "parallel")
+
+
+def _model_args(p: Flags) -> None:
     p.add_argument("--model", default=None,
                    help="HF folder or .gguf file; default: the embedded SmolLM2-135M-Instruct")
     p.add_argument("--served-model-name", default=None,
                    help="the name clients pass as `model` (default: the model folder's name)")
-    p.add_argument("--dtype", default=ModelSpec.dtype, choices=["auto", "float32", "bfloat16",
-                                                              "float16"],
-                   help="weights and activations; auto: the checkpoint's torch_dtype")
-    p.add_argument("--max-model-len", type=int, default=ModelSpec.max_model_len,
-                   help="context length (default: the checkpoint's)")
-    p.add_argument("--load-format", default=ModelSpec.load_format, choices=["auto", "dummy"],
-                   help="dummy: random weights made on the device (benchmarks of a shape)")
+    _add_engine_flags(p, lambda section: section == "model")
     p.add_argument("--generation-config", default="auto", choices=["auto", "none"],
                    help="auto: the checkpoint's generation_config.json sets the sampling "
                         "defaults (temperature, top_p, top_k, min_p, repetition_penalty) of "
                         "requests that leave them unset; none: the OpenAI defaults")
 
 
-def _server_args(p: argparse.ArgumentParser) -> None:
+def _server_args(p: Flags) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=8000, help="port to listen on")
     p.add_argument("--api-key", default=os.environ.get("DEEPINFER_API_KEY"),
@@ -62,17 +69,8 @@ def _server_args(p: argparse.ArgumentParser) -> None:
                         "(also DEEPINFER_API_KEY)")
     p.add_argument("--metrics-public", action="store_true",
                    help="with --api-key: serve /metrics without the key")
-    p.add_argument("--accelerator", default=None,
-                   help="a backend name or alias (see --list-accelerators; else "
-                        "DEEPINFER_ACCELERATOR, else the first available by priority)")
     p.add_argument("--list-accelerators", action="store_true",
                    help="list the backends and plugin failures, then exit")
-    p.add_argument("--dp", type=int, default=ParallelConfig.dp,
-                   help="engine processes (one per device)")
-    p.add_argument("--ep", action="store_true",
-                   help="expert parallel: the --dp ranks form one torch.distributed group and "
-                        "step in lockstep (an idle rank runs a dummy step), so MoE layers can "
-                        "exchange tokens")
     p.add_argument("--routing", default="affinity", choices=["affinity", "least-loaded"],
                    help="how --dp ranks share requests: affinity pins a conversation (session "
                         "header, user field or first user message) to one rank for its prefix "
@@ -80,39 +78,31 @@ def _server_args(p: argparse.ArgumentParser) -> None:
                         "least-loaded picks the rank with the fewest queued + running tokens")
 
 
-def _engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--block-size", type=int, default=CacheConfig.block_size,
-                   help="tokens per KV block (one prefix-cache page)")
-    p.add_argument("--num-kv-blocks", type=int, default=CacheConfig.num_blocks,
-                   help="KV blocks per rank (default: sized from the memory flags)")
-    p.add_argument("--kv-cache-memory-gb", type=float, default=CacheConfig.kv_cache_memory_gb,
-                   help="KV pool of host-memory backends (cpu)")
-    p.add_argument("--gpu-memory-utilization", type=float,
-                   default=CacheConfig.gpu_memory_utilization,
-                   help="GPU backends: fraction of device memory for weights, activations and "
-                        "the KV pool, which gets what a profiling step leaves")
-    p.add_argument("--enforce-eager", action="store_true",
-                   help="GPU backends: no CUDA graphs")
-    p.add_argument("--no-prefix-caching", action="store_true",
-                   help="no prefix cache (device or host)")
-    p.add_argument("--hicache-size-gb", type=float, default=CacheConfig.hicache_size_gb,
-                   help="host memory per rank for HiCache, a host tier of KV pages behind the "
-                        "device prefix cache (0: off)")
-    p.add_argument("--hicache-state-slots", type=int, default=CacheConfig.hicache_state_slots,
-                   help="host slots for per-request layer state (models that keep state "
-                        "besides KV pages only)")
-    p.add_argument("--yoco-keep-tokens", type=int, default=CacheConfig.yoco_keep_tokens,
-                   help="a host-tier hit leaves at least this many prompt tokens to recompute")
-    p.add_argument("--max-num-seqs", type=int, default=SchedulerConfig.max_num_seqs,
-                   help="sequences in one step's batch")
-    p.add_argument("--max-num-batched-tokens", type=int,
-                   default=SchedulerConfig.max_num_batched_tokens,
-                   help="tokens in one step (prefill chunks + decodes)")
-    p.add_argument("--seed", type=int, default=EngineConfig.seed,
-                   help="seed of the per-request seeds of unseeded requests")
+def _engine_args(p: Flags) -> None:
+    _add_engine_flags(p, lambda section: section not in _OWN_GROUP_SECTIONS)
 
 
-def _limit_args(p: argparse.ArgumentParser) -> None:
+def _parallel_args(p: Flags) -> None:
+    _add_engine_flags(p, lambda section: section == "parallel")
+
+
+def _add_engine_flags(p: Flags, wanted: Callable[[str | None], bool]) -> None:
+    for option in engine_options():
+        if wanted(option.section):
+            _add_engine_flag(p, option)
+
+
+def _add_engine_flag(p: Flags, option: EngineOption) -> None:
+    if option.negated:  # on by default: the flag turns it off
+        p.add_argument(option.flag, action="store_true", help=f"turn off {option.help}")
+    elif option.type is bool:
+        p.add_argument(option.flag, action="store_true", help=option.help)
+    else:
+        p.add_argument(option.flag, type=option.type, default=option.default,
+                       choices=option.choices, help=option.help)
+
+
+def _limit_args(p: Flags) -> None:
     p.add_argument("--max-n", type=int, default=RequestLimits.max_n,
                    help="most samples (`n`) one request may ask for")
     p.add_argument("--max-prompts", type=int, default=RequestLimits.max_prompts,
@@ -123,7 +113,7 @@ def _limit_args(p: argparse.ArgumentParser) -> None:
                    help="larger request bodies are refused with 413")
 
 
-def _health_args(p: argparse.ArgumentParser) -> None:
+def _health_args(p: Flags) -> None:
     p.add_argument("--rank-unhealthy-after", type=float,
                    default=RankHealthConfig.unhealthy_after_s,
                    help="seconds without a rank's heartbeat before new requests are routed "
@@ -139,7 +129,7 @@ def _health_args(p: argparse.ArgumentParser) -> None:
                         f"{RankHealthConfig.stable_after_s:g} s starts over)")
 
 
-def _tokenizer_args(p: argparse.ArgumentParser) -> None:
+def _tokenizer_args(p: Flags) -> None:
     p.add_argument("--tokenizer-backend", default="auto",
                    choices=["auto", "fastokens", "segment", "hf"],
                    help="prompt tokenizer; auto probes and picks the first that equals hf")
@@ -150,17 +140,17 @@ def _tokenizer_args(p: argparse.ArgumentParser) -> None:
 
 
 def engine_config(args: argparse.Namespace, model_dir: str) -> EngineConfig:
-    return EngineConfig(
-        model=ModelSpec(model_dir, args.dtype, args.max_model_len, args.load_format),
-        cache=CacheConfig(args.block_size, args.num_kv_blocks, args.kv_cache_memory_gb,
-                          gpu_memory_utilization=args.gpu_memory_utilization,
-                          enable_prefix_caching=not args.no_prefix_caching,
-                          hicache_size_gb=args.hicache_size_gb,
-                          hicache_state_slots=args.hicache_state_slots,
-                          yoco_keep_tokens=args.yoco_keep_tokens),
-        scheduler=SchedulerConfig(args.max_num_batched_tokens, args.max_num_seqs),
-        parallel=ParallelConfig(dp=args.dp, ep=args.ep),
-        accelerator=args.accelerator, seed=args.seed, enforce_eager=args.enforce_eager)
+    return engine_config_from_options(model_dir, **engine_options_from_args(args))
+
+
+def engine_options_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """Every engine setting by field name, read back from its flag."""
+    return {option.name: _flag_value(option, getattr(args, option.dest))
+            for option in engine_options()}
+
+
+def _flag_value(option: EngineOption, value: Any) -> Any:
+    return not value if option.negated else value
 
 
 def request_limits(args: argparse.Namespace) -> RequestLimits:

@@ -170,7 +170,6 @@ def _step(engine: Engine, clock: StepClock, lockstep: Lockstep | None) -> list[R
             clock.begin()
             try:
                 engine.dummy_step()
-                lockstep.dummy_steps += 1
             finally:
                 clock.end()
         return []
@@ -223,4 +222,5 @@ def _stats(engine: Engine) -> EngineStats:
     host = {} if engine.hicache is None else \
         {f"hicache_{k}": v for k, v in vars(engine.hicache.stats()).items()}
     return EngineStats(len(sched.running), len(sched.waiting), kv.usage, kv.pool.num_usable,
-                       kv.stats.queries, kv.stats.hits, sched.num_preemptions, **host)
+                       kv.stats.queries, kv.stats.hits, sched.num_preemptions,
+                       dummy_steps=engine.num_dummy_steps, **host)

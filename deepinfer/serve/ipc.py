@@ -82,6 +82,7 @@ class EngineStats:
     prefix_queries: int
     prefix_hits: int
     preemptions: int
+    dummy_steps: int = 0  # lockstep ranks: steps run only to match a busy peer's collectives
     # HiCache (host tier) of this rank; all 0 when it is off. Totals except the page gauges.
     hicache_pages_used: int = 0
     hicache_pages_total: int = 0

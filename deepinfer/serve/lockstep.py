@@ -36,7 +36,6 @@ class Lockstep:
     def __init__(self) -> None:
         self.group = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" \
             else dist.group.WORLD
-        self.dummy_steps = 0
         self.peers_busy = False  # the last vote: some rank had work
 
     def anyone_busy(self, busy: bool) -> bool:

@@ -31,6 +31,8 @@ _TOTALS = (
     ("prefix_cache_queries", "prefix_queries", "Prompt tokens looked up in the prefix cache"),
     ("prefix_cache_hits", "prefix_hits", "Prompt tokens served from the device prefix cache"),
     ("num_preemptions", "preemptions", "Requests preempted"),
+    ("dummy_steps", "dummy_steps", "Steps run with no request of the rank's own, to match "
+     "busy peers' collectives (--ep: ranks step in lockstep)"),
     ("hicache_lookups", "hicache_lookups", "Admitted requests that looked up the host tier"),
     ("hicache_stored_pages", "hicache_stored_pages", "KV pages written through to host"),
     ("hicache_loaded_pages", "hicache_loaded_pages", "KV pages loaded from host on a hit"),

@@ -326,10 +326,11 @@ def server_pool(request, tmp_path_factory):
             if "tiny" in wanted:
                 pool.launch("tiny", common + ["--num-kv-blocks", str(TINY_NUM_KV_BLOCKS),
                                               "--served-model-name", "tiny-chat"], "tiny-chat")
-            if "dp2" in wanted:  # as tiny, with two ranks: dp=2 must answer as dp=1 does
+            if "dp2" in wanted:  # as tiny, with two ranks: dp=2 must answer as dp=1 does,
+                # also when the ranks step in lockstep over a torch.distributed group (--ep)
                 pool.launch("dp2", common + ["--num-kv-blocks", str(TINY_NUM_KV_BLOCKS),
-                                             "--served-model-name", "tiny-chat", "--dp", "2"],
-                            "tiny-chat")
+                                             "--served-model-name", "tiny-chat", "--dp", "2",
+                                             "--ep"], "tiny-chat")
             if "auth" in wanted:
                 pool.launch("auth", common + ["--num-kv-blocks", "32",
                                               "--served-model-name", "tiny-auth"], "tiny-auth",

@@ -107,3 +107,23 @@ def test_health_and_per_rank_metrics(dp2, dp2_server):
             totals[f"vllm:{name}_total"]
     assert sum(per_rank(url, "deepinfer:rank_prefix_cache_hits_total").values()) > 0
     assert per_rank(url, "deepinfer:rank_lost_requests_total") == {0: 0.0, 1: 0.0}
+
+
+def _pinned(client, rank: int) -> dict:
+    """A session header that affinity routes to `rank`."""
+    for i in range(64):
+        headers = {"X-Session-Affinity": f"lockstep-{i}"}
+        if _chat(client, [{"role": "user", "content": "Hi"}], 1, headers)[1] == rank:
+            return headers
+    raise AssertionError(f"no session went to rank {rank}")
+
+
+def test_ranks_step_in_lockstep(dp2, dp2_server):
+    """--ep: a rank with no request of its own runs a dummy step for each of its peer's."""
+    to_zero, to_one = _pinned(dp2, 0), _pinned(dp2, 1)
+    before = per_rank(dp2_server.url, "deepinfer:rank_dummy_steps_total")
+    _chat(dp2, [{"role": "user", "content": "Name five colours."}], 24, to_zero)
+    # Rank 1 reports its counters when it handles a message: give it one.
+    _chat(dp2, [{"role": "user", "content": "Hi"}], 1, to_one)
+    after = per_rank(dp2_server.url, "deepinfer:rank_dummy_steps_total")
+    assert after[1] - before.get(1, 0) >= 24  # a prefill and 23 decodes of rank 0, at least
