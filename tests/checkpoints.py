@@ -23,6 +23,13 @@ def make_checkpoint(path: str, family: str = "llama", dtype: torch.dtype = torch
     elif family == "qwen2":
         config = transformers.Qwen2Config(**common)
         cls = transformers.Qwen2ForCausalLM
+    elif family == "deepseek_v3":  # MLA attention, every layer dense (MoE comes later)
+        mla = dict(num_key_value_heads=common["num_attention_heads"], q_lora_rank=64,
+                   kv_lora_rank=64, qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32,
+                   first_k_dense_replace=common["num_hidden_layers"], n_routed_experts=4,
+                   num_experts_per_tok=2)
+        config = transformers.DeepseekV3Config(**{**common, **mla, **overrides})
+        cls = transformers.DeepseekV3ForCausalLM
     elif family == "mistral":
         config = transformers.MistralConfig(**common)
         cls = transformers.MistralForCausalLM

@@ -4,8 +4,8 @@
 
 1. The backend conformance suite (deepinfer.testing.conformance) on CUDAAccelerator.
 2. Greedy tokens of the engine (chunked prefill, decode graphs, a prefix-cache hit, each prompt
-   alone at batch 1) equal transformers' greedy generate, float32, on random-weight llama and
-   qwen3 checkpoints.
+   alone at batch 1) equal transformers' greedy generate, float32, on random-weight llama,
+   qwen3, mistral (sliding window 48, prompts to 300) and dense deepseek_v3 (MLA) checkpoints.
 3. bfloat16: relative error of every prompt token's logits against transformers in bfloat16.
 4. HiCache through the engine: a conversation evicted between turns decodes the same tokens
    with the host tier (UVA page copy) on and off.
@@ -37,6 +37,14 @@ SHAPES = {
     "qwen3": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=3,
                   num_attention_heads=4, num_key_value_heads=4, vocab_size=1024,
                   max_position_embeddings=1024, initializer_range=0.05),
+    # Sliding window well below the longest prompt: decode reads only the window.
+    "mistral": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=3,
+                    num_attention_heads=8, num_key_value_heads=2, vocab_size=1024,
+                    max_position_embeddings=1024, initializer_range=0.05, sliding_window=48),
+    # MLA: the paged latent cache and the MLA kernels.
+    "deepseek_v3": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=3,
+                        num_attention_heads=4, vocab_size=1024, max_position_embeddings=1024,
+                        initializer_range=0.05),
 }
 PROMPT_LENS = (5, 23, 41, 100, 300)
 NEW_TOKENS = 48
@@ -111,7 +119,7 @@ def check_greedy(family: str, block_size: int, workdir: str) -> dict:
 def check_bf16_logits(family: str, workdir: str) -> dict:
     import transformers
 
-    from deepinfer.core.batch import ModelBatch
+    from deepinfer.core.batch import GroupBatch, ModelBatch
 
     path = make_checkpoint(os.path.join(workdir, f"{family}-bf16"), family, torch.bfloat16,
                            **SHAPES[family])
@@ -122,9 +130,9 @@ def check_bf16_logits(family: str, workdir: str) -> dict:
     acc.allocate_kv_cache(64, 16, capture=False)
     prompt = torch.randint(3, SHAPES[family]["vocab_size"], (300,)).tolist()
     blocks = list(range(40, 40 + 19))[::-1]  # non-contiguous, reversed block table
+    slots = [blocks[p // 16] * 16 + p % 16 for p in range(300)]
     batch = ModelBatch(input_ids=prompt, positions=list(range(300)), query_lens=[300],
-                       seq_lens=[300], block_tables=[blocks], block_size=16,
-                       slot_mapping=[blocks[p // 16] * 16 + p % 16 for p in range(300)],
+                       seq_lens=[300], groups=(GroupBatch([blocks], slots),), block_size=16,
                        sample_indices=[0], sampling=[])
     ours = acc.forward_logits(batch, all_tokens=True)
     with torch.inference_mode():
@@ -159,7 +167,7 @@ def main() -> None:
             run_conformance(CUDAAccelerator, os.path.join(workdir, "conformance"))
             print("conformance suite: passed", flush=True)
         report["greedy"], report["bf16"] = [], []
-        for family in ("llama", "qwen3"):
+        for family in ("llama", "qwen3", "mistral", "deepseek_v3"):
             for block_size in (16, 128):
                 report["greedy"].append(check_greedy(family, block_size, workdir))
                 print("greedy vs transformers:", report["greedy"][-1], flush=True)

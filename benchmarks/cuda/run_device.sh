@@ -10,7 +10,7 @@ mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export DEEPINFER_CACHE_DIR="${DEEPINFER_CACHE_DIR:-/tmp/deepinfer-cache}"
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(kernel_tests attention gemv page_copy check_engine engine_bench profile_steps)
+[ ${#steps[@]} -eq 0 ] && steps=(kernel_tests attention gemv page_copy check_engine engine_bench mla_bench profile_steps)
 wanted() { [[ " ${steps[*]} " == *" $1 "* ]]; }
 quick=""
 wanted --quick && quick="--quick"
@@ -32,6 +32,7 @@ wanted check_engine && step check_engine python3 benchmarks/cuda/check_engine.py
 wanted check_greedy && step check_greedy python3 benchmarks/cuda/check_engine.py --out "$out" \
     --skip-conformance
 wanted engine_bench && step engine_bench python3 benchmarks/cuda/engine_bench.py --out "$out" $quick
+wanted mla_bench && step mla_bench python3 benchmarks/cuda/mla_bench.py --out "$out" $quick
 wanted profile_steps && step profile_steps python3 benchmarks/cuda/profile_steps.py --out "$out"
 wanted profile_unfused && DEEPINFER_CUDA_GEMV=0 step profile_unfused \
     python3 benchmarks/cuda/profile_steps.py --out "$out" --batches 1 --tag unfused
