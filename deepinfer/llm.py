@@ -1,6 +1,7 @@
 """Offline API: LLM(model=...).generate(prompts, SamplingParams) and .chat(messages)."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import numbers
 from collections.abc import Iterable, Mapping, Set
@@ -8,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence, TypedDict
 
 from deepinfer.core.batch import TokenLogprobs
-from deepinfer.core.config import CacheConfig, EngineConfig, ModelSpec, SchedulerConfig
+from deepinfer.core.config import EngineConfig, check_option_names, engine_config_from_options
 from deepinfer.core.engine import Engine
 from deepinfer.core.sampling import SamplingParams
 
@@ -24,6 +25,9 @@ class TokensPrompt(TypedDict):
 
     prompt_token_ids: list[int]
 
+
+# LLM's keywords besides the engine options (listed in the unknown-option error).
+LLM_OWN_OPTIONS = ("load_tokenizer",)
 
 Prompt = str | Sequence[int] | TextPrompt | TokensPrompt
 _PROMPT_FORMS = ("a str, a list of int token ids, {'prompt': str} or "
@@ -48,6 +52,13 @@ class GenerateOutput:
     num_cached_tokens: int = 0
 
 
+def llm_engine_config(model_path: str, **options: Any) -> EngineConfig:
+    """The EngineConfig LLM(model_path, **options) runs (model_path as is, not resolved);
+    an unknown option is a TypeError that names it and lists the valid ones."""
+    check_option_names(options, extra=LLM_OWN_OPTIONS)
+    return engine_config_from_options(model_path, **options)
+
+
 def resolve_model_path(model: str | None) -> str:
     """An HF folder as is; a .gguf file converted once; None: the embedded default model."""
     if model is None:
@@ -62,23 +73,21 @@ def resolve_model_path(model: str | None) -> str:
 
 
 class LLM:
-    def __init__(self, model: str | None = None, *, dtype: str = "auto",
-                 accelerator: str | None = None, block_size: int = 128,
-                 num_blocks: int | None = None, kv_cache_memory_gb: float = 1.0,
-                 max_model_len: int | None = None, max_num_batched_tokens: int = 2048,
-                 max_num_seqs: int = 64, enable_prefix_caching: bool = True,
-                 enable_chunked_prefill: bool = True, seed: int = 0,
-                 load_tokenizer: bool = True, gpu_memory_utilization: float = 0.9,
-                 enforce_eager: bool = False, load_format: str = "auto") -> None:
-        config = EngineConfig(
-            model=ModelSpec(resolve_model_path(model), dtype, max_model_len, load_format),
-            cache=CacheConfig(block_size, num_blocks, kv_cache_memory_gb,
-                              gpu_memory_utilization=gpu_memory_utilization,
-                              enable_prefix_caching=enable_prefix_caching),
-            scheduler=SchedulerConfig(max_num_batched_tokens, max_num_seqs,
-                                      enable_chunked_prefill),
-            accelerator=accelerator, seed=seed, enforce_eager=enforce_eager)
-        self.engine = Engine(config, load_tokenizer=load_tokenizer)
+    """One Engine in this process. `options` are the engine settings by their config field
+    names (dtype, block_size, num_blocks, hicache_size_gb, max_num_seqs, seed, ...: every
+    field that `deepinfer-serve` has a flag for; see `deepinfer.core.config.engine_options`)."""
+
+    def __init__(self, model: str | None = None, *, load_tokenizer: bool = True,
+                 **options: Any) -> None:
+        # Built (and so checked) before the model is resolved: a bad option must not wait for
+        # the default model's download or a .gguf conversion.
+        config = llm_engine_config(model or "", **options)
+        if config.parallel.world_size > 1:
+            raise ValueError(f"LLM runs one engine in this process (dp={config.parallel.dp} "
+                             "asks for more); run deepinfer-serve --dp for data parallel ranks")
+        model_spec = dataclasses.replace(config.model, path=resolve_model_path(model))
+        self.engine = Engine(dataclasses.replace(config, model=model_spec),
+                             load_tokenizer=load_tokenizer)
         self._ids = itertools.count()
 
     @property

@@ -66,3 +66,18 @@ def test_prefix_cache_reuses_pages_across_calls(llm):
     llm.generate(system + "Hi", SamplingParams(max_tokens=2))
     again = llm.generate(system + "Hello", SamplingParams(max_tokens=2))[0]
     assert again.num_cached_tokens >= 16
+
+
+def test_hicache_option_gives_the_engine_a_host_tier(llama_dir):
+    """An option LLM's old hand-written signature lacked reaches the engine."""
+    llm = LLM(llama_dir, dtype="float32", accelerator="cpu", block_size=4, num_blocks=64,
+              hicache_size_gb=0.01, long_prefill_token_threshold=8, load_tokenizer=False)
+    assert llm.engine.hicache is not None and llm.engine.hicache.stats().pages_total > 0
+    assert llm.engine.config.scheduler.long_prefill_token_threshold == 8
+    out = llm.generate([list(range(1, 20))], SamplingParams(max_tokens=3, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 3
+
+
+def test_unknown_option_is_a_type_error():
+    with pytest.raises(TypeError, match="'max_num_sequences'.*max_num_seqs"):
+        LLM("/no/such/model", max_num_sequences=4)

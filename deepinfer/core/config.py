@@ -1,45 +1,80 @@
-"""Frozen configuration dataclasses; the one place that reads DEEPINFER_* environment variables."""
+"""Frozen configuration dataclasses; the one place that reads DEEPINFER_* environment variables.
+
+Every engine setting is a dataclass field whose metadata carries its help text, so the
+`deepinfer-serve` flags, the `LLM(...)` keywords and their help all come from here:
+`engine_options()` walks the fields and `engine_config_from_options()` builds an EngineConfig
+from them. Field metadata keys:
+
+- "help": what the setting means (required for every exposed field);
+- "flag": the CLI flag where it is not `--field-name` (a bool that defaults to True is turned
+  off by a `--no-...` flag);
+- "choices": the values the CLI accepts;
+- "internal": set by the engine itself, neither a flag nor an LLM keyword.
+"""
 from __future__ import annotations
 
+import dataclasses
 import os
+import types
+import typing
 from dataclasses import dataclass, field
+from typing import Any
 
 ENV_ACCELERATOR = "DEEPINFER_ACCELERATOR"
 ENV_CACHE_DIR = "DEEPINFER_CACHE_DIR"
 ENV_CPU_THREADS = "DEEPINFER_CPU_THREADS"
+
+DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
+LOAD_FORMATS = ("auto", "dummy")
 
 
 @dataclass(frozen=True)
 class ModelSpec:
     """Which checkpoint to run and how: an HF folder (config.json + safetensors + tokenizer)."""
 
-    path: str
-    dtype: str = "auto"  # auto: the checkpoint's torch_dtype, float32 if none
-    max_model_len: int | None = None  # None: the checkpoint's max_position_embeddings
-    # "auto": the checkpoint's safetensors; "dummy": random weights made on the device
-    # (benchmarks of a model shape without its checkpoint).
-    load_format: str = "auto"
+    # Given as LLM(model) / --model, which first resolve a .gguf file or the default model.
+    path: str = field(metadata={"internal": True,
+                                "help": "HF folder: config.json + safetensors + tokenizer"})
+    dtype: str = field(default="auto", metadata={
+        "help": "weights and activations; auto: the checkpoint's torch_dtype (float32 if none)",
+        "choices": DTYPE_CHOICES})
+    max_model_len: int | None = field(default=None, metadata={
+        "help": "context length (default: the checkpoint's max_position_embeddings)"})
+    load_format: str = field(default="auto", metadata={
+        "help": "auto: the checkpoint's safetensors; dummy: random weights made on the device "
+                "(benchmarks of a model shape without its checkpoint)",
+        "choices": LOAD_FORMATS})
 
     def __post_init__(self) -> None:
-        if self.load_format not in ("auto", "dummy"):
+        if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
 
 
 @dataclass(frozen=True)
 class CacheConfig:
-    block_size: int = 128
-    num_blocks: int | None = None  # None: sized by the backend from kv_cache_memory_gb
-    kv_cache_memory_gb: float = 1.0  # host-memory backends (CPU)
-    enable_prefix_caching: bool = True
-    # HiCache: a host-memory pool of KV pages behind the device prefix cache (0 disables).
-    hicache_size_gb: float = 0.0
-    # Host slots for per-request layer state (models that keep state besides pages only).
-    hicache_state_slots: int = 0
-    # A host hit stops so that at least this many prompt tokens are recomputed.
-    yoco_keep_tokens: int = 140
-    # GPU backends: the fraction of device memory for weights, activations and the KV pool;
-    # the pool gets what is left after a profiling run at the step's full token budget.
-    gpu_memory_utilization: float = 0.9
+    block_size: int = field(default=128, metadata={
+        "help": "tokens per KV block (one prefix-cache page)"})
+    num_blocks: int | None = field(default=None, metadata={
+        "flag": "--num-kv-blocks",
+        "help": "KV blocks per rank, the null block 0 included (default: sized from the "
+                "memory settings)"})
+    kv_cache_memory_gb: float = field(default=1.0, metadata={
+        "help": "KV pool of host-memory backends (cpu)"})
+    enable_prefix_caching: bool = field(default=True, metadata={
+        "flag": "--no-prefix-caching",
+        "help": "the prefix cache, on the device and in the HiCache host tier (requests "
+                "reuse the KV pages of prompt prefixes computed before)"})
+    hicache_size_gb: float = field(default=0.0, metadata={
+        "help": "host memory per rank for HiCache, a host tier of KV pages behind the device "
+                "prefix cache (0: off)"})
+    hicache_state_slots: int = field(default=0, metadata={
+        "help": "host slots for per-request layer state (models that keep state besides KV "
+                "pages only)"})
+    yoco_keep_tokens: int = field(default=140, metadata={
+        "help": "a host-tier hit leaves at least this many prompt tokens to recompute"})
+    gpu_memory_utilization: float = field(default=0.9, metadata={
+        "help": "GPU backends: fraction of device memory for weights, activations and the KV "
+                "pool, which gets what a profiling step at the full token budget leaves"})
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -55,12 +90,19 @@ class CacheConfig:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_num_batched_tokens: int = 2048  # the per-step token budget
-    max_num_seqs: int = 64
-    enable_chunked_prefill: bool = True
-    # A prefill longer than this is cut into chunks even when the budget has room, so that
-    # decodes of other requests keep flowing (0: no cap beyond the budget).
-    long_prefill_token_threshold: int = 0
+    max_num_batched_tokens: int = field(default=2048, metadata={
+        "help": "tokens in one step (prefill chunks + decodes): the per-step token budget"})
+    max_num_seqs: int = field(default=64, metadata={
+        "help": "sequences in one step's batch"})
+    enable_chunked_prefill: bool = field(default=True, metadata={
+        "flag": "--no-chunked-prefill",
+        "help": "chunked prefill: a prompt is prefilled over several steps within the token "
+                "budget (off: a prompt longer than max_num_batched_tokens is never scheduled "
+                "and stalls the queue behind it)"})
+    long_prefill_token_threshold: int = field(default=0, metadata={
+        "help": "a prefill longer than this is cut into chunks even when the budget has room, "
+                "so that decodes of other requests keep flowing (0: no cap beyond the "
+                "budget)"})
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
@@ -72,12 +114,19 @@ class ParallelConfig:
     """How ranks share the work: data parallel ranks (one process and device each), expert
     parallelism across them (MoE layers), tensor parallel size (1 only, for now)."""
 
-    dp: int = 1
-    ep: bool = False
-    tp: int = 1
-    # Where ranks meet for torch.distributed (the API process picks a free port when 0).
-    master_addr: str = "127.0.0.1"
-    master_port: int = 0
+    dp: int = field(default=1, metadata={
+        "help": "engine processes (one per device); LLM(...) runs one engine, so dp=1 there"})
+    ep: bool = field(default=False, metadata={
+        "help": "expert parallel: the --dp ranks form one torch.distributed group (gloo on "
+                "CPU, NCCL on CUDA) and step in lockstep (an idle rank runs a dummy step), so "
+                "MoE layers can exchange tokens"})
+    tp: int = field(default=1, metadata={
+        "help": "tensor parallel size (only 1 is supported yet)"})
+    # Where ranks meet for torch.distributed: the API process picks a free port when 0.
+    master_addr: str = field(default="127.0.0.1", metadata={
+        "internal": True, "help": "host of the torch.distributed rendezvous"})
+    master_port: int = field(default=0, metadata={
+        "internal": True, "help": "port of the torch.distributed rendezvous (0: a free one)"})
 
     def __post_init__(self) -> None:
         if self.dp < 1:
@@ -96,10 +145,115 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    accelerator: str | None = None  # None: DEEPINFER_ACCELERATOR, else probe
-    seed: int = 0
-    # Graph-capturing backends run every step eagerly (debugging, profiling).
-    enforce_eager: bool = False
+    accelerator: str | None = field(default=None, metadata={
+        "help": "a backend name or alias (see --list-accelerators; else DEEPINFER_ACCELERATOR, "
+                "else the first available by priority)"})
+    seed: int = field(default=0, metadata={
+        "help": "seed of the per-request seeds of unseeded requests"})
+    enforce_eager: bool = field(default=False, metadata={
+        "help": "GPU backends: no CUDA graphs (every step runs eagerly: debugging, "
+                "profiling)"})
+
+
+# The value types a setting may have: each maps to one kind of CLI flag.
+OPTION_TYPES = (int, float, str, bool)
+
+
+@dataclass(frozen=True)
+class EngineOption:
+    """One engine setting, as a `deepinfer-serve` flag and an `LLM(...)` keyword."""
+
+    section: str | None  # the EngineConfig field holding it (model, cache, ...); None: its own
+    name: str  # the dataclass field name, which is also the LLM keyword
+    type: type  # one of OPTION_TYPES, `| None` removed
+    optional: bool  # None is a value (`X | None`)
+    default: Any
+    help: str
+    flag: str
+    choices: tuple[str, ...] | None
+
+    @property
+    def negated(self) -> bool:
+        """A bool that is on by default: its flag turns it off."""
+        return self.type is bool and self.default is True
+
+    @property
+    def dest(self) -> str:
+        """argparse's attribute for the flag (the flag's name, as argparse derives it)."""
+        return self.flag.removeprefix("--").replace("-", "_")
+
+
+def config_sections() -> dict[str, type]:
+    """EngineConfig's fields that are config dataclasses: section name -> class."""
+    hints = typing.get_type_hints(EngineConfig)
+    return {f.name: hints[f.name] for f in dataclasses.fields(EngineConfig)
+            if dataclasses.is_dataclass(hints[f.name])}
+
+
+def engine_options() -> tuple[EngineOption, ...]:
+    """Every exposed engine setting, in field order: the sections' fields, then
+    EngineConfig's own. Computed from the dataclasses on each call (it is cheap)."""
+    options = [option for section, cls in config_sections().items()
+               for option in _class_options(cls, section)]
+    return tuple(options + _class_options(EngineConfig, None))
+
+
+def _class_options(cls: type, section: str | None) -> list[EngineOption]:
+    hints = typing.get_type_hints(cls)
+    return [_option(f, hints[f.name], section) for f in dataclasses.fields(cls)
+            if not dataclasses.is_dataclass(hints[f.name]) and not f.metadata.get("internal")]
+
+
+def _option(f: dataclasses.Field, hint: Any, section: str | None) -> EngineOption:
+    where = f"{section or 'EngineConfig'}.{f.name}"
+    base, optional = _unwrap_optional(hint)
+    if base not in OPTION_TYPES or (base is bool and optional):
+        raise TypeError(f"{where}: {hint} has no flag form; use int, float, str, bool or X | None")
+    if not f.metadata.get("help"):
+        raise TypeError(f"{where} has no metadata['help'] (its flag and LLM docs need one)")
+    if f.default is dataclasses.MISSING:
+        raise TypeError(f"{where} needs a default to be an option")
+    choices = f.metadata.get("choices")
+    return EngineOption(section, f.name, base, optional, f.default, f.metadata["help"],
+                        f.metadata.get("flag") or _default_flag(f.name, base, f.default),
+                        tuple(choices) if choices else None)
+
+
+def _unwrap_optional(hint: Any) -> tuple[Any, bool]:
+    if typing.get_origin(hint) in (types.UnionType, typing.Union):
+        rest = [arg for arg in typing.get_args(hint) if arg is not type(None)]
+        if len(rest) == 1:
+            return rest[0], True
+    return hint, False
+
+
+def _default_flag(name: str, base: type, default: Any) -> str:
+    if base is bool and default is True:  # enable_foo -> --no-foo
+        return "--no-" + name.removeprefix("enable_").replace("_", "-")
+    return "--" + name.replace("_", "-")
+
+
+def check_option_names(options: typing.Iterable[str], extra: tuple[str, ...] = ()) -> None:
+    """TypeError naming the unknown ones (`extra`: other keywords the caller accepts)."""
+    valid = {option.name for option in engine_options()} | set(extra)
+    unknown = [name for name in options if name not in valid]
+    if unknown:
+        raise TypeError(f"unknown engine option(s) {', '.join(map(repr, unknown))}; valid "
+                        f"options: {', '.join(sorted(valid))}")
+
+
+def engine_config_from_options(model_path: str, **options: Any) -> EngineConfig:
+    """An EngineConfig from settings given by field name (LLM's keywords, the parsed CLI
+    flags); settings left out keep their dataclass defaults."""
+    check_option_names(options)
+    sections = config_sections()
+    values: dict[str | None, dict[str, Any]] = {name: {} for name in [*sections, None]}
+    values["model"]["path"] = model_path  # ModelSpec's one field without a default
+    for option in engine_options():
+        if option.name in options:
+            values[option.section][option.name] = options[option.name]
+    parts = {name: cls(**values[name]) for name, cls in sections.items()}
+    return EngineConfig(**parts, **values[None])
 
 
 def accelerator_from_env() -> str | None:
