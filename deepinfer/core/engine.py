@@ -106,6 +106,11 @@ class Engine:
         if len(prompt_ids) >= limit:
             raise ValueError(f"prompt has {len(prompt_ids)} tokens; this model's context "
                              f"length is {limit} tokens, leaving no room to generate")
+        step_tokens = self.scheduler.buckets.token_budget(
+            self.scheduler.config.max_num_batched_tokens)
+        if not self.scheduler.config.enable_chunked_prefill and len(prompt_ids) > step_tokens:
+            raise ValueError(f"prompt has {len(prompt_ids)} tokens; without chunked prefill "
+                             f"one step holds at most {step_tokens}")
         max_tokens = min(params.max_tokens or limit, limit - len(prompt_ids))
         base_seed = params.seed if params.seed is not None else self._rng.getrandbits(62)
         grammars = [self._grammar(params) for _ in range(params.n)]

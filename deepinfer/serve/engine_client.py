@@ -42,7 +42,7 @@ log = logging.getLogger("deepinfer.serve")
 class EngineClient:
     def __init__(self, config: EngineConfig, num_ranks: int = 1,
                  routing: str = "affinity", health: RankHealthConfig | None = None) -> None:
-        self.config = _with_rendezvous(config, num_ranks)
+        self.config = config
         self.num_ranks = num_ranks
         self.health = health or RankHealthConfig()
         self.router = Router(num_ranks, routing)
@@ -61,6 +61,7 @@ class EngineClient:
 
     # ---- lifecycle -----------------------------------------------------------------------
     async def start(self) -> list[Ready]:
+        self.config = _with_rendezvous(self.config, self.num_ranks)
         self._ranks = [self._spawn(rank) for rank in range(self.num_ranks)]
         await self._await_ready()
         now = asyncio.get_running_loop().time()

@@ -141,3 +141,10 @@ def test_dummy_step_touches_only_the_null_block(tmp_path):
     (batch,) = engine.accelerator.steps
     assert batch.num_padding_seqs == 1 and not batch.sample_indices
     assert batch.block_tables == [[0]]
+
+
+def test_without_chunked_prefill_a_prompt_over_the_budget_is_refused(tmp_path):
+    engine = _engine(tmp_path, Capabilities(chunked_prefill=False), budget=16)
+    with pytest.raises(ValueError, match="without chunked prefill"):
+        engine.add_request("long", list(range(1, 20)), GREEDY)
+    assert not engine.has_unfinished_requests()
