@@ -2,7 +2,9 @@
 
 Every case draws fresh inputs, scatters the sequences over shuffled blocks (never block 0, the
 null block), leaves unused cache slots NaN so a read past a sequence shows up, and poisons the
-output with NaN so an unwritten element shows up.
+output with NaN so an unwritten element shows up. Sliding-window cases also poison every key
+that no query sees and point the blocks wholly before the window at a NaN null block, as the
+engine does once it frees them.
 """
 from __future__ import annotations
 
@@ -58,21 +60,48 @@ def _slots(block_ids: torch.Tensor, block_size: int, n: int) -> torch.Tensor:
     return (block_ids.long()[:, None] * block_size + torch.arange(block_size)).flatten()[:n]
 
 
-def _reference(q: torch.Tensor, kv: PagedKV, seq: int, scale: float) -> torch.Tensor:
-    """Dense float64 causal attention of q [Q, Hq, D], the last Q positions of sequence seq."""
+def _reference(q: torch.Tensor, kv: PagedKV, seq: int, scale: float,
+               window: int = 0) -> torch.Tensor:
+    """Dense float64 causal attention of q [Q, Hq, D], the last Q positions of sequence seq;
+    window > 0 keeps keys k > p - window of the query at p (transformers' sliding_window)."""
     n = int(kv.seq_lens[seq])
-    table = kv.block_tables[seq].cpu()
-    slots = _slots(table[: math.ceil(n / kv.block_size)], kv.block_size, n)
+    lo = _first_seen_key(n - q.shape[0], window)
+    keys = torch.arange(lo, n)
+    table = kv.block_tables[seq].cpu().long()
+    slots = table[keys // kv.block_size] * kv.block_size + keys % kv.block_size
     k = kv.k_cache.cpu()[slots].double()
     v = kv.v_cache.cpu()[slots].double()
     group = q.shape[1] // k.shape[1]
-    k = k.repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, n, D]
+    k = k.repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, n - lo, D]
     v = v.repeat_interleave(group, dim=1).transpose(0, 1)
     qh = q.cpu().double().transpose(0, 1)  # [Hq, Q, D]
     scores = qh @ k.transpose(1, 2) * scale
     pos = torch.arange(n - q.shape[0], n)[:, None]
-    scores = scores.masked_fill(torch.arange(n)[None, :] > pos, float("-inf"))
+    hidden = keys[None, :] > pos
+    if window:
+        hidden |= keys[None, :] <= pos - window
+    scores = scores.masked_fill(hidden, float("-inf"))
     return (scores.softmax(-1) @ v).transpose(0, 1)
+
+
+def _first_seen_key(first_pos: int, window: int) -> int:
+    return max(0, first_pos - window + 1) if window else 0
+
+
+def _drop_out_of_window(kv: PagedKV, first_positions: list[int], window: int) -> None:
+    """What a windowed sequence's cache looks like once the engine freed the blocks behind its
+    window: keys no query sees hold NaN, and table entries of blocks wholly before the window
+    point at the null block, which holds NaN too."""
+    kv.k_cache[:kv.block_size] = float("nan")
+    kv.v_cache[:kv.block_size] = float("nan")
+    for seq, first_pos in enumerate(first_positions):
+        lo = _first_seen_key(first_pos, window)
+        table = kv.block_tables[seq]
+        keys = torch.arange(lo, device=table.device)
+        slots = table[keys // kv.block_size].long() * kv.block_size + keys % kv.block_size
+        kv.k_cache[slots] = float("nan")
+        kv.v_cache[slots] = float("nan")
+        table[: lo // kv.block_size] = 0
 
 
 def _strided_q(tokens: int, q_heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
@@ -134,6 +163,35 @@ def test_decode_new_lengths_same_shapes():
         _assert_close(out, ref, torch.float32)
 
 
+# (block_size, window, num_splits, dtype): windows of 1 key, inside a block, exactly a block,
+# several blocks, past the longest sequence; tiles (32 keys interpreted) across and inside blocks.
+WINDOW_DECODE_CASES = [
+    (16, 1, 1, torch.float32),
+    (16, 5, 4, torch.float32),
+    (16, 16, 2, torch.float32),
+    (16, 50, 1, torch.float32),
+    (16, 50, 4, torch.float32),
+    (64, 40, 4, torch.float32),
+    (64, 100, 2, torch.bfloat16),
+    (16, 1000, 4, torch.float32),
+]
+
+
+@pytest.mark.parametrize("block_size,window,num_splits,dtype", WINDOW_DECODE_CASES)
+def test_decode_sliding_window(block_size, window, num_splits, dtype):
+    gen = torch.Generator().manual_seed(window * 131 + block_size + num_splits)
+    seq_lens = [1, 17, 32, 100, 257, 64]
+    kv = _paged_kv(seq_lens, 2, 32, block_size, dtype, gen)
+    _drop_out_of_window(kv, [n - 1 for n in seq_lens], window)
+    q = _strided_q(len(seq_lens), 8, 2, 32, dtype, gen)
+    out = torch.full(q.shape, float("nan"), dtype=dtype, device=DEVICE)
+    paged_decode_attention(q, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens, block_size,
+                           0.2, num_splits, out=out, window=window)
+    ref = torch.stack([_reference(q[b:b + 1], kv, b, 0.2, window)[0]
+                       for b in range(len(seq_lens))])
+    _assert_close(out, ref, dtype)
+
+
 # (Hq, Hk, head_dim, block_size, dtype)
 PREFILL_CASES = [
     (8, 2, 32, 16, torch.float32),
@@ -166,6 +224,52 @@ def test_prefill_matches_reference(q_heads, kv_heads, head_dim, block_size, dtyp
     ref = torch.cat([_reference(q[starts[i]:starts[i + 1]], kv, i, scale)
                      for i in range(len(chunks))])
     _assert_close(out, ref, dtype)
+
+
+# (block_size, window, dtype): 16-key blocks are gathered, 32-key ones (the interpreted tile)
+# arrive whole, as bulk copies do on the GPU.
+WINDOW_PREFILL_CASES = [
+    (16, 1, torch.float32),
+    (16, 5, torch.float32),
+    (32, 16, torch.float32),
+    (16, 16, torch.float32),
+    (32, 45, torch.float32),
+    (16, 45, torch.bfloat16),
+    (32, 1000, torch.float32),
+]
+
+
+@pytest.mark.parametrize("block_size,window,dtype", WINDOW_PREFILL_CASES)
+def test_prefill_sliding_window(block_size, window, dtype):
+    gen = torch.Generator().manual_seed(window * 7 + block_size)
+    # (cached prefix, new tokens): a fresh prompt, chunks after a prefix longer and shorter
+    # than the window, one new token, query tiles that start mid key tile.
+    chunks = [(0, 70), (5, 1), (40, 70), (100, 16), (33, 20), (14, 40), (90, 3)]
+    seq_lens = [p + n for p, n in chunks]
+    kv = _paged_kv(seq_lens, 2, 32, block_size, dtype, gen)
+    _drop_out_of_window(kv, [p for p, _ in chunks], window)
+    starts = [0]
+    for _, n in chunks:
+        starts.append(starts[-1] + n)
+    q = _strided_q(starts[-1], 4, 2, 32, dtype, gen)
+    out = torch.full(q.shape, float("nan"), dtype=dtype, device=DEVICE)
+    query_starts = torch.tensor(starts, dtype=torch.int32, device=DEVICE)
+    paged_prefill_attention(q, kv.k_cache, kv.v_cache, kv.block_tables, query_starts,
+                            kv.seq_lens, 70, block_size, 0.2, out=out, window=window)
+    ref = torch.cat([_reference(q[starts[i]:starts[i + 1]], kv, i, 0.2, window)
+                     for i in range(len(chunks))])
+    _assert_close(out, ref, dtype)
+
+
+def test_window_must_be_a_non_negative_int():
+    cache = torch.empty(64, 2, 32, device="meta")
+    tables = torch.empty(2, 4, dtype=torch.int32, device="meta")
+    lens = torch.empty(2, dtype=torch.int32, device="meta")
+    q = torch.empty(2, 4, 32, device="meta")
+    with pytest.raises(ValueError, match="window"):
+        paged_decode_attention(q, cache, cache, tables, lens, 16, 0.1, 1, window=-1)
+    with pytest.raises(ValueError, match="window"):
+        paged_prefill_attention(q, cache, cache, tables, lens, lens, 1, 16, 0.1, window=-4)
 
 
 def test_choose_num_splits():
@@ -201,11 +305,14 @@ def test_launchers_never_read_tensor_values(monkeypatch):
     tables = torch.empty(5, 4, dtype=torch.int32, **meta)
     lens = torch.empty(5, dtype=torch.int32, **meta)
     q = torch.empty(5, 8, 32, **meta)
-    paged_decode_attention(q, cache, cache, tables, lens, 16, 0.1, 8)
-    assert split.grids == [(5, 2, 8)] and merge.grids == [(5, 8)]
+    for window in (0, 64):
+        paged_decode_attention(q, cache, cache, tables, lens, 16, 0.1, 8, window=window)
+    assert split.grids == [(5, 2, 8)] * 2 and merge.grids == [(5, 8)] * 2
     q = torch.empty(40, 8, 32, **meta)
     starts = torch.empty(6, dtype=torch.int32, **meta)
     block_m = prefill_attention._config(32, torch.float32).block_m
     for block_size in (16, 256):  # tiles gathered by slot, and (where supported) bulk copies
-        paged_prefill_attention(q, cache, cache, tables, starts, lens, 20, block_size, 0.1)
-    assert prefill.grids == [(8, 5, math.ceil(20 / block_m))] * 2
+        for window in (0, 64):
+            paged_prefill_attention(q, cache, cache, tables, starts, lens, 20, block_size, 0.1,
+                                    window=window)
+    assert prefill.grids == [(8, 5, math.ceil(20 / block_m))] * 4

@@ -6,8 +6,14 @@ per KV head instead of once per query head. Each split walks a contiguous run of
 tiles, gathered through the block table, with an fp32 online softmax, and leaves a partial
 output and its log-sum-exp. Stage 2 merges the splits of each (sequence, query head).
 
-The launch is CUDA-graph safe: grid sizes and constexprs depend on shapes and num_splits only;
-how the context is cut into splits is computed inside the kernel from seq_lens.
+Sliding window (window W > 0): the query at position p sees keys p - W < k <= p only. The
+splits share out the window's tiles alone, so a long windowed sequence costs what its window
+costs, and tiles wholly before the window are never loaded: their table entries may point at
+the null block (block 0, junk), since the engine frees blocks that fall out of the window.
+
+The launch is CUDA-graph safe: grid sizes and constexprs depend on shapes, num_splits and
+whether a window is set; how the context is cut into splits is computed inside the kernel from
+seq_lens.
 """
 from __future__ import annotations
 
@@ -32,16 +38,20 @@ _MAX_SPLITS = 32
 _MIN_TOKENS_PER_SPLIT = 128
 
 
-def choose_num_splits(batch: int, kv_heads: int, max_seq_len: int, num_sms: int = 132) -> int:
-    """How many splits fill the GPU: about two programs per SM, a power of two <= 32.
+def choose_num_splits(batch: int, kv_heads: int, max_seq_len: int, num_sms: int = 132,
+                      programs_per_sm: int = 2,
+                      min_tokens_per_split: int = _MIN_TOKENS_PER_SPLIT) -> int:
+    """How many splits fill the GPU: about programs_per_sm programs per SM, a power of two
+    <= 32.
 
     1 when batch * kv_heads programs already occupy every SM; fewer splits for short contexts.
+    With a sliding window, max_seq_len is the window's length (the splits share out only it).
     """
     programs = max(1, batch * kv_heads)
     if programs >= num_sms:
         return 1
-    wanted = triton.next_power_of_2(triton.cdiv(2 * num_sms, programs))
-    by_length = max(1, max_seq_len // _MIN_TOKENS_PER_SPLIT)
+    wanted = triton.next_power_of_2(triton.cdiv(programs_per_sm * num_sms, programs))
+    by_length = max(1, max_seq_len // min_tokens_per_split)
     by_length = 1 << (by_length.bit_length() - 1)  # round down to a power of two
     return max(1, min(wanted, by_length, _MAX_SPLITS))
 
@@ -52,9 +62,10 @@ def _decode_split_kernel(
     stride_qb, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_bt,
     stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
     qk_scale,  # softmax scale * log2(e): the kernel works in base 2
+    window,  # keys the query sees, itself included; read only when SLIDING
     GROUP: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
-    PDL: tl.constexpr,
+    SLIDING: tl.constexpr, PDL: tl.constexpr,
 ):
     if PDL:  # let the next kernel launch now; wait for the one ahead (see pdl.py)
         gdc_launch_dependents()
@@ -64,9 +75,8 @@ def _decode_split_kernel(
     split = tl.program_id(2)
     seq_len = tl.load(SeqLens + b)
     num_tiles = tl.cdiv(seq_len, BLOCK_N)
-    tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
-    tile_lo = split * tiles_per_split
-    tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
+    tile_lo, tile_hi, key_lo = split_tiles(seq_len, num_tiles, split, window, BLOCK_N,
+                                           NUM_SPLITS, SLIDING)
 
     rows = tl.arange(0, ROWS)
     row_ok = rows < GROUP
@@ -84,6 +94,8 @@ def _decode_split_kernel(
     for tile in range(tile_lo, tile_hi):
         offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
         valid = offs_n < seq_len
+        if SLIDING:  # keys before the window may sit in the null block: never load them
+            valid = valid & (offs_n >= key_lo)
         slots = tile_slots(table, tile * BLOCK_N, offs_n, valid, BLOCK_N, BLOCK_SIZE)
         k = tl.load(k_base + slots[:, None] * stride_kt + offs_d[None, :],
                     mask=valid[:, None], other=0.0)
@@ -107,6 +119,25 @@ def _decode_split_kernel(
     tl.store(out, acc.to(Out.dtype.element_ty), mask=row_ok[:, None])
     if NUM_SPLITS > 1:
         tl.store(Lse + b * stride_lb + heads * stride_lh + split, lse, mask=row_ok)
+
+
+@triton.jit
+def split_tiles(seq_len, num_tiles, split, window, BLOCK_N: tl.constexpr,
+                NUM_SPLITS: tl.constexpr, SLIDING: tl.constexpr):
+    """This split's tiles [tile_lo, tile_hi) and the first key the query sees (key_lo).
+
+    The splits cut up the tiles from the window's first one on, so split 0 always holds the
+    tile of key_lo, a visible key (the merge relies on split 0 being non-empty).
+    """
+    first_tile = 0
+    key_lo = 0
+    if SLIDING:
+        key_lo = tl.maximum(seq_len - window, 0)
+        first_tile = key_lo // BLOCK_N
+    tiles_per_split = tl.cdiv(num_tiles - first_tile, NUM_SPLITS)
+    tile_lo = first_tile + split * tiles_per_split
+    tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
+    return tile_lo, tile_hi, key_lo
 
 
 @triton.jit
@@ -159,26 +190,29 @@ def _config(head_dim: int) -> DecodeConfig:
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int,
-                           scale: float, num_splits: int,
-                           out: torch.Tensor | None = None) -> torch.Tensor:
+                           scale: float, num_splits: int, out: torch.Tensor | None = None,
+                           window: int = 0) -> torch.Tensor:
     """Attention of one query token per sequence over its paged context.
 
     q [B, Hq, D] (last dim contiguous), k_cache/v_cache [num_slots, Hk, D], block_tables int32
-    [B, max_blocks], seq_lens int32 [B] (>= 1). Returns out [B, Hq, D] in q's dtype.
+    [B, max_blocks], seq_lens int32 [B] (>= 1). window > 0 limits the query to its last
+    `window` keys (itself included); 0 attends to the whole context. Returns out [B, Hq, D] in
+    q's dtype.
     """
     return launch_decode(q, k_cache, v_cache, block_tables, seq_lens, block_size, scale,
-                         num_splits, out, _config(q.shape[-1]))
+                         num_splits, out, _config(q.shape[-1]), window=window)
 
 
 def launch_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int,
                   scale: float, num_splits: int, out: torch.Tensor | None,
-                  cfg: DecodeConfig) -> torch.Tensor:
+                  cfg: DecodeConfig, window: int = 0) -> torch.Tensor:
     """paged_decode_attention with an explicit tile config (for tuning)."""
     batch, q_heads, head_dim = q.shape
     kv_heads = k_cache.shape[1]
     group = q_heads // kv_heads
     _check(q, k_cache, v_cache, block_tables, num_splits, q_heads, kv_heads, out)
+    check_window(window)
     if out is None:
         out = torch.empty((batch, q_heads, head_dim), dtype=q.dtype, device=q.device)
     if batch == 0:
@@ -197,19 +231,28 @@ def launch_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         q, k_cache, v_cache, block_tables, seq_lens, partial, lse,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1), block_tables.stride(0),
-        *part_strides, *lse_strides, scale * _LOG2E,
+        *part_strides, *lse_strides, scale * _LOG2E, window,
         GROUP=group, ROWS=max(_MIN_ROWS, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK_N=cfg.block_n, BLOCK_SIZE=block_size, NUM_SPLITS=num_splits,
         # Exact fp32 products for fp32 inputs (the default would round them to tf32).
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        SLIDING=window > 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_kwargs(q.device),
     )
     if num_splits > 1:
-        _decode_merge_kernel[(batch, q_heads)](
-            partial, lse, out, *part_strides, *lse_strides, out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, NUM_SPLITS=num_splits, num_warps=1, **launch_kwargs(q.device),
-        )
+        merge_splits(partial, lse, out)
     return out
+
+
+def merge_splits(partial: torch.Tensor, lse: torch.Tensor, out: torch.Tensor) -> None:
+    """out[b, h] = the LSE-weighted mean of partial[b, h, :] (fp32 [B, H, S, D], lse [B, H, S],
+    S a power of two, split 0 never empty); shared with the MLA decode."""
+    batch, heads, num_splits, head_dim = partial.shape
+    _decode_merge_kernel[(batch, heads)](
+        partial, lse, out, partial.stride(0), partial.stride(1), partial.stride(2),
+        lse.stride(0), lse.stride(1), out.stride(0), out.stride(1),
+        HEAD_DIM=head_dim, NUM_SPLITS=num_splits, num_warps=1, **launch_kwargs(out.device),
+    )
 
 
 def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -218,6 +261,12 @@ def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     if num_splits < 1 or num_splits & (num_splits - 1):
         raise ValueError(f"num_splits must be a power of two, got {num_splits}")
     check_layout(q, k_cache, v_cache, block_tables, q_heads, kv_heads, out)
+
+
+def check_window(window: int) -> None:
+    """window is a launch-time int (a Python value, never a tensor: no sync)."""
+    if not isinstance(window, int) or window < 0:
+        raise ValueError(f"window must be an int >= 0 (0: no window), got {window!r}")
 
 
 def check_layout(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -7,6 +7,11 @@ any mask; only the few tiles that cross the causal diagonal (or the end of the s
 for masking, and tiles wholly above it are never visited. Where a key tile lies inside one KV
 block (BLOCK_N <= block_size) on Hopper or later, K/V tiles arrive as TMA bulk copies of
 consecutive slots (about 15% faster on an H200); otherwise they are gathered slot by slot.
+
+Sliding window (window W > 0): the query at position p sees keys p - W < k <= p only. A query
+tile then visits the key tiles from the one holding its first row's first visible key on; the
+tiles every row sees whole run unmasked, the few at either edge of the band are masked. Keys
+before the tile's band are never loaded: their blocks may be the null block (junk).
 """
 from __future__ import annotations
 
@@ -19,7 +24,8 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from deepinfer.backends.cuda.kernels.decode_attention import check_layout, tile_slots
+from deepinfer.backends.cuda.kernels.decode_attention import (check_layout, check_window,
+                                                              tile_slots)
 
 _LOG2E = 1.0 / math.log(2.0)
 
@@ -51,9 +57,10 @@ def _prefill_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_bt,
     stride_ot, stride_oh,
     qk_scale,  # softmax scale * log2(e): the kernel works in base 2
+    window,  # keys each query sees, itself included; read only when SLIDING
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, USE_TMA: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, SLIDING: tl.constexpr,
 ):
     head = tl.program_id(0)
     seq = tl.program_id(1)
@@ -83,36 +90,68 @@ def _prefill_kernel(
     # Keys below full_hi are visible to every row of the tile and all lie inside seq_len.
     full_hi = (first_pos + 1) // BLOCK_N * BLOCK_N
     hi = tl.minimum(first_pos + BLOCK_M, seq_len)
-    acc, l_i, m_i = _attend(acc, l_i, m_i, q, kv, table, pos, seq_len, 0, full_hi, qk_scale,
-                            offs_d, False, BLOCK_N, BLOCK_SIZE, USE_TMA, PRECISION)
-    acc, l_i, m_i = _attend(acc, l_i, m_i, q, kv, table, pos, seq_len, full_hi, hi, qk_scale,
-                            offs_d, True, BLOCK_N, BLOCK_SIZE, USE_TMA, PRECISION)
+    if SLIDING:
+        # Row 0 sees keys from key_lo on; the last row (at hi - 1) from hi - window on: keys
+        # from full_lo to full_hi are seen by every row. Tiles before key_lo's are skipped.
+        key_lo = tl.maximum(first_pos - window + 1, 0)
+        full_lo = tl.cdiv(tl.maximum(hi - window, 0), BLOCK_N) * BLOCK_N
+        full_lo = tl.minimum(full_lo, hi)
+        full_hi = tl.maximum(full_hi, full_lo)
+        band = (pos, seq_len, key_lo, window)
+        acc, l_i, m_i = _attend(acc, l_i, m_i, q, kv, table, band, key_lo // BLOCK_N * BLOCK_N,
+                                full_lo, qk_scale, offs_d, True, True, BLOCK_N, BLOCK_SIZE,
+                                USE_TMA, PRECISION)
+        acc, l_i, m_i = _attend(acc, l_i, m_i, q, kv, table, band, full_lo, full_hi, qk_scale,
+                                offs_d, False, True, BLOCK_N, BLOCK_SIZE, USE_TMA, PRECISION)
+        acc, l_i, m_i = _attend(acc, l_i, m_i, q, kv, table, band, full_hi, hi, qk_scale,
+                                offs_d, True, True, BLOCK_N, BLOCK_SIZE, USE_TMA, PRECISION)
+    else:
+        band = (pos, seq_len, 0, 0)
+        acc, l_i, m_i = _attend(acc, l_i, m_i, q, kv, table, band, 0, full_hi, qk_scale,
+                                offs_d, False, False, BLOCK_N, BLOCK_SIZE, USE_TMA, PRECISION)
+        acc, l_i, m_i = _attend(acc, l_i, m_i, q, kv, table, band, full_hi, hi, qk_scale,
+                                offs_d, True, False, BLOCK_N, BLOCK_SIZE, USE_TMA, PRECISION)
+    if SLIDING:  # rows past the last query may see no key at all; they are not stored
+        l_i = tl.where(row_ok, l_i, 1.0)
     acc = acc / l_i[:, None]
     tl.store(Out + rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
              acc.to(Out.dtype.element_ty), mask=row_ok[:, None])
 
 
 @triton.jit
-def _attend(acc, l_i, m_i, q, kv, table, pos, seq_len, lo, hi, qk_scale, offs_d,
-            MASKED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-            USE_TMA: tl.constexpr, PRECISION: tl.constexpr):
-    """Online softmax over key tiles [lo, hi); MASKED applies the causal and length masks."""
+def _attend(acc, l_i, m_i, q, kv, table, band, lo, hi, qk_scale, offs_d,
+            MASKED: tl.constexpr, SLIDING: tl.constexpr, BLOCK_N: tl.constexpr,
+            BLOCK_SIZE: tl.constexpr, USE_TMA: tl.constexpr, PRECISION: tl.constexpr):
+    """Online softmax over key tiles [lo, hi); MASKED applies the causal and length masks, and
+    with SLIDING the window's. band: (row positions, seq_len, first key any row sees, window)."""
     k_base, v_base, k_desc, v_desc, col, stride_kt, stride_vt = kv
+    pos, seq_len, key_lo, window = band
     for start in range(lo, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         kv_ok = offs_n < seq_len
+        if SLIDING:  # keys no row sees may lie in the null block: keep their junk out
+            kv_ok = kv_ok & (offs_n >= key_lo)
         k = _kv_tile(k_base, k_desc, table, start, offs_n, kv_ok, col, stride_kt, offs_d,
                      MASKED, BLOCK_N, BLOCK_SIZE, USE_TMA)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
         if MASKED:
-            s = tl.where(offs_n[None, :] <= pos[:, None], s * qk_scale, float("-inf"))
+            seen = offs_n[None, :] <= pos[:, None]
+            if SLIDING:
+                seen = seen & (offs_n[None, :] > pos[:, None] - window)
+            s = tl.where(seen, s * qk_scale, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
-            s = s - m_new[:, None]
+            m_ref = m_new
+            if SLIDING:
+                # A row may have seen no key yet (its band starts further on): subtract 0
+                # rather than -inf, so that exp2 gives 0, not NaN.
+                m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+            s = s - m_ref[:, None]
         else:
             m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+            m_ref = m_new
             s = s * qk_scale - m_new[:, None]
         p = tl.math.exp2(s)
-        alpha = tl.math.exp2(m_i - m_new)
+        alpha = tl.math.exp2(m_i - m_ref)
         l_i = l_i * alpha + tl.sum(p, 1)
         v = _kv_tile(v_base, v_desc, table, start, offs_n, kv_ok, col, stride_vt, offs_d,
                      MASKED, BLOCK_N, BLOCK_SIZE, USE_TMA)
@@ -149,25 +188,29 @@ def _kv_tile(base, desc, table, start, offs_n, kv_ok, col, stride_t, offs_d,
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, query_starts: torch.Tensor,
                             seq_lens: torch.Tensor, max_query_len: int, block_size: int,
-                            scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
+                            scale: float, out: torch.Tensor | None = None,
+                            window: int = 0) -> torch.Tensor:
     """Causal attention of packed new tokens over their sequences' paged K/V.
 
     q [T, Hq, D] (last dim contiguous); k_cache/v_cache [num_slots, Hk, D] already hold every
     token's K/V, new ones included; block_tables int32 [N, max_blocks]; query_starts int32
-    [N + 1] cumulative; seq_lens int32 [N] (cached prefix + new tokens). Returns [T, Hq, D].
+    [N + 1] cumulative; seq_lens int32 [N] (cached prefix + new tokens). window > 0 limits each
+    query to its last `window` keys (itself included); 0 is plain causal. Returns [T, Hq, D].
     """
     return launch_prefill(q, k_cache, v_cache, block_tables, query_starts, seq_lens,
-                          max_query_len, block_size, scale, out, _config(q.shape[-1], q.dtype))
+                          max_query_len, block_size, scale, out, _config(q.shape[-1], q.dtype),
+                          window=window)
 
 
 def launch_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                    block_tables: torch.Tensor, query_starts: torch.Tensor, seq_lens: torch.Tensor,
                    max_query_len: int, block_size: int, scale: float, out: torch.Tensor | None,
-                   cfg: PrefillConfig) -> torch.Tensor:
+                   cfg: PrefillConfig, window: int = 0) -> torch.Tensor:
     """paged_prefill_attention with an explicit tile config (for tuning)."""
     tokens, q_heads, head_dim = q.shape
     kv_heads = k_cache.shape[1]
     check_layout(q, k_cache, v_cache, block_tables, q_heads, kv_heads, out)
+    check_window(window)
     if out is None:
         out = torch.empty((tokens, q_heads, head_dim), dtype=q.dtype, device=q.device)
     num_seqs = seq_lens.shape[0]
@@ -182,12 +225,12 @@ def launch_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         q, k_cache, v_cache, k_desc, v_desc, block_tables, query_starts, seq_lens, out,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1), block_tables.stride(0),
-        out.stride(0), out.stride(1), scale * _LOG2E,
+        out.stride(0), out.stride(1), scale * _LOG2E, window,
         GROUP=q_heads // kv_heads, HEAD_DIM=head_dim, BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n, BLOCK_SIZE=block_size, USE_TMA=use_tma,
         # Exact fp32 products for fp32 inputs (the default would round them to tf32).
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        SLIDING=window > 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
 
