@@ -1,12 +1,15 @@
 """The example third-party plugin (examples/plugin), when installed, is discovered through its
-entry point and passes the conformance suite. CI installs it with `pip install ./examples/plugin`."""
+entry point and passes the conformance suite on every KV shape. CI installs it with
+`pip install ./examples/plugin`."""
 import importlib.metadata
 
 import pytest
 
+from deepinfer.backends.cpu.accelerator import CPUAccelerator
+from deepinfer.core.accelerator import Accelerator
 from deepinfer.core.config import ENV_ACCELERATOR
 from deepinfer.core.plugins import describe, load_plugins, select_accelerator
-from deepinfer.testing.conformance import run_conformance
+from deepinfer.testing.conformance import KV_SHAPES, run_conformance
 
 try:
     importlib.metadata.distribution("deepinfer-example-plugin")
@@ -25,4 +28,8 @@ def test_example_plugin_is_discovered_and_never_wins_the_probe(monkeypatch):
 
 
 def test_example_plugin_passes_conformance(tmp_path):
-    run_conformance(select_accelerator(load_plugins(), "example"), str(tmp_path))
+    backend = select_accelerator(load_plugins(), "example")
+    # Written as a third-party backend is: on the public Accelerator and runner, not by
+    # subclassing a built-in backend.
+    assert issubclass(backend, Accelerator) and not issubclass(backend, CPUAccelerator)
+    run_conformance(backend, str(tmp_path), shapes=KV_SHAPES)

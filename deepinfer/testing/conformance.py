@@ -1,52 +1,92 @@
 """Conformance suite a backend author runs against their Accelerator.
 
 It drives the backend only through the Accelerator API with hand-built ModelBatch objects (the
-way the scheduler would) on a tiny random-weight llama checkpoint, and compares the greedy tokens
-with transformers' own `generate` on each prompt alone. Two ways to run it:
+way the scheduler would) and compares the greedy tokens with transformers' own `generate` on
+each prompt alone. Every check runs on three tiny random-weight checkpoints, one per *KV shape*
+a model can declare in its KV spec (deepinfer.core.kv.spec):
+
+    kv       llama: two cache entries per layer, K and V
+    latent   dense DeepSeek-V3: one MLA latent entry per layer
+    window   Mistral with a 6-token sliding window: a windowed KV group whose block tables
+             hold the null block where the engine freed the blocks that fell out of the window
+
+Two ways to run it:
 
     run_conformance(MyAccelerator, workdir)          # raises AssertionError naming the check
 
-    class TestMyBackend(AcceleratorConformance):     # pytest: one test per check
+    class TestMyBackend(AcceleratorConformance):     # pytest: one test per check and shape
         accelerator_cls = MyAccelerator
+        kv_shapes = ("kv", "window")                 # optional: shapes it does not run
+
+A backend that does not run a shape fails with a message naming it, unless it opts the shape
+out (kv_shapes above; run_conformance(..., shapes=...)).
 """
 from __future__ import annotations
 
 import math
+import os
 import random
 import shutil
 import tempfile
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
-from deepinfer.core.accelerator import Accelerator, Capabilities
+from deepinfer.core.accelerator import Accelerator, Capabilities, ModelInfo
 from deepinfer.core.batch import GroupBatch, ModelBatch, SamplingRow
 from deepinfer.core.config import CacheConfig, ModelSpec
+from deepinfer.core.kv.spec import KVSpec
 from deepinfer.core.sampling import SamplingParams
 
 BLOCK_SIZE = 4
+NULL_BLOCK = 0
 MIN_KV_BLOCKS = 32  # the checks below use about 20 blocks
 DECODE_STEPS = 8
 VOCAB = 128
+# The window shape's sliding window: shorter than every prompt, so prefills and decodes cross
+# it and whole blocks fall out of it (BLOCK_SIZE 4; sequences of 7 to 21 tokens).
+WINDOW = 6
 # Reference paths whose top-1 and top-2 logits are closer than this are rejected (another seed is
 # tried), so an honest backend never fails on a float32 rounding tie.
 MIN_MARGIN = 1e-3
 PROMPT_A_LEN, PROMPT_B_LEN, SHARED_PREFIX_LEN = 7, 10, 8
 
+KV_SHAPES = ("kv", "latent", "window")
+SHAPE_DESCRIPTIONS = {
+    "kv": "llama, two cache entries per layer (K and V)",
+    "latent": "dense DeepSeek-V3, one MLA latent entry per layer",
+    "window": f"Mistral, a KV group with a {WINDOW}-token sliding window",
+}
+
 
 @dataclass
 class Seq:
-    """One sequence as a scheduler tracks it: tokens, its block table, tokens already in KV."""
+    """One sequence as a scheduler tracks it: tokens, its blocks, tokens already in KV.
+
+    `blocks` are its pages in order; every KV group uses the same ids (each group has its own
+    pool of blocks). `windows` holds each KV group's sliding window (None: full attention), as
+    the loaded model's KV spec declares them; build_batch turns them into per-group tables."""
 
     name: str
     prompt: list[int]
     blocks: list[int]
     outputs: list[int] = field(default_factory=list)
     computed: int = 0
+    windows: tuple[int | None, ...] = (None,)
 
     @property
     def tokens(self) -> list[int]:
         return self.prompt + self.outputs
+
+    def table(self, window: int | None, end: int, block_size: int = BLOCK_SIZE) -> list[int]:
+        """The block table of a group with `window` for a step that ends at token `end`, as the
+        engine hands it over: a windowed group freed the pages wholly before the first new
+        token's window (KVCacheManager.free_out_of_window), and they read as the null block."""
+        table = self.blocks[:math.ceil(end / block_size)]
+        if window is None:
+            return table
+        first_visible = max(0, self.computed - window + 1) // block_size
+        return [NULL_BLOCK] * first_visible + table[first_visible:]
 
 
 @dataclass(frozen=True)
@@ -60,28 +100,42 @@ class Chunk:
 
 class BlockPool:
     """Hands out block ids in a shuffled order, so block tables are never contiguous and block 0
-    (the null block) is never used, as with a real block manager after some churn."""
+    (the null block) is never used, as with a real block manager after some churn. `windows`
+    are the KV groups' sliding windows, given to the sequences it makes."""
 
-    def __init__(self, num_blocks: int, seed: int = 0) -> None:
+    def __init__(self, num_blocks: int, seed: int = 0,
+                 windows: tuple[int | None, ...] = (None,)) -> None:
         self.free = list(range(1, num_blocks))
         random.Random(seed).shuffle(self.free)
+        self.windows = windows
 
     def take(self, num_tokens: int) -> list[int]:
         count = math.ceil(num_tokens / BLOCK_SIZE)
+        if count > len(self.free):
+            raise RuntimeError(f"the pool has {len(self.free)} free blocks, {count} asked for")
         taken, self.free = self.free[:count], self.free[count:]
         return taken
 
 
 def build_batch(chunks: list[Chunk], block_size: int = BLOCK_SIZE) -> ModelBatch:
-    input_ids, positions, slots, tables, sample_indices, rows = [], [], [], [], [], []
+    """The ModelBatch the scheduler would build: one GroupBatch per KV group (the sequences'
+    `windows`), each with its own tables and slots."""
+    windows = chunks[0].seq.windows if chunks else (None,)
+    if any(c.seq.windows != windows for c in chunks):
+        raise ValueError("the sequences of one batch disagree on the KV groups' windows")
+    input_ids, positions, sample_indices, rows = [], [], [], []
+    tables: list[list[list[int]]] = [[] for _ in windows]
+    slots: list[list[int]] = [[] for _ in windows]
     for index, chunk in enumerate(chunks):
         seq, start = chunk.seq, chunk.seq.computed
         end = start + chunk.num_tokens
         input_ids += seq.tokens[start:end]
         positions += list(range(start, end))
-        slots += [seq.blocks[p // block_size] * block_size + p % block_size
-                  for p in range(start, end)]
-        tables.append(seq.blocks[:math.ceil(end / block_size)])
+        for g, window in enumerate(windows):
+            table = seq.table(window, end, block_size)
+            tables[g].append(table)
+            slots[g] += [table[p // block_size] * block_size + p % block_size
+                         for p in range(start, end)]
         if chunk.sample:
             sample_indices.append(index)
             rows.append(SamplingRow(
@@ -92,7 +146,7 @@ def build_batch(chunks: list[Chunk], block_size: int = BLOCK_SIZE) -> ModelBatch
         input_ids=input_ids, positions=positions,
         query_lens=[c.num_tokens for c in chunks],
         seq_lens=[c.seq.computed + c.num_tokens for c in chunks],
-        groups=(GroupBatch(tables, slots),), block_size=block_size,
+        groups=tuple(GroupBatch(t, s) for t, s in zip(tables, slots)), block_size=block_size,
         sample_indices=sample_indices, sampling=rows)
 
 
@@ -117,52 +171,117 @@ def decode(accelerator: Accelerator, seqs: list[Seq], until: int = DECODE_STEPS)
         run_step(accelerator, [Chunk(s) for s in seqs if len(s.outputs) < until])
 
 
-class ConformanceSuite:
-    """Makes the checkpoint and transformers' reference tokens once; each check then runs on a
-    freshly loaded accelerator."""
+# ---- the reference checkpoints -------------------------------------------------------------
+def _reference_model(shape: str, seed: int) -> Any:
+    """A tiny random-weight transformers model of the shape (float32, no special tokens)."""
+    import torch
+    import transformers
 
-    def __init__(self, accelerator_cls: type[Accelerator], workdir: str) -> None:
+    # Larger weights than the default init (0.02): attention far from uniform and logits that
+    # move, so a subtle error (a position off by one, keys read outside a window) changes the
+    # greedy tokens instead of averaging out.
+    common = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  intermediate_size=128, vocab_size=VOCAB, max_position_embeddings=256,
+                  initializer_range=0.1, dtype="float32", bos_token_id=None, eos_token_id=None,
+                  pad_token_id=None)
+    if shape == "kv":
+        config = transformers.LlamaConfig(num_key_value_heads=2, **common)
+        model_cls = transformers.LlamaForCausalLM
+    elif shape == "latent":
+        # Every layer dense (first_k_dense_replace = num_hidden_layers): no MoE.
+        config = transformers.DeepseekV3Config(
+            num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16,
+            qk_rope_head_dim=8, v_head_dim=16, first_k_dense_replace=2, **common)
+        model_cls = transformers.DeepseekV3ForCausalLM
+    elif shape == "window":
+        config = transformers.MistralConfig(num_key_value_heads=2, sliding_window=WINDOW,
+                                            **common)
+        model_cls = transformers.MistralForCausalLM
+    else:
+        raise ValueError(f"unknown KV shape {shape!r}; the shapes are {', '.join(KV_SHAPES)}")
+    torch.manual_seed(seed)
+    return model_cls(config).eval()
+
+
+# (shape, prompts) -> (model, expected tokens per prompt). The reference depends on nothing
+# else, so a process running the suite several times (several backends, broken ones in the
+# suite's own tests) searches seeds and runs transformers' generate once per shape.
+_REFERENCES: dict[tuple[str, tuple[tuple[int, ...], ...]], tuple[Any, dict[str, list[int]]]] = {}
+
+
+def _reference(shape: str, prompts: dict[str, list[int]]) -> tuple[Any, dict[str, list[int]]]:
+    import torch
+
+    key = (shape, tuple(tuple(p) for p in prompts.values()))
+    if key in _REFERENCES:
+        return _REFERENCES[key]
+    for seed in range(32):
+        model = _reference_model(shape, seed)
+        expected, margin = {}, math.inf
+        with torch.no_grad():
+            for name, prompt in prompts.items():
+                ids = torch.tensor([prompt])
+                out = model.generate(
+                    ids, attention_mask=torch.ones_like(ids), max_new_tokens=DECODE_STEPS,
+                    min_new_tokens=DECODE_STEPS, do_sample=False, pad_token_id=0,
+                    output_logits=True, return_dict_in_generate=True)
+                expected[name] = out.sequences[0, len(prompt):].tolist()
+                top2 = torch.stack(out.logits).float().topk(2, dim=-1).values
+                margin = min(margin, float((top2[..., 0] - top2[..., 1]).min()))
+        if margin >= MIN_MARGIN:
+            _REFERENCES[key] = model, expected
+            return model, expected
+    raise RuntimeError(f"{shape}: no seed gave a reference path without near-ties")
+
+
+class ConformanceSuite:
+    """Makes each shape's checkpoint and transformers' reference tokens once, when a check of
+    that shape first needs them; each check then runs on a freshly loaded accelerator."""
+
+    CHECKS = {"batched greedy decode": "check_batched_greedy",
+              "chunked prefill": "check_chunked_prefill",
+              "prefix reuse": "check_prefix_reuse",
+              "host page copy": "check_host_page_copy",
+              "shutdown is idempotent": "check_shutdown_idempotent"}
+
+    def __init__(self, accelerator_cls: type[Accelerator], workdir: str,
+                 shapes: Sequence[str] = KV_SHAPES) -> None:
+        unknown = [s for s in shapes if s not in KV_SHAPES]
+        if unknown:
+            raise ValueError(f"unknown KV shapes {unknown}; the shapes are {', '.join(KV_SHAPES)}")
         self.accelerator_cls = accelerator_cls
         self.workdir = workdir
+        self.shapes = tuple(shapes)
         rng = random.Random(1)
         self.prompts = {"A": [rng.randrange(3, VOCAB) for _ in range(PROMPT_A_LEN)],
                         "B": [rng.randrange(3, VOCAB) for _ in range(PROMPT_B_LEN)]}
         self.prompts["C"] = self.prompts["B"][:SHARED_PREFIX_LEN] + [
             rng.randrange(3, VOCAB) for _ in range(5)]
-        self.expected = self._make_checkpoint()
+        self.expected: dict[str, dict[str, list[int]]] = {}  # shape -> prompt -> tokens
 
-    def _make_checkpoint(self) -> dict[str, list[int]]:
-        import torch
-        from transformers import LlamaConfig, LlamaForCausalLM
+    def checkpoint(self, shape: str) -> str:
+        """The folder of the shape's checkpoint, written on first use."""
+        path = os.path.join(self.workdir, shape)
+        if shape not in self.expected:
+            model, expected = _reference(shape, self.prompts)
+            model.save_pretrained(path)
+            self.expected[shape] = expected
+        return path
 
-        config = LlamaConfig(
-            hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-            intermediate_size=128, vocab_size=VOCAB, max_position_embeddings=256,
-            dtype="float32", bos_token_id=None, eos_token_id=None, pad_token_id=None)
-        for seed in range(32):
-            torch.manual_seed(seed)
-            model = LlamaForCausalLM(config).eval()
-            expected, margin = {}, math.inf
-            for name, prompt in self.prompts.items():
-                ids = torch.tensor([prompt])
-                out = model.generate(
-                    ids, attention_mask=torch.ones_like(ids), max_new_tokens=DECODE_STEPS,
-                    do_sample=False, pad_token_id=0, output_scores=True,
-                    return_dict_in_generate=True)
-                expected[name] = out.sequences[0, len(prompt):].tolist()
-                top2 = torch.stack(out.scores).topk(2, dim=-1).values
-                margin = min(margin, float((top2[..., 0] - top2[..., 1]).min()))
-            if margin >= MIN_MARGIN:
-                model.save_pretrained(self.workdir)
-                return expected
-        raise RuntimeError("no seed gave a reference path without near-ties")
+    def _shape(self, shape: str | None) -> str:
+        return self.shapes[0] if shape is None else shape
 
     @contextmanager
-    def loaded(self) -> Iterator[tuple[Accelerator, BlockPool]]:
+    def loaded(self, shape: str | None = None) -> Iterator[tuple[Accelerator, BlockPool]]:
+        """A fresh accelerator with the shape's checkpoint (default: the suite's first shape)
+        loaded and a KV pool allocated, and a BlockPool whose sequences follow its KV spec."""
+        shape = self._shape(shape)
+        path = self.checkpoint(shape)
         accelerator = self.accelerator_cls()
         accelerator.init_device()
         try:
-            accelerator.load_model(ModelSpec(self.workdir, dtype="float32"))
+            info = accelerator.load_model(ModelSpec(path, dtype="float32"))
+            spec = _check_model_info(info)
             # A tiny model needs a tiny pool on any backend (a GPU's default fraction would
             # allocate tens of gigabytes per check).
             num_blocks = accelerator.num_kv_blocks(CacheConfig(
@@ -171,131 +290,195 @@ class ConformanceSuite:
                 f"num_kv_blocks gave {num_blocks!r} for 10 MB of a tiny model; "
                 f"need an int >= {MIN_KV_BLOCKS}")
             accelerator.allocate_kv_cache(num_blocks, block_size=BLOCK_SIZE)
-            yield accelerator, BlockPool(num_blocks)
+            # The engine builds its block tables from the KV spec the backend reports.
+            windows = tuple(g.sliding_window for g in spec.groups)
+            yield accelerator, BlockPool(num_blocks, windows=windows)
         finally:
             accelerator.shutdown()
 
     def new_seq(self, pool: BlockPool, name: str) -> Seq:
         prompt = self.prompts[name]
-        return Seq(name, list(prompt), pool.take(len(prompt) + DECODE_STEPS))
+        return Seq(name, list(prompt), pool.take(len(prompt) + DECODE_STEPS),
+                   windows=pool.windows)
 
-    def assert_matches(self, check: str, *seqs: Seq) -> None:
+    def assert_matches(self, check: str, shape: str, *seqs: Seq) -> None:
         for seq in seqs:
-            want = self.expected[seq.name][:len(seq.outputs)]
+            want = self.expected[shape][seq.name][:len(seq.outputs)]
             assert seq.outputs == want, (
                 f"{check}: prompt {seq.name} {seq.prompt} generated {seq.outputs}, "
                 f"transformers greedy generate gives {want}")
 
+    # ---- the checks ------------------------------------------------------------------------
     def check_probe(self) -> None:
         available = self.accelerator_cls.is_available()
         assert isinstance(available, bool), f"is_available() returned {available!r}, not a bool"
         caps = self.accelerator_cls().capabilities
         assert isinstance(caps, Capabilities), f"capabilities is {caps!r}, not a Capabilities"
 
-    def check_batched_greedy(self) -> None:
+    def check_batched_greedy(self, shape: str | None = None) -> None:
         """Two prompts of different lengths prefilled together, then decoded together."""
-        with self.loaded() as (acc, pool):
+        shape = self._shape(shape)
+        with self.loaded(shape) as (acc, pool):
             a, b = self.new_seq(pool, "A"), self.new_seq(pool, "B")
             run_step(acc, [Chunk(a, len(a.prompt)), Chunk(b, len(b.prompt))])
             decode(acc, [a, b])
-            self.assert_matches("batched greedy decode", a, b)
+            self.assert_matches("batched greedy decode", shape, a, b)
 
-    def check_chunked_prefill(self) -> None:
+    def check_chunked_prefill(self, shape: str | None = None) -> None:
         """B's prompt in three chunks; partial chunks are not sampled, even beside other work."""
-        with self.loaded() as (acc, pool):
+        shape = self._shape(shape)
+        with self.loaded(shape) as (acc, pool):
             a, b = self.new_seq(pool, "A"), self.new_seq(pool, "B")
             run_step(acc, [Chunk(b, 3, sample=False)])  # a step that samples nothing at all
             run_step(acc, [Chunk(a, len(a.prompt)), Chunk(b, 3, sample=False)])
             run_step(acc, [Chunk(a), Chunk(b, len(b.prompt) - 6)])
             decode(acc, [a, b])
-            self.assert_matches("chunked prefill", a, b)
+            self.assert_matches("chunked prefill", shape, a, b)
 
-    def check_prefix_reuse(self) -> None:
+    def check_prefix_reuse(self, shape: str | None = None) -> None:
         """C shares B's first two full blocks: it prefills only its suffix, beside B's decode."""
-        with self.loaded() as (acc, pool):
+        shape = self._shape(shape)
+        with self.loaded(shape) as (acc, pool):
             b = self.new_seq(pool, "B")
             run_step(acc, [Chunk(b, len(b.prompt))])
             shared = b.blocks[:SHARED_PREFIX_LEN // BLOCK_SIZE]
             c_prompt = self.prompts["C"]
             c = Seq("C", list(c_prompt), shared + pool.take(
-                len(c_prompt) + DECODE_STEPS - SHARED_PREFIX_LEN), computed=SHARED_PREFIX_LEN)
+                len(c_prompt) + DECODE_STEPS - SHARED_PREFIX_LEN), computed=SHARED_PREFIX_LEN,
+                windows=pool.windows)
             run_step(acc, [Chunk(c, len(c_prompt) - SHARED_PREFIX_LEN), Chunk(b)])
             decode(acc, [b, c])
-            self.assert_matches("prefix reuse", b, c)
+            self.assert_matches("prefix reuse", shape, b, c)
 
-    def check_host_page_copy(self) -> None:
-        """host_page_copy: B's shared blocks go to host and back into C's fresh blocks."""
+    def check_host_page_copy(self, shape: str | None = None) -> None:
+        """host_page_copy: B's shared blocks go to host and back into C's fresh blocks, in
+        every KV group."""
+        shape = self._shape(shape)
         if not self.accelerator_cls().capabilities.host_page_copy:
             return
-        with self.loaded() as (acc, pool):
+        with self.loaded(shape) as (acc, pool):
             b = self.new_seq(pool, "B")
             run_step(acc, [Chunk(b, len(b.prompt))])
             acc.allocate_host_pool(4)
             n = SHARED_PREFIX_LEN // BLOCK_SIZE
             c_prompt = self.prompts["C"]
-            c = Seq("C", c_prompt, pool.take(len(c_prompt) + DECODE_STEPS), computed=n * BLOCK_SIZE)
+            c = Seq("C", list(c_prompt), pool.take(len(c_prompt) + DECODE_STEPS),
+                    computed=n * BLOCK_SIZE, windows=pool.windows)
             for blocks, to_device in ((b.blocks[:n], False), (c.blocks[:n], True)):
-                handle = acc.copy_pages([3, 1], [blocks], to_device)  # pages out of block order
+                # pages out of block order; one list of blocks per KV group
+                handle = acc.copy_pages([3, 1], [blocks] * len(pool.windows), to_device)
                 if handle is not None:
                     handle.wait()
             run_step(acc, [Chunk(c, len(c_prompt) - SHARED_PREFIX_LEN)])
             decode(acc, [c])
-            self.assert_matches("host page copy", c)
+            self.assert_matches("host page copy", shape, c)
 
-    def check_shutdown_idempotent(self) -> None:
-        with self.loaded() as (acc, _):
+    def check_shutdown_idempotent(self, shape: str | None = None) -> None:
+        with self.loaded(shape) as (acc, _):
             acc.shutdown()  # the context manager shuts it down a second time
 
-    def checks(self) -> list[tuple[str, Callable[[], None]]]:
-        return [("probe and capabilities", self.check_probe),
-                ("batched greedy decode", self.check_batched_greedy),
-                ("chunked prefill", self.check_chunked_prefill),
-                ("prefix reuse", self.check_prefix_reuse),
-                ("host page copy", self.check_host_page_copy),
-                ("shutdown is idempotent", self.check_shutdown_idempotent)]
-
-
-def run_conformance(accelerator_cls: type[Accelerator], workdir: str) -> None:
-    """Run every check; an AssertionError names the failing check."""
-    suite = ConformanceSuite(accelerator_cls, workdir)
-    for name, check in suite.checks():
+    def run(self, check: str, shape: str | None = None) -> None:
+        """Run one check ("probe and capabilities", or a name of CHECKS on a shape). Any
+        failure is an AssertionError naming the backend, the shape and the check; an error
+        that is not an assertion (an op the backend lacks, an architecture it refuses) says
+        how to opt the shape out."""
+        backend = self.accelerator_cls.__name__
+        if check == "probe and capabilities":
+            try:
+                self.check_probe()
+            except AssertionError as exc:
+                raise AssertionError(f"{backend} failed [{check}]: {exc}") from exc
+            return
+        shape = self._shape(shape)
+        where = f"{backend} failed [{shape}: {check}] ({SHAPE_DESCRIPTIONS[shape]})"
         try:
-            check()
+            getattr(self, self.CHECKS[check])(shape)
         except AssertionError as exc:
-            raise AssertionError(f"{accelerator_cls.__name__} failed [{name}]: {exc}") from exc
+            raise AssertionError(f"{where}: {exc}") from exc
+        except Exception as exc:
+            others = tuple(s for s in self.shapes if s != shape)
+            raise AssertionError(
+                f"{where}: {type(exc).__name__}: {exc}. A backend that does not run the "
+                f"{shape!r} KV shape opts it out: kv_shapes = {others} on its "
+                f"AcceleratorConformance subclass, or run_conformance(..., shapes={others})"
+            ) from exc
+
+    def checks(self) -> list[tuple[str, Callable[[], None]]]:
+        """(name, check) pairs: the probe, then every check on each of the suite's shapes."""
+        out: list[tuple[str, Callable[[], None]]] = [
+            ("probe and capabilities", lambda: self.run("probe and capabilities"))]
+        for shape in self.shapes:
+            for check in self.CHECKS:
+                out.append((f"{shape}: {check}",
+                            lambda check=check, shape=shape: self.run(check, shape)))
+        return out
+
+
+def _check_model_info(info: Any) -> KVSpec:
+    assert isinstance(info, ModelInfo), f"load_model returned {info!r}, not a ModelInfo"
+    assert info.vocab_size == VOCAB, f"ModelInfo.vocab_size is {info.vocab_size}, not {VOCAB}"
+    longest = SHARED_PREFIX_LEN + 5 + DECODE_STEPS
+    assert info.max_model_len >= longest, (
+        f"ModelInfo.max_model_len is {info.max_model_len}; the checks need {longest}")
+    spec = info.kv_spec
+    assert isinstance(spec, KVSpec) and spec.num_groups >= 1, (
+        f"ModelInfo.kv_spec is {spec!r}, not a KVSpec with at least one KV group")
+    return spec
+
+
+def run_conformance(accelerator_cls: type[Accelerator], workdir: str,
+                    shapes: Sequence[str] = KV_SHAPES) -> None:
+    """Run every check on every shape in `shapes`; an AssertionError names the failing check
+    as "[shape: check]"."""
+    for _, check in ConformanceSuite(accelerator_cls, workdir, shapes).checks():
+        check()
 
 
 class AcceleratorConformance:
     """Subclass as `class TestX(AcceleratorConformance): accelerator_cls = X` for one pytest test
-    per check. Not named Test*, so pytest collects only the subclasses."""
+    per check and KV shape (test ids end in [kv], [latent], [window]). A shape left out of
+    `kv_shapes` is reported as skipped. Not named Test*, so pytest collects only the
+    subclasses."""
 
     accelerator_cls: type[Accelerator]
+    kv_shapes: tuple[str, ...] = KV_SHAPES
     suite: ConformanceSuite
     workdir: str
+
+    def pytest_generate_tests(self, metafunc: Any) -> None:
+        # pytest calls a test class's own pytest_generate_tests for each of its methods.
+        if "kv_shape" not in metafunc.fixturenames:
+            return
+        import pytest
+
+        params = [pytest.param(shape, id=shape, marks=() if shape in self.kv_shapes else
+                               pytest.mark.skip(reason=f"{shape} opted out (kv_shapes)"))
+                  for shape in KV_SHAPES]
+        metafunc.parametrize("kv_shape", params)
 
     @classmethod
     def setup_class(cls) -> None:
         cls.workdir = tempfile.mkdtemp(prefix="deepinfer-conformance-")
-        cls.suite = ConformanceSuite(cls.accelerator_cls, cls.workdir)
+        cls.suite = ConformanceSuite(cls.accelerator_cls, cls.workdir, cls.kv_shapes)
 
     @classmethod
     def teardown_class(cls) -> None:
         shutil.rmtree(cls.workdir, ignore_errors=True)
 
     def test_probe_and_capabilities(self) -> None:
-        self.suite.check_probe()
+        self.suite.run("probe and capabilities")
 
-    def test_batched_greedy_decode(self) -> None:
-        self.suite.check_batched_greedy()
+    def test_batched_greedy_decode(self, kv_shape: str) -> None:
+        self.suite.run("batched greedy decode", kv_shape)
 
-    def test_chunked_prefill(self) -> None:
-        self.suite.check_chunked_prefill()
+    def test_chunked_prefill(self, kv_shape: str) -> None:
+        self.suite.run("chunked prefill", kv_shape)
 
-    def test_prefix_reuse(self) -> None:
-        self.suite.check_prefix_reuse()
+    def test_prefix_reuse(self, kv_shape: str) -> None:
+        self.suite.run("prefix reuse", kv_shape)
 
-    def test_host_page_copy(self) -> None:
-        self.suite.check_host_page_copy()
+    def test_host_page_copy(self, kv_shape: str) -> None:
+        self.suite.run("host page copy", kv_shape)
 
-    def test_shutdown_is_idempotent(self) -> None:
-        self.suite.check_shutdown_idempotent()
+    def test_shutdown_is_idempotent(self, kv_shape: str) -> None:
+        self.suite.run("shutdown is idempotent", kv_shape)

@@ -19,5 +19,5 @@ def deepinfer_register_accelerators() -> list[AcceleratorInfo]:
         name="example", aliases=("counting",),
         # Below cpu (0), so probing never picks it: DEEPINFER_ACCELERATOR=example selects it.
         priority=-10, load=_load,
-        description="example plugin: the CPU backend plus a count of executed steps",
+        description="example plugin: the torch runner over reference CPU ops, counting steps",
     )]
