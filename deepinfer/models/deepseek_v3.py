@@ -26,6 +26,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from deepinfer.core.kv.spec import KVSpec, latent_layer
+from deepinfer.models.decoder import DecoderLayer
 from deepinfer.models.ops import ModelOps
 from deepinfer.models.rope import rope_cos_sin, rope_parameters
 from deepinfer.models.weights import Target, load_mapped
@@ -183,30 +184,6 @@ class DenseMLP(nn.Module):
         return (shard * f, (shard + 1) * f)
 
 
-class DeepseekDecoderLayer(nn.Module):
-    def __init__(self, dims: MLADims, layer: int, ops: ModelOps, scale: float) -> None:
-        super().__init__()
-        self.eps, self.ops = dims.rms_norm_eps, ops
-        self.self_attn = MLAttention(dims, layer, ops, scale)
-        self.mlp = DenseMLP(dims, ops)
-        self.input_layernorm = nn.Parameter(torch.ones(dims.hidden_size))
-        self.post_attention_layernorm = nn.Parameter(torch.ones(dims.hidden_size))
-
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
-                cos: torch.Tensor, sin: torch.Tensor, meta: Any
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual = hidden
-            hidden = self.ops.rms_norm(hidden, self.input_layernorm, self.eps)
-        else:
-            hidden, residual = self.ops.add_rms_norm(hidden, residual, self.input_layernorm,
-                                                     self.eps)
-        hidden = self.self_attn(positions, hidden, cos, sin, meta)
-        hidden, residual = self.ops.add_rms_norm(hidden, residual,
-                                                 self.post_attention_layernorm, self.eps)
-        return self.mlp(hidden), residual
-
-
 class DeepseekV3ForCausalLM(nn.Module):
     def __init__(self, config: PretrainedConfig, ops: ModelOps, max_model_len: int) -> None:
         super().__init__()
@@ -214,7 +191,9 @@ class DeepseekV3ForCausalLM(nn.Module):
         self.dims = dims = MLADims.from_config(config)
         scale = softmax_scale(config)
         self.embed_tokens = nn.Embedding(dims.vocab_size, dims.hidden_size)
-        self.layers = nn.ModuleList(DeepseekDecoderLayer(dims, i, ops, scale)
+        self.layers = nn.ModuleList(DecoderLayer(MLAttention(dims, i, ops, scale),
+                                                 DenseMLP(dims, ops), dims.hidden_size,
+                                                 dims.rms_norm_eps, ops)
                                     for i in range(dims.num_layers))
         self.norm = nn.Parameter(torch.ones(dims.hidden_size))
         self.lm_head = None if dims.tie_word_embeddings else nn.Linear(
@@ -295,7 +274,7 @@ class DeepseekV3ForCausalLM(nn.Module):
         return _layer_target(self.layers[layer], f"layers.{layer}", rest)
 
 
-def _layer_target(layer: DeepseekDecoderLayer, prefix: str, rest: str) -> Target:
+def _layer_target(layer: DecoderLayer, prefix: str, rest: str) -> Target:
     """A name inside one decoder layer -> our parameter."""
     norm = re.match(r"(input_layernorm|post_attention_layernorm|self_attn\.q_a_layernorm"
                     r"|self_attn\.kv_a_layernorm)\.weight$", rest)

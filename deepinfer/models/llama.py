@@ -17,6 +17,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from deepinfer.core.kv.spec import KVSpec, kv_heads_layer
+from deepinfer.models.decoder import DecoderLayer
 from deepinfer.models.ops import ModelOps
 from deepinfer.models.rope import rope_cos_sin
 from deepinfer.models.weights import Target, load_mapped
@@ -122,37 +123,15 @@ class LlamaMLP(nn.Module):
         return [(0, f), (f, 2 * f)][shard]
 
 
-class LlamaDecoderLayer(nn.Module):
-    def __init__(self, dims: LlamaDims, layer: int, ops: ModelOps) -> None:
-        super().__init__()
-        self.eps, self.ops = dims.rms_norm_eps, ops
-        self.self_attn = LlamaAttention(dims, layer, ops)
-        self.mlp = LlamaMLP(dims, ops)
-        self.input_layernorm = nn.Parameter(torch.ones(dims.hidden_size))
-        self.post_attention_layernorm = nn.Parameter(torch.ones(dims.hidden_size))
-
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
-                cos: torch.Tensor, sin: torch.Tensor, meta: Any
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual = hidden
-            hidden = self.ops.rms_norm(hidden, self.input_layernorm, self.eps)
-        else:
-            hidden, residual = self.ops.add_rms_norm(hidden, residual, self.input_layernorm,
-                                                     self.eps)
-        hidden = self.self_attn(positions, hidden, cos, sin, meta)
-        hidden, residual = self.ops.add_rms_norm(hidden, residual,
-                                                 self.post_attention_layernorm, self.eps)
-        return self.mlp(hidden), residual
-
-
 class LlamaForCausalLM(nn.Module):
     def __init__(self, config: PretrainedConfig, ops: ModelOps, max_model_len: int) -> None:
         super().__init__()
         self.config, self.ops, self.max_model_len = config, ops, max_model_len
         self.dims = dims = LlamaDims.from_config(config)
         self.embed_tokens = nn.Embedding(dims.vocab_size, dims.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(dims, i, ops) for i in range(dims.num_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(LlamaAttention(dims, i, ops), LlamaMLP(dims, ops), dims.hidden_size,
+                         dims.rms_norm_eps, ops) for i in range(dims.num_layers))
         self.norm = nn.Parameter(torch.ones(dims.hidden_size))
         self.lm_head = None if dims.tie_word_embeddings else nn.Linear(
             dims.hidden_size, dims.vocab_size, bias=False)
