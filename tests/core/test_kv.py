@@ -94,3 +94,20 @@ def test_allocation_failure_takes_nothing():
     big = _req("a", list(range(20)))
     assert not kv.allocate(big, 20)
     assert kv.pool.num_free == 3 and kv.block_ids("a") == []
+
+
+def test_state_slots_are_per_request_and_come_back():
+    from deepinfer.core.kv.spec import KVSpec, kv_heads_layer
+
+    spec = KVSpec((kv_heads_layer(1, 4),), state_bytes=64)
+    kv = KVCacheManager(num_blocks=16, block_size=4, spec=spec, num_state_slots=2)
+    a, b = _req("a", list(range(6))), _req("b", list(range(9)))
+    assert kv.allocate(a, 6) and kv.allocate(b, 9)
+    assert {kv.state_slot("a"), kv.state_slot("b")} == {0, 1}
+    slot_a = kv.state_slot("a")
+    a.num_computed_tokens = 6
+    assert kv.allocate(a, 1) and kv.state_slot("a") == slot_a  # kept while it runs
+    kv.free(a)
+    assert kv.state_slot("a") is None
+    c = _req("c", [1, 2, 3])
+    assert kv.allocate(c, 3) and kv.state_slot("c") == slot_a  # freed slots are reused
