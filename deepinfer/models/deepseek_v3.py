@@ -26,9 +26,9 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from deepinfer.core.kv.spec import KVSpec, latent_layer
-from deepinfer.models.decoder import DecoderLayer
+from deepinfer.models.decoder import DecoderLayer, DecoderStack, GatedMLP
 from deepinfer.models.ops import ModelOps
-from deepinfer.models.rope import rope_cos_sin, rope_parameters
+from deepinfer.models.rope import rope_parameters
 from deepinfer.models.weights import Target, load_mapped
 
 _FUSED_MLP = {"gate_proj": 0, "up_proj": 1}
@@ -164,63 +164,21 @@ class MLAttention(nn.Module):
         return ops.linear(q_a, self.q_b_proj.weight)
 
 
-class DenseMLP(nn.Module):
-    """DeepseekV3MLP: silu(gate) * up -> down, gate and up fused into one matmul."""
-
-    def __init__(self, dims: MLADims, ops: ModelOps) -> None:
-        super().__init__()
-        self.ops = ops
-        self.intermediate_size = f = dims.intermediate_size
-        self.gate_up_proj = nn.Linear(dims.hidden_size, 2 * f, bias=dims.mlp_bias)
-        self.down_proj = nn.Linear(f, dims.hidden_size, bias=dims.mlp_bias)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        ops = self.ops
-        gate_up = ops.linear(x, self.gate_up_proj.weight, self.gate_up_proj.bias)
-        return ops.linear(ops.silu_and_mul(gate_up), self.down_proj.weight, self.down_proj.bias)
-
-    def fused_rows(self, shard: int) -> tuple[int, int]:
-        f = self.intermediate_size
-        return (shard * f, (shard + 1) * f)
-
-
-class DeepseekV3ForCausalLM(nn.Module):
+class DeepseekV3ForCausalLM(DecoderStack):
     def __init__(self, config: PretrainedConfig, ops: ModelOps, max_model_len: int) -> None:
-        super().__init__()
-        self.config, self.ops, self.max_model_len = config, ops, max_model_len
-        self.dims = dims = MLADims.from_config(config)
+        self.dims = d = MLADims.from_config(config)
         scale = softmax_scale(config)
-        self.embed_tokens = nn.Embedding(dims.vocab_size, dims.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(MLAttention(dims, i, ops, scale),
-                                                 DenseMLP(dims, ops), dims.hidden_size,
-                                                 dims.rms_norm_eps, ops)
-                                    for i in range(dims.num_layers))
-        self.norm = nn.Parameter(torch.ones(dims.hidden_size))
-        self.lm_head = None if dims.tie_word_embeddings else nn.Linear(
-            dims.hidden_size, dims.vocab_size, bias=False)
-        self.rope_cos: torch.Tensor | None = None
-        self.rope_sin: torch.Tensor | None = None
+        layers = [DecoderLayer(MLAttention(d, i, ops, scale),
+                               GatedMLP(d.hidden_size, d.intermediate_size, ops, d.mlp_bias),
+                               d.hidden_size, d.rms_norm_eps, ops) for i in range(d.num_layers)]
+        super().__init__(config, ops, max_model_len, d.vocab_size, d.hidden_size, d.rms_norm_eps,
+                         d.tie_word_embeddings, layers)
 
     def kv_spec(self) -> KVSpec:
         return KVSpec.uniform(self.dims.num_layers, latent_layer(self.dims.latent_dim))
 
     def init_buffers(self, device: torch.device | str) -> None:
-        """Rotary tables over qk_rope_head_dim, computed (not loaded) in float32."""
-        cos, sin = rope_cos_sin(self.config, self.dims.qk_rope_head_dim, self.max_model_len)
-        self.rope_cos, self.rope_sin = cos.to(device), sin.to(device)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: Any) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
-        residual = None
-        for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual, self.rope_cos, self.rope_sin,
-                                     meta)
-        hidden, _ = self.ops.add_rms_norm(hidden, residual, self.norm, self.dims.rms_norm_eps)
-        return hidden
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return self.ops.linear(hidden, weight).float()
+        self.init_rope(self.dims.qk_rope_head_dim, device)
 
     # ---- checkpoint names ----------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -17,9 +17,8 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from deepinfer.core.kv.spec import KVSpec, kv_heads_layer
-from deepinfer.models.decoder import DecoderLayer
+from deepinfer.models.decoder import DecoderLayer, DecoderStack, GatedMLP
 from deepinfer.models.ops import ModelOps
-from deepinfer.models.rope import rope_cos_sin
 from deepinfer.models.weights import Target, load_mapped
 
 _FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
@@ -105,60 +104,21 @@ class LlamaAttention(nn.Module):
         return [(0, q), (q, q + kv), (q + kv, q + 2 * kv)][shard]
 
 
-class LlamaMLP(nn.Module):
-    def __init__(self, dims: LlamaDims, ops: ModelOps) -> None:
-        super().__init__()
-        self.ops = ops
-        self.intermediate_size = dims.intermediate_size
-        self.gate_up_proj = nn.Linear(dims.hidden_size, 2 * dims.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(dims.intermediate_size, dims.hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        ops = self.ops
-        return ops.linear(ops.silu_and_mul(ops.linear(x, self.gate_up_proj.weight)),
-                          self.down_proj.weight)
-
-    def fused_rows(self, shard: int) -> tuple[int, int]:
-        f = self.intermediate_size
-        return [(0, f), (f, 2 * f)][shard]
-
-
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(DecoderStack):
     def __init__(self, config: PretrainedConfig, ops: ModelOps, max_model_len: int) -> None:
-        super().__init__()
-        self.config, self.ops, self.max_model_len = config, ops, max_model_len
-        self.dims = dims = LlamaDims.from_config(config)
-        self.embed_tokens = nn.Embedding(dims.vocab_size, dims.hidden_size)
-        self.layers = nn.ModuleList(
-            DecoderLayer(LlamaAttention(dims, i, ops), LlamaMLP(dims, ops), dims.hidden_size,
-                         dims.rms_norm_eps, ops) for i in range(dims.num_layers))
-        self.norm = nn.Parameter(torch.ones(dims.hidden_size))
-        self.lm_head = None if dims.tie_word_embeddings else nn.Linear(
-            dims.hidden_size, dims.vocab_size, bias=False)
-        self.rope_cos: torch.Tensor | None = None
-        self.rope_sin: torch.Tensor | None = None
+        self.dims = d = LlamaDims.from_config(config)
+        layers = [DecoderLayer(LlamaAttention(d, i, ops),
+                               GatedMLP(d.hidden_size, d.intermediate_size, ops),
+                               d.hidden_size, d.rms_norm_eps, ops) for i in range(d.num_layers)]
+        super().__init__(config, ops, max_model_len, d.vocab_size, d.hidden_size, d.rms_norm_eps,
+                         d.tie_word_embeddings, layers)
 
     def kv_spec(self) -> KVSpec:
         d = self.dims
         return KVSpec(tuple(kv_heads_layer(d.num_kv_heads, d.head_dim, w) for w in d.windows))
 
     def init_buffers(self, device: torch.device | str) -> None:
-        """Rotary tables, computed (not loaded) in float32; the backend casts them."""
-        rotary_dim = int(self.dims.head_dim * _partial_rotary(self.config))
-        cos, sin = rope_cos_sin(self.config, rotary_dim, self.max_model_len)
-        self.rope_cos, self.rope_sin = cos.to(device), sin.to(device)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: Any) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
-        residual = None
-        for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual, self.rope_cos, self.rope_sin, meta)
-        hidden, _ = self.ops.add_rms_norm(hidden, residual, self.norm, self.dims.rms_norm_eps)
-        return hidden
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return self.ops.linear(hidden, weight).float()
+        self.init_rope(int(self.dims.head_dim * _partial_rotary(self.config)), device)
 
     # ---- checkpoint names ----------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
