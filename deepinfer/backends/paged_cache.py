@@ -19,6 +19,7 @@ class PagedCache:
         self.block_size = 0
         self.num_blocks = 0
         self._layers: dict[int, tuple[torch.Tensor, ...]] = {}
+        self._chunks: list[tuple[Chunk, torch.Tensor]] = []
         self.state: torch.Tensor | None = None
 
     def allocate(self, num_blocks: int, block_size: int, dtype: torch.dtype,
@@ -30,6 +31,7 @@ class PagedCache:
                 self._layers[layer] = tuple(
                     torch.zeros((num_blocks * e.entries_per_block(block_size), *e.shape),
                                 dtype=dtype, device=device) for e in group.kind.entries)
+        self._chunks = self._pair_chunks()
         if self.spec.state_bytes and num_state_slots:
             self.state = torch.zeros((num_state_slots, self.spec.state_bytes), dtype=torch.uint8,
                                      device=device)
@@ -40,6 +42,9 @@ class PagedCache:
 
     def chunk_tensors(self) -> list[tuple[Chunk, torch.Tensor]]:
         """Every chunk of a page with the tensor holding it, in page order."""
+        return self._chunks
+
+    def _pair_chunks(self) -> list[tuple[Chunk, torch.Tensor]]:
         names = {}
         for group in self.spec.groups:
             for layer in group.layers:
@@ -59,5 +64,5 @@ class PagedCache:
         return sum(t.numel() * t.element_size() for t in tensors)
 
     def free(self) -> None:
-        self._layers = {}
+        self._layers, self._chunks = {}, []
         self.state = None

@@ -21,8 +21,9 @@ class CPUHostPool:
 
     @classmethod
     def allocate(cls, num_pages: int, cache: PagedCache) -> "CPUHostPool":
-        numel = sum(c.numel for c, _ in cache.chunk_tensors())
-        dtype = cache.chunk_tensors()[0][1].dtype
+        chunks = cache.chunk_tensors()
+        numel = sum(c.numel for c, _ in chunks)
+        dtype = chunks[0][1].dtype
         # empty, not zeros: the OS commits memory only for pages actually written.
         return cls(torch.empty((num_pages, numel), dtype=dtype))
 
