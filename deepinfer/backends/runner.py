@@ -37,6 +37,15 @@ def resolve_dtype(requested: str, checkpoint: str, supported: tuple[str, ...]) -
     return dtype
 
 
+def _restore_float32(model: torch.nn.Module) -> None:
+    """Parameters a module keeps in float32 whatever the model's dtype (`fp32_params`)."""
+    for module in model.modules():
+        for name in getattr(module, "fp32_params", ()):
+            param = getattr(module, name, None)
+            if param is not None:
+                param.data = param.data.float()
+
+
 class TorchRunner:
     def __init__(self, device: torch.device | str, capabilities: Capabilities,
                  make_ops: Callable[[PagedCache], ModelOps], seed: int = 0) -> None:
@@ -61,6 +70,7 @@ class TorchRunner:
         with torch.device("meta"):
             model = model_class(hf_config.architecture(config))(config, self.ops, max_len)
         model = model.to_empty(device=self.device).to(self.dtype)
+        _restore_float32(model)
         if spec.load_format == "dummy":
             init_dummy_weights(model, self.seed)
         else:
@@ -88,8 +98,19 @@ class TorchRunner:
         self.cache.allocate(num_blocks, block_size, self.dtype, self.device, num_state_slots)
 
     # ---- steps ---------------------------------------------------------------------------
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: Any) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: Any,
+                num_real: int | None = None) -> torch.Tensor:
+        """The model's hidden states; `num_real` leading tokens are real (the rest pad the step
+        and count in no expert's load)."""
+        self.begin_step(input_ids.shape[0], input_ids.shape[0] if num_real is None else num_real)
         return self.model(input_ids, positions, meta)
+
+    def begin_step(self, num_tokens: int, num_real: int) -> None:
+        """Before a forward (or a graph replay) of num_tokens: MoE models agree with the other
+        ranks on the step's size."""
+        moe = getattr(self.model, "moe", None)
+        if moe is not None:
+            moe.begin_step(num_tokens, num_real)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.compute_logits(hidden)

@@ -59,6 +59,8 @@ class ParallelContext:
     world_size: int = 1
     group: Any = None
     expert_parallel: bool = False
+    # Extra expert slots beyond one per expert, for replicas of hot experts (EPLB).
+    redundant_experts: int = 0
 
 
 @dataclass(frozen=True)

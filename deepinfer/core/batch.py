@@ -79,6 +79,11 @@ class ModelBatch:
         return len(self.input_ids)
 
     @property
+    def num_real_tokens(self) -> int:
+        """Tokens of real sequences (the padding sequences trail them)."""
+        return sum(self.query_lens[:self.num_seqs - self.num_padding_seqs])
+
+    @property
     def is_decode_only(self) -> bool:
         return all(q == 1 for q in self.query_lens)
 

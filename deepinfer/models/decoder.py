@@ -75,6 +75,12 @@ class DecoderStack(nn.Module):
         self.rope_cos: torch.Tensor | None = None
         self.rope_sin: torch.Tensor | None = None
 
+    @property
+    def needs_collectives(self) -> bool:
+        """MoE layers exchange tokens with the other ranks in every forward."""
+        runtime = getattr(self, "moe", None)
+        return runtime is not None and runtime.exchange is not None
+
     def init_rope(self, rotary_dim: int, device: torch.device | str) -> None:
         """Rotary tables, computed (not loaded) in float32; the backend casts them."""
         cos, sin = rope_cos_sin(self.config, rotary_dim, self.max_model_len)

@@ -11,8 +11,9 @@ halves. The rope rows of the query and k_pe projections are permuted at load tim
 first, then odds) so that NeoX rotary on our q_pe / k_pe gives exactly the reference's rotated
 values.
 
-Only checkpoints whose layers are all dense (first_k_dense_replace >= num_hidden_layers) load
-for now; MoE layers come next.
+Layers from `first_k_dense_replace` on are MoE (models/moe): sigmoid router with a score
+correction bias, group-limited top-k, shared experts. DeepSeek-V2's MoE routing (softmax,
+`topk_method`) is not implemented: V2 checkpoints load when all their layers are dense.
 """
 from __future__ import annotations
 
@@ -27,6 +28,8 @@ from transformers import PretrainedConfig
 
 from deepinfer.core.kv.spec import KVSpec, latent_layer
 from deepinfer.models.decoder import DecoderLayer, DecoderStack, GatedMLP
+from deepinfer.models.moe.configs import deepseek_moe, moe_runtime
+from deepinfer.models.moe.layer import MoEBlock, moe_checkpoint_target
 from deepinfer.models.ops import ModelOps
 from deepinfer.models.rope import rope_parameters
 from deepinfer.models.weights import Target, load_mapped
@@ -82,11 +85,11 @@ class MLADims:
 
 def _check_supported(config: PretrainedConfig) -> None:
     dense = getattr(config, "first_k_dense_replace", 0) or 0
-    if dense < config.num_hidden_layers:
+    if getattr(config, "model_type", "") == "deepseek_v2" and dense < config.num_hidden_layers:
         raise ValueError(
-            f"MoE layers are not supported yet: layers {dense}..{config.num_hidden_layers - 1} "
-            f"of this checkpoint are MoE (first_k_dense_replace={dense}); only all-dense "
-            f"DeepSeek checkpoints load for now")
+            f"DeepSeek-V2 MoE routing is not supported: layers {dense}.."
+            f"{config.num_hidden_layers - 1} of this checkpoint are MoE "
+            f"(first_k_dense_replace={dense}); DeepSeek-V3 MoE checkpoints are")
     act = getattr(config, "hidden_act", "silu")
     if act != "silu":
         raise ValueError(f"unsupported hidden_act {act!r}; DeepSeek MLPs use silu")
@@ -168,17 +171,24 @@ class DeepseekV3ForCausalLM(DecoderStack):
     def __init__(self, config: PretrainedConfig, ops: ModelOps, max_model_len: int) -> None:
         self.dims = d = MLADims.from_config(config)
         scale = softmax_scale(config)
-        layers = [DecoderLayer(MLAttention(d, i, ops, scale),
-                               GatedMLP(d.hidden_size, d.intermediate_size, ops, d.mlp_bias),
-                               d.hidden_size, d.rms_norm_eps, ops) for i in range(d.num_layers)]
+        moe, sparse = deepseek_moe(config)
+        runtime = moe_runtime(moe, sparse, ops)
+        mlps = [MoEBlock(moe, sum(sparse[:i]), ops, runtime) if sparse[i]
+                else GatedMLP(d.hidden_size, d.intermediate_size, ops, d.mlp_bias)
+                for i in range(d.num_layers)]
+        layers = [DecoderLayer(MLAttention(d, i, ops, scale), mlps[i], d.hidden_size,
+                               d.rms_norm_eps, ops) for i in range(d.num_layers)]
         super().__init__(config, ops, max_model_len, d.vocab_size, d.hidden_size, d.rms_norm_eps,
                          d.tie_word_embeddings, layers)
+        self.moe = runtime
 
     def kv_spec(self) -> KVSpec:
         return KVSpec.uniform(self.dims.num_layers, latent_layer(self.dims.latent_dim))
 
     def init_buffers(self, device: torch.device | str) -> None:
         self.init_rope(self.dims.qk_rope_head_dim, device)
+        if self.moe is not None:
+            self.moe.to(device)
 
     # ---- checkpoint names ----------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -213,7 +223,7 @@ class DeepseekV3ForCausalLM(DecoderStack):
         heads[:, d.qk_nope_head_dim:] = heads[:, d.qk_nope_head_dim:][:, perm].clone()
         return out
 
-    def checkpoint_target(self, name: str) -> Target | None:
+    def checkpoint_target(self, name: str) -> Target | list[Target] | None:
         """Checkpoint name (after _absorbed) -> (our parameter, rows of a fused one); None to
         skip."""
         name = name.removeprefix("model.")
@@ -229,6 +239,9 @@ class DeepseekV3ForCausalLM(DecoderStack):
         layer, rest = int(match.group(1)), match.group(2)
         if layer >= self.dims.num_layers:
             return None  # multi-token-prediction layers past the decoder (V3's layer 61)
+        moe = moe_checkpoint_target(self.layers, name)
+        if moe is not None:
+            return moe
         return _layer_target(self.layers[layer], f"layers.{layer}", rest)
 
 

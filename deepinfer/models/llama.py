@@ -1,4 +1,5 @@
-"""The llama family (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM2) over backend ops.
+"""The llama family (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM2) and its MoE members
+(Mixtral, Qwen3-MoE) over backend ops.
 
 Q/K/V and gate/up projections are fused into one matmul each (fewer, larger GEMMs); the model
 maps the checkpoint's separate tensors into their slices. Every projection goes through
@@ -18,6 +19,8 @@ from transformers import PretrainedConfig
 
 from deepinfer.core.kv.spec import KVSpec, kv_heads_layer
 from deepinfer.models.decoder import DecoderLayer, DecoderStack, GatedMLP
+from deepinfer.models.moe.configs import llama_family_moe, moe_runtime
+from deepinfer.models.moe.layer import MoEBlock, moe_checkpoint_target
 from deepinfer.models.ops import ModelOps
 from deepinfer.models.weights import Target, load_mapped
 
@@ -55,7 +58,7 @@ class LlamaDims:
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
             # Qwen2 has q/k/v biases without a config field saying so.
             attention_bias=model_type == "qwen2" or bool(getattr(config, "attention_bias", False)),
-            qk_norm=model_type == "qwen3", windows=layer_windows(config))
+            qk_norm=model_type in ("qwen3", "qwen3_moe"), windows=layer_windows(config))
 
 
 def layer_windows(config: PretrainedConfig) -> tuple[int | None, ...]:
@@ -107,11 +110,15 @@ class LlamaAttention(nn.Module):
 class LlamaForCausalLM(DecoderStack):
     def __init__(self, config: PretrainedConfig, ops: ModelOps, max_model_len: int) -> None:
         self.dims = d = LlamaDims.from_config(config)
-        layers = [DecoderLayer(LlamaAttention(d, i, ops),
-                               GatedMLP(d.hidden_size, d.intermediate_size, ops),
-                               d.hidden_size, d.rms_norm_eps, ops) for i in range(d.num_layers)]
+        moe, sparse = llama_family_moe(config)
+        runtime = moe_runtime(moe, sparse, ops)
+        mlps = [MoEBlock(moe, sum(sparse[:i]), ops, runtime) if sparse[i]
+                else GatedMLP(d.hidden_size, d.intermediate_size, ops) for i in range(d.num_layers)]
+        layers = [DecoderLayer(LlamaAttention(d, i, ops), mlps[i], d.hidden_size, d.rms_norm_eps,
+                               ops) for i in range(d.num_layers)]
         super().__init__(config, ops, max_model_len, d.vocab_size, d.hidden_size, d.rms_norm_eps,
                          d.tie_word_embeddings, layers)
+        self.moe = runtime
 
     def kv_spec(self) -> KVSpec:
         d = self.dims
@@ -119,18 +126,23 @@ class LlamaForCausalLM(DecoderStack):
 
     def init_buffers(self, device: torch.device | str) -> None:
         self.init_rope(int(self.dims.head_dim * _partial_rotary(self.config)), device)
+        if self.moe is not None:
+            self.moe.to(device)
 
     # ---- checkpoint names ----------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         load_mapped(self, weights, self.checkpoint_target)
 
-    def checkpoint_target(self, name: str) -> Target | None:
+    def checkpoint_target(self, name: str) -> Target | list[Target] | None:
         """HF checkpoint name -> (our parameter, rows of a fused one); None to skip."""
         name = name.removeprefix("model.")
         if name.startswith("lm_head."):
             return None if self.lm_head is None else (name, None)
         if name == "norm.weight":
             return "norm", None
+        moe = moe_checkpoint_target(self.layers, name)
+        if moe is not None:
+            return moe
         match = re.match(r"layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.(weight|bias)$", name)
         if match is None:
             return _layer_norm_target(name)

@@ -2,9 +2,10 @@
 
 Models are plain torch modules; everything that depends on the KV layout or on a kernel goes
 through these ops, so one model definition runs on every backend. A backend implements the five
-primitives. The composites (a projection; rotary followed by attention) have reference
-definitions here; a backend overrides one where it has a better kernel, e.g. the CUDA backend's
-one-token GEMV and its rotary fused into the KV cache write.
+primitives. The composites (a projection; rotary followed by attention; MoE routing and the
+expert computation) have reference definitions here; a backend overrides one where it has a
+better kernel, e.g. the CUDA backend's one-token GEMV, its rotary fused into the KV cache write
+and its fused MoE.
 """
 from __future__ import annotations
 
@@ -14,8 +15,16 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from deepinfer.core.accelerator import ParallelContext
+from deepinfer.models.moe.experts import fused_experts_reference
+from deepinfer.models.moe.routing import RouterSpec, select_experts
+
 
 class ModelOps(ABC):
+    # The ranks MoE layers spread their experts over (set by the runner before the model is
+    # built); None: one rank holds every expert.
+    parallel: ParallelContext | None = None
+
     # ---- primitives: every backend implements these -------------------------------------
     @abstractmethod
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -60,3 +69,15 @@ class ModelOps(ABC):
         """attention() over q and k after rotary(); q and k may be rotated in place."""
         q, k = self.rotary(q, k, positions, cos, sin)
         return self.attention(q, k, v, layer, meta)
+
+    def route(self, logits: torch.Tensor, spec: RouterSpec,
+              bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Router logits [T, E] -> (weights [T, k] float32, expert ids [T, k] int32)."""
+        return select_experts(logits, spec, bias)
+
+    def fused_experts(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                      weights: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """sum over k of weights[t, k] * down(silu(gate) * up)(x[t]) by the expert in slot
+        slots[t, k] of this rank (w13 [S, 2F, H] gate rows then up rows, w2 [S, H, F]);
+        slot -1 routes are served elsewhere and skipped. Returns [T, H] in x.dtype."""
+        return fused_experts_reference(x, w13, w2, weights, slots)

@@ -13,6 +13,8 @@ BUILTIN_MODELS: Mapping[str, str] = MappingProxyType({
     "MistralForCausalLM": "deepinfer.models.llama:LlamaForCausalLM",
     "Qwen2ForCausalLM": "deepinfer.models.llama:LlamaForCausalLM",
     "Qwen3ForCausalLM": "deepinfer.models.llama:LlamaForCausalLM",
+    "Qwen3MoeForCausalLM": "deepinfer.models.llama:LlamaForCausalLM",
+    "MixtralForCausalLM": "deepinfer.models.llama:LlamaForCausalLM",
     "DeepseekV2ForCausalLM": "deepinfer.models.deepseek_v3:DeepseekV3ForCausalLM",
     "DeepseekV3ForCausalLM": "deepinfer.models.deepseek_v3:DeepseekV3ForCausalLM",
 })

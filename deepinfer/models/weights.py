@@ -4,15 +4,28 @@ from __future__ import annotations
 
 import glob
 import os
+from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator
 
 import torch
 from safetensors import safe_open
 from torch import nn
 
-# checkpoint name -> (parameter name, rows [start, end) of it or None for all), None to skip
-Target = tuple[str, tuple[int, int] | None]
-Mapper = Callable[[str], Target | None]
+
+@dataclass(frozen=True)
+class SlotRows:
+    """One expert slot of a stacked [S, ...] expert parameter, and rows [start, end) within it
+    (None: all of them)."""
+
+    slot: int
+    rows: tuple[int, int] | None = None
+
+
+# checkpoint name -> (parameter name, rows [start, end) of it, an expert slot's rows, or None
+# for all of it); a list when the tensor has several places (an expert replicated on this
+# rank), [] or None to skip
+Target = tuple[str, tuple[int, int] | SlotRows | None]
+Mapper = Callable[[str], Target | list[Target] | None]
 
 
 def iter_checkpoint(path: str) -> Iterator[tuple[str, torch.Tensor]]:
@@ -33,21 +46,26 @@ def load_mapped(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
     loaded: set[str] = set()
     with torch.no_grad():
         for name, tensor in weights:
-            target = mapper(name)
-            if target is None:
-                continue
-            param_name, rows = target
-            if param_name not in params:
-                raise KeyError(f"checkpoint tensor {name!r} has no place in the model")
-            dest = params[param_name] if rows is None else params[param_name][rows[0]:rows[1]]
-            if dest.shape != tensor.shape:
-                raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
-                                 f"the model expects {tuple(dest.shape)}")
-            dest.copy_(tensor)
-            loaded.add(param_name)
+            targets = mapper(name)
+            for param_name, where in [targets] if isinstance(targets, tuple) else targets or []:
+                if param_name not in params:
+                    raise KeyError(f"checkpoint tensor {name!r} has no place in the model")
+                dest = _destination(params[param_name], where)
+                if dest.shape != tensor.shape:
+                    raise ValueError(f"checkpoint tensor {name!r} has shape "
+                                     f"{tuple(tensor.shape)}, the model expects "
+                                     f"{tuple(dest.shape)}")
+                dest.copy_(tensor)
+                loaded.add(param_name)
     missing = set(params) - loaded
     if missing:
         raise KeyError(f"checkpoint lacks weights for: {sorted(missing)[:8]}")
+
+
+def _destination(param: torch.Tensor, where: tuple[int, int] | SlotRows | None) -> torch.Tensor:
+    if isinstance(where, SlotRows):
+        param, where = param[where.slot], where.rows
+    return param if where is None else param[where[0]:where[1]]
 
 
 def init_dummy_weights(model: nn.Module, seed: int = 0, std: float = 0.02) -> None:

@@ -36,6 +36,7 @@ class CPUAccelerator(Accelerator):
         # Ranks on one host split its cores so they do not oversubscribe each other.
         threads = cpu_threads() or max(1, (os.cpu_count() or 1) // max(1, parallel.world_size))
         torch.set_num_threads(threads)
+        self.runner.ops.parallel = parallel  # MoE layers spread their experts over the ranks
 
     def configure(self, config: EngineConfig) -> None:
         self.runner.seed = config.seed
@@ -59,7 +60,7 @@ class CPUAccelerator(Accelerator):
         meta = CPUAttentionMeta.from_batch(batch, self.runner.cache.spec)
         input_ids = torch.tensor(batch.input_ids, dtype=torch.long)
         positions = torch.tensor(batch.positions, dtype=torch.long)
-        hidden = self.runner.forward(input_ids, positions, meta)
+        hidden = self.runner.forward(input_ids, positions, meta, batch.num_real_tokens)
         if all_tokens:
             return self.runner.logits(hidden)
         last = [meta.query_starts[i] + meta.query_lens[i] - 1 for i in batch.sample_indices]

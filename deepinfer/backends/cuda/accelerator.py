@@ -44,6 +44,7 @@ class CUDAAccelerator(Accelerator):
         self.graphs: DecodeGraphs | None = None
         self.host_pool = None
         self.num_sms = 8  # split-K sizing; the device's count once init_device ran on a GPU
+        self.parallel = ParallelContext()
 
     @classmethod
     def is_available(cls) -> bool:
@@ -61,6 +62,7 @@ class CUDAAccelerator(Accelerator):
         # Host-side torch ops are small here; ranks on one host share its cores.
         threads = cpu_threads() or max(1, (os.cpu_count() or 1) // max(1, parallel.world_size))
         torch.set_num_threads(threads)
+        self.parallel = parallel
         if self.device is None:
             # One rank per GPU; a launcher that sets CUDA_VISIBLE_DEVICES per rank sees one.
             self.device = torch.device("cuda", parallel.rank % torch.cuda.device_count())
@@ -86,6 +88,7 @@ class CUDAAccelerator(Accelerator):
         use_gemv = os.environ.get("DEEPINFER_CUDA_GEMV", "1") != "0"
         self.runner = TorchRunner(self.device, self.capabilities,
                                   lambda cache: CUDAOps(cache, use_gemv=use_gemv), self.seed)
+        self.runner.ops.parallel = self.parallel
         self.info = self.runner.load(spec)
         if self.info.kv_spec.num_groups != 1:
             raise ValueError("the nvidia backend serves models with one KV group (every layer "

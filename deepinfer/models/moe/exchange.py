@@ -1,0 +1,49 @@
+"""The token exchange of expert parallelism: each rank holds some experts' weights, each token
+needs k experts wherever they are.
+
+All-gather + reduce-scatter: every rank gathers every rank's tokens (padded to the step's
+largest token count, agreed on before the forward so every rank calls collectives of the same
+size) with their routes packed into one float tensor (slot ids are exact in float32), computes
+the routes its own slots serve, and a reduce-scatter sums each token's partial outputs back on
+its owner. Shapes depend only on the agreed token count, so a decode step can run inside a CUDA
+graph. Its traffic is N x the tokens, which is what small decode batches want; prefill-sized
+steps would rather send each route only where it goes (all-to-all).
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+# (tokens [n, H], route weights [n, k], local slots [n, k] with -1 elsewhere) -> [n, H]
+Compute = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class AllGatherExchange:
+    def __init__(self, group: Any, rank: int, world_size: int, slots_per_rank: int) -> None:
+        self.group, self.rank, self.world_size = group, rank, world_size
+        self.slots_per_rank = slots_per_rank
+
+    def run(self, x: torch.Tensor, weights: torch.Tensor, phys: torch.Tensor, padded: int,
+            compute: Compute) -> torch.Tensor:
+        """x [T, H] this rank's tokens, phys [T, k] the physical slot of each route; every
+        rank passes the same `padded` >= its T."""
+        tokens, k = phys.shape
+        routes = torch.cat((phys.float(), weights.float()), dim=1)
+        routes = F.pad(routes, (0, 0, 0, padded - tokens), value=-1.0)
+        all_x = self._gather(F.pad(x, (0, 0, 0, padded - tokens)))
+        all_routes = self._gather(routes)
+        all_phys = all_routes[:, :k].long()
+        mine = all_phys.div(self.slots_per_rank, rounding_mode="floor") == self.rank
+        local = torch.where(mine, all_phys - self.rank * self.slots_per_rank, -1)
+        partial = compute(all_x, all_routes[:, k:].clamp_min(0.0), local.to(torch.int32))
+        out = x.new_empty((padded, x.shape[1]))
+        dist.reduce_scatter_tensor(out, partial.contiguous(), group=self.group)
+        return out[:tokens]
+
+    def _gather(self, t: torch.Tensor) -> torch.Tensor:
+        out = t.new_empty((self.world_size * t.shape[0], *t.shape[1:]))
+        dist.all_gather_into_tensor(out, t.contiguous(), group=self.group)
+        return out

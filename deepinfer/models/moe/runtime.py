@@ -1,0 +1,173 @@
+"""What a model's MoE layers share at run time: where every expert lives (the placement, the
+same on every rank), which slots this rank holds, the exchange between ranks, and how many
+tokens each expert received (EPLB's input, also exported in /metrics).
+
+Every per-step tensor has a fixed shape and address (the replica tables are padded to their
+largest possible width, counters accumulate in place, the count of real tokens is a device
+scalar), so the MoE layers run inside CUDA graphs and a rebalance only copies into them.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from deepinfer.core.accelerator import ParallelContext
+from deepinfer.models.moe.eplb import Placement, imbalance, rebalance
+from deepinfer.models.moe.exchange import AllGatherExchange, Compute
+
+
+@dataclass(frozen=True)
+class RebalanceReport:
+    """One EPLB rebalance, as the rank loop reports it."""
+
+    stall_s: float  # wall time the ranks stopped serving for it
+    imbalance_before: float  # max/mean tokens per rank over the window, old placement
+    imbalance_after: float  # the same load under the new placement
+    window_tokens: int  # routed tokens the decision was based on
+    experts_moved: int  # slots whose expert changed (all ranks, all layers)
+
+
+class ExpertRuntime:
+    def __init__(self, num_layers: int, num_experts: int,
+                 parallel: ParallelContext | None = None, num_groups: int = 1) -> None:
+        # Host tensors even while the model is built on the meta device.
+        with torch.device("cpu"):
+            self._init(num_layers, num_experts, parallel, num_groups)
+
+    def _init(self, num_layers: int, num_experts: int, parallel: ParallelContext | None,
+              num_groups: int) -> None:
+        ep = parallel is not None and parallel.expert_parallel and parallel.world_size > 1
+        self.num_ranks = parallel.world_size if ep else 1
+        self.rank = parallel.rank if ep else 0
+        self.group = parallel.group if ep else None
+        redundant = parallel.redundant_experts if ep else 0
+        self.num_layers, self.num_experts, self.num_groups = num_layers, num_experts, num_groups
+        self.placement = Placement.identity(num_layers, num_experts, self.num_ranks, redundant)
+        self.max_replicas = redundant + 1
+        self.exchange = AllGatherExchange(self.group, self.rank, self.num_ranks,
+                                          self.slots_per_rank) if ep else None
+        self.blocks: list = []  # the MoE blocks, in layer order (their weights move on rebalance)
+        self.padded_tokens = 0  # tokens every rank passes to the exchange this step
+        self.device = torch.device("cpu")
+        self._tables(torch.device("cpu"))
+        self.total_load = torch.zeros((num_layers, num_experts), dtype=torch.int64)
+
+    @property
+    def slots_per_rank(self) -> int:
+        return self.placement.slots_per_rank
+
+    def rank_slots(self, rank: int | None = None) -> range:
+        """The physical slots a rank holds."""
+        start = (self.rank if rank is None else rank) * self.slots_per_rank
+        return range(start, start + self.slots_per_rank)
+
+    def local_slots_of(self, layer: int, expert: int) -> list[int]:
+        """This rank's slots (0-based) that hold a replica of `expert` in `layer`."""
+        held = self.placement.phy2log[layer, self.rank_slots()].tolist()
+        return [i for i, e in enumerate(held) if e == expert]
+
+    def to(self, device: torch.device | str) -> None:
+        self.device = torch.device(device)
+        self._tables(self.device)
+
+    def _tables(self, device: torch.device) -> None:
+        p = self.placement
+        log2phy = torch.full((self.num_layers, self.num_experts, self.max_replicas), -1,
+                             dtype=torch.int64)
+        log2phy[:, :, :p.log2phy.shape[2]] = p.log2phy
+        self.log2phy = log2phy.to(device)
+        self.logcnt = p.logcnt.to(device)
+        self.load = torch.zeros((self.num_layers, self.num_experts), dtype=torch.int64,
+                                device=device)  # this rank's tokens since the last rebalance
+        self.valid = torch.zeros((), dtype=torch.int64, device=device)
+
+    # ---- per step --------------------------------------------------------------------------
+    def begin_step(self, num_tokens: int, num_valid: int) -> None:
+        """Before a forward: the token count every rank's exchange uses (agreed over the
+        group), and how many of this rank's tokens are real (padding is not counted)."""
+        self.valid.fill_(num_valid)
+        if self.exchange is None:
+            self.padded_tokens = num_tokens
+            return
+        agreed = torch.tensor([num_tokens])
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=self.shape_group)
+        self.padded_tokens = int(agreed.item())
+
+    @property
+    def shape_group(self):
+        """A host (gloo) group for agreeing on shapes without a device sync."""
+        if not hasattr(self, "_shape_group"):
+            backend = dist.get_backend(self.group)
+            self._shape_group = self.group if backend == "gloo" else \
+                dist.new_group(backend="gloo")
+        return self._shape_group
+
+    def run(self, layer: int, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+            compute: Compute) -> torch.Tensor:
+        """The routed experts' output for x [T, H] routed to logical experts ids [T, k]."""
+        self._record(layer, ids)
+        phys = self._physical(layer, ids)
+        if self.exchange is None:
+            return compute(x, weights, phys.to(torch.int32))
+        return self.exchange.run(x, weights, phys, max(self.padded_tokens, x.shape[0]), compute)
+
+    def _physical(self, layer: int, ids: torch.Tensor) -> torch.Tensor:
+        """A physical slot per route: replicas of an expert take turns by token index."""
+        ids = ids.long()
+        turn = torch.arange(ids.shape[0], device=ids.device).unsqueeze(1)
+        choice = turn % self.logcnt[layer][ids]
+        return self.log2phy[layer][ids, choice]
+
+    def _record(self, layer: int, ids: torch.Tensor) -> None:
+        real = (torch.arange(ids.shape[0], device=ids.device) < self.valid).long()
+        self.load[layer].index_add_(0, ids.reshape(-1).long(), real.repeat_interleave(
+            ids.shape[1]))
+
+    # ---- EPLB ------------------------------------------------------------------------------
+    def expert_load(self) -> torch.Tensor:
+        """[layers, experts] routed tokens of this rank since start (host)."""
+        return self.total_load + self.load.cpu()
+
+    def rebalance(self) -> RebalanceReport:
+        """Collective: every rank calls it at the same step. A new placement from the
+        group's load since the last rebalance, then every rank fetches its new slots' weights."""
+        start = time.perf_counter()
+        window = self.load.clone()
+        if self.group is not None:
+            dist.all_reduce(window, group=self.group)
+        window = window.cpu()
+        old = self.placement
+        new = rebalance(window, self.num_ranks, self.max_replicas - 1, self.num_groups)
+        for layer, block in enumerate(self.blocks):
+            block.move_experts(self._sources(old, new, layer), self)
+        self.total_load += self.load.cpu()
+        self.load.zero_()
+        self.placement = new
+        self._refresh_tables()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        moved = int((old.phy2log != new.phy2log).sum())
+        return RebalanceReport(time.perf_counter() - start, imbalance(window, old),
+                               imbalance(window, new), int(window.sum()), moved)
+
+    def _sources(self, old: Placement, new: Placement, layer: int) -> torch.Tensor:
+        """For each of this rank's new slots: an old physical slot holding the same expert."""
+        wanted = new.phy2log[layer, self.rank_slots()]
+        return old.log2phy[layer, wanted, 0]
+
+    def _refresh_tables(self) -> None:
+        p = self.placement
+        self.log2phy.fill_(-1)
+        self.log2phy[:, :, :p.log2phy.shape[2]].copy_(p.log2phy)
+        self.logcnt.copy_(p.logcnt)
+
+    def gather_slots(self, weight: torch.Tensor) -> torch.Tensor:
+        """Every rank's slots of one stacked expert weight [S, ...] -> [P, ...]."""
+        if self.group is None:
+            return weight
+        out = weight.new_empty((self.num_ranks * weight.shape[0], *weight.shape[1:]))
+        dist.all_gather_into_tensor(out, weight.contiguous(), group=self.group)
+        return out
