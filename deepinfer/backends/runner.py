@@ -120,6 +120,21 @@ class TorchRunner:
             return SamplerOutput(token_ids=[], logprobs=[])
         return self.sampler.sample(logits, rows)
 
+    # ---- MoE -----------------------------------------------------------------------------
+    @property
+    def moe(self):
+        """The model's ExpertRuntime, None for dense models."""
+        return getattr(self.model, "moe", None)
+
+    def expert_load(self) -> torch.Tensor | None:
+        return None if self.moe is None else self.moe.expert_load()
+
+    def rebalance_experts(self):
+        if self.moe is None:
+            raise ValueError("this model has no experts to rebalance")
+        with torch.inference_mode():
+            return self.moe.rebalance()
+
     # ---- accounting ----------------------------------------------------------------------
     def weights_bytes(self) -> int:
         if self.model is None:

@@ -167,5 +167,17 @@ class Accelerator(ABC):
     def memory_stats(self) -> MemoryStats:
         return MemoryStats(device_total_bytes=0, weights_bytes=0, kv_cache_bytes=0)
 
+    # ---- MoE (models with experts only) ----------------------------------------------------
+    def expert_load(self) -> Any:
+        """Host tensor [MoE layers, experts]: tokens this rank routed to each expert since
+        start; None for a model without experts."""
+        return None
+
+    def rebalance_experts(self) -> Any:
+        """EPLB, a collective over the expert-parallel group: a new expert placement from the
+        group's recent load, weights moved between ranks. Returns a report with the stall and
+        the imbalance before and after."""
+        raise NotImplementedError(f"{self.name} does not rebalance experts")
+
     def shutdown(self) -> None:
         """Release the device; idempotent."""

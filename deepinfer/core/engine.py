@@ -176,6 +176,8 @@ class Engine:
             sampled = self._execute(scheduled)
             self._broken_steps = 0
         except Exception:  # noqa: BLE001 - narrowed down to the requests that cause it
+            if self.model.needs_collectives:
+                raise  # re-running parts on one rank alone would leave its peers' collectives
             scheduled, sampled = self._isolate_fault(scheduled, failed)
         updates = self.scheduler.update(scheduled, sampled)
         return failed + [out for u in updates if (out := self._safe_output(u, failed))]
@@ -185,6 +187,11 @@ class Engine:
         matched): one padding token in the null block, nothing sampled."""
         self.accelerator.execute(dummy_batch(len(self.kv.groups), self.kv.block_size))
         self.num_dummy_steps += 1
+
+    def rebalance_experts(self):
+        """EPLB, collective: every rank of the expert-parallel group calls it at the same
+        iteration. Returns the backend's report (stall, imbalance before and after)."""
+        return self.accelerator.rebalance_experts()
 
     def _execute(self, scheduled: SchedulerOutput):
         return self.accelerator.execute(self._constrain(scheduled))

@@ -71,6 +71,12 @@ class CPUAccelerator(Accelerator):
         with torch.inference_mode():
             return self.runner.sample(logits, batch.sampling)
 
+    def expert_load(self):
+        return self.runner.expert_load()
+
+    def rebalance_experts(self):
+        return self.runner.rebalance_experts()
+
     # ---- HiCache host tier -----------------------------------------------------------------
     def host_page_bytes(self) -> int:
         return self.runner.block_bytes(self.runner.cache.block_size)

@@ -19,6 +19,9 @@ import torch.nn.functional as F
 
 # (tokens [n, H], route weights [n, k], local slots [n, k] with -1 elsewhere) -> [n, H]
 Compute = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# torch >= 2.12 names them *_single (the *_tensor names are deprecated aliases).
+all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+_reduce_scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
 
 
 class AllGatherExchange:
@@ -40,10 +43,10 @@ class AllGatherExchange:
         local = torch.where(mine, all_phys - self.rank * self.slots_per_rank, -1)
         partial = compute(all_x, all_routes[:, k:].clamp_min(0.0), local.to(torch.int32))
         out = x.new_empty((padded, x.shape[1]))
-        dist.reduce_scatter_tensor(out, partial.contiguous(), group=self.group)
+        _reduce_scatter(out, partial.contiguous(), group=self.group)
         return out[:tokens]
 
     def _gather(self, t: torch.Tensor) -> torch.Tensor:
         out = t.new_empty((self.world_size * t.shape[0], *t.shape[1:]))
-        dist.all_gather_into_tensor(out, t.contiguous(), group=self.group)
+        all_gather(out, t.contiguous(), group=self.group)
         return out

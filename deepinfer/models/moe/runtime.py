@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from deepinfer.core.accelerator import ParallelContext
 from deepinfer.models.moe.eplb import Placement, imbalance, rebalance
-from deepinfer.models.moe.exchange import AllGatherExchange, Compute
+from deepinfer.models.moe.exchange import AllGatherExchange, Compute, all_gather
 
 
 @dataclass(frozen=True)
@@ -169,5 +169,5 @@ class ExpertRuntime:
         if self.group is None:
             return weight
         out = weight.new_empty((self.num_ranks * weight.shape[0], *weight.shape[1:]))
-        dist.all_gather_into_tensor(out, weight.contiguous(), group=self.group)
+        all_gather(out, weight.contiguous(), group=self.group)
         return out

@@ -1,0 +1,160 @@
+"""Expert parallelism over gloo, several rank processes on this machine: each rank holds a
+share of the experts (plus replicas) and runs attention for its own prompts; every MoE layer
+exchanges tokens. Outputs must equal the single-process model's, idle ranks must keep stepping
+(dummy steps) without deadlock, and an EPLB rebalance mid-generation must not change a token."""
+from __future__ import annotations
+
+import multiprocessing as mp
+import socket
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+from deepinfer.core.accelerator import ParallelContext
+from deepinfer.core.config import CacheConfig, EngineConfig, ModelSpec, SchedulerConfig
+from deepinfer.core.sampling import SamplingParams
+from deepinfer.llm import LLM
+from tests.checkpoints import make_checkpoint
+
+TIMEOUT_S = 240
+
+
+@dataclass(frozen=True)
+class RankJob:
+    path: str
+    rank: int
+    world_size: int
+    port: int
+    prompts: list[list[int]]  # this rank's prompts (attention DP: each rank its own)
+    max_tokens: int = 24
+    redundant: int = 0
+    rebalance_at: tuple[int, ...] = ()  # loop iterations at which every rank rebalances
+    chunk: int = 2048
+
+
+@dataclass
+class RankResult:
+    tokens: list[list[int]]
+    dummy_steps: int
+    reports: list = field(default_factory=list)
+    placements: list = field(default_factory=list)
+
+
+def _run_rank(job: RankJob, out: mp.Queue) -> None:
+    import torch.distributed as dist
+
+    from deepinfer.backends.cpu.accelerator import CPUAccelerator
+    from deepinfer.core.engine import Engine
+    from deepinfer.serve.engine_proc import StepClock, _step
+    from deepinfer.serve.lockstep import Lockstep
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{job.port}", rank=job.rank,
+                            world_size=job.world_size)
+    context = ParallelContext(job.rank, job.world_size, dist.group.WORLD, True, job.redundant)
+    config = EngineConfig(ModelSpec(job.path, dtype="float32"),
+                          CacheConfig(block_size=16, num_blocks=64),
+                          SchedulerConfig(max_num_batched_tokens=job.chunk), seed=0)
+    engine = Engine(config, CPUAccelerator(), load_tokenizer=False, parallel=context)
+    greedy = SamplingParams(temperature=0.0, max_tokens=job.max_tokens, ignore_eos=True)
+    for i, prompt in enumerate(job.prompts):
+        engine.add_request(f"r{i}", prompt, greedy)
+    tokens: dict[str, list[int]] = {f"r{i}": [] for i in range(len(job.prompts))}
+    result = RankResult([], 0)
+    lockstep, clock, iteration = Lockstep(), StepClock(), 0
+    while True:
+        if iteration in job.rebalance_at:
+            result.placements.append(engine.accelerator.runner.moe.placement.phy2log.tolist())
+            result.reports.append(engine.rebalance_experts())
+        for o in _step(engine, clock, lockstep):
+            tokens[o.request_id] += o.new_token_ids
+        iteration += 1
+        if not lockstep.peers_busy:
+            break
+    result.tokens = [tokens[f"r{i}"] for i in range(len(job.prompts))]
+    result.dummy_steps = engine.num_dummy_steps
+    dist.destroy_process_group()
+    out.put((job.rank, result))
+
+
+def run_ranks(jobs: list[RankJob]) -> list[RankResult]:
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_run_rank, args=(job, out), daemon=True) for job in jobs]
+    for p in procs:
+        p.start()
+    try:
+        results = dict(out.get(timeout=TIMEOUT_S) for _ in jobs)
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    return [results[r] for r in range(len(jobs))]
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _prompts(n: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(2, 250, (int(length),), generator=g).tolist()
+            for length in torch.randint(4, 40, (n,), generator=g)]
+
+
+def _single_process(path: str, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    llm = LLM(path, dtype="float32", accelerator="cpu", block_size=16, kv_cache_memory_gb=0.05,
+              load_tokenizer=False)
+    greedy = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    return {family: make_checkpoint(str(tmp_path_factory.mktemp(family)), family)
+            for family in ("qwen3_moe", "deepseek_v3_moe")}
+
+
+@pytest.mark.parametrize("family, world_size, redundant", [
+    ("qwen3_moe", 2, 0), ("qwen3_moe", 4, 0), ("deepseek_v3_moe", 2, 2)])
+def test_expert_parallel_equals_one_process(checkpoints, family, world_size, redundant):
+    path = checkpoints[family]
+    prompts = _prompts(2 * world_size, seed=world_size)
+    expected = _single_process(path, prompts, 24)
+    port = _port()
+    jobs = [RankJob(path, r, world_size, port, prompts[2 * r:2 * r + 2], redundant=redundant)
+            for r in range(world_size)]
+    results = run_ranks(jobs)
+    got = [tokens for result in results for tokens in result.tokens]
+    assert got == expected
+
+
+def test_idle_rank_runs_dummy_steps_without_deadlock(checkpoints):
+    path = checkpoints["qwen3_moe"]
+    prompt = _prompts(1, seed=7)
+    port = _port()
+    jobs = [RankJob(path, 0, 2, port, prompt, max_tokens=100), RankJob(path, 1, 2, port, [])]
+    busy, idle = run_ranks(jobs)
+    assert busy.tokens == _single_process(path, prompt, 100)
+    assert idle.dummy_steps >= 100 and busy.dummy_steps == 0
+
+
+def test_rebalance_mid_generation_keeps_every_token(checkpoints):
+    path = checkpoints["deepseek_v3_moe"]
+    prompts = _prompts(4, seed=3)
+    expected = _single_process(path, prompts, 32)
+    port = _port()
+    jobs = [RankJob(path, r, 2, port, prompts[2 * r:2 * r + 2], max_tokens=32, redundant=2,
+                    rebalance_at=(10, 20)) for r in range(2)]
+    results = run_ranks(jobs)
+    assert [t for r in results for t in r.tokens] == expected
+    first, second = results[0].reports
+    assert first.window_tokens > 0 and first.experts_moved > 0
+    assert first.imbalance_after <= first.imbalance_before
+    # every rank decided the same placement, and it is not the initial one
+    assert results[0].placements[1] == results[1].placements[1]
+    assert results[0].placements[0] != results[0].placements[1]
