@@ -111,32 +111,91 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """How ranks share the work: data parallel ranks (one process and device each), expert
-    parallelism across them (MoE layers), tensor parallel size (1 only, for now)."""
+    """How ranks share the work: data parallel ranks (one process and device each) on one or
+    several hosts, expert parallelism across them (MoE layers), expert load balancing (EPLB),
+    tensor parallel size (1 only, for now)."""
 
     dp: int = field(default=1, metadata={
-        "help": "engine processes (one per device); LLM(...) runs one engine, so dp=1 there"})
+        "help": "engine processes on this host (one per device); LLM(...) runs one engine, so "
+                "dp=1 there"})
     ep: bool = field(default=False, metadata={
-        "help": "expert parallel: the --dp ranks form one torch.distributed group (gloo on "
-                "CPU, NCCL on CUDA) and step in lockstep (an idle rank runs a dummy step), so "
-                "MoE layers can exchange tokens"})
+        "help": "expert parallel: the ranks of every host form one torch.distributed group "
+                "(gloo on CPU, NCCL on CUDA) and step in lockstep (an idle rank runs a dummy "
+                "step); each rank holds its share of every MoE layer's experts and the layers "
+                "exchange tokens. On by default for MoE models when there are several ranks; "
+                "with a dense model the ranks just step together"})
+    auto_ep: bool = field(default=True, metadata={
+        "flag": "--no-ep",
+        "help": "expert parallel by default for MoE models with several ranks (off: every "
+                "rank holds every expert, as independent replicas)"})
     tp: int = field(default=1, metadata={
         "help": "tensor parallel size (only 1 is supported yet)"})
-    # Where ranks meet for torch.distributed: the API process picks a free port when 0.
+    nnodes: int = field(default=1, metadata={
+        "help": "hosts the rank group spans, each running its own deepinfer-serve with the "
+                "same --dp (default: from torchrun's environment, else 1)"})
+    node_rank: int = field(default=0, metadata={
+        "help": "this host's index among --nnodes: its ranks are node_rank * dp .. + dp - 1 "
+                "(default: from torchrun's environment, else 0)"})
+    # Where ranks meet for torch.distributed: on one host the API process picks a free port
+    # when 0; across hosts every host names node 0's address and one agreed port.
     master_addr: str = field(default="127.0.0.1", metadata={
-        "internal": True, "help": "host of the torch.distributed rendezvous"})
+        "help": "host of the torch.distributed rendezvous (node 0; default: MASTER_ADDR under "
+                "torchrun)"})
     master_port: int = field(default=0, metadata={
-        "internal": True, "help": "port of the torch.distributed rendezvous (0: a free one)"})
+        "help": "port of the torch.distributed rendezvous (0: a free one, one host only; "
+                "default under torchrun: MASTER_PORT + 1, as torchrun's own store holds "
+                "MASTER_PORT)"})
+    eplb_interval: float = field(default=0.0, metadata={
+        "help": "EPLB: seconds between expert rebalances under expert parallel (0: never on a "
+                "timer); each rebalance places experts (and replicas of the hot ones) from the "
+                "load since the last one and moves their weights between ranks"})
+    eplb_after_prefill: bool = field(default=False, metadata={
+        "help": "EPLB: rebalance after every step that prefilled prompt tokens"})
+    eplb_redundant_experts: int = field(default=0, metadata={
+        "help": "EPLB: expert slots beyond one per expert, over all ranks, for replicas of the "
+                "busiest experts ((experts + this) must divide by the rank count)"})
 
     def __post_init__(self) -> None:
-        if self.dp < 1:
-            raise ValueError(f"dp must be >= 1, got {self.dp}")
+        if self.dp < 1 or self.nnodes < 1:
+            raise ValueError(f"dp and nnodes must be >= 1, got {self.dp} and {self.nnodes}")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank must be in 0..{self.nnodes - 1}, got {self.node_rank}")
+        if self.nnodes > 1 and self.master_port == 0:
+            raise ValueError("several hosts need --master-addr and --master-port (node 0's)")
         if self.tp != 1:
             raise ValueError("tensor parallelism is not supported yet; use tp=1")
+        if self.eplb_interval < 0 or self.eplb_redundant_experts < 0:
+            raise ValueError("eplb_interval and eplb_redundant_experts must be >= 0")
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.tp
+        """Ranks over every host."""
+        return self.dp * self.nnodes * self.tp
+
+    @property
+    def first_rank(self) -> int:
+        """The global rank of this host's first rank."""
+        return self.node_rank * self.dp
+
+    @property
+    def eplb(self) -> bool:
+        return self.eplb_interval > 0 or self.eplb_after_prefill
+
+
+def torchrun_parallel(options: dict[str, Any], environ: typing.Mapping[str, str]) -> dict:
+    """Multi-host settings from the environment torchrun gives each host's process (one per
+    host: `torchrun --nnodes N --nproc-per-node 1 ...`), for those the options leave unset."""
+    if "WORLD_SIZE" not in environ or "GROUP_RANK" not in environ:
+        return options
+    per_host = int(environ.get("LOCAL_WORLD_SIZE", "1"))
+    derived = {"nnodes": int(environ["WORLD_SIZE"]) // per_host,
+               "node_rank": int(environ["GROUP_RANK"]),
+               "master_addr": environ.get("MASTER_ADDR", "127.0.0.1"),
+               "master_port": int(environ.get("MASTER_PORT", "29499")) + 1}
+    defaults = ParallelConfig()
+    unset = {k: v for k, v in derived.items() if options.get(k, getattr(defaults, k))
+             == getattr(defaults, k)}
+    return {**options, **unset}
 
 
 @dataclass(frozen=True)

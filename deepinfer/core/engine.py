@@ -78,6 +78,7 @@ class Engine:
         self._grammars: GrammarCompiler | None = None  # built on the first constrained request
         self._broken_steps = 0
         self.num_dummy_steps = 0
+        self.last_step_prefilled = False
 
     # ---- requests ------------------------------------------------------------------------
     @property
@@ -169,7 +170,11 @@ class Engine:
         if self.hicache is not None:
             self.hicache.poll()  # finished host copies: index stored pages, unpin
         scheduled = self.scheduler.schedule()
+        # A step that runs a prompt chunk (EPLB's --eplb-after-prefill rebalances after one).
+        self.last_step_prefilled = any(s.num_new_tokens > 1 for s in scheduled.seqs)
         if not scheduled.seqs:
+            if self.model.needs_collectives:
+                self.dummy_step()  # nothing fits this step, but the peers' layers need ours
             return []
         failed: list[RequestOutput] = []
         try:

@@ -45,3 +45,19 @@ def kv_spec_of(path: str) -> "KVSpec":
     with torch.device("meta"):
         model = model_class(architecture(config))(config, None, 1)
     return model.kv_spec()
+
+
+def has_experts(path: str) -> bool:
+    """Whether the checkpoint at `path` has MoE layers (from its config alone, as kv_spec_of);
+    False for anything that is not a checkpoint folder we can read."""
+    import torch
+
+    from deepinfer.models.hf_config import architecture, load_config
+
+    try:
+        config = load_config(path)
+        with torch.device("meta"):
+            model = model_class(architecture(config))(config, None, 1)
+    except (OSError, ValueError):
+        return False
+    return getattr(model, "moe", None) is not None

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Any, Sequence, TypeAlias
 
 from deepinfer.core.config import (EngineConfig, EngineOption, engine_config_from_options,
-                                   engine_options)
+                                   engine_options, torchrun_parallel)
 from deepinfer.serve.limits import RequestLimits
 from deepinfer.serve.rank_health import RankHealthConfig
 
@@ -140,7 +140,8 @@ def _tokenizer_args(p: Flags) -> None:
 
 
 def engine_config(args: argparse.Namespace, model_dir: str) -> EngineConfig:
-    return engine_config_from_options(model_dir, **engine_options_from_args(args))
+    options = torchrun_parallel(engine_options_from_args(args), os.environ)
+    return engine_config_from_options(model_dir, **options)
 
 
 def engine_options_from_args(args: argparse.Namespace) -> dict[str, Any]:
@@ -174,6 +175,7 @@ async def serve(args: argparse.Namespace, model_dir: str, listener: socket.socke
     from deepinfer.serve.engine_client import EngineClient
     from deepinfer.serve.metrics import ServerMetrics
     from deepinfer.serve.rank_metrics import RankCollector
+    from deepinfer.serve.moe_metrics import MoECollector
     from deepinfer.serve.tokenizer_metrics import TokenizerCollector
 
     name = args.served_model_name or os.path.basename(os.path.normpath(args.model or model_dir))
@@ -192,6 +194,7 @@ async def serve(args: argparse.Namespace, model_dir: str, listener: socket.socke
         prompt_tokenizer = build_prompt_tokenizer(args, tokenizer)
         metrics.registry.register(TokenizerCollector(prompt_tokenizer, name))
         metrics.registry.register(RankCollector(client.ranks, client.router, name))
+        metrics.registry.register(MoECollector(client.ranks, name))
         state = ServerState(client, tokenizer, name, model_dir, ready[0].max_model_len,
                             metrics, args.api_key, int(time.time()),
                             prompt_tokenizer=prompt_tokenizer, limits=request_limits(args),

@@ -26,9 +26,10 @@ import zmq.asyncio
 from deepinfer.core.config import EngineConfig
 from deepinfer.serve.router import Route, Router
 from deepinfer.core.sampling import SamplingParams
+from deepinfer.models.registry import has_experts
 from deepinfer.serve.engine_proc import RankSpec, run_rank
 from deepinfer.serve.ipc import (AbortRequest, AddRequest, Control, ControlReply, EngineStats,
-                                 Failed, Heartbeat, Ready, StepResult, TokenDelta)
+                                 ExpertStats, Failed, Heartbeat, Ready, StepResult, TokenDelta)
 from deepinfer.serve.rank_health import RankHealthConfig, RankState, Verdict, judge
 from deepinfer.serve.ranks import (EngineRequestError, RankDiedError, RankView, _Rank,
                                    describe_exit)
@@ -326,7 +327,7 @@ class EngineClient:
         self._check_alive()
         return [RankView(i, self.router.alive[i], r.process.pid, r.process.exitcode,
                          self.router.requests[i], self.router.load[i], r.lost_requests, r.stats,
-                         r.state.value, r.restarts)
+                         r.state.value, r.restarts, r.experts)
                 for i, r in enumerate(self._ranks)]
 
     def num_in_flight(self) -> int:
@@ -339,6 +340,8 @@ class EngineClient:
                 self._dispatch(message)
             elif isinstance(message, Heartbeat):
                 self._on_heartbeat(message)
+            elif isinstance(message, ExpertStats):
+                self._ranks[message.rank].experts = message
             elif isinstance(message, ControlReply):
                 _, fut = self._calls.pop(message.call_id, (None, None))
                 if fut is not None and not fut.done():
@@ -362,10 +365,14 @@ class EngineClient:
 
 
 def _with_rendezvous(config: EngineConfig, num_ranks: int) -> EngineConfig:
-    """The config every rank gets: dp is the rank count, and ranks that form a
-    torch.distributed group meet on a port free on this host."""
+    """The config every rank gets: dp is this host's rank count, expert parallel decided (on
+    by default for MoE models with several ranks), and ranks that form a torch.distributed
+    group meet on a port free on this host (one host) or node 0's (several)."""
     parallel = dataclasses.replace(config.parallel, dp=num_ranks)
-    if parallel.ep and num_ranks > 1 and parallel.master_port == 0:
+    if not parallel.ep and parallel.auto_ep and parallel.world_size > 1 and \
+            has_experts(config.model.path):
+        parallel = dataclasses.replace(parallel, ep=True)
+    if parallel.ep and parallel.world_size > 1 and parallel.master_port == 0:
         with socket.socket() as probe:
             probe.bind((parallel.master_addr, 0))
             parallel = dataclasses.replace(parallel, master_port=probe.getsockname()[1])

@@ -19,12 +19,15 @@ from deepinfer.core.accelerator import ParallelContext
 from deepinfer.core.config import EngineConfig
 from deepinfer.core.engine import Engine
 from deepinfer.core.outputs import RequestOutput
-from deepinfer.serve.lockstep import Lockstep, init_rank_group, shutdown_group
 from deepinfer.serve.ipc import (AbortRequest, AddRequest, Control, ControlReply, EngineStats,
-                                 Failed, Heartbeat, Ready, RequestError, StepResult, TokenDelta)
+                                 ExpertStats, Failed, Heartbeat, Ready, RequestError,
+                                 StepResult, TokenDelta)
+from deepinfer.serve.lockstep import (Lockstep, RebalanceTimer, init_rank_group,
+                                      shutdown_group)
 
 log = logging.getLogger("deepinfer.rank")
 IDLE_POLL_MS = 200  # how often an idle rank checks that its parent is alive
+EXPERT_STATS_EVERY_S = 1.0  # expert load is L x E numbers: reported at most this often
 
 
 @dataclass(frozen=True)
@@ -58,6 +61,39 @@ class StepClock:
         return 0.0 if since is None else time.monotonic() - since
 
 
+class ExpertReporter:
+    """EPLB and the expert load of an MoE rank: when to rebalance (the timer, voted on with
+    the lockstep), and the ExpertStats it owes the API process."""
+
+    def __init__(self, engine: Engine, rank: int, timer: RebalanceTimer) -> None:
+        self.engine, self.rank, self.timer = engine, rank, timer
+        self.rebalances, self.last_report = 0, None
+        self.sent_at = 0.0
+
+    def wants_rebalance(self) -> bool:
+        prefilled, self.engine.last_step_prefilled = self.engine.last_step_prefilled, False
+        return self.timer.enabled and self.timer.due(prefilled)
+
+    def rebalance(self) -> None:
+        report = self.engine.rebalance_experts()
+        self.timer.done()
+        if report is None:
+            return  # no tokens routed since the last one: nothing to balance
+        self.rebalances, self.last_report, self.sent_at = self.rebalances + 1, report, 0.0
+        log.info("EPLB rebalance: imbalance (max/mean tokens per rank) %.3f -> %.3f over %d "
+                 "tokens, %d expert slots moved, %.1f ms stall", report.imbalance_before,
+                 report.imbalance_after, report.window_tokens, report.experts_moved,
+                 report.stall_s * 1e3)
+
+    def due_stats(self) -> ExpertStats | None:
+        now = time.monotonic()
+        if now - self.sent_at < EXPERT_STATS_EVERY_S:
+            return None
+        self.sent_at = now
+        return ExpertStats(self.rank, self.engine.accelerator.expert_load().tolist(),
+                           self.rebalances, self.last_report)
+
+
 def run_rank(spec: RankSpec) -> None:
     """Entry point of a rank process (multiprocessing spawn target)."""
     # The API process decides when we stop: a Ctrl-C or a `server.sh stop` reaches the whole
@@ -78,6 +114,7 @@ def run_rank(spec: RankSpec) -> None:
     registry = load_plugins()
     try:
         engine, lockstep = _start_engine(spec, registry)
+        experts = _expert_reporter(engine, spec)
     except Exception:  # noqa: BLE001 - report any start-up failure to the API process
         outbox.send_pyobj(Failed(spec.rank, traceback.format_exc()))
         return
@@ -91,7 +128,7 @@ def run_rank(spec: RankSpec) -> None:
                             name="deepinfer-heartbeat", daemon=True)
     beat.start()
     try:
-        _loop(engine, spec.rank, inbox, outbox, parent, clock, lockstep)
+        _loop(engine, spec.rank, inbox, outbox, parent, clock, lockstep, experts)
     finally:
         stop.set()
         beat.join()
@@ -113,6 +150,19 @@ def _start_engine(spec: RankSpec, registry) -> tuple[Engine, Lockstep | None]:
     return Engine(spec.config, accelerator, parallel=context), Lockstep()
 
 
+def _expert_reporter(engine: Engine, spec: RankSpec) -> ExpertReporter | None:
+    parallel = spec.config.parallel
+    timer = RebalanceTimer(parallel.eplb_interval, parallel.eplb_after_prefill)
+    if engine.accelerator.expert_load() is None:
+        if timer.enabled:
+            raise ValueError("--eplb-interval / --eplb-after-prefill need an MoE model")
+        return None
+    if timer.enabled and not (parallel.ep and parallel.world_size > 1):
+        raise ValueError("EPLB rebalances experts across ranks: it needs expert parallel "
+                         "(--ep with several ranks)")
+    return ExpertReporter(engine, spec.rank, timer)
+
+
 def _heartbeat(ctx: zmq.Context, spec: RankSpec, clock: StepClock,
                stop: threading.Event) -> None:
     """Beat on a socket of this thread's own (ZMQ sockets are not thread-safe)."""
@@ -132,7 +182,8 @@ def _heartbeat(ctx: zmq.Context, spec: RankSpec, clock: StepClock,
 
 
 def _loop(engine: Engine, rank: int, inbox: zmq.Socket, outbox: zmq.Socket, parent: int,
-          clock: StepClock | None = None, lockstep: Lockstep | None = None) -> None:
+          clock: StepClock | None = None, lockstep: Lockstep | None = None,
+          experts: ExpertReporter | None = None) -> None:
     clock = clock or StepClock()
     poller = zmq.Poller()
     poller.register(inbox, zmq.POLLIN)
@@ -152,29 +203,35 @@ def _loop(engine: Engine, rank: int, inbox: zmq.Socket, outbox: zmq.Socket, pare
             handled = True
         if os.getppid() != parent:
             return  # orphaned: the API process is gone
-        outputs = _step(engine, clock, lockstep)
+        outputs = _step(engine, clock, lockstep, experts)
         errors += [RequestError(o.request_id, o.error, 500) for o in outputs if o.error]
         deltas = [_delta(o) for o in outputs if o.error is None]
         # Also report after handled messages: an abort frees blocks without any step output,
         # and the API's gauges (running, KV usage) would otherwise keep the stale numbers.
         if outputs or errors or handled:
             outbox.send_pyobj(StepResult(rank, deltas, errors, _stats(engine)))
+        expert_stats = experts.due_stats() if experts is not None else None
+        if expert_stats is not None:
+            outbox.send_pyobj(expert_stats)
 
 
-def _step(engine: Engine, clock: StepClock, lockstep: Lockstep | None) -> list[RequestOutput]:
+def _step(engine: Engine, clock: StepClock, lockstep: Lockstep | None,
+          experts: ExpertReporter | None = None) -> list[RequestOutput]:
     """One engine step if this rank has work; in lockstep, also a dummy step when only a
-    peer has (every rank takes the same branch: the vote is a collective)."""
+    peer has, and an EPLB rebalance first when any rank asks for one (every rank takes the
+    same branches: the vote is a collective)."""
     busy = engine.has_unfinished_requests()
-    if lockstep is not None and not busy:
-        if lockstep.anyone_busy(False):
+    if lockstep is not None:
+        wants = experts is not None and experts.wants_rebalance()
+        anyone_busy, rebalance = lockstep.vote(busy, wants)
+        if rebalance and experts is not None:
+            experts.rebalance()
+        if anyone_busy and not busy:
             clock.begin()
             try:
                 engine.dummy_step()
             finally:
                 clock.end()
-        return []
-    if lockstep is not None:
-        lockstep.anyone_busy(True)
     if not busy:
         return []
     clock.begin()

@@ -107,6 +107,17 @@ class StepResult:
 
 
 @dataclass(frozen=True)
+class ExpertStats:
+    """A rank's MoE view, sent at most once a second and after each EPLB rebalance: tokens it
+    routed to each expert of each MoE layer since start, and its rebalances."""
+
+    rank: int
+    load: list[list[int]]  # [MoE layer][expert]
+    rebalances: int = 0
+    last_rebalance: object = None  # models.moe.runtime.RebalanceReport of the latest one
+
+
+@dataclass(frozen=True)
 class Ready:
     rank: int
     num_blocks: int

@@ -9,6 +9,7 @@ CPU, NCCL on CUDA), rendezvoused over TCP at the API process's address and port.
 """
 from __future__ import annotations
 
+import time
 from datetime import timedelta
 
 import torch
@@ -21,17 +22,20 @@ from deepinfer.core.config import ParallelConfig
 COLLECTIVE_TIMEOUT = timedelta(seconds=60)
 
 
-def init_rank_group(parallel: ParallelConfig, rank: int, backend: str) -> ParallelContext:
-    """Join the group of all ranks; returns the context init_device receives."""
+def init_rank_group(parallel: ParallelConfig, local_rank: int, backend: str) -> ParallelContext:
+    """Join the group of all ranks of every host; returns the context init_device receives."""
+    rank = parallel.first_rank + local_rank
     dist.init_process_group(backend, init_method=f"tcp://{parallel.master_addr}:"
                             f"{parallel.master_port}", rank=rank,
                             world_size=parallel.world_size, timeout=COLLECTIVE_TIMEOUT)
-    return ParallelContext(rank, parallel.world_size, dist.group.WORLD, parallel.ep)
+    return ParallelContext(rank, parallel.world_size, dist.group.WORLD, parallel.ep,
+                           parallel.eplb_redundant_experts)
 
 
 class Lockstep:
-    """The per-iteration 'anyone busy?' vote, on a gloo group (host tensors, whatever the
-    device group's backend)."""
+    """The per-iteration vote, on a gloo group (host tensors, whatever the device group's
+    backend): does anyone have work, and does anyone want an expert rebalance (EPLB)? Every
+    rank then takes the same branch."""
 
     def __init__(self) -> None:
         self.group = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" \
@@ -39,10 +43,36 @@ class Lockstep:
         self.peers_busy = False  # the last vote: some rank had work
 
     def anyone_busy(self, busy: bool) -> bool:
-        flag = torch.tensor([int(busy)])
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
-        self.peers_busy = bool(flag.item())
-        return self.peers_busy
+        return self.vote(busy, False)[0]
+
+    def vote(self, busy: bool, rebalance: bool) -> tuple[bool, bool]:
+        flags = torch.tensor([int(busy), int(rebalance)])
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
+        self.peers_busy = bool(flags[0])
+        return self.peers_busy, bool(flags[1])
+
+
+class RebalanceTimer:
+    """When this rank asks for an EPLB rebalance: every `interval_s` seconds; with
+    `after_prefill`, after a step that prefilled (and, with both, the first such step once the
+    interval has passed). Any rank asking is enough (the vote is a MAX)."""
+
+    def __init__(self, interval_s: float, after_prefill: bool, clock=time.monotonic) -> None:
+        self.interval_s, self.after_prefill, self.clock = interval_s, after_prefill, clock
+        self.last = clock()
+
+    @property
+    def enabled(self) -> bool:
+        return self.interval_s > 0 or self.after_prefill
+
+    def due(self, prefilled: bool) -> bool:
+        elapsed = self.interval_s <= 0 or self.clock() - self.last >= self.interval_s
+        if self.after_prefill:
+            return prefilled and elapsed
+        return self.interval_s > 0 and elapsed
+
+    def done(self) -> None:
+        self.last = self.clock()
 
 
 def shutdown_group() -> None:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import zmq.asyncio
 
-from deepinfer.serve.ipc import EngineStats, Ready
+from deepinfer.serve.ipc import EngineStats, ExpertStats, Ready
 from deepinfer.serve.rank_health import RankState
 
 
@@ -56,6 +56,7 @@ class _Rank:
     last_beat: float = 0.0  # event-loop time of the last heartbeat (or of Ready)
     kill_reason: str = ""  # why the watchdog killed it (for the failed requests' message)
     busy_s: float = 0.0  # how long its step in progress ran, as of the last heartbeat
+    experts: ExpertStats | None = None  # MoE models: its latest expert load and EPLB report
 
 
 @dataclass(frozen=True)
@@ -72,3 +73,4 @@ class RankView:
     stats: EngineStats | None  # its latest report (kept after death: totals stay readable)
     state: str = RankState.SERVING.value
     restarts: int = 0
+    experts: ExpertStats | None = None

@@ -19,7 +19,7 @@ from deepinfer.serve.cli import build_parser, engine_config
 DOCS = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "configuration.md")
 
 # Fields the engine sets itself: the model path (LLM's `model`, --model) and the rendezvous.
-INTERNAL = {("model", "path"), ("parallel", "master_addr"), ("parallel", "master_port")}
+INTERNAL = {("model", "path")}
 
 # A non-default value per option where the generic rule below would be invalid.
 VALUES = {"tp": 1}  # the only tensor parallel size there is yet

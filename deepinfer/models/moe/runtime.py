@@ -131,14 +131,17 @@ class ExpertRuntime:
         """[layers, experts] routed tokens of this rank since start (host)."""
         return self.total_load + self.load.cpu()
 
-    def rebalance(self) -> RebalanceReport:
+    def rebalance(self) -> RebalanceReport | None:
         """Collective: every rank calls it at the same step. A new placement from the
-        group's load since the last rebalance, then every rank fetches its new slots' weights."""
+        group's load since the last rebalance, then every rank fetches its new slots' weights.
+        None (on every rank) when no token was routed since the last one."""
         start = time.perf_counter()
         window = self.load.clone()
         if self.group is not None:
             dist.all_reduce(window, group=self.group)
         window = window.cpu()
+        if not int(window.sum()):
+            return None
         old = self.placement
         new = rebalance(window, self.num_ranks, self.max_replicas - 1, self.num_groups)
         for layer, block in enumerate(self.blocks):
