@@ -98,19 +98,14 @@ class TorchRunner:
         self.cache.allocate(num_blocks, block_size, self.dtype, self.device, num_state_slots)
 
     # ---- steps ---------------------------------------------------------------------------
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: Any,
-                num_real: int | None = None) -> torch.Tensor:
-        """The model's hidden states; `num_real` leading tokens are real (the rest pad the step
-        and count in no expert's load)."""
-        self.begin_step(input_ids.shape[0], input_ids.shape[0] if num_real is None else num_real)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: Any) -> torch.Tensor:
         return self.model(input_ids, positions, meta)
 
     def begin_step(self, num_tokens: int, num_real: int) -> None:
-        """Before a forward (or a graph replay) of num_tokens: MoE models agree with the other
-        ranks on the step's size."""
-        moe = getattr(self.model, "moe", None)
-        if moe is not None:
-            moe.begin_step(num_tokens, num_real)
+        """Before an eager forward of num_tokens, the first num_real of them real: MoE models
+        agree with the other ranks on the step's size (a collective under expert parallel)."""
+        if self.moe is not None:
+            self.moe.begin_step(num_tokens, num_real)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.compute_logits(hidden)

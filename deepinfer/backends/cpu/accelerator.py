@@ -60,7 +60,8 @@ class CPUAccelerator(Accelerator):
         meta = CPUAttentionMeta.from_batch(batch, self.runner.cache.spec)
         input_ids = torch.tensor(batch.input_ids, dtype=torch.long)
         positions = torch.tensor(batch.positions, dtype=torch.long)
-        hidden = self.runner.forward(input_ids, positions, meta, batch.num_real_tokens)
+        self.runner.begin_step(batch.num_tokens, batch.num_real_tokens)
+        hidden = self.runner.forward(input_ids, positions, meta)
         if all_tokens:
             return self.runner.logits(hidden)
         last = [meta.query_starts[i] + meta.query_lens[i] - 1 for i in batch.sample_indices]

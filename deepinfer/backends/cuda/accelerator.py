@@ -129,6 +129,7 @@ class CUDAAccelerator(Accelerator):
         scratch = self.cache.nbytes
         torch.cuda.reset_peak_memory_stats(self.device)
         with torch.inference_mode():
+            self.runner.begin_step(batch.num_tokens, batch.num_tokens)
             hidden = self._forward(self._eager_inputs(batch))
             rows = min(self.max_num_seqs, tokens)
             logits = self.runner.logits(hidden[:rows])
@@ -151,7 +152,7 @@ class CUDAAccelerator(Accelerator):
         self.graphs = DecodeGraphs(self.max_num_seqs, max_blocks, self.device,
                                    lambda batch: self._num_splits(batch, self.max_model_len))
         with torch.inference_mode():
-            self.graphs.capture(lambda inputs, batch: self.runner.logits(self._forward(inputs)))
+            self.graphs.capture(self._capture_forward)
         log.info("captured decode graphs for batch sizes %s", self.graphs.buckets)
 
     # ---- steps ---------------------------------------------------------------------------
@@ -161,6 +162,13 @@ class CUDAAccelerator(Accelerator):
         entries = self.info.kv_spec.groups[0].kind.entries
         kv_heads = entries[0].shape[0] if len(entries[0].shape) > 1 else 1  # MLA: one latent
         return choose_num_splits(batch, kv_heads, max_seq_len, self.num_sms)
+
+    def _capture_forward(self, inputs: StepInputs, batch: int) -> torch.Tensor:
+        """A bucket's forward as its graph records it: MoE exchanges sized to the bucket
+        (every rank replays the same bucket, see forward_logits)."""
+        if self.runner.moe is not None:
+            self.runner.moe.padded_tokens = batch
+        return self.runner.logits(self._forward(inputs))
 
     def _forward(self, inputs: StepInputs) -> torch.Tensor:
         return self.runner.forward(inputs.input_ids, inputs.positions, inputs.meta)
@@ -175,16 +183,32 @@ class CUDAAccelerator(Accelerator):
     @torch.inference_mode()
     def forward_logits(self, batch: ModelBatch, all_tokens: bool = False) -> torch.Tensor:
         """float32 logits of each sampled sequence's last token (or of every token)."""
-        if not all_tokens and self.graphs is not None and self.graphs.can_run(batch):
-            logits = self.graphs.run(batch)
+        graphable = not all_tokens and self.graphs is not None and self.graphs.can_run(batch)
+        padded, graphable = self._agree(batch, graphable)
+        if graphable:
+            bucket = self.graphs.bucket_for(padded)
+            self._set_step(bucket, batch)
+            logits = self.graphs.run(batch, bucket)
             if list(batch.sample_indices) != list(range(batch.num_seqs)):
                 logits = logits[torch.tensor(batch.sample_indices, device=self.device)]
             return logits
+        self._set_step(padded, batch)
         inputs = self._eager_inputs(batch)
         hidden = self._forward(inputs)
         if all_tokens:
             return self.runner.logits(hidden)
         return self.runner.logits(hidden[inputs.logits_index])
+
+    def _agree(self, batch: ModelBatch, graphable: bool) -> tuple[int, bool]:
+        """MoE under expert parallel: every rank runs the same exchange size, and all replay a
+        graph or none (a collective); otherwise this rank's own size."""
+        moe = self.runner.moe
+        size = batch.num_seqs if graphable else batch.num_tokens  # equal for decode graphs
+        return (size, graphable) if moe is None else moe.agree(size, graphable)
+
+    def _set_step(self, padded: int, batch: ModelBatch) -> None:
+        if self.runner.moe is not None:
+            self.runner.moe.set_step(padded, batch.num_real_tokens)
 
     def execute(self, batch: ModelBatch) -> SamplerOutput:
         logits = self.forward_logits(batch)

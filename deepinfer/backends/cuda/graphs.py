@@ -77,10 +77,14 @@ class DecodeGraphs:
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
 
-    def run(self, batch: ModelBatch) -> torch.Tensor:
-        """Logits [num_seqs, vocab] of a decode-only batch."""
+    def bucket_for(self, num_seqs: int) -> int:
+        return self.buckets[bisect.bisect_left(self.buckets, num_seqs)]
+
+    def run(self, batch: ModelBatch, bucket: int | None = None) -> torch.Tensor:
+        """Logits [num_seqs, vocab] of a decode-only batch, replayed at its bucket (or a larger
+        one: expert-parallel ranks replay the same bucket)."""
         n = batch.num_seqs
-        bucket = self.buckets[bisect.bisect_left(self.buckets, n)]
+        bucket = self.bucket_for(n) if bucket is None else bucket
         host = self.host_rows[:bucket].numpy()
         fill_decode_rows(host, batch)
         self.rows[:bucket].copy_(self.host_rows[:bucket], non_blocking=True)

@@ -49,6 +49,12 @@ class ExpertRuntime:
         self.max_replicas = redundant + 1
         self.exchange = AllGatherExchange(self.group, self.rank, self.num_ranks,
                                           self.slots_per_rank) if ep else None
+        # Shapes are agreed on a host (gloo) group: no device sync before a forward. Made here,
+        # as every rank builds its model, so every rank creates its groups in the same order.
+        self.shape_group = None
+        if ep:
+            self.shape_group = self.group if dist.get_backend(self.group) == "gloo" else \
+                dist.new_group(backend="gloo")
         self.blocks: list = []  # the MoE blocks, in layer order (their weights move on rebalance)
         self.padded_tokens = 0  # tokens every rank passes to the exchange this step
         self.device = torch.device("cpu")
@@ -85,25 +91,26 @@ class ExpertRuntime:
         self.valid = torch.zeros((), dtype=torch.int64, device=device)
 
     # ---- per step --------------------------------------------------------------------------
-    def begin_step(self, num_tokens: int, num_valid: int) -> None:
-        """Before a forward: the token count every rank's exchange uses (agreed over the
-        group), and how many of this rank's tokens are real (padding is not counted)."""
-        self.valid.fill_(num_valid)
+    def agree(self, num_tokens: int, graphable: bool = False) -> tuple[int, bool]:
+        """Collective under expert parallel, before every forward: the step's token count for
+        every rank's exchange (the largest), and whether every rank can replay a CUDA graph
+        (then all do, at the bucket of that count; else all run eagerly)."""
         if self.exchange is None:
-            self.padded_tokens = num_tokens
-            return
-        agreed = torch.tensor([num_tokens])
-        dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=self.shape_group)
-        self.padded_tokens = int(agreed.item())
+            return num_tokens, graphable
+        votes = torch.tensor([num_tokens, int(not graphable)])
+        dist.all_reduce(votes, op=dist.ReduceOp.MAX, group=self.shape_group)
+        return int(votes[0]), not bool(votes[1])
 
-    @property
-    def shape_group(self):
-        """A host (gloo) group for agreeing on shapes without a device sync."""
-        if not hasattr(self, "_shape_group"):
-            backend = dist.get_backend(self.group)
-            self._shape_group = self.group if backend == "gloo" else \
-                dist.new_group(backend="gloo")
-        return self._shape_group
+    def set_step(self, padded_tokens: int, num_real: int) -> None:
+        """The agreed token count, and how many of this rank's tokens are real (padding is
+        not counted in any expert's load). Outside any CUDA graph: it writes a device
+        scalar the graphs read."""
+        self.padded_tokens = padded_tokens
+        self.valid.fill_(num_real)
+
+    def begin_step(self, num_tokens: int, num_real: int) -> None:
+        """Before an eager forward: agree, then set the step."""
+        self.set_step(self.agree(num_tokens)[0], num_real)
 
     def run(self, layer: int, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
             compute: Compute) -> torch.Tensor:
