@@ -11,6 +11,7 @@ import torch
 
 from deepinfer.backends.cuda.kernels.activation import silu_and_mul
 from deepinfer.backends.cuda.kernels.decode_attention import paged_decode_attention
+from deepinfer.backends.cuda.kernels.fused_moe import fused_experts
 from deepinfer.backends.cuda.kernels.gemv import gemv
 from deepinfer.backends.cuda.kernels.kv_write import store_kv
 from deepinfer.backends.cuda.kernels.mla_attention import (paged_mla_decode, paged_mla_prefill,
@@ -75,6 +76,10 @@ class CUDAOps(ModelOps):
         if self.use_gemv and x.shape[0] == 1 and x.is_contiguous():
             return gemv(x, weight, bias)
         return super().linear(x, weight, bias)
+
+    def fused_experts(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                      weights: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        return fused_experts(x, w13, w2, weights, slots)
 
     def _attend(self, q: torch.Tensor, layer: int, meta: AttentionMeta) -> torch.Tensor:
         """Attention over the layer's cache, which already holds this step's K and V."""
