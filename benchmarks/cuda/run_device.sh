@@ -33,6 +33,9 @@ wanted check_greedy && step check_greedy python3 benchmarks/cuda/check_engine.py
     --skip-conformance
 wanted engine_bench && step engine_bench python3 benchmarks/cuda/engine_bench.py --out "$out" $quick
 wanted mla_bench && step mla_bench python3 benchmarks/cuda/mla_bench.py --out "$out" $quick
+wanted check_moe && step check_moe python3 benchmarks/cuda/check_engine.py --out "$out" \
+    --skip-conformance --families qwen3_moe mixtral deepseek_v3_moe
+wanted moe_engine && step moe_engine python3 benchmarks/cuda/moe_engine_bench.py --out "$out" $quick
 wanted moe_bench && step moe_bench python3 benchmarks/cuda/moe_bench.py --out "$out/fused_moe.json"
 wanted profile_steps && step profile_steps python3 benchmarks/cuda/profile_steps.py --out "$out"
 wanted profile_unfused && DEEPINFER_CUDA_GEMV=0 step profile_unfused \

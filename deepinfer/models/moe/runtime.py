@@ -89,6 +89,7 @@ class ExpertRuntime:
         self.load = torch.zeros((self.num_layers, self.num_experts), dtype=torch.int64,
                                 device=device)  # this rank's tokens since the last rebalance
         self.valid = torch.zeros((), dtype=torch.int64, device=device)
+        self._real_routes: torch.Tensor | None = None
 
     # ---- per step --------------------------------------------------------------------------
     def agree(self, num_tokens: int, graphable: bool = False) -> tuple[int, bool]:
@@ -116,9 +117,10 @@ class ExpertRuntime:
             compute: Compute) -> torch.Tensor:
         """The routed experts' output for x [T, H] routed to logical experts ids [T, k]."""
         self._record(layer, ids)
-        phys = self._physical(layer, ids)
         if self.exchange is None:
-            return compute(x, weights, phys.to(torch.int32))
+            # One rank: slot e holds expert e (no replicas, nothing to rebalance).
+            return compute(x, weights, ids.to(torch.int32))
+        phys = self._physical(layer, ids)
         return self.exchange.run(x, weights, phys, max(self.padded_tokens, x.shape[0]), compute)
 
     def _physical(self, layer: int, ids: torch.Tensor) -> torch.Tensor:
@@ -129,9 +131,13 @@ class ExpertRuntime:
         return self.log2phy[layer][ids, choice]
 
     def _record(self, layer: int, ids: torch.Tensor) -> None:
-        real = (torch.arange(ids.shape[0], device=ids.device) < self.valid).long()
-        self.load[layer].index_add_(0, ids.reshape(-1).long(), real.repeat_interleave(
-            ids.shape[1]))
+        """Count the real tokens' routes (one kernel per layer: the mask of real routes is
+        made by the first MoE layer of the forward and reused by the others)."""
+        if layer == 0 or self._real_routes is None or \
+                self._real_routes.shape[0] != ids.numel():
+            real = torch.arange(ids.shape[0], device=ids.device) < self.valid
+            self._real_routes = real.repeat_interleave(ids.shape[1]).long()
+        self.load[layer].index_add_(0, ids.reshape(-1).long(), self._real_routes)
 
     # ---- EPLB ------------------------------------------------------------------------------
     def expert_load(self) -> torch.Tensor:
