@@ -46,6 +46,7 @@ class CountingAccelerator(Accelerator):
         # One instance per rank process. A device backend selects its device from
         # parallel.rank here; on the host, ranks share its cores.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // parallel.world_size))
+        self.runner.ops.parallel = parallel  # MoE models spread their experts over the ranks
 
     def configure(self, config: EngineConfig) -> None:
         self.runner.seed = config.seed  # the seed of --load-format dummy weights
@@ -71,6 +72,8 @@ class CountingAccelerator(Accelerator):
         # Per KV group: slots to write, block tables to read (null block 0 where a sliding
         # window freed blocks), the window itself.
         meta = CPUAttentionMeta.from_batch(batch, self.runner.cache.spec)
+        # MoE models: agree on the step's size with the other ranks, count real tokens only.
+        self.runner.begin_step(batch.num_tokens, batch.num_real_tokens)
         hidden = self.runner.forward(torch.tensor(batch.input_ids, dtype=torch.long),
                                      torch.tensor(batch.positions, dtype=torch.long), meta)
         # Logits of each sampled sequence's last token only (partial prefills sample nothing).
