@@ -6,6 +6,8 @@ serve: deepinfer-serve --dp 2 with expert parallel (each GPU holds half the expe
        layer exchanges tokens over NCCL) against --dp 2 --no-ep (two independent replicas, each
        GPU holds every expert): N streaming /v1/completions of 512 random prompt tokens and 128
        output tokens at once (EOS ignored), output tok/s and TTFT p50 through the server.
+exchange: one MoE layer (exchange + fused experts) per step size, all-gather + reduce-scatter
+       vs all-to-all, which sets ALL_TO_ALL_MIN_TOKENS.
 eplb:  two NCCL ranks in this process tree, decode batches with a skewed router (a bias on the
        router logits of 10% of the experts so that they get half of the routes), one EPLB
        rebalance with redundant experts: imbalance (max/mean tokens per rank) and decode step
@@ -186,6 +188,81 @@ def run_eplb(path: str, redundant: int, steps: int) -> dict:
     return {"redundant_experts": redundant, "ranks": [results[0], results[1]]}
 
 
+# ---- exchange: all-gather vs all-to-all per step size -------------------------------------
+EXCHANGE_TOKENS = (1, 16, 64, 256, 1024, 4096, 8192)
+
+
+def exchange_rank(rank: int, port: int, out) -> None:
+    """One Qwen3-30B-A3B MoE layer's exchange + experts on each of two ranks, both modes."""
+    import torch.distributed as dist
+
+    from deepinfer.backends.cuda.kernels.fused_moe import fused_experts
+    from deepinfer.core.accelerator import ParallelContext
+    from deepinfer.models.moe.runtime import ExpertRuntime
+
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2, device_id=torch.device("cuda", rank))
+    c = QWEN3_30B_A3B
+    h, f, experts, k = c["hidden_size"], c["moe_intermediate_size"], c["num_experts"], \
+        c["num_experts_per_tok"]
+    runtime = ExpertRuntime(1, experts, ParallelContext(rank, 2, dist.group.WORLD, True))
+    runtime.to("cuda")
+    s = runtime.slots_per_rank
+    w13 = torch.randn(s, 2 * f, h, device="cuda", dtype=torch.bfloat16) * 0.02
+    w2 = torch.randn(s, h, f, device="cuda", dtype=torch.bfloat16) * 0.02
+
+    def compute(x, weights, slots):
+        return fused_experts(x, w13, w2, weights, slots)
+
+    times = {}
+    for tokens in EXCHANGE_TOKENS:
+        x = torch.randn(tokens, h, device="cuda", dtype=torch.bfloat16)
+        ids = torch.stack([torch.randperm(experts, device="cuda")[:k] for _ in range(tokens)])
+        weights = torch.rand(tokens, k, device="cuda")
+        phys = runtime._physical(0, ids)
+        modes = {"all_gather": lambda: runtime.exchange.run(x, weights, phys, tokens, compute),
+                 "all_to_all": lambda: runtime.all_to_all.run(x, weights, phys, compute)}
+        times[tokens] = {name: _median_ms(fn) for name, fn in modes.items()}
+    out.put((rank, times))
+    dist.destroy_process_group()
+
+
+def _median_ms(fn, reps: int = 20) -> float:
+    import torch.distributed as dist
+
+    for _ in range(3):
+        fn()
+    samples = []
+    for _ in range(reps):
+        dist.barrier()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        samples.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(samples)
+
+
+def run_exchange() -> dict:
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    out, port = ctx.Queue(), free_port()
+    procs = [ctx.Process(target=exchange_rank, args=(r, port, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        results = dict(out.get(timeout=300) for _ in procs)
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    return {str(t): {mode: max(results[r][t][mode] for r in (0, 1))
+                     for mode in ("all_gather", "all_to_all")} for t in EXCHANGE_TOKENS}
+
+
 # ---- report ------------------------------------------------------------------------------
 def plot(result: dict, path: str) -> None:
     import matplotlib
@@ -193,7 +270,18 @@ def plot(result: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    exchange = result.get("exchange")
+    if exchange:
+        tokens = [int(t) for t in exchange]
+        for mode in ("all_gather", "all_to_all"):
+            axes[2].plot(tokens, [exchange[str(t)][mode] for t in tokens], marker="o",
+                         label=mode)
+        axes[2].set_xscale("log")
+        axes[2].set_yscale("log")
+        axes[2].set_xlabel("tokens per rank")
+        axes[2].set_ylabel("ms per MoE layer (exchange + experts)")
+        axes[2].legend()
     serve = result.get("serve", {})
     if serve:
         names = list(serve)
@@ -215,13 +303,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="benchmarks/results/cuda")
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--parts", nargs="+", default=["serve", "eplb"])
+    parser.add_argument("--parts", nargs="+", default=["exchange", "serve", "eplb"])
     parser.add_argument("--layers", type=int, default=QWEN3_30B_A3B["num_hidden_layers"])
     parser.add_argument("--requests", type=int, default=256)
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     result: dict = {"config": QWEN3_30B_A3B, "layers": args.layers, "gpus": 2,
                     "gpu": torch.cuda.get_device_name(0)}
+    if "exchange" in args.parts:
+        result["exchange"] = run_exchange()
+        print(json.dumps(result["exchange"], indent=1), flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         path = model_dir(os.path.join(tmp, "model"), args.layers)
         if "serve" in args.parts:
@@ -232,9 +323,10 @@ def main() -> None:
         if "eplb" in args.parts:
             result["eplb"] = run_eplb(path, 16, 16 if args.quick else 48)
             print(json.dumps(result["eplb"], indent=1), flush=True)
-    with open(os.path.join(args.out, "ep.json"), "w") as f:
+    name = "ep" if not args.quick else "ep_quick"
+    with open(os.path.join(args.out, f"{name}.json"), "w") as f:
         json.dump(result, f, indent=2)
-    plot(result, os.path.join(args.out, "ep.png"))
+    plot(result, os.path.join(args.out, f"{name}.png"))
 
 
 if __name__ == "__main__":

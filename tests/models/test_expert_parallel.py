@@ -31,6 +31,7 @@ class RankJob:
     redundant: int = 0
     rebalance_at: tuple[int, ...] = ()  # loop iterations at which every rank rebalances
     chunk: int = 2048
+    all_to_all_min_tokens: int | None = None  # None: the runtime's default
 
 
 @dataclass
@@ -57,6 +58,8 @@ def _run_rank(job: RankJob, out: mp.Queue) -> None:
                           CacheConfig(block_size=16, num_blocks=64),
                           SchedulerConfig(max_num_batched_tokens=job.chunk), seed=0)
     engine = Engine(config, CPUAccelerator(), load_tokenizer=False, parallel=context)
+    if job.all_to_all_min_tokens is not None:
+        engine.accelerator.runner.moe.all_to_all_min_tokens = job.all_to_all_min_tokens
     greedy = SamplingParams(temperature=0.0, max_tokens=job.max_tokens, ignore_eos=True)
     for i, prompt in enumerate(job.prompts):
         engine.add_request(f"r{i}", prompt, greedy)
@@ -119,15 +122,16 @@ def checkpoints(tmp_path_factory):
             for family in ("qwen3_moe", "deepseek_v3_moe")}
 
 
-@pytest.mark.parametrize("family, world_size, redundant", [
-    ("qwen3_moe", 2, 0), ("qwen3_moe", 4, 0), ("deepseek_v3_moe", 2, 2)])
-def test_expert_parallel_equals_one_process(checkpoints, family, world_size, redundant):
+# all_to_all_min_tokens 8: prefill steps exchange all-to-all, decode steps all-gather.
+@pytest.mark.parametrize("family, world_size, redundant, a2a", [
+    ("qwen3_moe", 2, 0, None), ("qwen3_moe", 4, 0, 8), ("deepseek_v3_moe", 2, 2, 8)])
+def test_expert_parallel_equals_one_process(checkpoints, family, world_size, redundant, a2a):
     path = checkpoints[family]
     prompts = _prompts(2 * world_size, seed=world_size)
     expected = _single_process(path, prompts, 24)
     port = _port()
-    jobs = [RankJob(path, r, world_size, port, prompts[2 * r:2 * r + 2], redundant=redundant)
-            for r in range(world_size)]
+    jobs = [RankJob(path, r, world_size, port, prompts[2 * r:2 * r + 2], redundant=redundant,
+                    all_to_all_min_tokens=a2a) for r in range(world_size)]
     results = run_ranks(jobs)
     got = [tokens for result in results for tokens in result.tokens]
     assert got == expected

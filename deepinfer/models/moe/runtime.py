@@ -16,7 +16,16 @@ import torch.distributed as dist
 
 from deepinfer.core.accelerator import ParallelContext
 from deepinfer.models.moe.eplb import Placement, imbalance, rebalance
-from deepinfer.models.moe.exchange import AllGatherExchange, Compute, all_gather
+from deepinfer.models.moe.exchange import (AllGatherExchange, AllToAllExchange, Compute,
+                                           all_gather)
+
+# Agreed step sizes (tokens per rank) from which MoE layers exchange routes all-to-all rather
+# than all-gather + reduce-scatter (benchmarks/cuda/ep_bench.py --parts exchange measures both).
+ALL_TO_ALL_MIN_TOKENS = 1024
+
+
+def _capturing(x: torch.Tensor) -> bool:
+    return x.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 @dataclass(frozen=True)
@@ -49,6 +58,9 @@ class ExpertRuntime:
         self.max_replicas = redundant + 1
         self.exchange = AllGatherExchange(self.group, self.rank, self.num_ranks,
                                           self.slots_per_rank) if ep else None
+        self.all_to_all = AllToAllExchange(self.group, self.rank, self.num_ranks,
+                                           self.slots_per_rank) if ep else None
+        self.all_to_all_min_tokens = ALL_TO_ALL_MIN_TOKENS
         # Shapes are agreed on a host (gloo) group: no device sync before a forward. Made here,
         # as every rank builds its model, so every rank creates its groups in the same order.
         self.shape_group = None
@@ -121,7 +133,10 @@ class ExpertRuntime:
             # One rank: slot e holds expert e (no replicas, nothing to rebalance).
             return compute(x, weights, ids.to(torch.int32))
         phys = self._physical(layer, ids)
-        return self.exchange.run(x, weights, phys, max(self.padded_tokens, x.shape[0]), compute)
+        padded = max(self.padded_tokens, x.shape[0])
+        if padded >= self.all_to_all_min_tokens and not _capturing(x):
+            return self.all_to_all.run(x, weights, phys, compute)
+        return self.exchange.run(x, weights, phys, padded, compute)
 
     def _physical(self, layer: int, ids: torch.Tensor) -> torch.Tensor:
         """A physical slot per route: replicas of an expert take turns by token index."""
