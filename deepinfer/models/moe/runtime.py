@@ -152,7 +152,7 @@ class ExpertRuntime:
                 self._real_routes.shape[0] != ids.numel():
             real = torch.arange(ids.shape[0], device=ids.device) < self.valid
             self._real_routes = real.repeat_interleave(ids.shape[1]).long()
-        self.load[layer].index_add_(0, ids.reshape(-1).long(), self._real_routes)
+        self.load[layer].index_add_(0, ids.reshape(-1), self._real_routes)  # int32 ids
 
     # ---- EPLB ------------------------------------------------------------------------------
     def expert_load(self) -> torch.Tensor:
