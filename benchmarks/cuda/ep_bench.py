@@ -32,7 +32,8 @@ sys.path.insert(0, os.path.join(HERE, "..", ".."))
 sys.path.insert(0, os.path.join(HERE, ".."))
 sys.path.insert(0, HERE)
 
-from common import free_port, percentile, start_server, stop_server, wait_healthy  # noqa: E402
+from common import (free_port, percentile, pyplot, start_server, stop_server,  # noqa: E402
+                    wait_healthy)
 from moe_engine_bench import QWEN3_30B_A3B, write_config  # noqa: E402
 
 PROMPT, OUTPUT = 512, 128
@@ -170,22 +171,27 @@ def decode_steps(engine, rank: int, steps: int) -> float:
 
 
 def run_eplb(path: str, redundant: int, steps: int) -> dict:
+    results = two_ranks(eplb_rank, lambda rank, port, out: (rank, path, port, redundant, steps,
+                                                            out), timeout_s=540)
+    return {"redundant_experts": redundant, "ranks": [results[0], results[1]]}
+
+
+def two_ranks(target, args, timeout_s: float) -> dict:
+    """Run target(*args(rank, port, queue)) on ranks 0 and 1; {rank: what it put}."""
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     out, port = ctx.Queue(), free_port()
-    procs = [ctx.Process(target=eplb_rank, args=(r, path, port, redundant, steps, out))
-             for r in range(2)]
+    procs = [ctx.Process(target=target, args=args(r, port, out)) for r in range(2)]
     for p in procs:
         p.start()
     try:
-        results = dict(out.get(timeout=540) for _ in procs)
+        return dict(out.get(timeout=timeout_s) for _ in procs)
     finally:
         for p in procs:
             p.join(timeout=30)
             if p.is_alive():
                 p.kill()
-    return {"redundant_experts": redundant, "ranks": [results[0], results[1]]}
 
 
 # ---- exchange: all-gather vs all-to-all per step size -------------------------------------
@@ -245,31 +251,14 @@ def _median_ms(fn, reps: int = 20) -> float:
 
 
 def run_exchange() -> dict:
-    import multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    out, port = ctx.Queue(), free_port()
-    procs = [ctx.Process(target=exchange_rank, args=(r, port, out)) for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        results = dict(out.get(timeout=300) for _ in procs)
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
+    results = two_ranks(exchange_rank, lambda rank, port, out: (rank, port, out), timeout_s=300)
     return {str(t): {mode: max(results[r][t][mode] for r in (0, 1))
                      for mode in ("all_gather", "all_to_all")} for t in EXCHANGE_TOKENS}
 
 
 # ---- report ------------------------------------------------------------------------------
 def plot(result: dict, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     exchange = result.get("exchange")
     if exchange:

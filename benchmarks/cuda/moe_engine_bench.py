@@ -24,8 +24,11 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+from common import pyplot  # noqa: E402
 from engine_bench import ceilings, random_prompts  # noqa: E402
+from mla_bench import _decode  # noqa: E402  (median decode-only step of a batch)
 
 from deepinfer.core.config import CacheConfig, EngineConfig, ModelSpec, SchedulerConfig  # noqa: E402
 from deepinfer.core.engine import Engine  # noqa: E402
@@ -83,21 +86,6 @@ def bench_ours(path: str, quick: bool) -> dict:
     engine.shutdown()
     torch.cuda.empty_cache()
     return out
-
-
-def _decode(engine: Engine, prompts: list[list[int]], max_tokens: int) -> float:
-    """Median wall time of the decode-only steps."""
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    for i, p in enumerate(prompts):
-        engine.add_request(f"r{time.monotonic_ns()}-{i}", p, params, prefix_cache=False)
-    steps = []
-    while engine.has_unfinished_requests():
-        decode = all(s.request.num_computed_tokens > 0 for s in engine._samples.values())
-        t0 = time.perf_counter()
-        engine.step()
-        if decode:
-            steps.append(time.perf_counter() - t0)
-    return statistics.median(steps)
 
 
 def _prefill(engine: Engine, prompts: list[list[int]]) -> float:
@@ -168,11 +156,7 @@ def roofline(result: dict, layers: int) -> dict:
 
 
 def plot(result: dict, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     keys = [f"batch{b}_tok_s" for b in BATCHES] + ["prefill_tok_s"]
     labels = [f"decode b{b}" for b in BATCHES] + [f"{PREFILL // 1024}K prefill"]
     fig, ax = plt.subplots(figsize=(7, 4))
