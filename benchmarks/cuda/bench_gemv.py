@@ -28,6 +28,9 @@ from deepinfer.backends.cuda.kernels.norm import add_rms_norm
 HIDDEN, FFN, Q, KV, VOCAB, LAYERS = 4096, 14336, 4096, 1024, 128256, 32
 SHAPES = {"qkv": (Q + 2 * KV, HIDDEN), "o": (HIDDEN, Q), "gate_up": (2 * FFN, HIDDEN),
           "down": (HIDDEN, FFN), "lm_head": (VOCAB, HIDDEN)}
+# Qwen3-30B-A3B's one-token projections (2048 wide; its experts go to the fused MoE).
+MOE_SHAPES = {"qkv": (5120, 2048), "o": (2048, 4096), "router": (128, 2048),
+              "lm_head": (151936, 2048)}
 EPS = 1e-5
 
 
@@ -59,9 +62,9 @@ def _configs(quick: bool) -> list[GemvConfig]:
     return configs[::4] if quick else configs
 
 
-def sweep(quick: bool) -> dict:
+def sweep(quick: bool, shapes: dict = SHAPES) -> dict:
     out: dict = {}
-    for name, (n, k) in SHAPES.items():
+    for name, (n, k) in shapes.items():
         copies = 4 if name == "lm_head" else 16
         weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
@@ -153,7 +156,15 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=None)
     parser.add_argument("--quick", action="store_true", help="a quarter of the config sweep")
+    parser.add_argument("--moe-shapes", action="store_true",
+                        help="only the sweep, at Qwen3-30B-A3B's shapes")
     args = parser.parse_args()
+    if args.moe_shapes:
+        report = {"gpu": torch.cuda.get_device_name(), "sweep": sweep(args.quick, MOE_SHAPES)}
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(report, f, indent=2)
+        return
     report = {"gpu": torch.cuda.get_device_name(), "accuracy": accuracy(),
               "sweep": sweep(args.quick)}
     report["chain"] = chain()

@@ -31,8 +31,11 @@ class GemvConfig:
 
 
 def config_for(n: int, k: int) -> GemvConfig:
-    """Tiles for an [n, k] weight, from the H200 sweep at the Llama-3-8B shapes (bench_gemv):
-    each within 3% of the best of its 22 configs there."""
+    """Tiles for an [n, k] weight, from the H200 sweeps at the Llama-3-8B shapes and at
+    Qwen3-30B-A3B's (bench_gemv, --moe-shapes): each within 3% of the best of its 22 configs
+    there."""
+    if n * k < 16_000_000:  # small weights (2048-wide models, MoE routers): more programs
+        return GemvConfig(4, 1024, 8 if n <= k else 4)
     if k >= 8192:  # down_proj [4096 x 14336]: long rows, few of them
         return GemvConfig(16, 1024, 8)
     if n >= 16384:  # gate_up [28672 x 4096], lm_head [128256 x 4096]: many rows
