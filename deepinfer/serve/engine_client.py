@@ -7,6 +7,10 @@ sentinel is watched by the event loop: when a rank exits, its in-flight requests
 (RankDiedError), the router stops sending it work, and it is restarted after a backoff. A
 watchdog reads the ranks' heartbeats (serve/rank_health.py): a silent rank is routed around,
 and killed (then restarted) if it stays silent.
+
+Ranks in one expert-parallel group (lockstep, collectives in every MoE layer) live and die
+together: a rank that dies takes the group down (its peers are killed, every in-flight request
+fails, /health says 503), and the whole group restarts as one once every rank is gone.
 """
 from __future__ import annotations
 
@@ -59,10 +63,13 @@ class EngineClient:
         self._spawns = itertools.count()  # a fresh inbox address for every process started
         self._tasks: set[asyncio.Task] = set()  # receiver, watchdog, pending restarts
         self._closing = False
+        self._group = False  # the ranks form one expert-parallel group (set by start)
+        self._auto_port = False  # the group's rendezvous port was picked here, not given
+        self._group_failed_start = False  # a rank of the group died while (re)starting
 
     # ---- lifecycle -----------------------------------------------------------------------
     async def start(self) -> list[Ready]:
-        self.config = _with_rendezvous(self.config, self.num_ranks)
+        self._rendezvous()
         self._ranks = [self._spawn(rank) for rank in range(self.num_ranks)]
         await self._await_ready()
         now = asyncio.get_running_loop().time()
@@ -72,6 +79,14 @@ class EngineClient:
         self._background(self._receive())
         self._background(self._watchdog())
         return [r.ready for r in self._ranks]
+
+    def _rendezvous(self) -> None:
+        """Settle expert parallel and the group's port (see _with_rendezvous), and whether
+        the ranks live and die as one group."""
+        self._auto_port = self.config.parallel.master_port == 0
+        self.config = _with_rendezvous(self.config, self.num_ranks)
+        parallel = self.config.parallel
+        self._group = parallel.ep and parallel.world_size > 1
 
     def _spawn(self, rank: int) -> _Rank:
         inbox = self._ctx.socket(zmq.PUSH)
@@ -151,7 +166,8 @@ class EngineClient:
         self._rank_died(rank)
 
     def _rank_died(self, rank: int) -> None:
-        """Fail everything the rank owed us at once, route around it, and restart it."""
+        """Fail everything the rank owed us at once, route around it, and restart it (in an
+        expert-parallel group: take the group down, and restart it with the group)."""
         r = self._ranks[rank]
         if self._closing or r.state is RankState.DEAD:
             return
@@ -171,40 +187,78 @@ class EngineClient:
                 del self._calls[call_id]
                 if not fut.done():
                     fut.set_result(None)
-        self._schedule_restart(rank, failed_start=was_starting)
+        if self._group:
+            self._group_rank_died(rank, what, was_starting)
+        else:
+            self._schedule_restart([rank], failed_start=was_starting)
 
-    def _schedule_restart(self, rank: int, failed_start: bool = False) -> None:
-        r = self._ranks[rank]
-        if r.serving_since is not None and \
-                asyncio.get_running_loop().time() - r.serving_since >= self.health.stable_after_s:
-            r.streak = 0  # it served long enough: this death starts a new streak
-        if r.streak >= self.health.max_restarts:
-            log.error("engine rank %d is not restarted: it died %d time(s) in a row after "
-                      "restarts (--max-rank-restarts)", rank, r.streak + 1)
+    def _group_rank_died(self, rank: int, what: str, failed_start: bool) -> None:
+        """Expert parallel: the peers of a dead rank wait in its collectives (a gloo timeout
+        at best, an NCCL hang at worst) and a lone new process could never join their group.
+        So the group goes down now: every peer is killed (its sentinel then fails its requests
+        like any death) and the group restarts as one once the last rank is gone."""
+        self._group_failed_start |= failed_start
+        for peer, p in enumerate(self._ranks):
+            if p.state is RankState.DEAD:
+                continue
+            self.router.mark_dead(peer)  # no new request for it, /health 503 at once
+            if not p.kill_reason:  # (a rank the watchdog killed keeps its own reason)
+                p.kill_reason = (f"was stopped: its expert-parallel group lost rank {rank}, "
+                                 f"which {what}")
+            p.process.kill()
+        if all(p.state is RankState.DEAD for p in self._ranks):
+            failed, self._group_failed_start = self._group_failed_start, False
+            self._schedule_restart(list(range(self.num_ranks)), failed_start=failed)
+
+    def _schedule_restart(self, ranks: list[int], failed_start: bool = False) -> None:
+        """Restart `ranks` together (one rank, or a whole expert-parallel group): the backoff
+        and the limit count their deaths in a row, as one."""
+        members = [self._ranks[rank] for rank in ranks]
+        if self._served_long_enough(members):
+            for m in members:
+                m.streak = 0  # it served long enough: this death starts a new streak
+        streak = max(m.streak for m in members)
+        who = f"engine rank {ranks[0]}" if len(ranks) == 1 else \
+            f"the expert-parallel group (ranks {', '.join(map(str, ranks))})"
+        if streak >= self.health.max_restarts:
+            log.error("%s is not restarted: it died %d time(s) in a row after restarts "
+                      "(--max-rank-restarts)", who, streak + 1)
             return
-        delay = self.health.backoff_s(r.streak)
-        log.warning("restarting engine rank %d in %.1f s (restart %d in a row, at most %d)%s",
-                    rank, delay, r.streak + 1, self.health.max_restarts,
+        delay = self.health.backoff_s(streak)
+        log.warning("restarting %s in %.1f s (restart %d in a row, at most %d)%s", who, delay,
+                    streak + 1, self.health.max_restarts,
                     "; its last start failed" if failed_start else "")
-        self._background(self._restart(rank, delay))
+        self._background(self._restart(ranks, delay))
 
-    async def _restart(self, rank: int, delay: float) -> None:
+    def _served_long_enough(self, members: list[_Rank]) -> bool:
+        if any(m.serving_since is None for m in members):
+            return False  # (asked first: a rank that never served needs no event loop here)
+        now = asyncio.get_running_loop().time()
+        return all(now - m.serving_since >= self.health.stable_after_s for m in members)
+
+    async def _restart(self, ranks: list[int], delay: float) -> None:
         await asyncio.sleep(delay)
         if self._closing:
             return
-        old = self._ranks[rank]
-        old.inbox.close(linger=0)
-        new = self._spawn(rank)
-        new.restarts, new.streak, new.lost_requests = \
-            old.restarts + 1, old.streak + 1, old.lost_requests
-        new.ready, new.stats = old.ready, old.stats  # shown until the new process reports
-        self._ranks[rank] = new
-        self._watch_exit(rank)  # a restart that dies while loading is retried too
+        if self._group and self._auto_port:
+            # The old group's port may still be held (its store, sockets in TIME_WAIT): the
+            # new group meets on a fresh one. A port that was given (several hosts) is kept,
+            # as the other hosts' ranks come back to it.
+            self.config = _with_rendezvous(_without_port(self.config), self.num_ranks)
+        for rank in ranks:
+            old = self._ranks[rank]
+            old.inbox.close(linger=0)
+            new = self._spawn(rank)
+            new.restarts, new.streak, new.lost_requests = \
+                old.restarts + 1, old.streak + 1, old.lost_requests
+            new.ready, new.stats = old.ready, old.stats  # shown until the new process reports
+            self._ranks[rank] = new
+            self._watch_exit(rank)  # a restart that dies while loading is retried too
 
     def _on_ready(self, message: Ready) -> None:
         """A restarted rank loaded its model: it serves again."""
         r = self._ranks[message.rank]
-        if r.state is not RankState.STARTING:
+        if r.state is not RankState.STARTING or r.kill_reason:  # (killed with its group)
             return
         r.ready, r.stats, r.kill_reason = message, message.stats, ""
         r.state = RankState.SERVING
@@ -218,7 +272,7 @@ class EngineClient:
         if beat.pid != r.process.pid or r.state not in (RankState.SERVING, RankState.UNHEALTHY):
             return  # a late beat of a process that was replaced
         r.last_beat, r.busy_s = asyncio.get_running_loop().time(), beat.busy_s
-        if r.state is RankState.UNHEALTHY:
+        if r.state is RankState.UNHEALTHY and not r.kill_reason:  # (killed: it is dying)
             r.state = RankState.SERVING
             self.router.mark_alive(beat.rank)
             log.warning("engine rank %d responds again; routing to it", beat.rank)
@@ -362,6 +416,11 @@ class EngineClient:
             queue = self._queues.get(error.request_id)
             if queue is not None:
                 queue.put_nowait(EngineRequestError(error.message, error.status))
+
+
+def _without_port(config: EngineConfig) -> EngineConfig:
+    return dataclasses.replace(config, parallel=dataclasses.replace(config.parallel,
+                                                                    master_port=0))
 
 
 def _with_rendezvous(config: EngineConfig, num_ranks: int) -> EngineConfig:

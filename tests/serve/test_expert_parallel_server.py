@@ -1,0 +1,460 @@
+"""Expert parallel through the real server, on a tiny random Qwen3-MoE checkpoint (8 experts,
+top-2, one MoE layer) with the SmolLM2 tokenizer, driven with token-id prompts:
+
+* `--dp 2` (expert parallel by default for an MoE checkpoint) answers as `--dp 1`, its ranks
+  step in lockstep, and /metrics counts top-k expert routes for every token;
+* `--eplb-interval 1 --eplb-redundant-experts 2` rebalances and still answers as `--dp 1`;
+* two "hosts" on this machine (`--nnodes 2`, one rank each, gloo over loopback) answer as
+  `--dp 1`, each its own requests, and both come back on their `--master-port` after one
+  host's rank is killed;
+* a rank killed mid-generation takes its group down: every in-flight request ends with a 503,
+  /health says 503, and the whole group restarts and serves again.
+
+EngineClient's group bookkeeping (who is killed, the restart as one, the port, the restart
+limit) is also checked on fake rank processes, and torchrun's environment on a fake environ.
+
+A checkpoint with no tokenizer would get an empty one (transformers makes a 1-token tokenizer)
+and the answers' text would say nothing; hence the SmolLM2 tokenizer and its vocabulary.
+
+Every server the collected tests need is launched at once (their start-ups overlap on the few
+cores) and stopped, checked for leaks and tracebacks, at the end of the module. The rank-death
+test runs last: it restarts the `--dp 2` group.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import os
+import shutil
+import signal
+import threading
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from conftest import ServerProcess, free_port, openai_client, per_rank, scrape, scrape_series
+from deepinfer.core.config import EngineConfig, ModelSpec, ParallelConfig, torchrun_parallel
+from deepinfer.serve.engine_client import EngineClient, RankDiedError, _Rank
+from deepinfer.serve.ipc import Ready
+from deepinfer.serve.rank_health import RankHealthConfig, RankState
+from deepinfer.serve.router import Router, route_key
+from test_routing import _Inbox, _made, _Proc, _close_clients  # noqa: F401 - the fixture
+
+MODEL = "tiny-moe"
+TOP_K, MOE_LAYERS = 2, 1  # tests/checkpoints.py's qwen3_moe: layer 0 dense, layer 1 MoE
+MAX_TOKENS = 10
+# Distinct first tokens (no shared prefix-cache pages), lengths across block boundaries.
+PROMPTS = [[100 + 7 * i + 13 * j for j in range(n)] for i, n in
+           enumerate((5, 9, 16, 17, 23, 40))]
+FAIL_WITHIN_S = 10.0  # a dead rank's group must have failed every request this soon
+BACK_WITHIN_S = 60.0
+COMMON_ARGS = ["--served-model-name", MODEL, "--dtype", "float32", "--block-size", "16",
+               "--num-kv-blocks", "128", "--max-num-seqs", "8"]
+# fixture -> the servers it needs; each server's flags beyond COMMON_ARGS
+FIXTURE_SERVERS = {"dp1": ("dp1",), "dp2": ("dp2",), "eplb": ("eplb",),
+                   "two_hosts": ("host0", "host1")}
+
+
+def _server_args(master_port: int) -> dict[str, list[str]]:
+    hosts = {f"host{n}": ["--dp", "1", "--nnodes", "2", "--node-rank", str(n),
+                          "--master-addr", "127.0.0.1", "--master-port", str(master_port)]
+             for n in (0, 1)}
+    return {"dp1": ["--dp", "1"], "dp2": ["--dp", "2"],
+            "eplb": ["--dp", "2", "--eplb-interval", "1", "--eplb-redundant-experts", "2"],
+            **hosts}
+
+
+def make_moe_checkpoint(path: str) -> str:
+    """tests/checkpoints.py's random qwen3_moe, with the default model's tokenizer (its
+    vocabulary and end token)."""
+    import transformers
+
+    from checkpoints import make_checkpoint
+    from deepinfer.models.default_model import ensure_default_model
+
+    source = ensure_default_model(progress=False)
+    for name in os.listdir(source):
+        if name.startswith(("tokenizer", "special_tokens")):
+            shutil.copy(os.path.join(source, name), path)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+    return make_checkpoint(path, "qwen3_moe", vocab_size=len(tokenizer),
+                           eos_token_id=tokenizer.eos_token_id)
+
+
+# ---- servers ---------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def servers(request, tmp_path_factory):
+    here = [item for item in request.session.items
+            if getattr(item, "module", None) is request.module]
+    wanted = {s for item in here for f in item.fixturenames for s in FIXTURE_SERVERS.get(f, ())}
+    ckpt = make_moe_checkpoint(str(tmp_path_factory.mktemp("tiny-moe")))
+    logs = tmp_path_factory.mktemp("ep-logs")
+    started: dict[str, ServerProcess] = {}
+    try:
+        for name, args in _server_args(free_port()).items():
+            if name in wanted:
+                started[name] = ServerProcess(name, ["--model", ckpt, *COMMON_ARGS, *args],
+                                              str(logs / f"{name}.log"), MODEL)
+                started[name].start()
+        yield started
+    finally:
+        for server in started.values():  # all at once: the two hosts leave their group together
+            server.terminate()
+        problems = [p for server in started.values() for p in _stop_problems(server)]
+        if problems:
+            pytest.fail("\n".join(problems), pytrace=False)
+
+
+PEER_LOST: set[str] = set()  # servers whose rank saw a rank of another host die
+
+
+def _stop_problems(server: ServerProcess) -> list[str]:
+    """finish_stop's problems, but for the traceback of a rank whose collective lost its peer
+    on another host (gloo raises: it exits, its group restarts), where a test caused that."""
+    problems = server.finish_stop()
+    if server.name not in PEER_LOST:
+        return problems
+    with open(server.log_path, errors="replace") as f:
+        tracebacks = f.read().split("Traceback (most recent call last)")[1:]
+    if not all("Connection closed by peer" in t for t in tracebacks):
+        return problems
+    rest = [p for p in problems if not p.startswith(f"server {server.name} logged a traceback")]
+    return [] if all(p.startswith("log of ") for p in rest) else rest
+
+
+def _ready(servers: dict[str, ServerProcess], name: str) -> ServerProcess:
+    servers[name].wait_ready()
+    return servers[name]
+
+
+@pytest.fixture(scope="module")
+def dp1(servers) -> ServerProcess:
+    return _ready(servers, "dp1")
+
+
+@pytest.fixture(scope="module")
+def dp2(servers) -> ServerProcess:
+    return _ready(servers, "dp2")
+
+
+@pytest.fixture(scope="module")
+def eplb(servers) -> ServerProcess:
+    return _ready(servers, "eplb")
+
+
+@pytest.fixture(scope="module")
+def two_hosts(servers) -> tuple[ServerProcess, ServerProcess]:
+    return _ready(servers, "host0"), _ready(servers, "host1")
+
+
+@pytest.fixture(scope="module")
+def reference(dp1) -> list[str]:
+    """The one-rank server's greedy answers to PROMPTS."""
+    return [text for text, _, _ in _complete_all(dp1, PROMPTS)]
+
+
+# ---- requests --------------------------------------------------------------------------------
+def _key_for(rank: int, start: int = 0) -> str:
+    """A `user` that affinity routing sends to `rank` of two."""
+    router = Router(2)
+    return next(k for k in (f"user-{i}" for i in range(start, start + 200))
+                if router.home(route_key(None, user=k).value) == rank)
+
+
+KEYS = [_key_for(i % 2, 10 * i) for i in range(len(PROMPTS))]  # alternate ranks 0, 1, 0, ...
+
+
+RAN: Counter = Counter()  # per server: tokens its MoE layers ran for _complete's requests
+_ran_lock = threading.Lock()
+
+
+def _complete(server: ServerProcess, prompt: list[int], user: str | None = None,
+              max_tokens: int = MAX_TOKENS) -> tuple[str, int, int]:
+    """(greedy text, serving rank, tokens the MoE layers ran: prompt not cached + generated
+    but the last)."""
+    raw = openai_client(server).completions.with_raw_response.create(
+        model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0, user=user)
+    reply, usage = raw.parse(), raw.parse().usage
+    cached = usage.prompt_tokens_details.cached_tokens if usage.prompt_tokens_details else 0
+    ran = usage.prompt_tokens - (cached or 0) + usage.completion_tokens - 1
+    with _ran_lock:
+        RAN[server.name] += ran
+    return reply.choices[0].text, int(raw.headers["x-deepinfer-rank"]), ran
+
+
+def _complete_all(server: ServerProcess, prompts: list[list[int]],
+                  users: list[str | None] | None = None) -> list[tuple[str, int, int]]:
+    """All prompts at once (they share engine steps)."""
+    users = users or [None] * len(prompts)
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        return list(pool.map(lambda a: _complete(server, *a), zip(prompts, users)))
+
+
+def _expert_tokens(server: ServerProcess) -> float:
+    return sum(scrape_series(server.url, "deepinfer:moe_expert_tokens_total").values())
+
+
+
+
+def _until(condition, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+# ---- tests -----------------------------------------------------------------------------------
+def test_torchrun_environment_gives_the_multi_host_settings():
+    env = {"WORLD_SIZE": "2", "GROUP_RANK": "1", "LOCAL_WORLD_SIZE": "1",
+           "MASTER_ADDR": "10.1.2.3", "MASTER_PORT": "29500"}
+    derived = torchrun_parallel({"dp": 1}, env)
+    # torchrun's own store holds MASTER_PORT: the rank group meets one port above.
+    assert derived == {"dp": 1, "nnodes": 2, "node_rank": 1, "master_addr": "10.1.2.3",
+                       "master_port": 29501}
+    parallel = ParallelConfig(**derived)
+    assert (parallel.world_size, parallel.first_rank) == (2, 1)
+    explicit = {"nnodes": 4, "node_rank": 3, "master_addr": "node0", "master_port": 1234}
+    assert torchrun_parallel(explicit, env) == explicit  # the flags win
+    assert torchrun_parallel({"dp": 2}, {"MASTER_PORT": "1"}) == {"dp": 2}  # not torchrun
+    two_per_host = torchrun_parallel({}, {**env, "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2"})
+    assert two_per_host["nnodes"] == 2
+
+
+# ---- EngineClient's expert-parallel group, on fake rank processes ----------------------------
+class _KillableProc(_Proc):
+    killed = False
+
+    def kill(self) -> None:
+        self.killed = True
+
+
+def _group_client(master_port: int, max_restarts: int = 5) -> tuple[EngineClient, list[int]]:
+    """A two-rank expert-parallel client of fake ranks; also the rendezvous port each spawn
+    got."""
+    nnodes = 1 if master_port == 0 else 2  # a given port: as on several hosts
+    parallel = ParallelConfig(ep=True, nnodes=nnodes, master_port=master_port)
+    client = EngineClient(EngineConfig(ModelSpec("unused"), parallel=parallel), 2,
+                          health=RankHealthConfig(max_restarts=max_restarts,
+                                                  restart_backoff_s=0.001))
+    _made.append(client)
+    client._rendezvous()
+    pids, ports = itertools.count(1000), []
+
+    def spawn(rank: int) -> _Rank:
+        ports.append(client.config.parallel.master_port)
+        return _Rank(_KillableProc(next(pids)), _Inbox(client, rank, []))
+
+    client._spawn, client._watch_exit = spawn, lambda rank: None
+    client._ranks = [spawn(rank) for rank in range(2)]
+    for r in client._ranks:
+        r.state, r.serving_since = RankState.SERVING, 0.0
+    return client, ports
+
+
+async def _lose(client: EngineClient, rank: int) -> None:
+    """`rank` exits; the peers the client kills exit too (their sentinels); the restart (if
+    any) runs its tiny backoff."""
+    client._ranks[rank].process.alive = False
+    client._rank_died(rank)
+    for peer, r in enumerate(client._ranks):
+        if r.process.killed and r.process.alive:
+            r.process.alive = False
+            client._rank_died(peer)
+    for _ in range(50):
+        await asyncio.sleep(0.002)
+
+
+@pytest.mark.parametrize("given_port", [0, 29611], ids=["picked-port", "given-port"])
+def test_a_dead_rank_takes_its_group_down_and_it_restarts_as_one(given_port):
+    client, ports = _group_client(given_port)
+    assert client._group and ports[0] == ports[1] != 0
+
+    async def scenario():
+        queues = {rank: asyncio.Queue() for rank in (0, 1)}
+        for rank, queue in queues.items():
+            client._queues[f"r{rank}"], client._owner[f"r{rank}"] = queue, rank
+        old = list(client._ranks)
+        old[1].process.alive = False
+        client._rank_died(1)
+        # The survivor is killed at once and nothing is routed to the group any more.
+        assert old[0].process.killed and client.router.live_ranks() == []
+        assert "expert-parallel group lost rank 1" in old[0].kill_reason
+        assert isinstance(queues[1].get_nowait(), RankDiedError)
+        assert client._ranks == old  # no lone restart
+        await _lose(client, 0)  # (already dead: only its sentinel's bookkeeping runs)
+        error = queues[0].get_nowait()
+        assert isinstance(error, RankDiedError) and "group lost rank 1" in str(error)
+        assert all(r.state is RankState.STARTING and r.restarts == 1 for r in client._ranks)
+        # A picked port is picked afresh; a given one (other hosts meet there) is kept.
+        assert ports[2] == ports[3] and (ports[2] == ports[0]) == (given_port != 0)
+        for rank in (0, 1):
+            client._on_ready(Ready(rank, 64, 16, 512, "fake"))
+        assert client.router.live_ranks() == [0, 1]
+
+    asyncio.run(scenario())
+
+
+def test_group_restarts_count_as_one_and_stop_at_the_limit():
+    client, ports = _group_client(0, max_restarts=1)
+
+    async def scenario():
+        await _lose(client, 0)
+        assert [(r.state, r.streak) for r in client._ranks] == [(RankState.STARTING, 1)] * 2
+        client._ranks[1].process.alive = False  # dies while the group starts
+        client._rank_died(1)
+        client._on_ready(Ready(0, 64, 16, 512, "fake"))  # too late: rank 0 is being killed
+        assert client.router.live_ranks() == []
+        await _lose(client, 0)  # its sentinel: the second death in a row, the limit
+        assert all(r.state is RankState.DEAD for r in client._ranks)
+        assert client.router.live_ranks() == [] and len(ports) == 4
+
+    asyncio.run(scenario())
+
+
+def test_dp2_expert_parallel_answers_equal_dp1(dp2, reference):
+    answers = _complete_all(dp2, PROMPTS, KEYS)
+    assert {rank for _, rank, _ in answers} == {0, 1}
+    assert [text for text, _, _ in answers] == reference
+    assert all(text for text in reference)
+
+
+def test_dp2_steps_in_lockstep_and_counts_expert_routes(dp2):
+    health = httpx.get(f"{dp2.url}/health", timeout=10).json()
+    assert health["status"] == "ok" and health["live"] == [0, 1]
+    before_steps = per_rank(dp2.url, "deepinfer:rank_dummy_steps_total")
+    assert _complete(dp2, PROMPTS[2], _key_for(0), max_tokens=16)[1] == 0
+    # Rank 1 had no request: it ran a dummy step for each of rank 0's (reported once it
+    # handles a message of its own).
+    assert _complete(dp2, PROMPTS[0], _key_for(1), max_tokens=1)[1] == 1
+    after_steps = per_rank(dp2.url, "deepinfer:rank_dummy_steps_total")
+    assert after_steps[1] - before_steps.get(1, 0) >= 16
+    # Every token a MoE layer ran (on either rank, for any request since the start) went to
+    # top_k experts, padding and dummy steps to none; ranks report every second.
+    expected = RAN[dp2.name] * TOP_K * MOE_LAYERS
+    _until(lambda: _expert_tokens(dp2) >= expected, 10, f"{expected} expert routes")
+    time.sleep(1.5)  # and no more come
+    assert _expert_tokens(dp2) == expected
+    per_expert = scrape_series(dp2.url, "deepinfer:moe_expert_tokens_total")
+    assert len(per_expert) == 8 * MOE_LAYERS
+    assert sum(v > 0 for v in per_expert.values()) >= 2  # spread over experts of both ranks
+
+
+def test_eplb_rebalances_and_answers_still_equal_dp1(eplb, reference):
+    first = _complete_all(eplb, PROMPTS, KEYS)
+    assert [text for text, _, _ in first] == reference
+    # The 1 s timer rebalances on the tokens routed since the last one.
+    _until(lambda: scrape(eplb.url).get("deepinfer:eplb_rebalances_total", 0) >= 1, 15,
+           "an EPLB rebalance")
+    gauges = scrape(eplb.url)
+    imbalance = scrape_series(eplb.url, "deepinfer:eplb_imbalance")
+    assert {dict(labels)["when"] for labels in imbalance} == {"before", "after"}
+    assert all(v >= 1.0 for v in imbalance.values())  # max over mean tokens per rank
+    assert "deepinfer:eplb_last_stall_seconds" in gauges
+    again = _complete_all(eplb, PROMPTS, KEYS[::-1])  # each prompt on the other rank now
+    assert [text for text, _, _ in again] == reference
+
+
+def test_two_hosts_each_serve_their_own_requests(two_hosts, reference):
+    host0, host1 = two_hosts
+    for host in two_hosts:
+        health = httpx.get(f"{host.url}/health", timeout=10).json()
+        assert health["status"] == "ok" and len(health["ranks"]) == 1
+    half = len(PROMPTS) // 2
+    with ThreadPoolExecutor(2) as pool:  # both hosts busy at once
+        on0 = pool.submit(_complete_all, host0, PROMPTS[:half])
+        on1 = pool.submit(_complete_all, host1, PROMPTS[half:])
+        answers = on0.result() + on1.result()
+    assert [text for text, _, _ in answers] == reference
+    # Lockstep across hosts: host 0's rank dummy-steps while host 1 alone generates.
+    before = scrape(host0.url).get("deepinfer:rank_dummy_steps_total", 0)
+    _complete(host1, PROMPTS[1], max_tokens=12)
+    _complete(host0, PROMPTS[0], max_tokens=1)  # host 0's rank reports its counters
+    assert scrape(host0.url)["deepinfer:rank_dummy_steps_total"] - before >= 12
+
+
+def _serving(server: ServerProcess, restarts: int) -> dict | None:
+    health = httpx.get(f"{server.url}/health", timeout=10)
+    body = health.json()
+    ok = health.status_code == 200 and body["status"] == "ok" and \
+        all(r["restarts"] == restarts for r in body["ranks"])
+    return body if ok else None
+
+
+def test_a_rank_lost_on_one_host_restarts_both_hosts_on_the_given_port(two_hosts, reference):
+    host0, host1 = two_hosts
+    PEER_LOST.add(host0.name)  # its rank's next vote fails: gloo says the peer closed
+    lost = httpx.get(f"{host1.url}/health", timeout=10).json()["ranks"][0]["pid"]
+    killed = time.monotonic()
+    os.kill(lost, signal.SIGKILL)
+    for host in two_hosts:  # both down: host 0's rank fails in the group's next collective
+        _until(lambda: httpx.get(f"{host.url}/health", timeout=10).status_code == 503, 10,
+               f"{host.name} to report its group down")
+    # Both restart their rank, and the new ranks meet on the same --master-port.
+    for host in two_hosts:
+        _until(lambda: _serving(host, restarts=1), BACK_WITHIN_S, f"{host.name} back")
+    recovered = time.monotonic() - killed
+    answers = _complete_all(host0, PROMPTS[:2]) + _complete_all(host1, PROMPTS[2:])
+    assert [text for text, _, _ in answers] == reference
+    print(f"\ntwo hosts: both serving again {recovered:.1f} s after a rank was killed")
+
+
+def _stream(server: ServerProcess, prompt: list[int], user: str, out: dict) -> None:
+    """A long greedy stream; `out` gets its data events, how it ended, and when."""
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 400, "ignore_eos": True,
+            "temperature": 0, "stream": True, "user": user}
+    out["events"] = []
+    try:
+        with httpx.stream("POST", f"{server.base_url}/completions", json=body,
+                          timeout=120) as reply:
+            out["rank"] = int(reply.headers["x-deepinfer-rank"])
+            for line in reply.iter_lines():
+                if line.startswith("data: {"):
+                    out["events"].append(json.loads(line[6:]))
+    except httpx.HTTPError as exc:
+        out["exception"] = exc
+    out["ended"] = time.monotonic()
+
+
+def test_killed_rank_takes_its_group_down_and_the_group_restarts(dp2, reference):
+    before = httpx.get(f"{dp2.url}/health", timeout=10).json()["ranks"]
+    outs = [{} for _ in range(4)]
+    readers = [threading.Thread(target=_stream, args=(dp2, PROMPTS[i], KEYS[i], outs[i]))
+               for i in range(4)]
+    for reader in readers:
+        reader.start()
+    _until(lambda: all(len(o.get("events", ())) >= 3 for o in outs), 60, "every stream to flow")
+    assert {o["rank"] for o in outs} == {0, 1}
+    killed = time.monotonic()
+    os.kill(before[1]["pid"], signal.SIGKILL)
+    # Down at once (the restart waits a 1 s backoff, then the ranks load again).
+    down = _until(lambda: (h := httpx.get(f"{dp2.url}/health", timeout=10)).status_code == 503
+                  and h.json(), 3, "/health to say 503")
+    assert down["status"] == "unavailable" and down["live"] == []
+    for reader in readers:
+        reader.join(max(0.0, killed + FAIL_WITHIN_S - time.monotonic()))
+    assert not any(r.is_alive() for r in readers), "a stream still hangs after the kill"
+    for out in outs:
+        assert out["ended"] - killed < FAIL_WITHIN_S and "exception" not in out
+        error = out["events"][-1]["error"]
+        assert error["code"] == 503, error
+        if out["rank"] == 0:  # the survivor was stopped with its group
+            assert "expert-parallel group lost rank 1" in error["message"], error
+    back = _until(lambda: (h := httpx.get(f"{dp2.url}/health", timeout=10)).status_code == 200
+                  and h.json()["status"] == "ok" and h.json(), BACK_WITHIN_S,
+                  "the group to serve again")
+    recovered = time.monotonic() - killed
+    assert [r["restarts"] for r in back["ranks"]] == [r["restarts"] + 1 for r in before]
+    assert not {r["pid"] for r in back["ranks"]} & {r["pid"] for r in before}
+    answers = _complete_all(dp2, PROMPTS, KEYS)
+    assert [text for text, _, _ in answers] == reference
+    assert {rank for _, rank, _ in answers} == {0, 1}
+    print(f"\nkilled rank: every stream failed within "
+          f"{max(o['ended'] for o in outs) - killed:.2f} s, group serving again after "
+          f"{recovered:.1f} s")
