@@ -79,6 +79,17 @@ def descendants(pid: int) -> list[int]:
     return [p for p in out if _alive(p)]
 
 
+def wait_until(condition, timeout: float, what: str, poll_s: float = 0.05):
+    """condition()'s first truthy value; AssertionError naming `what` after `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(poll_s)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))

@@ -36,7 +36,8 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from conftest import ServerProcess, free_port, openai_client, per_rank, scrape, scrape_series
+from conftest import (ServerProcess, free_port, openai_client, per_rank, scrape, scrape_series,
+                      wait_until)
 from deepinfer.core.config import EngineConfig, ModelSpec, ParallelConfig, torchrun_parallel
 from deepinfer.serve.engine_client import EngineClient, RankDiedError, _Rank
 from deepinfer.serve.ipc import Ready
@@ -200,15 +201,6 @@ def _expert_tokens(server: ServerProcess) -> float:
 
 
 
-def _until(condition, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
-
 
 # ---- tests -----------------------------------------------------------------------------------
 def test_torchrun_environment_gives_the_multi_host_settings():
@@ -338,7 +330,7 @@ def test_dp2_steps_in_lockstep_and_counts_expert_routes(dp2):
     # Every token a MoE layer ran (on either rank, for any request since the start) went to
     # top_k experts, padding and dummy steps to none; ranks report every second.
     expected = RAN[dp2.name] * TOP_K * MOE_LAYERS
-    _until(lambda: _expert_tokens(dp2) >= expected, 10, f"{expected} expert routes")
+    wait_until(lambda: _expert_tokens(dp2) >= expected, 10, f"{expected} expert routes")
     time.sleep(1.5)  # and no more come
     assert _expert_tokens(dp2) == expected
     per_expert = scrape_series(dp2.url, "deepinfer:moe_expert_tokens_total")
@@ -350,7 +342,7 @@ def test_eplb_rebalances_and_answers_still_equal_dp1(eplb, reference):
     first = _complete_all(eplb, PROMPTS, KEYS)
     assert [text for text, _, _ in first] == reference
     # The 1 s timer rebalances on the tokens routed since the last one.
-    _until(lambda: scrape(eplb.url).get("deepinfer:eplb_rebalances_total", 0) >= 1, 15,
+    wait_until(lambda: scrape(eplb.url).get("deepinfer:eplb_rebalances_total", 0) >= 1, 15,
            "an EPLB rebalance")
     gauges = scrape(eplb.url)
     imbalance = scrape_series(eplb.url, "deepinfer:eplb_imbalance")
@@ -394,11 +386,11 @@ def test_a_rank_lost_on_one_host_restarts_both_hosts_on_the_given_port(two_hosts
     killed = time.monotonic()
     os.kill(lost, signal.SIGKILL)
     for host in two_hosts:  # both down: host 0's rank fails in the group's next collective
-        _until(lambda: httpx.get(f"{host.url}/health", timeout=10).status_code == 503, 10,
+        wait_until(lambda: httpx.get(f"{host.url}/health", timeout=10).status_code == 503, 10,
                f"{host.name} to report its group down")
     # Both restart their rank, and the new ranks meet on the same --master-port.
     for host in two_hosts:
-        _until(lambda: _serving(host, restarts=1), BACK_WITHIN_S, f"{host.name} back")
+        wait_until(lambda: _serving(host, restarts=1), BACK_WITHIN_S, f"{host.name} back")
     recovered = time.monotonic() - killed
     answers = _complete_all(host0, PROMPTS[:2]) + _complete_all(host1, PROMPTS[2:])
     assert [text for text, _, _ in answers] == reference
@@ -429,12 +421,12 @@ def test_killed_rank_takes_its_group_down_and_the_group_restarts(dp2, reference)
                for i in range(4)]
     for reader in readers:
         reader.start()
-    _until(lambda: all(len(o.get("events", ())) >= 3 for o in outs), 60, "every stream to flow")
+    wait_until(lambda: all(len(o.get("events", ())) >= 3 for o in outs), 60, "every stream to flow")
     assert {o["rank"] for o in outs} == {0, 1}
     killed = time.monotonic()
     os.kill(before[1]["pid"], signal.SIGKILL)
     # Down at once (the restart waits a 1 s backoff, then the ranks load again).
-    down = _until(lambda: (h := httpx.get(f"{dp2.url}/health", timeout=10)).status_code == 503
+    down = wait_until(lambda: (h := httpx.get(f"{dp2.url}/health", timeout=10)).status_code == 503
                   and h.json(), 3, "/health to say 503")
     assert down["status"] == "unavailable" and down["live"] == []
     for reader in readers:
@@ -446,7 +438,7 @@ def test_killed_rank_takes_its_group_down_and_the_group_restarts(dp2, reference)
         assert error["code"] == 503, error
         if out["rank"] == 0:  # the survivor was stopped with its group
             assert "expert-parallel group lost rank 1" in error["message"], error
-    back = _until(lambda: (h := httpx.get(f"{dp2.url}/health", timeout=10)).status_code == 200
+    back = wait_until(lambda: (h := httpx.get(f"{dp2.url}/health", timeout=10)).status_code == 200
                   and h.json()["status"] == "ok" and h.json(), BACK_WITHIN_S,
                   "the group to serve again")
     recovered = time.monotonic() - killed

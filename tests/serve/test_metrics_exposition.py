@@ -15,8 +15,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from deepinfer.serve.router import Router
 from deepinfer.serve.engine_client import RankView
-from deepinfer.serve.ipc import EngineStats
+from deepinfer.models.moe.runtime import RebalanceReport
+from deepinfer.serve.ipc import EngineStats, ExpertStats
 from deepinfer.serve.metrics import ServerMetrics
+from deepinfer.serve.moe_metrics import MoECollector
 from deepinfer.serve.rank_metrics import RankCollector
 from deepinfer.serve.tokenizer_metrics import TokenizerCollector
 
@@ -51,17 +53,23 @@ class _FakeTokenizer:
                                    "sum_s": 0.0}}
 
 
-def _view(rank: int, stats: EngineStats) -> RankView:
+# An MoE rank after one EPLB rebalance: 2 MoE layers of 4 experts.
+EXPERTS = ExpertStats(0, [[5, 0, 2, 1], [3, 3, 1, 1]], 1, RebalanceReport(0.02, 1.6, 1.1, 64, 3))
+
+
+def _view(rank: int, stats: EngineStats, experts: ExpertStats | None = None) -> RankView:
     return RankView(rank, alive=True, pid=100 + rank, exitcode=None, in_flight=0,
-                    load_tokens=0, lost_requests=0, stats=stats)
+                    load_tokens=0, lost_requests=0, stats=stats, experts=experts)
 
 
-def _exposition(stats: list[EngineStats]) -> str:
-    """What GET /metrics answers with these rank stats (observe_engine runs at scrape time)."""
-    views = [_view(rank, s) for rank, s in enumerate(stats)]
+def _exposition(stats: list[EngineStats], experts: ExpertStats | None = None) -> str:
+    """What GET /metrics answers with these rank stats (observe_engine runs at scrape time);
+    with `experts`, every rank serves an MoE model and reports them."""
+    views = [_view(rank, s, experts) for rank, s in enumerate(stats)]
     metrics = ServerMetrics("m")
     metrics.registry.register(TokenizerCollector(_FakeTokenizer(), "m"))
     metrics.registry.register(RankCollector(lambda: views, Router(len(views)), "m"))
+    metrics.registry.register(MoECollector(lambda: views, "m"))
     metrics.observe_engine(stats)
     return metrics.render().decode()
 
@@ -152,10 +160,22 @@ def _documented() -> dict[str, str]:
 
 
 def test_docs_list_every_family_as_exposed():
-    parsed = list(text_string_to_metric_families(_exposition([HICACHE_BUSY] * 2)))
+    parsed = list(text_string_to_metric_families(_exposition([HICACHE_BUSY] * 2, EXPERTS)))
     # prometheus_client's NAME_created gauge of each counter/histogram: the doc says so once.
     created = {f"{f.name}_created" for f in parsed if f.type in ("counter", "histogram")}
     families = {_exposed_name(f.name, f.type): f.type for f in parsed if f.name not in created}
     documented = _documented()
     assert {n: t for n, t in families.items() if documented.get(n) != t} == {}
     assert {n: t for n, t in documented.items() if families.get(n) != t} == {}
+
+
+def test_moe_series_sum_the_ranks_and_show_the_latest_rebalance():
+    samples = _samples(_exposition([IDLE, IDLE], EXPERTS))
+    assert _value(samples, "deepinfer:moe_expert_tokens_total", moe_layer="0", expert="0") == 10
+    assert _value(samples, "deepinfer:moe_expert_tokens_total", moe_layer="1", expert="3") == 2
+    assert _value(samples, "deepinfer:eplb_rebalances_total") == 1
+    assert _value(samples, "deepinfer:eplb_imbalance", when="before") == 1.6
+    assert _value(samples, "deepinfer:eplb_imbalance", when="after") == 1.1
+    assert _value(samples, "deepinfer:eplb_last_stall_seconds") == 0.02
+    dense = {name for name, _ in _samples(_exposition([IDLE]))}
+    assert not any("moe" in name or "eplb" in name for name in dense)

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import httpx
 import pytest
 
-from conftest import ServerProcess, make_tiny_chat_checkpoint
+from conftest import ServerProcess, make_tiny_chat_checkpoint, wait_until
 from deepinfer.serve.router import Router
 
 UNHEALTHY_AFTER_S, FAIL_AFTER_S = 1.0, 4.0
@@ -56,15 +56,6 @@ def _rank(server, rank: int) -> dict:
     return _health(server)["ranks"][rank]
 
 
-def _until(condition, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
-
 
 def _chat(server, key: str, content: str = "hello", max_tokens: int = 4) -> httpx.Response:
     return httpx.post(f"{server.base_url}/chat/completions", timeout=60,
@@ -93,7 +84,7 @@ def _stream(server, key: str, out: _Stream) -> None:
 
 
 def _wait_serving(server, rank: int, restarts: int, timeout: float = 120.0) -> dict:
-    return _until(lambda: (r := _rank(server, rank))["state"] == "serving"
+    return wait_until(lambda: (r := _rank(server, rank))["state"] == "serving"
                   and r["restarts"] == restarts and r, timeout, f"rank {rank} serving again")
 
 
@@ -103,7 +94,7 @@ def test_killed_rank_is_restarted_and_serves_again(server):
     assert _chat(server, key).headers["x-deepinfer-rank"] == "1"
     killed = time.monotonic()
     os.kill(before["pid"], signal.SIGKILL)
-    dead = _until(lambda: (r := _rank(server, 1))["state"] in ("dead", "starting") and r, 10,
+    dead = wait_until(lambda: (r := _rank(server, 1))["state"] in ("dead", "starting") and r, 10,
                   "the death to show")
     assert not dead["alive"]
     reply = _chat(server, key)  # its sessions go to the live rank meanwhile
@@ -126,7 +117,7 @@ def _freeze_mid_stream(server, key: str) -> tuple[dict, _Stream, threading.Threa
     assert out.first_chunk.wait(60)
     os.kill(before["pid"], signal.SIGSTOP)
     frozen = time.monotonic()
-    _until(lambda: _rank(server, 1)["state"] == "unhealthy", UNHEALTHY_AFTER_S + SLACK_S,
+    wait_until(lambda: _rank(server, 1)["state"] == "unhealthy", UNHEALTHY_AFTER_S + SLACK_S,
            "the frozen rank to be marked unhealthy")
     return before, out, reader, frozen
 
@@ -162,7 +153,7 @@ def test_rank_that_thaws_in_time_keeps_its_requests(server):
     finally:
         for pid in [r["pid"] for r in _health(server)["ranks"]]:
             os.kill(pid, signal.SIGCONT)
-    _until(lambda: _rank(server, 1)["state"] == "serving", SLACK_S, "the rank to recover")
+    wait_until(lambda: _rank(server, 1)["state"] == "serving", SLACK_S, "the rank to recover")
     reader.join(60)
     assert not any("error" in e for e in out.events)
     assert out.events[-1]["choices"][0]["finish_reason"] == "length"
