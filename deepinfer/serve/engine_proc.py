@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 import traceback
@@ -127,8 +128,16 @@ def run_rank(spec: RankSpec) -> None:
     beat = threading.Thread(target=_heartbeat, args=(ctx, spec, clock, stop),
                             name="deepinfer-heartbeat", daemon=True)
     beat.start()
+    failed = False
     try:
         _loop(engine, spec.rank, inbox, outbox, parent, clock, lockstep, experts)
+    except Exception as exc:  # noqa: BLE001 - below: a group failure is one log line
+        if lockstep is None:
+            raise
+        # A peer died mid-collective (or the group broke): expected when a rank of the group
+        # is lost, and the API process restarts the whole group, so no traceback.
+        log.error("rank group failed, exiting: %s: %s", type(exc).__name__, exc)
+        failed = True
     finally:
         stop.set()
         beat.join()
@@ -136,6 +145,8 @@ def run_rank(spec: RankSpec) -> None:
         shutdown_group()
         registry.engine_stopped(spec.config)
         ctx.destroy(linger=0)
+    if failed:
+        sys.exit(1)
 
 
 def _start_engine(spec: RankSpec, registry) -> tuple[Engine, Lockstep | None]:

@@ -105,26 +105,9 @@ def servers(request, tmp_path_factory):
     finally:
         for server in started.values():  # all at once: the two hosts leave their group together
             server.terminate()
-        problems = [p for server in started.values() for p in _stop_problems(server)]
+        problems = [p for server in started.values() for p in server.finish_stop()]
         if problems:
             pytest.fail("\n".join(problems), pytrace=False)
-
-
-PEER_LOST: set[str] = set()  # servers whose rank saw a rank of another host die
-
-
-def _stop_problems(server: ServerProcess) -> list[str]:
-    """finish_stop's problems, but for the traceback of a rank whose collective lost its peer
-    on another host (gloo raises: it exits, its group restarts), where a test caused that."""
-    problems = server.finish_stop()
-    if server.name not in PEER_LOST:
-        return problems
-    with open(server.log_path, errors="replace") as f:
-        tracebacks = f.read().split("Traceback (most recent call last)")[1:]
-    if not all("Connection closed by peer" in t for t in tracebacks):
-        return problems
-    rest = [p for p in problems if not p.startswith(f"server {server.name} logged a traceback")]
-    return [] if all(p.startswith("log of ") for p in rest) else rest
 
 
 def _ready(servers: dict[str, ServerProcess], name: str) -> ServerProcess:
@@ -380,8 +363,7 @@ def _serving(server: ServerProcess, restarts: int) -> dict | None:
 
 
 def test_a_rank_lost_on_one_host_restarts_both_hosts_on_the_given_port(two_hosts, reference):
-    host0, host1 = two_hosts
-    PEER_LOST.add(host0.name)  # its rank's next vote fails: gloo says the peer closed
+    host0, host1 = two_hosts  # its rank's next vote fails: gloo says the peer closed
     lost = httpx.get(f"{host1.url}/health", timeout=10).json()["ranks"][0]["pid"]
     killed = time.monotonic()
     os.kill(lost, signal.SIGKILL)
