@@ -2,7 +2,10 @@
 of the lockstep vote), a request pinned to one rank is answered with the same greedy tokens as
 `--dp 1`, and the idle rank runs dummy steps in lockstep. Starts and stops its own servers.
 
-    python benchmarks/cuda/check_lockstep.py [--out DIR]
+    python benchmarks/cuda/check_lockstep.py [--out DIR] [--family qwen3_moe]
+
+With an MoE family (qwen3_moe) the group is expert parallel: each GPU holds half the experts
+and every MoE layer exchanges tokens over NCCL, inside the decode graphs too.
 """
 from __future__ import annotations
 
@@ -24,12 +27,13 @@ from tests.checkpoints import make_checkpoint  # noqa: E402
 PROMPT = list(range(3, 60))
 
 
-def tiny_model(path: str) -> str:
-    """A random llama with a word-level tokenizer (the device has no hub nor PyPI access)."""
+def tiny_model(path: str, family: str = "llama") -> str:
+    """A random checkpoint with a word-level tokenizer (the device has no hub nor PyPI
+    access)."""
     import transformers
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    make_checkpoint(path, "llama")
+    make_checkpoint(path, family)
     vocab = {f"t{i}": i for i in range(256)}
     tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
@@ -40,7 +44,7 @@ def tiny_model(path: str) -> str:
 
 def start(model: str, port: int, extra: list[str], log: str) -> subprocess.Popen:
     command = [sys.executable, "-m", "deepinfer.serve.cli", "--model", model, "--port", str(port),
-               "--accelerator", "nvidia", "--dtype", "float32", "--enforce-eager",
+               "--accelerator", "nvidia", "--dtype", "float32",
                "--gpu-memory-utilization", "0.3", "--max-model-len", "512",
                "--tokenizer-backend", "hf", "--generation-config", "none", *extra]
     return subprocess.Popen(command, stdout=open(log, "w"), stderr=subprocess.STDOUT,
@@ -103,20 +107,22 @@ def run(model: str, extra: list[str], port: int, workdir: str, sessions: list[st
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=None)
+    parser.add_argument("--family", default="llama")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as workdir:
-        model = tiny_model(os.path.join(workdir, "tiny"))
+        model = tiny_model(os.path.join(workdir, "tiny"), args.family)
         sessions = [f"s{i}" for i in range(8)]
         one = run(model, [], 8431, workdir, sessions[:1])
         two = run(model, ["--dp", "2", "--ep"], 8432, workdir, sessions)
     reference = one["answers"]["s0"][0]
     ranks = {s: rank for s, (_, rank) in two["answers"].items()}
-    report = {"gpus": 2, "ranks_used": sorted(set(ranks.values())),
+    report = {"gpus": 2, "family": args.family, "ranks_used": sorted(set(ranks.values())),
               "same_tokens": all(t == reference for t, _ in two["answers"].values()),
               "dummy_steps": two["dummy_steps"]}
     print(json.dumps(report, indent=2))
     if args.out:
-        with open(os.path.join(args.out, "lockstep_nccl.json"), "w") as f:
+        name = "lockstep_nccl" + ("" if args.family == "llama" else f"_{args.family}")
+        with open(os.path.join(args.out, f"{name}.json"), "w") as f:
             json.dump(report, f, indent=2)
     assert report["same_tokens"], two["answers"]
     assert report["ranks_used"] == [0, 1], ranks

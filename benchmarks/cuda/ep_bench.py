@@ -62,7 +62,8 @@ def serve_one(path: str, extra: list[str], requests: int, workdir: str) -> dict:
            "--accelerator", "nvidia", "--dtype", "bfloat16", "--load-format", "dummy",
            "--max-model-len", "4096", "--max-num-seqs", "128", "--max-num-batched-tokens",
            "8192", "--gpu-memory-utilization", "0.85", "--tokenizer-backend", "hf",
-           "--generation-config", "none", "--routing", "least-loaded", "--dp", "2", *extra]
+           "--generation-config", "none", "--routing", "least-loaded", "--dp", "2",
+           "--served-model-name", "m", *extra]
     proc = start_server(cmd, log_path, {"NCCL_NVLS_ENABLE": "0"})
     base = f"http://127.0.0.1:{port}"
     try:
@@ -133,14 +134,16 @@ def eplb_rank(rank: int, path: str, port: int, redundant: int, steps: int, out) 
 
 
 def skew_router(ops, experts: int) -> None:
-    """A bias on the router logits of the first 10% of experts, sized so that they get about
-    half of the routes (softmax top-k over roughly equal logits)."""
+    """A bias on the router logits of 10% of the experts, sized so that they get about half of
+    the routes (softmax top-k over roughly equal logits). The hot experts are the last ones of
+    rank 0's block and have no replica in the initial placement (whose redundant slots copy
+    experts 0..R-1), so the load starts on one rank."""
     import math
 
     hot = max(1, int(experts * HOT_FRACTION))
     # odds: hot experts' share / cold experts' share per expert = (0.5/hot) / (0.5/(E-hot))
     bias = torch.zeros(experts)
-    bias[:hot] = math.log((experts - hot) / hot)
+    bias[experts // 2 - hot:experts // 2] = math.log((experts - hot) / hot)
     route = ops.route
 
     def skewed(logits, spec, correction=None):

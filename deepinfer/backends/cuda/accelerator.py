@@ -129,7 +129,7 @@ class CUDAAccelerator(Accelerator):
         scratch = self.cache.nbytes
         torch.cuda.reset_peak_memory_stats(self.device)
         with torch.inference_mode():
-            self.runner.begin_step(batch.num_tokens, batch.num_tokens)
+            self.runner.begin_step(batch.num_tokens, 0)  # no real token: counts in no load
             hidden = self._forward(self._eager_inputs(batch))
             rows = min(self.max_num_seqs, tokens)
             logits = self.runner.logits(hidden[:rows])
@@ -188,10 +188,7 @@ class CUDAAccelerator(Accelerator):
         if graphable:
             bucket = self.graphs.bucket_for(padded)
             self._set_step(bucket, batch)
-            logits = self.graphs.run(batch, bucket)
-            if list(batch.sample_indices) != list(range(batch.num_seqs)):
-                logits = logits[torch.tensor(batch.sample_indices, device=self.device)]
-            return logits
+            return sampled_rows(self.graphs.run(batch, bucket), batch)
         self._set_step(padded, batch)
         inputs = self._eager_inputs(batch)
         hidden = self._forward(inputs)
@@ -261,6 +258,15 @@ class CUDAAccelerator(Accelerator):
         if self.on_gpu:
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
+
+
+def sampled_rows(logits: torch.Tensor, batch: ModelBatch) -> torch.Tensor:
+    """The rows of per-sequence logits whose sequences sample this step (none for a dummy
+    step: its one padding sequence samples nothing)."""
+    if list(batch.sample_indices) == list(range(batch.num_seqs)):
+        return logits
+    index = torch.tensor(batch.sample_indices, dtype=torch.long, device=logits.device)
+    return logits[index]
 
 
 def _profile_batch(tokens: int, max_len: int, block_size: int) -> ModelBatch:

@@ -20,8 +20,10 @@ from deepinfer.models.moe.exchange import (AllGatherExchange, AllToAllExchange, 
                                            all_gather)
 
 # Agreed step sizes (tokens per rank) from which MoE layers exchange routes all-to-all rather
-# than all-gather + reduce-scatter (benchmarks/cuda/ep_bench.py --parts exchange measures both).
-ALL_TO_ALL_MIN_TOKENS = 1024
+# than all-gather + reduce-scatter. On two H200s (NVLink; benchmarks/cuda/ep_bench.py --parts
+# exchange, ep_exchange.json) all-gather won at every size measured, 1.5-2.1x at 1 to 8192
+# tokens per rank, so all-to-all is kept for larger steps (and, untested, more ranks).
+ALL_TO_ALL_MIN_TOKENS = 16384
 
 
 def _capturing(x: torch.Tensor) -> bool:

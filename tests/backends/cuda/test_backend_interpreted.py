@@ -154,3 +154,20 @@ def test_profile_batch_stays_inside_the_context():
     assert max(batch.positions) == 127
     assert len(set(batch.slot_mapping)) == 300 and min(batch.slot_mapping) >= 16
     assert batch.sample_indices == [0, 1, 2] and len(batch.sampling) == 3
+
+
+def test_graph_logits_keep_only_the_sampled_rows():
+    """A replayed graph gives one row per sequence; a dummy step (one padding sequence, as a
+    lockstep rank with no request runs) samples none of them."""
+    from deepinfer.backends.cuda.accelerator import sampled_rows
+    from deepinfer.core.padding import dummy_batch
+
+    logits = torch.arange(12.0).view(3, 4)
+    dummy = dummy_batch(1, 16)
+    assert sampled_rows(logits[:1], dummy).shape == (0, 4)
+    batch = dataclasses.replace(dummy, input_ids=[5, 6, 7], positions=[0, 0, 0],
+                                query_lens=[1, 1, 1], seq_lens=[1, 1, 1], sample_indices=[0, 2],
+                                num_padding_seqs=0)
+    assert torch.equal(sampled_rows(logits, batch), logits[[0, 2]])
+    everyone = dataclasses.replace(batch, sample_indices=[0, 1, 2])
+    assert sampled_rows(logits, everyone) is logits

@@ -121,3 +121,17 @@ def test_configs_cover_the_model_shapes() -> None:
         cfg = config_for(tokens, top_k, slots)
         assert cfg.block_m in (16, 32, 64, 128)
     assert config_for(1, 8, 128).block_m == 16  # decode: weight-bound GEMVs
+
+
+def test_tiles_fit_shared_memory_in_every_dtype():
+    from deepinfer.backends.cuda.kernels.fused_moe import (MOE_CONFIGS, SHARED_MEMORY_BYTES,
+                                                           fit_tiles)
+
+    for _, cfg in MOE_CONFIGS:
+        for size in (2, 4):
+            for tiles, b in ((cfg.gate_up, 2), (cfg.down, 1)):
+                fitted = fit_tiles(tiles, cfg.block_m, size, b)
+                need = fitted.num_stages * (cfg.block_m + b * fitted.block_n) * fitted.block_k
+                assert need * size <= SHARED_MEMORY_BYTES
+                if size == 2:
+                    assert fitted == tiles  # the tuned bf16 tiles already fit: unchanged

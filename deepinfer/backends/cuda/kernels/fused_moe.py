@@ -21,11 +21,12 @@ The design is vLLM's and SGLang's fused_moe, written smaller:
 
 Small batches (decode) are weight-bandwidth bound: each expert's GEMM is a GEMV over its
 weights with BLOCK_M = 16, and N tiles of 32-64 columns spread one expert over hundreds of
-programs so the whole chip streams weights. Tiles come from a table keyed by routes per expert slot (the M of
-each expert's GEMM), tuned on an H200; see MOE_CONFIGS.
+programs so the whole chip streams weights. Tiles come from a table keyed by routes per expert
+slot (the M of each expert's GEMM), tuned on an H200; see MOE_CONFIGS.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -76,6 +77,24 @@ MOE_CONFIGS: tuple[tuple[float, MoeConfig], ...] = (
     (64, MoeConfig(64, Tiles(64, 64, 4, 3), Tiles(128, 64, 8, 3))),
     (float("inf"), MoeConfig(128, Tiles(128, 64, 8, 4), Tiles(256, 64, 8, 3))),
 )
+
+
+# Shared memory a block's pipelined tiles may take: under the H200's 227 KB, with room for what
+# the compiler adds. The table above is tuned in bf16; float32 doubles every tile.
+SHARED_MEMORY_BYTES = 200 * 1024
+
+
+def fit_tiles(tiles: Tiles, block_m: int, element_bytes: int, b_tiles: int) -> Tiles:
+    """The tiles with fewer pipeline stages, then a narrower K step, until the A tile
+    [block_m, K] and b_tiles weight tiles [N, K] of every stage fit in shared memory."""
+    def need(t: Tiles) -> int:
+        return t.num_stages * (block_m + b_tiles * t.block_n) * t.block_k * element_bytes
+
+    while need(tiles) > SHARED_MEMORY_BYTES and tiles.num_stages > 1:
+        tiles = dataclasses.replace(tiles, num_stages=tiles.num_stages - 1)
+    while need(tiles) > SHARED_MEMORY_BYTES and tiles.block_k > 16:
+        tiles = dataclasses.replace(tiles, block_k=tiles.block_k // 2)
+    return tiles
 
 
 def config_for(tokens: int, top_k: int, slots: int) -> MoeConfig:
@@ -369,6 +388,7 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
     cfg = config or config_for(tokens, top_k, num_slots)
     slots, weights = slots.contiguous(), weights.contiguous()
     al = align_routes(slots, num_slots, cfg.block_m)
-    inter = moe_gate_up(x, w13, al, top_k, cfg.gate_up)
-    y = moe_down(inter, w2, al, weights.reshape(-1), cfg.down)
+    size = x.element_size()
+    inter = moe_gate_up(x, w13, al, top_k, fit_tiles(cfg.gate_up, cfg.block_m, size, 2))
+    y = moe_down(inter, w2, al, weights.reshape(-1), fit_tiles(cfg.down, cfg.block_m, size, 1))
     return _sum_routes(y, slots, num_slots)
