@@ -48,8 +48,13 @@ def kv_spec_of(path: str) -> "KVSpec":
 
 
 def has_experts(path: str) -> bool:
-    """Whether the checkpoint at `path` has MoE layers (from its config alone, as kv_spec_of);
-    False for anything that is not a checkpoint folder we can read."""
+    """Whether the checkpoint at `path` has MoE layers."""
+    return expert_count(path) > 0
+
+
+def expert_count(path: str) -> int:
+    """Routed experts per MoE layer of the checkpoint at `path` (from its config alone, as
+    kv_spec_of); 0 for a dense model or anything that is not a checkpoint folder we can read."""
     import torch
 
     from deepinfer.models.hf_config import architecture, load_config
@@ -59,5 +64,6 @@ def has_experts(path: str) -> bool:
         with torch.device("meta"):
             model = model_class(architecture(config))(config, None, 1)
     except (OSError, ValueError):
-        return False
-    return getattr(model, "moe", None) is not None
+        return 0
+    runtime = getattr(model, "moe", None)
+    return 0 if runtime is None else runtime.num_experts

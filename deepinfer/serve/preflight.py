@@ -28,7 +28,29 @@ def check_args(args: argparse.Namespace, registry) -> None:
     except ValueError as exc:
         raise PreflightError(str(exc)) from exc
     check_model_path(args.model)
+    check_experts(args)
     check_accelerator(registry, args.accelerator)
+
+
+def check_experts(args: argparse.Namespace) -> None:
+    """EPLB's flags against the checkpoint's experts (read from an HF folder's config)."""
+    redundant = args.eplb_redundant_experts
+    if not (args.eplb_interval > 0 or args.eplb_after_prefill or redundant):
+        return
+    if not args.model or not os.path.isdir(args.model):
+        raise PreflightError("--eplb-* flags need an MoE checkpoint folder as --model")
+    from deepinfer.models.registry import expert_count
+
+    experts, ranks = expert_count(args.model), args.dp * args.nnodes
+    if not experts:
+        raise PreflightError(f"--eplb-* flags need an MoE checkpoint; {args.model} has no "
+                             f"experts")
+    if ranks < 2 or args.no_ep:
+        raise PreflightError("EPLB balances experts across expert-parallel ranks: it needs "
+                             "several ranks (--dp, --nnodes) and expert parallel (no --no-ep)")
+    if (experts + redundant) % ranks:
+        raise PreflightError(f"--eplb-redundant-experts {redundant}: {experts} experts + "
+                             f"{redundant} must divide by the {ranks} ranks")
 
 
 def check_model_path(model: str | None) -> None:

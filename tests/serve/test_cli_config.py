@@ -143,3 +143,25 @@ def test_docs_name_every_flag_and_option():
     for option in engine_options():
         assert f"`{option.flag}`" in docs, option.flag
         assert f"`{option.name}`" in docs, option.name
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--dp", "2", "--eplb-redundant-experts", "3"], "8 experts + 3 must divide by the 2 ranks"),
+    (["--eplb-interval", "5"], "needs several ranks"),
+    (["--dp", "2", "--no-ep", "--eplb-after-prefill"], "needs several ranks"),
+    (["--dp", "2", "--eplb-interval", "5", "--model", "DENSE"], "has no experts"),
+])
+def test_eplb_flags_that_cannot_work_are_one_line_errors(tmp_path, capsys, flags, message):
+    from deepinfer.serve.cli import main
+    from tests.checkpoints import make_checkpoint
+
+    moe = make_checkpoint(str(tmp_path / "moe"), "qwen3_moe")  # 8 experts
+    dense = make_checkpoint(str(tmp_path / "dense"), "llama")
+    flags = [dense if f == "DENSE" else f for f in flags]
+    argv = ["--port", "0", "--accelerator", "cpu", *flags]
+    if "--model" not in flags:
+        argv += ["--model", moe]
+    capsys.readouterr()  # drop the checkpoint writer's progress bar
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("deepinfer-serve: error:") and message in err and "\n" not in err
