@@ -158,6 +158,26 @@ def pyplot():
     return plt
 
 
+def peer_bars(path: str, result: dict, keys: list[str], labels: list[str], ylabel: str,
+              title: str, ceiling: str = "roofline") -> None:
+    """One group of bars per key: result["ceiling"], result["ours"] (DeepInfer) and
+    result["hf"] (transformers) side by side, log scale, saved as a PNG at path."""
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4))
+    width = 0.27
+    for k, (name, label) in enumerate((("ceiling", ceiling), ("ours", "DeepInfer"),
+                                       ("hf", "transformers"))):
+        values = [result[name].get(key, 0.0) for key in keys]
+        ax.bar([i + (k - 1) * width for i in range(len(keys))], values, width, label=label)
+    ax.set_xticks(range(len(keys)), labels)
+    ax.set_yscale("log")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def replot(json_path: str, plot: Callable[[dict, str], None]) -> int:
     """Redraw a result's PNG beside its JSON (for --replot); the exit status."""
     with open(json_path) as f:

@@ -1,7 +1,20 @@
 """Tiny random-weight checkpoints written by transformers itself (the independent reference)."""
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
+
+
+def checkpoint_cache(tmp_path_factory, make: Callable[[str, str], str]) -> Callable[[str], str]:
+    """name -> path of `make(folder, name)`, written once (for a module-scoped fixture)."""
+    paths: dict[str, str] = {}
+
+    def get(name: str) -> str:
+        if name not in paths:
+            paths[name] = make(str(tmp_path_factory.mktemp(name)), name)
+        return paths[name]
+    return get
 
 
 def make_checkpoint(path: str, family: str = "llama", dtype: torch.dtype = torch.float32,

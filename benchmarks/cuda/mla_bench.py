@@ -21,7 +21,9 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+from common import peer_bars  # noqa: E402
 from engine_bench import _time_cuda, ceilings, random_prompts  # noqa: E402
 
 from deepinfer.core.config import CacheConfig, EngineConfig, ModelSpec, SchedulerConfig  # noqa: E402
@@ -128,24 +130,10 @@ def roofline(result: dict) -> dict:
 
 
 def plot(result: dict, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4))
-    width = 0.27
-    for k, (name, label) in enumerate((("ceiling", "bytes roofline"), ("ours", "DeepInfer"),
-                                       ("hf", "transformers"))):
-        values = [result[name].get(f"batch{b}_tok_s", 0.0) for b in BATCHES]
-        ax.bar([i + (k - 1) * width for i in range(len(BATCHES))], values, width, label=label)
-    ax.set_xticks(range(len(BATCHES)), [f"batch {b}" for b in BATCHES])
-    ax.set_yscale("log")
-    ax.set_ylabel("decode output tok/s")
-    ax.set_title(f"MLA decode, V2-Lite-width dense model, {CONTEXT}-token context, H200 bf16")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    peer_bars(path, result, [f"batch{b}_tok_s" for b in BATCHES],
+              [f"batch {b}" for b in BATCHES], "decode output tok/s",
+              f"MLA decode, V2-Lite-width dense model, {CONTEXT}-token context, H200 bf16",
+              ceiling="bytes roofline")
 
 
 def main() -> None:

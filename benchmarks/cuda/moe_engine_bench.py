@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from common import pyplot  # noqa: E402
+from common import peer_bars  # noqa: E402
 from engine_bench import ceilings, random_prompts  # noqa: E402
 from mla_bench import _decode  # noqa: E402  (median decode-only step of a batch)
 
@@ -156,22 +156,10 @@ def roofline(result: dict, layers: int) -> dict:
 
 
 def plot(result: dict, path: str) -> None:
-    plt = pyplot()
     keys = [f"batch{b}_tok_s" for b in BATCHES] + ["prefill_tok_s"]
     labels = [f"decode b{b}" for b in BATCHES] + [f"{PREFILL // 1024}K prefill"]
-    fig, ax = plt.subplots(figsize=(7, 4))
-    width = 0.27
-    for k, (name, label) in enumerate((("ceiling", "roofline"), ("ours", "DeepInfer"),
-                                       ("hf", "transformers"))):
-        values = [result[name].get(key, 0.0) for key in keys]
-        ax.bar([i + (k - 1) * width for i in range(len(keys))], values, width, label=label)
-    ax.set_xticks(range(len(keys)), labels)
-    ax.set_yscale("log")
-    ax.set_ylabel("tokens/s")
-    ax.set_title(f"Qwen3-30B-A3B shape ({result['layers']} layers), H200 bf16")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    peer_bars(path, result, keys, labels, "tokens/s",
+              f"Qwen3-30B-A3B shape ({result['layers']} layers), H200 bf16")
 
 
 def main() -> None:

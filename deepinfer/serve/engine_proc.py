@@ -166,7 +166,8 @@ def _expert_reporter(engine: Engine, spec: RankSpec) -> ExpertReporter | None:
     timer = RebalanceTimer(parallel.eplb_interval, parallel.eplb_after_prefill)
     if engine.accelerator.expert_load() is None:
         if timer.enabled:
-            raise ValueError("--eplb-interval / --eplb-after-prefill need an MoE model")
+            raise ValueError("--eplb-interval / --eplb-after-prefill need an MoE model on a "
+                             "backend that reports expert load (Accelerator.expert_load)")
         return None
     if timer.enabled and not (parallel.ep and parallel.world_size > 1):
         raise ValueError("EPLB rebalances experts across ranks: it needs expert parallel "

@@ -42,9 +42,6 @@ class Lockstep:
             else dist.group.WORLD
         self.peers_busy = False  # the last vote: some rank had work
 
-    def anyone_busy(self, busy: bool) -> bool:
-        return self.vote(busy, False)[0]
-
     def vote(self, busy: bool, rebalance: bool) -> tuple[bool, bool]:
         flags = torch.tensor([int(busy), int(rebalance)])
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)

@@ -17,6 +17,7 @@ from deepinfer.llm import LLM
 from deepinfer.models.deepseek_v3 import DeepseekV3ForCausalLM
 from deepinfer.testing.conformance import MIN_MARGIN
 from deepinfer.testing.hicache import check_host_tier
+from tests.checkpoints import checkpoint_cache
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
 VOCAB = 256
@@ -54,13 +55,7 @@ def make_deepseek(path: str, name: str) -> str:
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> Callable[[str], str]:
     """name -> path of that variant's checkpoint, written once per module."""
-    paths: dict[str, str] = {}
-
-    def get(name: str) -> str:
-        if name not in paths:
-            paths[name] = make_deepseek(str(tmp_path_factory.mktemp(name)), name)
-        return paths[name]
-    return get
+    return checkpoint_cache(tmp_path_factory, make_deepseek)
 
 
 def _prompts(lengths: tuple[int, ...], seed: int = 0) -> list[list[int]]:

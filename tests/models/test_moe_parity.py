@@ -15,7 +15,7 @@ from deepinfer.core.sampling import SamplingParams
 from deepinfer.llm import LLM
 from deepinfer.models.moe.routing import RouterSpec, select_experts
 from deepinfer.testing.conformance import MIN_MARGIN
-from tests.checkpoints import make_checkpoint
+from tests.checkpoints import checkpoint_cache, make_checkpoint
 
 FAMILIES = ("qwen3_moe", "mixtral", "deepseek_v3_moe")
 # Prompt seeds whose greedy paths keep a top-1/top-2 margin >= MIN_MARGIN.
@@ -25,13 +25,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    paths: dict[str, str] = {}
-
-    def get(family: str) -> str:
-        if family not in paths:
-            paths[family] = make_checkpoint(str(tmp_path_factory.mktemp(family)), family)
-        return paths[family]
-    return get
+    return checkpoint_cache(tmp_path_factory, make_checkpoint)
 
 
 def _prompts(lengths: tuple[int, ...], seed: int = 0) -> list[list[int]]:

@@ -175,7 +175,9 @@ class ExpertRuntime:
         old = self.placement
         new = rebalance(window, self.num_ranks, self.max_replicas - 1, self.num_groups)
         for layer, block in enumerate(self.blocks):
-            block.move_experts(self._sources(old, new, layer), self)
+            # The same placement on every rank, so every rank skips the same layers' gathers.
+            if not torch.equal(old.phy2log[layer], new.phy2log[layer]):
+                block.move_experts(self._sources(old, new, layer), self)
         self.total_load += self.load.cpu()
         self.load.zero_()
         self.placement = new
