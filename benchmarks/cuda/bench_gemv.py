@@ -57,7 +57,7 @@ def _graph_ms(fn, reps: int = 20) -> float:
 
 
 def _configs(quick: bool) -> list[GemvConfig]:
-    grid = itertools.product([4, 8, 16, 32], [256, 512, 1024], [4, 8], [1])
+    grid = itertools.product([1, 2, 4, 8, 16, 32], [256, 512, 1024], [2, 4, 8], [1])
     configs = [GemvConfig(*c) for c in grid if c[0] * c[1] <= 16384]
     return configs[::4] if quick else configs
 

@@ -13,7 +13,10 @@ each at T in {1, 8, 32, 128, 512, 2048, 8192} tokens. Per T:
   output) over 4.8 TB/s, and 2 * T*k * 3 * H * F FLOPs over 989 TFLOP/s (H200 datasheet, dense
   bf16); "% of roofline" is the larger of the two times over ours.
 --sweep first times each GEMM under a grid of tiles at every T: the data MOE_CONFIGS was chosen
-from. Writes the JSON and a PNG of the same base name.
+from. --gemv-sweep times the few-token path (kernels/moe_gemv.py) under a grid of tiles at
+T in 1..8 against the grouped GEMMs at the same T: the data moe_gemv.CONFIG and MAX_TOKENS were
+chosen from (into moe_gemv_sweep.json next to --out). Writes the JSON and a PNG of the same
+base name.
 """
 from __future__ import annotations
 
@@ -41,6 +44,8 @@ from deepinfer.backends.cuda.kernels.fused_moe import (
     moe_down,
     moe_gate_up,
 )
+from deepinfer.backends.cuda.kernels.moe_gemv import CONFIG as GEMV_CONFIG
+from deepinfer.backends.cuda.kernels.moe_gemv import GemvTiles, MoeGemvConfig, moe_gemv, takes
 from deepinfer.backends.cuda.timing import cuda_times_ms
 from deepinfer.models.moe.experts import fused_experts_reference
 
@@ -53,7 +58,7 @@ class Shape(NamedTuple):
 
 
 SHAPES = {"qwen3-30b-a3b": Shape(2048, 768, 128, 8), "mixtral-8x7b": Shape(4096, 14336, 8, 2)}
-TOKENS = (1, 8, 32, 128, 512, 2048, 8192)
+TOKENS = (1, 2, 4, 8, 32, 128, 512, 2048, 8192)
 HBM_BYTES_PER_S, BF16_FLOPS = 4.8e12, 989e12
 ROUTINGS, REFERENCE_MAX_TOKENS = 4, 128
 # Sweep grid: narrow tiles and long K steps for the weight-bound small batches, wide tiles
@@ -63,6 +68,11 @@ SMALL_TILES = (Tiles(16, 256, 4, 4), Tiles(32, 128, 4, 4), Tiles(32, 256, 4, 3),
 LARGE_TILES = (Tiles(64, 64, 4, 3), Tiles(64, 64, 4, 4), Tiles(128, 64, 8, 3),
                Tiles(128, 64, 8, 4), Tiles(64, 128, 4, 3), Tiles(256, 64, 8, 3))
 SAFE_TILES = Tiles(32, 64, 4, 2)  # fits every BLOCK_M: makes the down GEMM's input
+# Few-token (GEMV) sweep: rows per program and K step, as bench_gemv's grid for small weights.
+GEMV_TOKENS = (1, 2, 4, 8)
+GEMV_GATE_UP = tuple(GemvTiles(n, k, w) for n in (1, 2, 4) for k in (256, 512, 1024)
+                     for w in (2, 4, 8))
+GEMV_DOWN = tuple(GemvTiles(n, k, w) for n in (4, 8, 16) for k in (128, 256, 512) for w in (4, 8))
 
 
 class Problem(NamedTuple):
@@ -158,10 +168,39 @@ def sweep(shape: Shape, w13: torch.Tensor, w2: torch.Tensor) -> dict:
     return out
 
 
+def gemv_sweep(shape: Shape, w13: torch.Tensor, w2: torch.Tensor) -> dict:
+    """At each few-token T: the gate-up tiles (down at the default), then the down tiles
+    (gate-up at its best), each timed as whole moe_gemv calls; and the grouped GEMM path."""
+    out = {}
+    for tokens in GEMV_TOKENS:
+        problem = make_problem(shape, tokens)
+
+        def timed(cfg: MoeGemvConfig | MoeConfig) -> float | str:
+            call = moe_gemv if isinstance(cfg, MoeGemvConfig) else fused_experts
+            return _time_tiles(lambda: [call(problem.x, w13, w2, w, s, cfg)
+                                        for w, s in problem.routings])
+
+        gate_up = {t: timed(MoeGemvConfig(t, GEMV_CONFIG.down)) for t in GEMV_GATE_UP}
+        best_gu = min((t for t in gate_up if isinstance(gate_up[t], float)), key=gate_up.get)
+        down = {t: timed(MoeGemvConfig(best_gu, t)) for t in GEMV_DOWN}
+        best_dn = min((t for t in down if isinstance(down[t], float)), key=down.get)
+        grouped = timed(config_for(tokens, shape.top_k, shape.experts))
+        default = timed(GEMV_CONFIG)
+        out[str(tokens)] = {"gate_up": {str(t): v for t, v in gate_up.items()},
+                            "down": {str(t): v for t, v in down.items()},
+                            "best": str(MoeGemvConfig(best_gu, best_dn)), "best_us": down[best_dn],
+                            "default_us": default, "grouped_us": grouped}
+        print(f"  gemv T={tokens}: best {down[best_dn]:7.1f} us (gate_up {best_gu}, down "
+              f"{best_dn}), default {default:7.1f} us, grouped GEMMs {grouped:7.1f} us",
+              flush=True)
+    return out
+
+
 # ---- benchmark -----------------------------------------------------------------------------
 def bench_point(shape: Shape, w13: torch.Tensor, w2: torch.Tensor, tokens: int) -> dict:
     problem = make_problem(shape, tokens)
-    cfg: MoeConfig = config_for(tokens, shape.top_k, shape.experts)
+    cfg = GEMV_CONFIG if takes(tokens, shape.top_k, shape.experts) else \
+        config_for(tokens, shape.top_k, shape.experts)
     x = problem.x
     calls = [lambda w=w, s=s: fused_experts(x, w13, w2, w, s) for w, s in problem.routings]
     ours_us = _graph_ms(lambda: [c() for c in calls], reps=10) * 1e3 / ROUTINGS
@@ -231,6 +270,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="benchmarks/results/cuda/fused_moe.json")
     parser.add_argument("--sweep", action="store_true", help="time the tile grid first")
+    parser.add_argument("--gemv-sweep", action="store_true",
+                        help="time the few-token path's tiles (and only that)")
     args = parser.parse_args()
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     result: dict = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
@@ -240,6 +281,12 @@ def main() -> None:
         print(f"{name} {shape}", flush=True)
         w13, w2 = make_weights(shape)
         entry: dict = {"shape": shape._asdict()}
+        if args.gemv_sweep:
+            result["shapes"][name] = {"shape": shape._asdict(),
+                                      "gemv_sweep": gemv_sweep(shape, w13, w2)}
+            with open(os.path.join(os.path.dirname(args.out), "moe_gemv_sweep.json"), "w") as f:
+                json.dump(result, f, indent=2)
+            continue
         if args.sweep:
             entry["sweep"] = sweep(shape, w13, w2)
         entry["bench"] = bench(shape, w13, w2)
@@ -248,7 +295,8 @@ def main() -> None:
         torch.cuda.empty_cache()
         with open(args.out, "w") as f:  # after each shape: a partial result survives a timeout
             json.dump(result, f, indent=2)
-    plot(result, os.path.splitext(args.out)[0] + ".png")
+    if not args.gemv_sweep:
+        plot(result, os.path.splitext(args.out)[0] + ".png")
 
 
 if __name__ == "__main__":

@@ -1,12 +1,18 @@
 """Where a batch-1 decode step of the Qwen3-30B-A3B shape spends its GPU time: kernels by
 total device time over a few graph-replayed steps (torch.profiler), and the step's wall time.
 
+Three runs: CUDA graphs as served; graphs with PDL off (pdl.py), whose kernel times do not
+include the wait on the kernel ahead, so they are each kernel's own; and eager. The served run
+also profiles the host (cProfile over the same steps): what the engine's Python does while the
+GPU waits for the next step.
+
     python benchmarks/cuda/profile_moe.py --out benchmarks/results/cuda [--layers 48]
 Writes moe_profile.json.
 """
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -29,7 +35,8 @@ from deepinfer.core.sampling import SamplingParams  # noqa: E402
 STEPS = 20
 
 
-def profile(path: str, eager: bool) -> dict:
+def profile(path: str, eager: bool, pdl: bool = True) -> dict:
+    os.environ["DEEPINFER_CUDA_PDL"] = "1" if pdl else "0"
     config = EngineConfig(
         model=ModelSpec(path, dtype="bfloat16", max_model_len=4096, load_format="dummy"),
         cache=CacheConfig(gpu_memory_utilization=0.85),
@@ -55,9 +62,63 @@ def profile(path: str, eager: bool) -> dict:
             rows.append({"name": e.key[:90], "calls_per_step": e.count / STEPS,
                          "us_per_step": device_us / STEPS})
     rows.sort(key=lambda r: -r["us_per_step"])
+    host = host_profile(engine) if not eager and pdl else []
+    replay = replay_times(engine) if not eager else {}
+    busy = busy_us(prof) / STEPS
     engine.shutdown()
-    return {"step_ms": wall * 1e3, "kernels_per_step": sum(r["calls_per_step"] for r in rows),
-            "device_us_per_step": sum(r["us_per_step"] for r in rows), "top": rows[:40]}
+    del engine, prof
+    gc.collect()  # the next run loads the model again: free this one's weights and cache first
+    torch.cuda.empty_cache()
+    return {"step_ms": wall * 1e3, "gpu_busy_us_per_step": busy,
+            "kernels_per_step": sum(r["calls_per_step"] for r in rows),
+            "device_us_per_step": sum(r["us_per_step"] for r in rows), "top": rows[:40],
+            "host_top": host, "replay": replay}
+
+
+def replay_times(engine: Engine, n: int = 50) -> dict:
+    """The batch-1 graph replayed n times back to back: the host time of one launch, and the
+    GPU time of one forward with no host work between (the step time less this is what the
+    engine's Python and the sampling cost the GPU)."""
+    graph = engine.accelerator.graphs.graphs[1].graph
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        graph.replay()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    t2 = time.perf_counter()
+    return {"launch_host_us": (t1 - t0) / n * 1e6, "forward_us": (t2 - t0) / n * 1e6}
+
+
+def busy_us(prof: torch.profiler.profile) -> float:
+    """Time at least one kernel or copy ran (the union of their intervals): the step time less
+    this is the GPU waiting for the host."""
+    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                   if e.device_type == torch.autograd.DeviceType.CUDA)
+    busy, end = 0.0, float("-inf")
+    for lo, hi in spans:
+        busy += max(0.0, hi - max(lo, end))
+        end = max(end, hi)
+    return busy
+
+
+def host_profile(engine: Engine, top: int = 30) -> list[dict]:
+    """The step's Python by cumulative time (us per step), from cProfile."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(STEPS):
+        engine.step()
+    torch.cuda.synchronize()
+    prof.disable()
+    stats = pstats.Stats(prof).stats
+    rows = [{"function": f"{path.split('/')[-1]}:{line}:{name}", "calls_per_step": c / STEPS,
+             "own_us_per_step": tt / STEPS * 1e6, "cum_us_per_step": ct / STEPS * 1e6}
+            for (path, line, name), (c, _, tt, ct, _) in stats.items()]
+    rows.sort(key=lambda r: -r["cum_us_per_step"])
+    return rows[:top]
 
 
 def main() -> None:
@@ -68,13 +129,18 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         path = write_config(tmp, args.layers)
         result = {"layers": args.layers, "graphs": profile(path, False),
+                  "graphs_no_pdl": profile(path, False, pdl=False),
                   "eager": profile(path, True)}
-    for mode in ("graphs", "eager"):
+    for mode in ("graphs", "graphs_no_pdl", "eager"):
         r = result[mode]
-        print(f"{mode}: step {r['step_ms']:.2f} ms, {r['kernels_per_step']:.0f} kernels, "
-              f"{r['device_us_per_step']:.0f} us of kernels per step")
+        print(f"{mode}: step {r['step_ms']:.2f} ms, GPU busy {r['gpu_busy_us_per_step']:.0f} us, "
+              f"{r['kernels_per_step']:.0f} kernels, {r['device_us_per_step']:.0f} us of kernels "
+              f"per step; replay {r['replay']}")
         for row in r["top"][:25]:
             print(f"{row['us_per_step']:9.1f} us {row['calls_per_step']:6.0f}x  {row['name']}")
+        for row in r["host_top"]:
+            print(f"host {row['cum_us_per_step']:9.1f} us cum {row['own_us_per_step']:8.1f} own "
+                  f"{row['calls_per_step']:6.1f}x  {row['function']}")
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "moe_profile.json"), "w") as f:
         json.dump(result, f, indent=2)

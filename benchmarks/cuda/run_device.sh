@@ -37,6 +37,10 @@ wanted check_moe && step check_moe python3 benchmarks/cuda/check_engine.py --out
     --skip-conformance --families qwen3_moe mixtral deepseek_v3_moe
 wanted moe_engine && step moe_engine python3 benchmarks/cuda/moe_engine_bench.py --out "$out" $quick
 wanted moe_bench && step moe_bench python3 benchmarks/cuda/moe_bench.py --out "$out/fused_moe.json"
+wanted moe_gemv_sweep && step moe_gemv_sweep python3 benchmarks/cuda/moe_bench.py \
+    --out "$out/fused_moe.json" --gemv-sweep
+wanted profile_moe && step profile_moe python3 benchmarks/cuda/profile_moe.py --out "$out" \
+    --layers 12
 wanted profile_steps && step profile_steps python3 benchmarks/cuda/profile_steps.py --out "$out"
 wanted profile_unfused && DEEPINFER_CUDA_GEMV=0 step profile_unfused \
     python3 benchmarks/cuda/profile_steps.py --out "$out" --batches 1 --tag unfused

@@ -21,7 +21,7 @@ from deepinfer.core.kv.spec import KVSpec, kv_heads_layer
 from deepinfer.models.decoder import DecoderLayer, DecoderStack, GatedMLP
 from deepinfer.models.moe.configs import llama_family_moe, moe_runtime
 from deepinfer.models.moe.layer import MoEBlock, moe_checkpoint_target
-from deepinfer.models.ops import ModelOps
+from deepinfer.models.ops import ModelOps, QKNorm
 from deepinfer.models.weights import Target, load_mapped
 
 _FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
@@ -96,10 +96,8 @@ class LlamaAttention(nn.Module):
         q = q.view(tokens, d.num_heads, d.head_dim)
         k = k.view(tokens, d.num_kv_heads, d.head_dim)
         v = v.view(tokens, d.num_kv_heads, d.head_dim)
-        if d.qk_norm:
-            q = ops.rms_norm(q, self.q_norm, d.rms_norm_eps)
-            k = ops.rms_norm(k, self.k_norm, d.rms_norm_eps)
-        out = ops.rotary_attention(q, k, v, positions, cos, sin, self.layer, meta)
+        qk_norm = QKNorm(self.q_norm, self.k_norm, d.rms_norm_eps) if d.qk_norm else None
+        out = ops.rotary_attention(q, k, v, positions, cos, sin, self.layer, meta, qk_norm)
         return ops.linear(out.reshape(tokens, self.q_size), self.o_proj.weight)
 
     def fused_rows(self, shard: int) -> tuple[int, int]:

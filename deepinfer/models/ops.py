@@ -10,6 +10,7 @@ and its fused MoE.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -17,7 +18,15 @@ import torch.nn.functional as F
 
 from deepinfer.core.accelerator import ParallelContext
 from deepinfer.models.moe.experts import fused_experts_reference
-from deepinfer.models.moe.routing import RouterSpec, select_experts
+from deepinfer.models.moe.routing import RouteCounts, RouterSpec, select_experts
+
+
+@dataclass(frozen=True)
+class QKNorm:
+    """Per-head RMSNorm of q and k before the rotation (Qwen3): weights [head_dim]."""
+    q_weight: torch.Tensor
+    k_weight: torch.Tensor
+    eps: float
 
 
 class ModelOps(ABC):
@@ -65,15 +74,24 @@ class ModelOps(ABC):
 
     def rotary_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                         layer: int, meta: Any) -> torch.Tensor:
-        """attention() over q and k after rotary(); q and k may be rotated in place."""
+                         layer: int, meta: Any, qk_norm: QKNorm | None = None
+                         ) -> torch.Tensor:
+        """attention() over q and k after rotary(), and after qk_norm's per-head RMSNorm of
+        each if given; q and k may be changed in place."""
+        if qk_norm is not None:
+            q = self.rms_norm(q, qk_norm.q_weight, qk_norm.eps)
+            k = self.rms_norm(k, qk_norm.k_weight, qk_norm.eps)
         q, k = self.rotary(q, k, positions, cos, sin)
         return self.attention(q, k, v, layer, meta)
 
-    def route(self, logits: torch.Tensor, spec: RouterSpec,
-              bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Router logits [T, E] -> (weights [T, k] float32, expert ids [T, k] int32)."""
-        return select_experts(logits, spec, bias)
+    def route(self, logits: torch.Tensor, spec: RouterSpec, bias: torch.Tensor | None = None,
+              counts: RouteCounts | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Router logits [T, E] -> (weights [T, k] float32, expert ids [T, k] int32); the
+        routes of real tokens are added to counts, if given."""
+        weights, ids = select_experts(logits, spec, bias)
+        if counts is not None:
+            counts.add(ids)
+        return weights, ids
 
     def fused_experts(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                       weights: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:

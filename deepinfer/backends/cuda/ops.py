@@ -23,8 +23,8 @@ from deepinfer.backends.cuda.kernels.prefill_attention import paged_prefill_atte
 from deepinfer.backends.cuda.kernels.rotary import apply_rotary_, rotary_store_kv_
 from deepinfer.backends.cuda.step_inputs import AttentionMeta
 from deepinfer.backends.paged_cache import PagedCache
-from deepinfer.models.moe.routing import RouterSpec
-from deepinfer.models.ops import ModelOps
+from deepinfer.models.moe.routing import RouteCounts, RouterSpec
+from deepinfer.models.ops import ModelOps, QKNorm
 
 
 class CUDAOps(ModelOps):
@@ -69,9 +69,19 @@ class CUDAOps(ModelOps):
 
     def rotary_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                         layer: int, meta: AttentionMeta) -> torch.Tensor:
+                         layer: int, meta: AttentionMeta, qk_norm: QKNorm | None = None
+                         ) -> torch.Tensor:
+        """Rotary (and Qwen3's q/k norm, when it covers the head) fused into the KV write."""
+        fused_norm = None
+        if qk_norm is not None and cos.shape[-1] == q.shape[-1] and \
+                qk_norm.q_weight.dtype == qk_norm.k_weight.dtype == q.dtype:
+            fused_norm = (qk_norm.q_weight, qk_norm.k_weight, qk_norm.eps)
+        elif qk_norm is not None:
+            q = self.rms_norm(q, qk_norm.q_weight, qk_norm.eps)
+            k = self.rms_norm(k, qk_norm.k_weight, qk_norm.eps)
         k_cache, v_cache = self.cache.layer(layer)
-        rotary_store_kv_(q, k, v, positions, cos, sin, k_cache, v_cache, meta.slot_mapping)
+        rotary_store_kv_(q, k, v, positions, cos, sin, k_cache, v_cache, meta.slot_mapping,
+                         fused_norm)
         return self._attend(q, layer, meta)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor,
@@ -80,13 +90,17 @@ class CUDAOps(ModelOps):
             return gemv(x, weight, bias)
         return super().linear(x, weight, bias)
 
-    def route(self, logits: torch.Tensor, spec: RouterSpec,
-              bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Softmax routers in one kernel (moe_router.py) instead of ~6; others: the reference."""
-        on_triton = logits.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
-        if spec.scoring == "softmax" and on_triton:
-            return softmax_topk(logits, spec.top_k, spec.renormalize, spec.scaling)
-        return super().route(logits, spec, bias)
+    def route(self, logits: torch.Tensor, spec: RouterSpec, bias: torch.Tensor | None = None,
+              counts: RouteCounts | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Softmax routers (and their counting) in one kernel (moe_router.py) instead of ~7;
+        others: the reference."""
+        if spec.scoring == "softmax" and self._on_triton(logits):
+            return softmax_topk(logits, spec.top_k, spec.renormalize, spec.scaling, counts)
+        return super().route(logits, spec, bias, counts)
+
+    @staticmethod
+    def _on_triton(x: torch.Tensor) -> bool:
+        return x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
 
     def fused_experts(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                       weights: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:

@@ -58,7 +58,8 @@ class MoEBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.ops.route(self._router_logits(x), self.dims.router,
-                                      getattr(self, "e_score_correction_bias", None))
+                                      getattr(self, "e_score_correction_bias", None),
+                                      self.runtime.counts(self.layer))
         out = self.runtime.run(self.layer, x, weights, ids, self._compute)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)

@@ -34,6 +34,20 @@ class RouterSpec:
                              f"groups of which {self.topk_groups} are used")
 
 
+@dataclass(frozen=True)
+class RouteCounts:
+    """Where a router adds up the tokens it sends to each expert (EPLB's load and /metrics):
+    counts [E] int64 on the device, and num_real, a device scalar: rows of the batch at or past
+    it are padding (a CUDA-graph bucket, an idle rank's dummy step) and are not counted."""
+    counts: torch.Tensor
+    num_real: torch.Tensor
+
+    def add(self, ids: torch.Tensor) -> None:
+        """The reference: counts[ids[t, j]] += 1 for every real token t."""
+        real = torch.arange(ids.shape[0], device=ids.device) < self.num_real
+        self.counts.index_add_(0, ids.reshape(-1), real.repeat_interleave(ids.shape[1]).long())
+
+
 def select_experts(logits: torch.Tensor, spec: RouterSpec, bias: torch.Tensor | None = None
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """Router logits [T, E] -> (weights [T, k] float32, expert ids [T, k] int32)."""

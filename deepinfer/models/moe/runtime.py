@@ -18,6 +18,7 @@ from deepinfer.core.accelerator import ParallelContext
 from deepinfer.models.moe.eplb import Placement, imbalance, rebalance
 from deepinfer.models.moe.exchange import (AllGatherExchange, AllToAllExchange, Compute,
                                            all_gather)
+from deepinfer.models.moe.routing import RouteCounts
 
 # Agreed step sizes (tokens per rank) from which MoE layers exchange routes all-to-all rather
 # than all-gather + reduce-scatter. On two H200s (NVLink; benchmarks/cuda/ep_bench.py --parts
@@ -103,7 +104,7 @@ class ExpertRuntime:
         self.load = torch.zeros((self.num_layers, self.num_experts), dtype=torch.int64,
                                 device=device)  # this rank's tokens since the last rebalance
         self.valid = torch.zeros((), dtype=torch.int64, device=device)
-        self._real_routes: torch.Tensor | None = None
+        self._valid_value = 0
 
     # ---- per step --------------------------------------------------------------------------
     def agree(self, num_tokens: int, graphable: bool = False) -> tuple[int, bool]:
@@ -121,16 +122,21 @@ class ExpertRuntime:
         not counted in any expert's load). Outside any CUDA graph: it writes a device
         scalar the graphs read."""
         self.padded_tokens = padded_tokens
-        self.valid.fill_(num_real)
+        if num_real != self._valid_value:  # a steady decode batch launches no fill each step
+            self.valid.fill_(num_real)
+            self._valid_value = num_real
 
     def begin_step(self, num_tokens: int, num_real: int) -> None:
         """Before an eager forward: agree, then set the step."""
         self.set_step(self.agree(num_tokens)[0], num_real)
 
+    def counts(self, layer: int) -> RouteCounts:
+        """Where the layer's router adds the routes of this step's real tokens."""
+        return RouteCounts(self.load[layer], self.valid)
+
     def run(self, layer: int, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
             compute: Compute) -> torch.Tensor:
         """The routed experts' output for x [T, H] routed to logical experts ids [T, k]."""
-        self._record(layer, ids)
         if self.exchange is None:
             # One rank: slot e holds expert e (no replicas, nothing to rebalance).
             return compute(x, weights, ids.to(torch.int32))
@@ -146,15 +152,6 @@ class ExpertRuntime:
         turn = torch.arange(ids.shape[0], device=ids.device).unsqueeze(1)
         choice = turn % self.logcnt[layer][ids]
         return self.log2phy[layer][ids, choice]
-
-    def _record(self, layer: int, ids: torch.Tensor) -> None:
-        """Count the real tokens' routes (one kernel per layer: the mask of real routes is
-        made by the first MoE layer of the forward and reused by the others)."""
-        if layer == 0 or self._real_routes is None or \
-                self._real_routes.shape[0] != ids.numel():
-            real = torch.arange(ids.shape[0], device=ids.device) < self.valid
-            self._real_routes = real.repeat_interleave(ids.shape[1]).long()
-        self.load[layer].index_add_(0, ids.reshape(-1), self._real_routes)  # int32 ids
 
     # ---- EPLB ------------------------------------------------------------------------------
     def expert_load(self) -> torch.Tensor:

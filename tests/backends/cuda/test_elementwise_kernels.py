@@ -7,7 +7,6 @@ held to the reference's own rounding (at most one bf16 ulp apart).
 from __future__ import annotations
 
 import math
-import os
 
 import numpy as np
 import pytest
@@ -144,6 +143,33 @@ def test_rotary_store_kv_equals_rotary_then_store(dtype, rot):
     assert torch.equal(q, ref_q)
     assert torch.equal(k, k0)  # k is read, not rotated in place
     assert torch.equal(caches[0], ref_caches[0]) and torch.equal(caches[1], ref_caches[1])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_store_kv_with_qk_norm_equals_norms_then_rotary(dtype):
+    """Qwen3's per-head q/k RMSNorm in the rotary pass: what rms_norm of q and of k, then the
+    fused rotary + store, give (fp32 reductions may flip a bf16 rounding: one ulp)."""
+    torch.manual_seed(8)
+    tokens, num_slots = 6, 30
+    _, q, k, v = _fused_qkv(tokens, dtype)
+    q.mul_(3.0)  # rows far from unit RMS, so the norm matters
+    cos, sin = _rope_tables(64, D)
+    positions = torch.randint(0, 64, (tokens,), device=DEVICE)
+    slots = torch.randperm(num_slots)[:tokens].to(DEVICE)
+    slots[4] = -1
+    q_w, k_w = (1.0 + 0.5 * _randn(D)).to(dtype), (1.0 + 0.5 * _randn(D)).to(dtype)
+    caches = [torch.full((num_slots, HK, D), -7.0, dtype=dtype, device=DEVICE) for _ in "kv"]
+    ref_caches = [c.clone() for c in caches]
+    ref_q = rms_norm(q, q_w, 1e-6)
+    rotary_store_kv_(ref_q, rms_norm(k, k_w, 1e-6), v, positions, cos, sin, *ref_caches, slots)
+    rotary_store_kv_(q, k, v, positions, cos, sin, *caches, slots, qk_norm=(q_w, k_w, 1e-6))
+    _assert_within_one_ulp(q, ref_q)
+    for cache, ref in zip(caches, ref_caches):
+        _assert_within_one_ulp(cache, ref)
+    with pytest.raises(ValueError, match="cover the head"):
+        half_cos, half_sin = _rope_tables(64, D // 2)
+        rotary_store_kv_(q, k, v, positions, half_cos, half_sin, *caches, slots,
+                         qk_norm=(q_w, k_w, 1e-6))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

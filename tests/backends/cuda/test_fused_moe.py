@@ -16,6 +16,7 @@ from deepinfer.backends.cuda.kernels.fused_moe import (
     config_for,
     fused_experts,
 )
+from deepinfer.backends.cuda.kernels.moe_gemv import GemvTiles, MoeGemvConfig, moe_gemv, takes
 from deepinfer.models.moe.experts import fused_experts_reference
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -135,3 +136,32 @@ def test_tiles_fit_shared_memory_in_every_dtype():
                 assert need * size <= SHARED_MEMORY_BYTES
                 if size == 2:
                     assert fitted == tiles  # the tuned bf16 tiles already fit: unchanged
+
+
+# BLOCK_N 16 and 32 against F 48 / H 32: whole and partial row tiles; BLOCK_K 32 against H 32
+# and F 48: an even and a masked K loop; BLOCK_K 64: one step past the end.
+GEMV_CONFIGS = [MoeGemvConfig(GemvTiles(16, 32, 4), GemvTiles(16, 32, 4)),
+                MoeGemvConfig(GemvTiles(32, 64, 2), GemvTiles(32, 16, 2))]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("top_k", [1, 3, 4])
+@pytest.mark.parametrize("tokens", [1, 2, 4])
+def test_moe_gemv_equals_reference(tokens: int, top_k: int, dtype: torch.dtype) -> None:
+    """The few-token path (each route's expert as GEMVs, the k routes summed in one program),
+    k = 3 padded to 4 lanes, routes served elsewhere skipped."""
+    g = torch.Generator().manual_seed(1000 + 10 * tokens + top_k)
+    x, w13, w2, weights, slots = _problem(g, tokens, top_k, dtype)
+    ref = fused_experts_reference(x.float(), w13.float(), w2.float(), weights, slots)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for config in GEMV_CONFIGS:
+        out = moe_gemv(x, w13, w2, weights, slots, config)
+        assert out.shape == x.shape and out.dtype == dtype
+        torch.testing.assert_close(out.float(), ref, rtol=tol, atol=tol)
+    # fused_experts takes this path by itself at decode sizes, the grouped GEMMs above it.
+    assert takes(1, 8, 128) and takes(8, 8, 128) and not takes(16, 8, 128)
+    assert takes(2, 2, 8) and not takes(4, 2, 8)
+    torch.testing.assert_close(fused_experts(x, w13, w2, weights, slots).float(), ref,
+                               rtol=tol, atol=tol)
+    nowhere = torch.full_like(slots, -1)
+    assert torch.equal(moe_gemv(x, w13, w2, weights, nowhere), torch.zeros_like(x))

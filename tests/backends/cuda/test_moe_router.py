@@ -11,7 +11,7 @@ import torch
 
 from deepinfer.backends.cuda.kernels.moe_router import softmax_topk
 from deepinfer.backends.cuda.ops import CUDAOps
-from deepinfer.models.moe.routing import RouterSpec, select_experts
+from deepinfer.models.moe.routing import RouteCounts, RouterSpec, select_experts
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -82,3 +82,27 @@ def test_cuda_ops_route() -> None:
         ref_w, ref_ids = select_experts(logits, spec, bias)
         assert torch.equal(ids, ref_ids)
         torch.testing.assert_close(w, ref_w, rtol=0, atol=1e-6)
+
+
+def test_counts_match_the_reference_and_skip_padding_rows() -> None:
+    """The router's per-expert counters (EPLB's load) equal RouteCounts.add, the reference:
+    every real token's k routes, and nothing for the rows past num_real (graph padding)."""
+    g = torch.Generator().manual_seed(5)
+    logits = _logits(g, 9, 60, torch.float32)
+    for num_real in (9, 6, 0):
+        real = torch.tensor(num_real, device=DEVICE)
+        counts = RouteCounts(torch.full((60,), 3, dtype=torch.int64, device=DEVICE), real)
+        expected = RouteCounts(counts.counts.clone(), real)
+        _, ids = softmax_topk(logits, 4, True, counts=counts)
+        expected.add(ids)
+        assert torch.equal(counts.counts, expected.counts)
+        assert int(counts.counts.sum()) == 3 * 60 + 4 * num_real
+        # CUDAOps.route counts with the kernel, the sigmoid reference with RouteCounts.add.
+        for spec in (RouterSpec(60, 4), RouterSpec(60, 4, "sigmoid")):
+            routed = RouteCounts(torch.zeros(60, dtype=torch.int64, device=DEVICE), real)
+            _, ids = CUDAOps(cache=None).route(logits, spec, None, routed)
+            assert torch.equal(routed.counts.cpu(), torch.bincount(
+                ids[:num_real].reshape(-1).long().cpu(), minlength=60))
+    with pytest.raises(ValueError, match="int64"):
+        softmax_topk(logits, 4, True, counts=RouteCounts(torch.zeros(60, device=DEVICE), real))
+

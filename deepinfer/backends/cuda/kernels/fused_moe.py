@@ -19,6 +19,9 @@ The design is vLLM's and SGLang's fused_moe, written smaller:
 4. a sum over the k rows of each token in float32, skipping the routes not served here. It is
    a separate pass rather than atomics in the down GEMM so the result is deterministic.
 
+A batch of a few tokens (moe_gemv.takes) goes to moe_gemv.py instead: GEMVs over each route's
+expert with no align and no separate sum, two launches where this path takes four.
+
 Small batches (decode) are weight-bandwidth bound: each expert's GEMM is a GEMV over its
 weights with BLOCK_M = 16, and N tiles of 32-64 columns spread one expert over hundreds of
 programs so the whole chip streams weights. Tiles come from a table keyed by routes per expert
@@ -33,6 +36,8 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
+
+from deepinfer.backends.cuda.kernels import moe_gemv
 
 _ALIGN_CHUNK = 1024  # routes one align program sorts in registers
 _ALIGN_BLOCKS = 32  # blocks one align program labels per iteration
@@ -385,8 +390,10 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
     num_slots = w13.shape[0]
     if tokens == 0 or top_k == 0 or num_slots == 0:
         return torch.zeros_like(x)
-    cfg = config or config_for(tokens, top_k, num_slots)
     slots, weights = slots.contiguous(), weights.contiguous()
+    if config is None and moe_gemv.takes(tokens, top_k, num_slots):
+        return moe_gemv.moe_gemv(x, w13, w2, weights, slots)
+    cfg = config or config_for(tokens, top_k, num_slots)
     al = align_routes(slots, num_slots, cfg.block_m)
     size = x.element_size()
     inter = moe_gate_up(x, w13, al, top_k, fit_tiles(cfg.gate_up, cfg.block_m, size, 2))

@@ -6,6 +6,10 @@ then all of its k heads, as [BLOCK_H, BLOCK_HALF] tiles of the two halves of the
 dims (dims >= rot are left alone, or copied unrotated into the cache). Math is fp32; the
 reference rounds cos/sin to the activation dtype first, so bf16 results agree within bf16
 rounding.
+
+Qwen3's per-head q/k RMSNorm can run in the same pass (qk_norm, when the rotation covers the
+whole head): each head's two halves are normalised, with norm.py's numerics, before they are
+rotated. At batch 1 that is two ~2 us launches fewer per layer.
 """
 from __future__ import annotations
 
@@ -21,8 +25,23 @@ _TILE = 4096
 
 
 @triton.jit
+def _norm_halves(x1, x2, w_ptr, cols, col_mask, half, eps, dtype):
+    """RMSNorm of each head (row) whose halves are x1 and x2, as norm.py computes it: fp32
+    statistics, the normalised value rounded to the activation dtype, times the weight, rounded
+    again (the rotation then reads what the separate norm kernel would have written)."""
+    var = (tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * half)
+    rstd = tl.div_rn(1.0, tl.sqrt_rn(var + eps))[:, None]
+    w1 = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+    w2 = tl.load(w_ptr + half + cols, mask=col_mask, other=0.0).to(tl.float32)
+    y1 = ((x1 * rstd).to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)
+    y2 = ((x2 * rstd).to(dtype).to(tl.float32) * w2).to(dtype).to(tl.float32)
+    return y1, y2
+
+
+@triton.jit
 def _rotate_heads(src, stride_h, dst, dst_stride_h, n_heads, cos1, cos2, sin1, sin2, cols, half,
-                  BLOCK_H: tl.constexpr, CHUNKS: tl.constexpr):
+                  norm_w, eps, BLOCK_H: tl.constexpr, CHUNKS: tl.constexpr,
+                  NORM: tl.constexpr):
     col_mask = cols < half
     for chunk in tl.static_range(CHUNKS):
         heads = chunk * BLOCK_H + tl.arange(0, BLOCK_H)[:, None]
@@ -30,6 +49,9 @@ def _rotate_heads(src, stride_h, dst, dst_stride_h, n_heads, cos1, cos2, sin1, s
         p1 = src + heads * stride_h + cols
         x1 = tl.load(p1, mask=mask, other=0.0).to(tl.float32)
         x2 = tl.load(p1 + half, mask=mask, other=0.0).to(tl.float32)
+        if NORM:
+            x1, x2 = _norm_halves(x1, x2, norm_w, cols, col_mask, half, eps,
+                                  src.dtype.element_ty)
         # out = x * cos + rotate_half(x) * sin, rotate_half(x) = cat(-x2, x1)
         d1 = dst + heads * dst_stride_h + cols
         tl.store(d1, (x1 * cos1 - x2 * sin1).to(dst.dtype.element_ty), mask=mask)
@@ -53,10 +75,11 @@ def _copy_heads(src, stride_h, dst, dst_stride_h, n_heads, lo, d,
 def _rotary_kernel(q_ptr, k_ptr, pos_ptr, cos_ptr, sin_ptr, n_q, n_k, half,
                    sq_t, sq_h, sk_t, sk_h, s_cos, s_sin,
                    v_ptr, kc_ptr, vc_ptr, slot_ptr, d, sv_t, sv_h, sc_slot, sc_h,
+                   qw_ptr, kw_ptr, eps,
                    BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr,
                    CHUNKS_Q: tl.constexpr, CHUNKS_K: tl.constexpr, STORE: tl.constexpr,
                    HAS_TAIL: tl.constexpr, BLOCK_HV: tl.constexpr, BLOCK_D: tl.constexpr,
-                   CHUNKS_V: tl.constexpr, PDL: tl.constexpr):
+                   CHUNKS_V: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr):
     if PDL:  # let the next kernel launch now; wait for the one ahead (see pdl.py)
         gdc_launch_dependents()
         gdc_wait()
@@ -71,7 +94,8 @@ def _rotary_kernel(q_ptr, k_ptr, pos_ptr, cos_ptr, sin_ptr, n_q, n_k, half,
     sin1 = tl.load(sin_row, mask=col_mask, other=0.0)
     sin2 = tl.load(sin_row + half, mask=col_mask, other=0.0)
     q = q_ptr + t * sq_t
-    _rotate_heads(q, sq_h, q, sq_h, n_q, cos1, cos2, sin1, sin2, cols, half, BLOCK_HQ, CHUNKS_Q)
+    _rotate_heads(q, sq_h, q, sq_h, n_q, cos1, cos2, sin1, sin2, cols, half, qw_ptr, eps,
+                  BLOCK_HQ, CHUNKS_Q, NORM)
     k = k_ptr + t * sk_t
     if STORE:
         slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -81,14 +105,14 @@ def _rotary_kernel(q_ptr, k_ptr, pos_ptr, cos_ptr, sin_ptr, n_q, n_k, half,
         live_k = tl.where(slot >= 0, n_k, 0)
         k_dst = kc_ptr + slot * sc_slot
         _rotate_heads(k, sk_h, k_dst, sc_h, live_k, cos1, cos2, sin1, sin2, cols, half,
-                      BLOCK_HK, CHUNKS_K)
+                      kw_ptr, eps, BLOCK_HK, CHUNKS_K, NORM)
         if HAS_TAIL:
             _copy_heads(k, sk_h, k_dst, sc_h, live_k, 2 * half, d, BLOCK_HV, BLOCK_D, CHUNKS_V)
         _copy_heads(v_ptr + t * sv_t, sv_h, vc_ptr + slot * sc_slot, sc_h, live_k, 0, d,
                     BLOCK_HV, BLOCK_D, CHUNKS_V)
     else:
         _rotate_heads(k, sk_h, k, sk_h, n_k, cos1, cos2, sin1, sin2, cols, half,
-                      BLOCK_HK, CHUNKS_K)
+                      kw_ptr, eps, BLOCK_HK, CHUNKS_K, NORM)
 
 
 def _check(name: str, x: torch.Tensor, tokens: int, rot: int) -> None:
@@ -114,12 +138,25 @@ def _check_tables(positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor)
         raise ValueError("cos/sin must have a contiguous last dim")
 
 
+def _check_norm(qk_norm: tuple, q: torch.Tensor, rot: int) -> None:
+    d = q.shape[-1]
+    if rot != d:
+        raise ValueError(f"a fused q/k norm needs the rotation to cover the head ({rot} of {d} "
+                         f"dims): use rms_norm first")
+    for name, w in zip("qk", qk_norm[:2]):
+        if w.shape != (d,) or not w.is_contiguous() or w.dtype != q.dtype:
+            raise ValueError(f"{name} norm weight must be contiguous [{d}] in {q.dtype}, got "
+                             f"{tuple(w.shape)} {w.dtype}")
+
+
 def _launch(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
-            sin: torch.Tensor, store: tuple | None) -> None:
+            sin: torch.Tensor, store: tuple | None, qk_norm: tuple | None = None) -> None:
     _check_tables(positions, cos, sin)
     tokens, rot = positions.shape[0], cos.shape[-1]
     _check("q", q, tokens, rot)
     _check("k", k, tokens, rot)
+    if qk_norm is not None:
+        _check_norm(qk_norm, q, rot)
     if tokens == 0:
         return
     half, d = rot // 2, k.shape[-1]
@@ -129,17 +166,18 @@ def _launch(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torc
     v, k_cache, v_cache, slots = store if store is not None else (k, k, k, positions)
     # 4 warps for 32 heads of 64-dim halves: on an H200, 2-4 warps beat 8 by ~10%.
     warps = max(1, min(8, block_hq * block_half // 512))
+    qw, kw, eps = qk_norm if qk_norm is not None else (q, k, 0.0)
     _rotary_kernel[(tokens,)](q, k, positions, cos, sin, q.shape[1], k.shape[1], half,
                               q.stride(0), q.stride(1), k.stride(0), k.stride(1),
                               cos.stride(0), sin.stride(0),
                               v, k_cache, v_cache, slots, d, v.stride(0), v.stride(1),
-                              k_cache.stride(0), k_cache.stride(1),
+                              k_cache.stride(0), k_cache.stride(1), qw, kw, float(eps),
                               BLOCK_HQ=block_hq, BLOCK_HK=block_hk, BLOCK_HALF=block_half,
                               CHUNKS_Q=triton.cdiv(q.shape[1], block_hq),
                               CHUNKS_K=triton.cdiv(k.shape[1], block_hk),
                               STORE=store is not None, HAS_TAIL=rot < d, BLOCK_HV=block_hv,
                               BLOCK_D=block_d, CHUNKS_V=triton.cdiv(k.shape[1], block_hv),
-                              num_warps=warps, **launch_kwargs(q.device))
+                              NORM=qk_norm is not None, num_warps=warps, **launch_kwargs(q.device))
 
 
 def apply_rotary_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
@@ -151,9 +189,12 @@ def apply_rotary_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
 
 def rotary_store_kv_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                      cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
-                     v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+                     v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                     qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None) -> None:
     """Rotate q in place; write rotated k and v [T, Hk, D] into the caches [num_slots, Hk, D]
-    at slot_mapping [T] (negative slots are skipped). k itself is left as it was."""
+    at slot_mapping [T] (negative slots are skipped). k itself is left as it was. With
+    qk_norm = (q weight [D], k weight [D], eps), q and k are RMS-normalised per head first (q in
+    place too), as rms_norm would."""
     if slot_mapping.dim() != 1 or slot_mapping.shape[0] != positions.shape[0] or \
             (slot_mapping.numel() > 1 and slot_mapping.stride(0) != 1):
         raise ValueError("slot_mapping must be a contiguous 1-D tensor, one slot a token")
@@ -164,4 +205,4 @@ def rotary_store_kv_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
     _check("v", v, positions.shape[0], 0)
     if v.shape != k.shape:
         raise ValueError(f"v {tuple(v.shape)} must match k {tuple(k.shape)}")
-    _launch(q, k, positions, cos, sin, (v, k_cache, v_cache, slot_mapping))
+    _launch(q, k, positions, cos, sin, (v, k_cache, v_cache, slot_mapping), qk_norm)
