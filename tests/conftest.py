@@ -8,6 +8,11 @@ import pytest
 from checkpoints import make_checkpoint
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Triton kernels run under the interpreter without a GPU. Set here, before any test module is
+# imported, because triton.jit reads it when it decorates: a kernel module imported first by
+# another directory's tests would otherwise hold compiled-mode helpers, whatever runs first.
+if not __import__("torch").cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")

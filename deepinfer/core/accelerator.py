@@ -107,6 +107,8 @@ class Accelerator(ABC):
     """
 
     name: str = "abstract"
+    # Read by the engine after load_model: a static-shape backend may plan its buckets from
+    # the model and the engine config.
     capabilities: Capabilities = Capabilities()
     # The torch.distributed backend of the rank group (gloo on CPU, nccl on CUDA, a plugin's).
     distributed_backend: str = "gloo"
@@ -166,6 +168,12 @@ class Accelerator(ABC):
 
     def memory_stats(self) -> MemoryStats:
         return MemoryStats(device_total_bytes=0, weights_bytes=0, kv_cache_bytes=0)
+
+    def region_times(self) -> dict[str, dict[str, float]]:
+        """Device time per named region of a step since start, {region: {"seconds": s,
+        "calls": n}}, for backends that time them (the Neuron backend's
+        DEEPINFER_NEURON_REGION_TIMING); empty otherwise."""
+        return {}
 
     # ---- MoE (models with experts only) ----------------------------------------------------
     def expert_load(self) -> Any:

@@ -53,10 +53,11 @@ class Engine:
         self.accelerator = accelerator or _select_accelerator(config)
         self.tokenizer = tokenizer if tokenizer is not None or not load_tokenizer \
             else load_hf_tokenizer(config.model.path)
-        caps = self.accelerator.capabilities
         self.accelerator.init_device(parallel)
         self.accelerator.configure(config)
         self.model = self.accelerator.load_model(config.model)
+        # Read after the load: a static-shape backend plans its buckets from the model.
+        caps = self.accelerator.capabilities
         self.max_model_len = self.model.max_model_len
         num_blocks = self.accelerator.num_kv_blocks(config.cache)
         # Every sequence that can run at once holds one state slot (models with state only).

@@ -12,7 +12,7 @@ import importlib
 import importlib.metadata
 import logging
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import pluggy
 
@@ -24,7 +24,8 @@ ENTRY_POINT_GROUP = "deepinfer"
 # Registered directly as well, so that a source checkout that was never pip-installed (and so
 # has no entry points) still finds its own backends; their own entry points are then skipped.
 BUILTIN_PLUGINS: tuple[tuple[str, str], ...] = (
-    ("cpu", "deepinfer.backends.cpu.plugin"), ("nvidia", "deepinfer.backends.cuda.plugin"))
+    ("cpu", "deepinfer.backends.cpu.plugin"), ("nvidia", "deepinfer.backends.cuda.plugin"),
+    ("neuron", "deepinfer.backends.neuron.plugin"))
 
 hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)
@@ -41,6 +42,10 @@ class AcceleratorInfo:
     aliases: tuple[str, ...] = ()
     priority: int = 0  # probe order when no backend is requested: higher first
     description: str = ""
+    # Environment of rank r of world w (the rank processes of this host), set in the rank process
+    # before the backend is imported: e.g. the device cores each rank owns. Given the inherited
+    # environment; called in the API process, which must not import the backend itself.
+    rank_env: Callable[[int, int, Mapping[str, str]], dict[str, str]] | None = None
 
     def matches(self, name: str) -> bool:
         wanted = name.strip().lower()

@@ -94,8 +94,20 @@ class ModelOps(ABC):
         return weights, ids
 
     def fused_experts(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                      weights: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+                      weights: torch.Tensor, slots: torch.Tensor,
+                      capacity: int | None = None) -> torch.Tensor:
         """sum over k of weights[t, k] * down(silu(gate) * up)(x[t]) by the expert in slot
         slots[t, k] of this rank (w13 [S, 2F, H] gate rows then up rows, w2 [S, H, F]);
-        slot -1 routes are served elsewhere and skipped. Returns [T, H] in x.dtype."""
+        slot -1 routes are served elsewhere and skipped. Returns [T, H] in x.dtype.
+        capacity: static-shape backends compute at most `capacity` routes per slot, in a
+        grouped layout of that size; the caller guarantees that no slot overflows it. None: no
+        limit. The reference (and every dynamic-shape backend) ignores it."""
         return fused_experts_reference(x, w13, w2, weights, slots)
+
+    def expert_exchange(self, group: Any, rank: int, world_size: int,
+                        slots_per_rank: int) -> Any | None:
+        """The exchange of this backend's MoE layers (AllGatherExchange's run signature), used
+        on one rank as on many; None (the default): the runtime's all-gather and all-to-all
+        exchanges under expert parallel, none on one rank. Static-shape backends return one
+        whose shapes never depend on the routing (neuron/moe.py's StaticMoEExchange)."""
+        return None

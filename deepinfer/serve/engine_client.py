@@ -22,12 +22,12 @@ import socket
 import multiprocessing as mp
 import os
 import tempfile
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable, Mapping
 
 import zmq
 import zmq.asyncio
 
-from deepinfer.core.config import EngineConfig
+from deepinfer.core.config import EngineConfig, accelerator_from_env
 from deepinfer.serve.router import Route, Router
 from deepinfer.core.sampling import SamplingParams
 from deepinfer.models.registry import has_experts
@@ -41,6 +41,7 @@ from deepinfer.serve.ranks import (EngineRequestError, RankDiedError, RankView, 
 __all__ = ["EngineClient", "EngineRequestError", "RankDiedError", "RankView", "describe_exit"]
 
 START_TIMEOUT_S = 600.0  # a first start may convert a checkpoint
+RankEnv = Callable[[int, int, Mapping[str, str]], dict[str, str]]  # AcceleratorInfo.rank_env
 log = logging.getLogger("deepinfer.serve")
 
 
@@ -66,10 +67,13 @@ class EngineClient:
         self._group = False  # the ranks form one expert-parallel group (set by start)
         self._auto_port = False  # the group's rendezvous port was picked here, not given
         self._group_failed_start = False  # a rank of the group died while (re)starting
+        self._envs: list[dict[str, str]] = [{} for _ in range(num_ranks)]  # set by start
 
     # ---- lifecycle -----------------------------------------------------------------------
     async def start(self) -> list[Ready]:
         self._rendezvous()
+        # All at once, before any rank starts: an impossible layout is one error, not a rank.
+        self._envs = rank_envs(self.config.accelerator, self.num_ranks, os.environ)
         self._ranks = [self._spawn(rank) for rank in range(self.num_ranks)]
         await self._await_ready()
         now = asyncio.get_running_loop().time()
@@ -98,7 +102,8 @@ class EngineClient:
         inbox.bind(addr)
         spec = RankSpec(rank, self.num_ranks, self.config, addr, f"ipc://{self._dir}/output",
                         self.health.heartbeat_interval_s,
-                        logging.getLevelName(logging.getLogger().getEffectiveLevel()))
+                        logging.getLevelName(logging.getLogger().getEffectiveLevel()),
+                        self._envs[rank])
         process = mp.get_context("spawn").Process(target=run_rank, args=(spec,),
                                                   name=f"deepinfer-rank{rank}", daemon=True)
         process.start()
@@ -416,6 +421,30 @@ class EngineClient:
             queue = self._queues.get(error.request_id)
             if queue is not None:
                 queue.put_nowait(EngineRequestError(error.message, error.status))
+
+
+def rank_envs(accelerator: str | None, num_ranks: int,
+              environ: Mapping[str, str]) -> list[dict[str, str]]:
+    """The extra environment of each rank, from the rank_env of the backend that `accelerator`
+    or DEEPINFER_ACCELERATOR names. A backend left unnamed is chosen by probing inside each
+    rank, and probing here would import it into this process: its ranks get nothing extra."""
+    requested = accelerator or accelerator_from_env()
+    if not requested:
+        return [{} for _ in range(num_ranks)]
+    from deepinfer.core.plugins import load_plugins
+
+    rank_env = rank_env_of(load_plugins().accelerators(), requested)
+    return [rank_env(rank, num_ranks, environ) if rank_env else {} for rank in range(num_ranks)]
+
+
+def rank_env_of(infos: list, requested: str) -> RankEnv | None:
+    """The rank_env of the backend named `requested`, matched as select_accelerator matches it
+    (an exact name beats another backend's alias); None for a name nothing has, whose ranks
+    then fail with select_accelerator's own error."""
+    wanted = requested.strip().lower()
+    info = next((i for i in infos if i.name.lower() == wanted),
+                next((i for i in infos if i.matches(requested)), None))
+    return None if info is None else info.rank_env
 
 
 def _without_port(config: EngineConfig) -> EngineConfig:

@@ -12,7 +12,7 @@ import sys
 import threading
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import zmq
 
@@ -40,6 +40,9 @@ class RankSpec:
     output_addr: str  # the rank PUSHes results here
     heartbeat_interval_s: float = 0.5
     log_level: str = "INFO"
+    # Set before anything else in the rank (the backend's AcceleratorInfo.rank_env): e.g. the
+    # NeuronCores this rank owns, which its runtime reads once, when the backend starts it.
+    env: dict[str, str] = field(default_factory=dict)
 
 
 class StepClock:
@@ -97,6 +100,7 @@ class ExpertReporter:
 
 def run_rank(spec: RankSpec) -> None:
     """Entry point of a rank process (multiprocessing spawn target)."""
+    os.environ.update(spec.env)
     # The API process decides when we stop: a Ctrl-C or a `server.sh stop` reaches the whole
     # process group, and the API process then drains and stops its ranks itself (a rank that
     # is orphaned exits on its own, see _loop).
@@ -292,4 +296,5 @@ def _stats(engine: Engine) -> EngineStats:
         {f"hicache_{k}": v for k, v in vars(engine.hicache.stats()).items()}
     return EngineStats(len(sched.running), len(sched.waiting), kv.usage, kv.pool.num_usable,
                        kv.stats.queries, kv.stats.hits, sched.num_preemptions,
-                       dummy_steps=engine.num_dummy_steps, **host)
+                       dummy_steps=engine.num_dummy_steps,
+                       regions=engine.accelerator.region_times(), **host)

@@ -96,6 +96,8 @@ class EngineStats:
     hicache_store_bytes: int = 0
     hicache_load_seconds: float = 0.0
     hicache_store_seconds: float = 0.0
+    # Accelerator.region_times(): {region: {"seconds": s, "calls": n}}; empty when not timed.
+    regions: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

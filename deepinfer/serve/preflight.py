@@ -30,6 +30,18 @@ def check_args(args: argparse.Namespace, registry) -> None:
     check_model_path(args.model)
     check_experts(args)
     check_accelerator(registry, args.accelerator)
+    check_rank_env(args)
+
+
+def check_rank_env(args: argparse.Namespace) -> None:
+    """The named backend's per-rank environment (e.g. the Neuron cores of each rank) must be
+    possible for --dp ranks: an impossible core layout is a one-line error here."""
+    from deepinfer.serve.engine_client import rank_envs
+
+    try:
+        rank_envs(args.accelerator, args.dp, os.environ)  # the ranks of this host
+    except ValueError as exc:
+        raise PreflightError(str(exc)) from exc
 
 
 def check_experts(args: argparse.Namespace) -> None:

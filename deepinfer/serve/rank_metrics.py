@@ -57,6 +57,21 @@ class RankCollector(Collector):
         yield from self._engine_series(reported, _GAUGES, GaugeMetricFamily, True)
         yield from self._engine_series(reported, _TOTALS, CounterMetricFamily, False)
         yield self._hicache_hits(reported)
+        yield from self._regions(reported)
+
+    def _regions(self, reported: list[tuple[RankView, EngineStats]]) -> Iterator[Metric]:
+        """Device time per region of the steps (backends that time them, e.g. the Neuron
+        backend with DEEPINFER_NEURON_REGION_TIMING=1)."""
+        seconds = self._family(CounterMetricFamily, "backend_region_seconds", "Device seconds "
+                               "spent in each region of the rank's steps", ("region",))
+        calls = self._family(CounterMetricFamily, "backend_region_calls", "Times each region "
+                             "of the rank's steps ran", ("region",))
+        for v, stats in reported:
+            for region, totals in sorted(stats.regions.items()):
+                labels = [self.model_name, str(v.rank), region]
+                seconds.add_metric(labels, totals["seconds"])
+                calls.add_metric(labels, totals["calls"])
+        yield from (seconds, calls)
 
     def _family(self, kind, name: str, doc: str, extra: tuple[str, ...] = ()) -> Metric:
         return kind(f"deepinfer:{name}", doc, labels=["model_name", "rank", *extra])

@@ -108,6 +108,7 @@ class ServerProcess:
     proc: subprocess.Popen | None = None
     ready: bool = False
     children: list[int] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)  # on top of this process's environment
     _retried: bool = False
     _terminated: bool = False
 
@@ -121,7 +122,7 @@ class ServerProcess:
 
     def start(self) -> None:
         self.port = free_port()
-        env = dict(os.environ, TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
+        env = dict(os.environ, TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1", **self.env)
         # One compute thread per rank: several servers share few cores here, and oversubscribed
         # OpenMP threads spin-wait each other into ~10x slower steps.
         env.setdefault("DEEPINFER_CPU_THREADS", "1")

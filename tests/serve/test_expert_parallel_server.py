@@ -4,6 +4,8 @@ top-2, one MoE layer) with the SmolLM2 tokenizer, driven with token-id prompts:
 * `--dp 2` (expert parallel by default for an MoE checkpoint) answers as `--dp 1`, its ranks
   step in lockstep, and /metrics counts top-k expert routes for every token;
 * `--eplb-interval 1 --eplb-redundant-experts 2` rebalances and still answers as `--dp 1`;
+* `--dp 2 --accelerator neuron` (the Neuron backend's static graphs on the host,
+  DEEPINFER_NEURON_DEVICE=cpu: static MoE with its packed route exchange) answers as `--dp 1`;
 * two "hosts" on this machine (`--nnodes 2`, one rank each, gloo over loopback) answer as
   `--dp 1`, each its own requests, and both come back on their `--master-port` after one
   host's rank is killed;
@@ -57,7 +59,9 @@ COMMON_ARGS = ["--served-model-name", MODEL, "--dtype", "float32", "--block-size
                "--num-kv-blocks", "128", "--max-num-seqs", "8"]
 # fixture -> the servers it needs; each server's flags beyond COMMON_ARGS
 FIXTURE_SERVERS = {"dp1": ("dp1",), "dp2": ("dp2",), "eplb": ("eplb",),
-                   "two_hosts": ("host0", "host1")}
+                   "two_hosts": ("host0", "host1"), "neuron_dp2": ("neuron_dp2",)}
+# Servers with environment variables of their own.
+SERVER_ENV = {"neuron_dp2": {"DEEPINFER_NEURON_DEVICE": "cpu"}}
 
 
 def _server_args(master_port: int) -> dict[str, list[str]]:
@@ -65,6 +69,7 @@ def _server_args(master_port: int) -> dict[str, list[str]]:
                           "--master-addr", "127.0.0.1", "--master-port", str(master_port)]
              for n in (0, 1)}
     return {"dp1": ["--dp", "1"], "dp2": ["--dp", "2"],
+            "neuron_dp2": ["--dp", "2", "--accelerator", "neuron", "--max-model-len", "256"],
             "eplb": ["--dp", "2", "--eplb-interval", "1", "--eplb-redundant-experts", "2"],
             **hosts}
 
@@ -99,7 +104,8 @@ def servers(request, tmp_path_factory):
         for name, args in _server_args(free_port()).items():
             if name in wanted:
                 started[name] = ServerProcess(name, ["--model", ckpt, *COMMON_ARGS, *args],
-                                              str(logs / f"{name}.log"), MODEL)
+                                              str(logs / f"{name}.log"), MODEL,
+                                              env=SERVER_ENV.get(name, {}))
                 started[name].start()
         yield started
     finally:
@@ -123,6 +129,11 @@ def dp1(servers) -> ServerProcess:
 @pytest.fixture(scope="module")
 def dp2(servers) -> ServerProcess:
     return _ready(servers, "dp2")
+
+
+@pytest.fixture(scope="module")
+def neuron_dp2(servers) -> ServerProcess:
+    return _ready(servers, "neuron_dp2")
 
 
 @pytest.fixture(scope="module")
@@ -298,6 +309,14 @@ def test_dp2_expert_parallel_answers_equal_dp1(dp2, reference):
     assert {rank for _, rank, _ in answers} == {0, 1}
     assert [text for text, _, _ in answers] == reference
     assert all(text for text in reference)
+
+
+def test_neuron_backend_dp2_expert_parallel_answers_equal_dp1(neuron_dp2, reference):
+    """The Neuron backend, its graphs on the host: two EP ranks in static shapes (buckets,
+    fixed pool, the packed route all-gather) answer as the CPU backend's one rank."""
+    answers = _complete_all(neuron_dp2, PROMPTS, KEYS)
+    assert {rank for _, rank, _ in answers} == {0, 1}
+    assert [text for text, _, _ in answers] == reference
 
 
 def test_dp2_steps_in_lockstep_and_counts_expert_routes(dp2):

@@ -61,6 +61,18 @@ def test_rank_series_and_router_decisions():
              f'reason="rerouted_dead"}}'] == 1
 
 
+def test_backend_region_times_per_rank():
+    """A backend's step regions (the Neuron backend's DEEPINFER_NEURON_REGION_TIMING) appear
+    as per-rank counters; a rank that times nothing adds no series."""
+    timed = dataclasses.replace(BASE, regions={"attention": {"seconds": 1.5, "calls": 30},
+                                               "experts": {"seconds": 0.25, "calls": 15}})
+    m = _render([_view(0, timed), _view(1, BASE)], Router(2))
+    r0 = 'model_name="m",rank="0"'
+    assert m[f'deepinfer:backend_region_seconds_total{{{r0},region="attention"}}'] == 1.5
+    assert m[f'deepinfer:backend_region_calls_total{{{r0},region="experts"}}'] == 15
+    assert not any('rank="1",region' in name for name in m)
+
+
 def test_health_body_names_dead_ranks():
     ok = health_body([_view(0, BASE), _view(1, BASE)])
     assert (ok["status"], ok["live"], ok["dead"]) == ("ok", [0, 1], [])

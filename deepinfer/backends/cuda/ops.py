@@ -103,8 +103,9 @@ class CUDAOps(ModelOps):
         return x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
 
     def fused_experts(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                      weights: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        return fused_experts(x, w13, w2, weights, slots)
+                      weights: torch.Tensor, slots: torch.Tensor,
+                      capacity: int | None = None) -> torch.Tensor:
+        return fused_experts(x, w13, w2, weights, slots)  # no capacity: shapes are dynamic
 
     def _attend(self, q: torch.Tensor, layer: int, meta: AttentionMeta) -> torch.Tensor:
         """Attention over the layer's cache, which already holds this step's K and V."""

@@ -54,7 +54,7 @@ class MoEBlock(nn.Module):
         self.w2 = nn.Parameter(torch.empty(slots, h, f))
         self.shared_experts = GatedMLP(h, dims.shared_intermediate, ops) \
             if dims.shared_intermediate else None
-        runtime.blocks.append(self)
+        runtime.add_block(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.ops.route(self._router_logits(x), self.dims.router,
@@ -70,9 +70,11 @@ class MoEBlock(nn.Module):
             return self.ops.linear(x.float(), self.gate.float())
         return self.ops.linear(x, self.gate)
 
-    def _compute(self, x: torch.Tensor, weights: torch.Tensor,
-                 slots: torch.Tensor) -> torch.Tensor:
-        return self.ops.fused_experts(x, self.w13, self.w2, weights, slots)
+    def _compute(self, x: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor,
+                 capacity: int | None = None) -> torch.Tensor:
+        if capacity is None:  # an ops class whose fused_experts predates `capacity` still works
+            return self.ops.fused_experts(x, self.w13, self.w2, weights, slots)
+        return self.ops.fused_experts(x, self.w13, self.w2, weights, slots, capacity=capacity)
 
     # ---- weights -------------------------------------------------------------------------
     def expert_targets(self, prefix: str, expert: int, proj: str) -> list[Target]:

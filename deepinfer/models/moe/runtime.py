@@ -64,6 +64,9 @@ class ExpertRuntime:
         self.all_to_all = AllToAllExchange(self.group, self.rank, self.num_ranks,
                                            self.slots_per_rank) if ep else None
         self.all_to_all_min_tokens = ALL_TO_ALL_MIN_TOKENS
+        # A static-shape backend's own exchange (ops.expert_exchange, see add_block): it then
+        # serves every step, on one rank too. None on other backends.
+        self.static_exchange = None
         # Shapes are agreed on a host (gloo) group: no device sync before a forward. Made here,
         # as every rank builds its model, so every rank creates its groups in the same order.
         self.shape_group = None
@@ -89,6 +92,22 @@ class ExpertRuntime:
         """This rank's slots (0-based) that hold a replica of `expert` in `layer`."""
         held = self.placement.phy2log[layer, self.rank_slots()].tolist()
         return [i for i, e in enumerate(held) if e == expert]
+
+    def add_block(self, block) -> None:
+        """A model's MoE layer (an MoEBlock), in layer order. The first one brings the model's
+        ops: if they provide an exchange (ops.expert_exchange: static-shape backends), it
+        replaces the all-gather one under expert parallel and is also used on one rank, so
+        every step runs the same static path; all-to-all is then never used (its split sizes
+        depend on the routes)."""
+        if not self.blocks:
+            make = getattr(block.ops, "expert_exchange", None)
+            exchange = None if make is None else make(self.group, self.rank, self.num_ranks,
+                                                      self.slots_per_rank)
+            if exchange is not None:
+                self.static_exchange = exchange
+                if self.num_ranks > 1:  # agree() and needs_collectives read self.exchange
+                    self.exchange = exchange
+        self.blocks.append(block)
 
     def to(self, device: torch.device | str) -> None:
         self.device = torch.device(device)
@@ -137,6 +156,8 @@ class ExpertRuntime:
     def run(self, layer: int, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
             compute: Compute) -> torch.Tensor:
         """The routed experts' output for x [T, H] routed to logical experts ids [T, k]."""
+        if self.static_exchange is not None:
+            return self._run_static(layer, x, weights, ids, compute)
         if self.exchange is None:
             # One rank: slot e holds expert e (no replicas, nothing to rebalance).
             return compute(x, weights, ids.to(torch.int32))
@@ -145,6 +166,15 @@ class ExpertRuntime:
         if padded >= self.all_to_all_min_tokens and not _capturing(x):
             return self.all_to_all.run(x, weights, phys, compute)
         return self.exchange.run(x, weights, phys, padded, compute)
+
+    def _run_static(self, layer: int, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                    compute: Compute) -> torch.Tensor:
+        """Through the backend's static exchange, which leaves this rank's padding rows (at or
+        past the device scalar `valid`, as in the load counts) out of every expert."""
+        # One rank: slot e holds expert e, and the exchange skips its collectives.
+        phys = ids.long() if self.num_ranks == 1 else self._physical(layer, ids)
+        padded = max(self.padded_tokens, x.shape[0])
+        return self.static_exchange.run(x, weights, phys, padded, compute, num_real=self.valid)
 
     def _physical(self, layer: int, ids: torch.Tensor) -> torch.Tensor:
         """A physical slot per route: replicas of an expert take turns by token index."""

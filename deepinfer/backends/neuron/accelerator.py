@@ -1,0 +1,162 @@
+"""NeuronAccelerator: AWS Trainium through one device adapter (device.py), in static shapes.
+
+- The KV pool is fixed (--num-kv-blocks, or the memory budget once) and says so through
+  Capabilities, so the scheduler admits only what fits and never preempts.
+- Every step is padded to a bucket (buckets.py): the scheduler pads tokens and decode batches,
+  this backend pads block tables to a context bucket and the sampled rows to a fixed count.
+- Every (bucket, context bucket) graph is built when the KV pool is allocated, then the
+  static-shape guard refuses any other shape: on Trainium a new shape would be a compile in the
+  middle of serving.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+
+import torch
+
+from deepinfer.backends.neuron.attention import StaticMeta
+from deepinfer.backends.neuron.buckets import StaticShapeGuard, StaticShapes
+from deepinfer.backends.neuron.device import select_device
+from deepinfer.backends.neuron.ops import NeuronOps
+from deepinfer.backends.neuron.timing import RegionTimer, timing_requested
+from deepinfer.backends.runner import TorchRunner
+from deepinfer.core.accelerator import (Accelerator, Capabilities, MemoryStats, ModelInfo,
+                                        ParallelContext)
+from deepinfer.core.batch import ModelBatch, SamplerOutput
+from deepinfer.core.config import CacheConfig, EngineConfig, ModelSpec, cpu_threads
+from deepinfer.core.padding import Buckets, dummy_batch, pad_batch
+
+GIB = 1 << 30
+log = logging.getLogger(__name__)
+
+
+class NeuronAccelerator(Accelerator):
+    name = "neuron"
+
+    def __init__(self) -> None:
+        self.device = select_device()
+        self.distributed_backend = self.device.distributed_backend
+        self.capabilities = Capabilities(chunked_prefill=True, fixed_kv_pool=True,
+                                         dtypes=("float32", "bfloat16"))
+        self.timer = RegionTimer(timing_requested(), self.device.synchronize)
+        self.runner = TorchRunner(self.device.torch_device, self.capabilities,
+                                  lambda cache: NeuronOps(cache, self.timer))
+        self.guard = StaticShapeGuard()
+        self.shapes: StaticShapes | None = None
+        self._forward = self.device.compile(self._step_forward, "step")
+
+    @classmethod
+    def is_available(cls) -> bool:
+        from deepinfer.backends.neuron.device import available
+
+        return available()
+
+    def init_device(self, parallel: ParallelContext = ParallelContext()) -> None:
+        if self.device.kind == "cpu":
+            threads = cpu_threads() or max(1, (os.cpu_count() or 1) // max(1, parallel.world_size))
+            torch.set_num_threads(threads)
+        self.runner.ops.parallel = parallel
+
+    def configure(self, config: EngineConfig) -> None:
+        self.runner.seed = config.seed
+        self.config = config
+
+    def load_model(self, spec: ModelSpec) -> ModelInfo:
+        info = self.runner.load(spec)
+        s = self.config.scheduler
+        self.shapes = StaticShapes.plan(s.max_num_batched_tokens, s.max_num_seqs,
+                                        info.max_model_len, self.config.cache.block_size)
+        # The engine reads the buckets after load_model: the scheduler pads to them.
+        self.capabilities = dataclasses.replace(
+            self.capabilities, token_buckets=self.shapes.token_buckets,
+            batch_buckets=self.shapes.batch_buckets)
+        return info
+
+    def num_kv_blocks(self, cache: CacheConfig) -> int:
+        if cache.num_blocks is not None:
+            return cache.num_blocks
+        return self.runner.blocks_in(int(cache.kv_cache_memory_gb * GIB), cache.block_size)
+
+    def allocate_kv_cache(self, num_blocks: int, block_size: int,
+                          num_state_slots: int = 0) -> None:
+        self.runner.allocate(num_blocks, block_size, num_state_slots)
+        self._build_graphs(block_size)
+
+    # ---- graphs --------------------------------------------------------------------------
+    def _build_graphs(self, block_size: int) -> None:
+        """Run every bucket once (on Trainium: compile it, or load it from the compiler's
+        cache), then freeze the guard."""
+        graphs = self.shapes.graphs()
+        start = time.perf_counter()
+        for i, (kind, size, width) in enumerate(graphs, 1):
+            self.forward_logits(_warmup_batch(kind, size, block_size,
+                                              len(self.runner.cache.spec.groups)), width)
+            if i % max(1, len(graphs) // 10) == 0 or i == len(graphs):
+                log.info("neuron graphs: %d/%d built (%.1f s)", i, len(graphs),
+                         time.perf_counter() - start)
+        self.guard.freeze()
+
+    # ---- steps ---------------------------------------------------------------------------
+    @torch.inference_mode()
+    def forward_logits(self, batch: ModelBatch, width: int | None = None) -> torch.Tensor:
+        """float32 logits of the sampled sequences' last tokens (rows past them: padding)."""
+        blocks = max(len(t) for g in batch.groups for t in g.block_tables)
+        width = width or self.shapes.context_bucket(blocks)
+        meta = StaticMeta.from_batch(batch, self.runner.cache.spec, width, self.device.torch_device)
+        kind = "decode" if batch.is_decode_only else "prefill"
+        ids = torch.tensor(batch.input_ids, dtype=torch.long, device=self.device.torch_device)
+        rows = self._sample_rows(batch, kind)
+        self.guard.check(kind, ids, meta.tables[0], rows)
+        self.runner.begin_step(batch.num_tokens, batch.num_real_tokens)
+        return self._forward(ids, meta, rows)
+
+    def _step_forward(self, ids: torch.Tensor, meta: StaticMeta,
+                      rows: torch.Tensor) -> torch.Tensor:
+        hidden = self.runner.forward(ids, meta.positions, meta)
+        return self.runner.logits(hidden[rows])
+
+    def _sample_rows(self, batch: ModelBatch, kind: str) -> torch.Tensor:
+        """The last token of each sampled sequence, padded to a fixed count (a decode step:
+        one a sequence; a prefill step: shapes.sample_rows) with row 0."""
+        ends, total = [], 0
+        for q in batch.query_lens:
+            total += q
+            ends.append(total - 1)
+        last = [ends[i] for i in batch.sample_indices]
+        count = batch.num_seqs if kind == "decode" else self.shapes.sample_rows
+        return torch.tensor(last + [0] * (count - len(last)), dtype=torch.long,
+                            device=self.device.torch_device)
+
+    def execute(self, batch: ModelBatch) -> SamplerOutput:
+        logits = self.forward_logits(batch)[:len(batch.sample_indices)].to("cpu")
+        with torch.inference_mode():
+            return self.runner.sample(logits, batch.sampling)
+
+    def region_times(self) -> dict[str, dict[str, float]]:
+        """DEEPINFER_NEURON_REGION_TIMING=1: device seconds and calls per region since start."""
+        return self.timer.snapshot()
+
+    def expert_load(self):
+        return self.runner.expert_load()
+
+    def rebalance_experts(self):
+        return self.runner.rebalance_experts()
+
+    def memory_stats(self) -> MemoryStats:
+        extra = {"static_graphs": self.guard.num_graphs}
+        return self.runner.memory_stats(0, extra)
+
+    def shutdown(self) -> None:
+        self.runner.shutdown()
+
+
+def _warmup_batch(kind: str, size: int, block_size: int, num_groups: int) -> ModelBatch:
+    """A step of only padding in the null block: `size` one-token sequences (decode) or a
+    `size`-token step (prefill)."""
+    base = dummy_batch(num_groups, block_size)
+    if size == 1:
+        return base
+    return pad_batch(base, Buckets(batch=(size,)) if kind == "decode" else Buckets(tokens=(size,)))

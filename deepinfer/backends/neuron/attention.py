@@ -1,0 +1,93 @@
+"""Paged attention in static shapes: every token reads its sequence's blocks through a block
+table padded to the step's context bucket, in fixed-size chunks of keys with an online softmax.
+
+Shapes depend on the step's bucket only: T tokens (padded by the scheduler), W blocks a table
+(padded here with the null block), C blocks a chunk. A token sees the keys at positions <= its
+own (and, in a sliding-window layer, > its position - window); everything else — table padding,
+the null block's junk, keys written by padding rows — is masked, never trusted. The KV write
+goes to each token's slot; padding rows' slots are in the null block, which sinks them.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from deepinfer.core.batch import ModelBatch
+from deepinfer.core.kv.block_pool import NULL_BLOCK_ID
+from deepinfer.core.kv.spec import KVSpec
+
+# Keys per chunk of the online softmax: bounds the gathered [T, keys, heads, dim] tile.
+CHUNK_KEYS = 256
+
+
+@dataclass
+class StaticMeta:
+    """One step's attention inputs, every tensor of a bucket's shape."""
+
+    positions: torch.Tensor  # [T] long
+    tables: list[torch.Tensor]  # per KV group: [T, W] long, each token's sequence's blocks
+    slot_mapping: list[torch.Tensor]  # per KV group: [T] long
+    windows: list[int]  # per KV group: 0 for full attention
+    group_of: dict[int, int]  # layer -> KV group
+    block_size: int
+
+    @classmethod
+    def from_batch(cls, batch: ModelBatch, spec: KVSpec, width: int,
+                   device: torch.device) -> "StaticMeta":
+        """width: the context bucket (blocks a table) of this step."""
+        lens = torch.tensor(batch.query_lens)
+        tables, slots = [], []
+        for group in batch.groups:
+            rows = torch.full((len(group.block_tables), width), NULL_BLOCK_ID, dtype=torch.long)
+            for i, table in enumerate(group.block_tables):
+                rows[i, :len(table)] = torch.tensor(table[:width], dtype=torch.long)
+            tables.append(rows.repeat_interleave(lens, dim=0).to(device))
+            slots.append(torch.tensor(group.slot_mapping, dtype=torch.long, device=device))
+        windows = [kv.sliding_window or 0 for kv in spec.groups]
+        group_of = {layer: g.index for g in spec.groups for layer in g.layers}
+        return cls(torch.tensor(batch.positions, dtype=torch.long, device=device), tables, slots,
+                   windows, group_of, batch.block_size)
+
+
+def chunk_blocks(width: int, block_size: int) -> int:
+    """Blocks per chunk: about CHUNK_KEYS keys, a divisor of the (power-of-two) width."""
+    return max(1, min(width, CHUNK_KEYS // block_size))
+
+
+def static_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           tables: torch.Tensor, positions: torch.Tensor, block_size: int,
+                           window: int = 0) -> torch.Tensor:
+    """q [T, Hq, D]; caches [slots, Hk, D]; tables [T, W] -> [T, Hq, D] in q's dtype."""
+    tokens, q_heads, dim = q.shape
+    kv_heads = k_cache.shape[1]
+    qg = q.float().view(tokens, kv_heads, q_heads // kv_heads, dim) / math.sqrt(dim)
+    m = torch.full(qg.shape[:3], float("-inf"), device=q.device)
+    total = torch.zeros(qg.shape[:3], device=q.device)
+    acc = torch.zeros(qg.shape, device=q.device)
+    step = chunk_blocks(tables.shape[1], block_size)
+    offsets = torch.arange(step * block_size, device=q.device)
+    for first in range(0, tables.shape[1], step):
+        slots = (tables[:, first:first + step, None] * block_size
+                 + torch.arange(block_size, device=q.device)).reshape(tokens, -1)
+        keys = first * block_size + offsets
+        seen = keys[None, :] <= positions[:, None]
+        if window:
+            seen &= keys[None, :] > positions[:, None] - window
+        scores = torch.einsum("thgd,tkhd->thgk", qg, k_cache[slots].float())
+        scores = scores.masked_fill(~seen[:, None, None, :], float("-inf"))
+        m, total, acc = _online_softmax(m, total, acc, scores, v_cache[slots].float())
+    return (acc / total[..., None]).reshape(tokens, q_heads, dim).to(q.dtype)
+
+
+def _online_softmax(m: torch.Tensor, total: torch.Tensor, acc: torch.Tensor,
+                    scores: torch.Tensor, values: torch.Tensor):
+    """Fold one chunk of keys into the running max, sum and weighted values. A chunk a token
+    sees nothing of leaves its row unchanged (max -inf stays safe)."""
+    new_m = torch.maximum(m, scores.amax(dim=-1))
+    safe = torch.where(torch.isinf(new_m), torch.zeros_like(new_m), new_m)
+    probs = torch.exp(scores - safe[..., None])
+    scale = torch.exp(m - safe)
+    acc = acc * scale[..., None] + torch.einsum("thgk,tkhd->thgd", probs, values)
+    return new_m, total * scale + probs.sum(dim=-1), acc

@@ -1,0 +1,103 @@
+"""The one thin adapter between the Neuron backend and what executes its graphs.
+
+Everything device-specific lives here; the rest of the backend (buckets, the fixed KV pool,
+static attention, static MoE, region timing) is plain torch over static shapes and runs the same
+on every adapter:
+
+- `neuron`: TorchNeuron, the native `neuron` torch device (trn2 and later); graphs through
+  `torch.compile(backend="neuron")`, collectives through torch.distributed's `neuron` backend.
+- `xla`: torch-neuronx on PyTorch/XLA (older instances); `torch.compile(backend="openxla")`,
+  the `xla` process-group backend.
+- `cpu`: the backend's own static graphs executed eagerly on the host (gloo for collectives),
+  so that everything but the chip and its compiler runs anywhere; the static-shape guard
+  (buckets.py) then stands in for the compiler's refusal of a shape it was not built for.
+
+DEEPINFER_NEURON_DEVICE picks one (default `auto`: TorchNeuron if present, else torch-neuronx).
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+from dataclasses import dataclass
+from typing import Callable, Mapping
+
+import torch
+
+DEVICE_ENV = "DEEPINFER_NEURON_DEVICE"
+DEVICE_KINDS = ("auto", "neuron", "xla", "cpu")
+
+
+class NeuronUnavailable(RuntimeError):
+    """The selected Neuron device cannot run here."""
+
+
+@dataclass(frozen=True)
+class NeuronDevice:
+    """What the backend needs of a device: where tensors live, how a step function becomes a
+    compiled graph, the process-group backend, and how to wait for the device."""
+
+    kind: str
+    torch_device: torch.device
+    distributed_backend: str
+
+    def compile(self, fn: Callable, name: str) -> Callable:
+        """fn as the device runs it: compiled once per input shape on Trainium; as is on the
+        host. `name` labels the graph (compiler cache and logs)."""
+        if self.kind == "cpu":
+            return fn
+        backend = "neuron" if self.kind == "neuron" else "openxla"
+        # dynamic=False: every bucket is its own graph, never a shape-polymorphic one.
+        return torch.compile(fn, backend=backend, dynamic=False)
+
+    def synchronize(self) -> None:
+        if self.kind == "neuron":
+            torch.neuron.synchronize()  # type: ignore[attr-defined]
+        elif self.kind == "xla":
+            importlib.import_module("torch_xla").sync()
+
+
+def _has_torch_neuron() -> bool:
+    neuron = getattr(torch, "neuron", None)
+    return neuron is not None and bool(getattr(neuron, "is_available", lambda: False)())
+
+
+def _has_torch_neuronx() -> bool:
+    return importlib.util.find_spec("torch_neuronx") is not None
+
+
+def requested_kind(environ: Mapping[str, str] = os.environ) -> str:
+    kind = environ.get(DEVICE_ENV, "auto").strip().lower() or "auto"
+    if kind not in DEVICE_KINDS:
+        raise ValueError(f"{DEVICE_ENV}={kind!r}: expected one of {', '.join(DEVICE_KINDS)}")
+    return kind
+
+
+def available(environ: Mapping[str, str] = os.environ) -> bool:
+    """Cheap probe (nothing is imported): a Neuron runtime is installed, or the host device
+    was asked for."""
+    kind = requested_kind(environ)
+    if kind == "cpu":
+        return True
+    if kind == "neuron":
+        return _has_torch_neuron()
+    if kind == "xla":
+        return _has_torch_neuronx()
+    return _has_torch_neuron() or _has_torch_neuronx()
+
+
+def select_device(environ: Mapping[str, str] = os.environ) -> NeuronDevice:
+    kind = requested_kind(environ)
+    if kind == "auto":
+        kind = "neuron" if _has_torch_neuron() else "xla" if _has_torch_neuronx() else ""
+    if kind == "cpu":
+        return NeuronDevice("cpu", torch.device("cpu"), "gloo")
+    if kind == "neuron" and _has_torch_neuron():
+        return NeuronDevice("neuron", torch.device("neuron"), "neuron")
+    if kind == "xla" and _has_torch_neuronx():
+        xla = importlib.import_module("torch_xla")
+        return NeuronDevice("xla", xla.device(), "xla")
+    raise NeuronUnavailable(
+        f"no Neuron runtime here ({DEVICE_ENV}={environ.get(DEVICE_ENV, 'auto')}): install "
+        f"TorchNeuron (or torch-neuronx) on a Trainium host, or set {DEVICE_ENV}=cpu to run "
+        f"the backend's static graphs on the CPU")

@@ -1,0 +1,37 @@
+"""ModelOps of the Neuron backend: the reference torch ops for norms, rotary and activations
+(they are static already), static paged attention, and the static MoE (moe.py)."""
+from __future__ import annotations
+
+import torch
+
+from deepinfer.backends.cpu.ops import CPUOps
+from deepinfer.backends.neuron.attention import StaticMeta, static_paged_attention
+from deepinfer.backends.neuron.moe import StaticMoEOps
+from deepinfer.backends.neuron.timing import RegionTimer
+
+
+class NeuronOps(StaticMoEOps, CPUOps):
+    def __init__(self, cache, timer: RegionTimer | None = None) -> None:
+        super().__init__(cache)
+        self.timer = timer or RegionTimer(enabled=False)
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
+                  meta: StaticMeta) -> torch.Tensor:
+        group = meta.group_of[layer]
+        k_cache, v_cache = self.cache.layer(layer)
+        with self.timer.region("attention"):
+            slots = meta.slot_mapping[group]
+            k_cache.index_copy_(0, slots, k.to(k_cache.dtype))
+            v_cache.index_copy_(0, slots, v.to(v_cache.dtype))
+            return static_paged_attention(q, k_cache, v_cache, meta.tables[group],
+                                          meta.positions, meta.block_size,
+                                          meta.windows[group])
+
+    def expert_exchange(self, group, rank: int, world_size: int, slots_per_rank: int):
+        exchange = super().expert_exchange(group, rank, world_size, slots_per_rank)
+        exchange.timer = self.timer
+        return exchange
+
+    def latent_attention(self, *args, **kwargs) -> torch.Tensor:
+        raise NotImplementedError("the neuron backend has no MLA attention yet (DeepSeek-V3 "
+                                  "attention runs on the cpu and nvidia backends)")

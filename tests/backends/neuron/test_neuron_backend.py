@@ -1,0 +1,141 @@
+"""The Neuron backend's static graphs run on the host (DEEPINFER_NEURON_DEVICE=cpu): its static
+attention against a dense computation, its buckets and static-shape guard, and the whole
+backend against transformers on tiny random checkpoints."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from deepinfer.backends.neuron.attention import static_paged_attention
+from deepinfer.backends.neuron.buckets import StaticShapeError, StaticShapeGuard, StaticShapes
+from deepinfer.core.sampling import SamplingParams
+from deepinfer.llm import LLM
+from tests.checkpoints import checkpoint_cache, make_checkpoint
+from tests.models.test_moe_parity import _assert_reference_greedy, _prompts, _reference
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+
+@pytest.fixture(autouse=True)
+def host_device(monkeypatch):
+    monkeypatch.setenv("DEEPINFER_NEURON_DEVICE", "cpu")
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return checkpoint_cache(tmp_path_factory, make_checkpoint)
+
+
+# ---- static attention --------------------------------------------------------------------
+def _dense(q, keys, values, position, window):
+    """One token's attention over its sequence's keys 0..position (within the window)."""
+    lo = max(0, position - window + 1) if window else 0
+    k, v = keys[lo:position + 1], values[lo:position + 1]
+    group = q.shape[0] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = torch.einsum("hd,khd->hk", q, k) / math.sqrt(q.shape[-1])
+    return torch.einsum("hk,khd->hd", scores.softmax(dim=-1), v)
+
+
+@pytest.mark.parametrize("window", [0, 5])
+def test_static_attention_equals_dense(window):
+    """Tokens of three sequences (one decoding, two prefilling, pages out of order) and a
+    padding row, tables padded with the null block to a width wider than any sequence and
+    chunked: each token equals the dense softmax over the keys it may see."""
+    g = torch.Generator().manual_seed(0)
+    bs, blocks, hq, hk, d = 4, 24, 4, 2, 8
+    k_cache = torch.randn(blocks * bs, hk, d, generator=g)
+    v_cache = torch.randn(blocks * bs, hk, d, generator=g)
+    seqs = [([5, 3, 9], 11, [10]), ([7, 2], 8, [5, 6, 7]), ([12, 1, 4, 20], 14, [0, 1, 2])]
+    width = 8
+    rows, positions, expected = [], [], []
+    for table, seq_len, positions_of in seqs:
+        slots = torch.tensor([table[p // bs] * bs + p % bs for p in range(seq_len)])
+        for p in positions_of:
+            rows.append(table + [0] * (width - len(table)))
+            positions.append(p)
+            q = torch.randn(hq, d, generator=g)
+            expected.append((q, _dense(q, k_cache[slots], v_cache[slots], p, window)))
+    rows.append([0] * width)  # a padding row in the null block
+    positions.append(1)
+    q = torch.stack([e[0] for e in expected] + [torch.randn(hq, d, generator=g)])
+    out = static_paged_attention(q, k_cache, v_cache, torch.tensor(rows),
+                                 torch.tensor(positions), bs, window)
+    for i, (_, ref) in enumerate(expected):
+        torch.testing.assert_close(out[i], ref, rtol=1e-5, atol=1e-5)
+
+
+# ---- buckets and the guard ---------------------------------------------------------------
+def test_bucket_plan_and_guard():
+    shapes = StaticShapes.plan(max_num_batched_tokens=200, max_num_seqs=6, max_model_len=300,
+                               block_size=16)
+    assert shapes.token_buckets == (16, 32, 64, 128, 200)
+    assert shapes.batch_buckets == (1, 2, 4, 6)
+    assert shapes.context_buckets == (1, 2, 4, 8, 16, 19)
+    assert shapes.context_bucket(9) == 16 and shapes.sample_rows == 7
+    assert len(shapes.graphs()) == (5 + 4) * 6
+    with pytest.raises(StaticShapeError, match="exceeds"):
+        shapes.context_bucket(20)
+    guard = StaticShapeGuard()
+    guard.check("decode", torch.zeros(4), torch.zeros(4, 8))
+    guard.freeze()
+    guard.check("decode", torch.ones(4), torch.ones(4, 8))  # same shapes: the built graph
+    with pytest.raises(StaticShapeError, match="outside the 1 graphs"):
+        guard.check("decode", torch.zeros(4), torch.zeros(4, 16))
+
+
+# ---- the backend end to end --------------------------------------------------------------
+def _neuron_llm(path: str, **options) -> LLM:
+    settings = dict(dtype="float32", accelerator="neuron", block_size=16, num_blocks=40,
+                    max_num_batched_tokens=64, max_num_seqs=4, max_model_len=256)
+    return LLM(path, load_tokenizer=False, **{**settings, **options})
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
+def test_greedy_equals_transformers(checkpoint, family):
+    """Batched prompts longer than a prefill bucket (so chunked), decoding together in padded
+    batch buckets, then a prefix-cache hit: every token is transformers' argmax, every step ran
+    in a graph built at start-up, and the fixed pool never grew."""
+    path = checkpoint(family)
+    llm = _neuron_llm(path)
+    engine = llm.engine
+    graphs, usable = engine.accelerator.guard.num_graphs, engine.kv.pool.num_usable
+    assert engine.accelerator.guard.frozen and engine.scheduler.fixed_pool
+    prompts = _prompts((5, 23, 90), seed=1)
+    outs = llm.generate(prompts, GREEDY)
+    again = llm.generate([prompts[2]], GREEDY)[0]  # its pages are cached now
+    model = _reference(path)
+    for prompt, out in zip(prompts, outs):
+        _assert_reference_greedy(model, prompt, list(out.outputs[0].token_ids))
+    assert list(again.outputs[0].token_ids) == list(outs[2].outputs[0].token_ids)
+    assert again.num_cached_tokens >= 80
+    assert engine.accelerator.guard.num_graphs == graphs
+    assert engine.kv.pool.num_usable == usable and engine.scheduler.num_preemptions == 0
+
+
+def test_a_shape_outside_the_buckets_is_refused(checkpoint):
+    llm = _neuron_llm(checkpoint("llama"))
+    acc = llm.engine.accelerator
+    from deepinfer.core.padding import dummy_batch
+
+    with pytest.raises(StaticShapeError):
+        acc.forward_logits(dummy_batch(1, 16), width=3)  # 3 blocks: not a context bucket
+
+
+def test_region_timing(checkpoint, monkeypatch):
+    """DEEPINFER_NEURON_REGION_TIMING=1: attention, the router exchange, the experts and the
+    combine are timed every layer of every step; off (the default), nothing is."""
+    path = checkpoint("qwen3_moe")
+    assert _neuron_llm(path).engine.accelerator.region_times() == {}
+    monkeypatch.setenv("DEEPINFER_NEURON_REGION_TIMING", "1")
+    llm = _neuron_llm(path)
+    before = llm.engine.accelerator.region_times()  # the start-up graphs ran timed too
+    llm.generate(_prompts((30,), seed=2), SamplingParams(temperature=0.0, max_tokens=4))
+    after = llm.engine.accelerator.region_times()
+    assert set(after) == {"attention", "router_exchange", "experts", "combine"}
+    steps = 4  # one prefill (30 tokens fit the 64-token budget) and three decodes
+    assert after["attention"]["calls"] - before["attention"]["calls"] == 2 * steps  # 2 layers
+    assert after["experts"]["calls"] - before["experts"]["calls"] == steps  # 1 MoE layer
+    assert all(r["seconds"] > 0 for r in after.values())
