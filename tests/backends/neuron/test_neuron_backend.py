@@ -139,3 +139,25 @@ def test_region_timing(checkpoint, monkeypatch):
     assert after["attention"]["calls"] - before["attention"]["calls"] == 2 * steps  # 2 layers
     assert after["experts"]["calls"] - before["experts"]["calls"] == steps  # 1 MoE layer
     assert all(r["seconds"] > 0 for r in after.values())
+
+
+def test_device_adapter_selection(monkeypatch):
+    """The host device on request; no Neuron runtime here, so `auto` is not available and
+    asking for it is one clear error; a bad value names the variable."""
+    from deepinfer.backends.neuron import device
+
+    host = device.select_device({"DEEPINFER_NEURON_DEVICE": "cpu"})
+    assert (host.kind, host.distributed_backend, host.torch_device.type) == ("cpu", "gloo", "cpu")
+    assert host.compile(len, "x") is len  # the host runs the graphs as they are
+    assert device.available({"DEEPINFER_NEURON_DEVICE": "cpu"})
+    assert not device.available({})
+    with pytest.raises(device.NeuronUnavailable, match="DEEPINFER_NEURON_DEVICE=cpu"):
+        device.select_device({})
+    with pytest.raises(ValueError, match="DEEPINFER_NEURON_DEVICE='tpu'"):
+        device.requested_kind({"DEEPINFER_NEURON_DEVICE": "tpu"})
+    env = {"NEURON_CC_FLAGS": "--model-type=transformer"}
+    device._persistent_cache(env)
+    assert env["NEURON_CC_FLAGS"].startswith("--model-type=transformer --cache_dir=")
+    kept = {"NEURON_CC_FLAGS": "--cache_dir=/mine"}
+    device._persistent_cache(kept)
+    assert kept["NEURON_CC_FLAGS"] == "--cache_dir=/mine"
