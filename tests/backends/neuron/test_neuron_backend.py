@@ -103,6 +103,7 @@ def test_greedy_equals_transformers(checkpoint, family):
     engine = llm.engine
     graphs, usable = engine.accelerator.guard.num_graphs, engine.kv.pool.num_usable
     assert engine.accelerator.guard.frozen and engine.scheduler.fixed_pool
+    assert graphs == len(engine.accelerator.shapes.graphs())  # every bucket built, once
     prompts = _prompts((5, 23, 90), seed=1)
     outs = llm.generate(prompts, GREEDY)
     again = llm.generate([prompts[2]], GREEDY)[0]  # its pages are cached now
