@@ -12,7 +12,7 @@ import torch
 from deepinfer.backends.paged_cache import PagedCache
 from deepinfer.core.accelerator import Capabilities, MemoryStats, ModelInfo
 from deepinfer.core.batch import SamplerOutput, SamplingRow
-from deepinfer.core.config import ModelSpec
+from deepinfer.core.config import CacheConfig, ModelSpec
 from deepinfer.core.sampler import Sampler
 from deepinfer.models import hf_config
 from deepinfer.models.ops import ModelOps
@@ -90,6 +90,12 @@ class TorchRunner:
         """Bytes of one page: one block of every KV group."""
         element = torch.empty((), dtype=self.dtype).element_size()
         return self.cache.spec.block_bytes(block_size, element)
+
+    def pool_blocks(self, cache: CacheConfig) -> int:
+        """The KV pool's blocks: --num-kv-blocks, else what the memory budget holds."""
+        if cache.num_blocks is not None:
+            return cache.num_blocks
+        return self.blocks_in(int(cache.kv_cache_memory_gb * (1 << 30)), cache.block_size)
 
     def blocks_in(self, nbytes: int, block_size: int) -> int:
         return max(2, nbytes // self.block_bytes(block_size))

@@ -339,6 +339,15 @@ def _outline() -> list:
     return [patheffects.withStroke(linewidth=2, foreground="black")]
 
 
+def finish(out: str, result: dict) -> int:
+    """Write the JSON and the PNG beside it; the exit status: 1 if any cell failed."""
+    write_json(out, result)
+    drawn = plot_matrix(result, png_path(out))
+    print(f"wrote {out}" + (f" and {png_path(out)}" if drawn else
+                            " (no PNG: matplotlib is not installed)"))
+    return 1 if any("error" in c for c in result["cells"]) else 0
+
+
 def png_path(json_path: str) -> str:
     return os.path.splitext(json_path)[0] + ".png"
 
@@ -377,11 +386,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="deepinfer-tiny-") as tmp:
         model = args.model or write_tiny_checkpoint(tmp)
         result = run_matrix(model, args, tiny=args.model is None)
-    write_json(args.out, result)
-    drawn = plot_matrix(result, png_path(args.out))
-    print(f"wrote {args.out}" + (f" and {png_path(args.out)}" if drawn else
-                                 " (no PNG: matplotlib is not installed)"))
-    return 1 if any("error" in c for c in result["cells"]) else 0
+    return finish(args.out, result)
 
 
 if __name__ == "__main__":

@@ -37,8 +37,7 @@ from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)  # bench_neuron, also when run from another folder
-from bench_neuron import (cell_line, int_list, plot_matrix, png_path, random_prompts,  # noqa: E402
-                          write_json)
+from bench_neuron import cell_line, finish, int_list, random_prompts  # noqa: E402
 
 DEFINITIONS = {
     "ttft_ms": "median over waves of the slowest request's send -> first chunk",
@@ -217,11 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         vocab = vocab_size(args.model_dir or info["root"])
         result["cells"] = asyncio.run(run_matrix(args, info["id"], vocab))
-    write_json(args.out, result)
-    drawn = plot_matrix(result, png_path(args.out))
-    print(f"wrote {args.out}" + (f" and {png_path(args.out)}" if drawn else
-                                 " (no PNG: matplotlib is not installed)"))
-    return 1 if any("error" in c for c in result["cells"]) else 0
+    return finish(args.out, result)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,6 @@ from deepinfer.core.accelerator import (Accelerator, Capabilities, HostPoolLayou
 from deepinfer.core.batch import ModelBatch, SamplerOutput
 from deepinfer.core.config import CacheConfig, EngineConfig, ModelSpec, cpu_threads
 
-GIB = 1 << 30
 
 
 class CPUAccelerator(Accelerator):
@@ -45,9 +44,7 @@ class CPUAccelerator(Accelerator):
         return self.runner.load(spec)
 
     def num_kv_blocks(self, cache: CacheConfig) -> int:
-        if cache.num_blocks is not None:
-            return cache.num_blocks
-        return self.runner.blocks_in(int(cache.kv_cache_memory_gb * GIB), cache.block_size)
+        return self.runner.pool_blocks(cache)
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int,
                           num_state_slots: int = 0) -> None:

@@ -29,7 +29,6 @@ from deepinfer.core.batch import ModelBatch, SamplerOutput
 from deepinfer.core.config import CacheConfig, EngineConfig, ModelSpec, cpu_threads
 from deepinfer.core.padding import Buckets, dummy_batch, pad_batch
 
-GIB = 1 << 30
 log = logging.getLogger(__name__)
 
 
@@ -76,9 +75,7 @@ class NeuronAccelerator(Accelerator):
         return info
 
     def num_kv_blocks(self, cache: CacheConfig) -> int:
-        if cache.num_blocks is not None:
-            return cache.num_blocks
-        return self.runner.blocks_in(int(cache.kv_cache_memory_gb * GIB), cache.block_size)
+        return self.runner.pool_blocks(cache)
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int,
                           num_state_slots: int = 0) -> None:
