@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from deepinfer.core.sampling import StructuredOutput
+from deepinfer.serve import deepseek_encoding
 
 TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
 _CALL_RE = re.compile(re.escape(TOOL_OPEN) + r"\s*(.*?)\s*(?:" + re.escape(TOOL_CLOSE) + r"|$)",
@@ -84,7 +85,9 @@ def _call_schema(function: dict) -> dict:
 def _encoding_module(model_dir: str) -> Any:
     path = os.path.join(model_dir, "encoding.py")
     if not os.path.exists(path):
-        return None
+        # DeepSeek-V4 checkpoints ship their encoder under another name and no usable Jinja
+        # template: ours renders the same prompts.
+        return deepseek_encoding if deepseek_encoding.uses_dsml(model_dir) else None
     spec = importlib.util.spec_from_file_location("deepinfer_checkpoint_encoding", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -15,6 +15,8 @@ from deepinfer.serve.router import Route, affinity_key
 from deepinfer.core.sampling import SamplingParams
 from deepinfer.serve.chat import (may_become_tool_call, parse_tool_calls, render_chat,
                                   tool_call_constraint)
+from deepinfer.serve.deepseek_encoding import THINK_OPEN, uses_dsml
+from deepinfer.serve.dsml_parser import DsmlMode, finish_reason
 from deepinfer.serve.errors import APIError
 from deepinfer.serve.generation import (Choice, Generation, check_length, route_request,
                                         stream_generation, usage)
@@ -138,6 +140,10 @@ async def chat_completions(state, body: ChatCompletionRequest, request: Request)
         raise APIError("tool_choice names a function that is not in tools", param="tool_choice")
     choice = body.tool_choice.model_dump() if hasattr(body.tool_choice, "function") \
         else body.tool_choice
+    dsml = uses_dsml(state.model_dir)
+    if dsml and choice not in (None, "none", "auto"):
+        # A forced call opens the answer with Hermes markup and JSON grammar, not DSML.
+        raise APIError("this model takes tool_choice 'auto' or 'none' only", param="tool_choice")
     rendered = await render(state, body.messages, tools, choice, body.add_generation_prompt,
                             body.chat_template_kwargs)
     constraint = tool_call_constraint(tools, choice)
@@ -154,10 +160,12 @@ async def chat_completions(state, body: ChatCompletionRequest, request: Request)
     stream = stream_generation(state.client, state.metrics, rid, prompt_ids, params,
                                body.prefix_cache, gen, route)
     use_tools = bool(tools) and body.tool_choice != "none"
+    # DeepSeek-V4 output is read by the DSML parser: thinking when the prompt opened <think>.
+    mode = DsmlMode(rendered.prompt.endswith(THINK_OPEN), use_tools) if dsml else None
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         chunks = _chat_chunks(state, rid, gen, stream, rendered.forced_prefix, names if use_tools
-                              else None, include_usage, body.logprobs)
+                              else None, include_usage, body.logprobs, mode)
         return _RoutedStream(chunks, [route])
 
     async def collect() -> None:
@@ -169,18 +177,21 @@ async def chat_completions(state, body: ChatCompletionRequest, request: Request)
     finally:
         route.release()
     choices = [_chat_choice(state, c, rendered.forced_prefix, names if use_tools else None,
-                            body.logprobs) for c in gen.choices]
+                            body.logprobs, mode) for c in gen.choices]
     return JSONResponse({"id": rid, "object": "chat.completion", "created": _now(),
                          "model": state.model_name, "choices": choices, "usage": usage([gen])},
                         headers={RANK_HEADER: str(route.rank)})
 
 
 def _chat_choice(state, c: Choice, forced: str, tool_names: set[str] | None,
-                 want_logprobs: bool) -> dict:
+                 want_logprobs: bool, mode: DsmlMode | None = None) -> dict:
     # The forced tool-call opening is part of the output (streaming sends it too).
     message: dict[str, Any] = {"role": "assistant", "content": forced + c.text}
     reason = c.finish_reason
-    if tool_names is not None:
+    if mode is not None:
+        parsed = mode.parse(c.text)
+        message, reason = parsed.message(), finish_reason(len(parsed.tool_calls), reason)
+    elif tool_names is not None:
         parsed = parse_tool_calls(forced + c.text, tool_names)
         if parsed.tool_calls:
             message = {"role": "assistant", "content": parsed.content,
@@ -192,7 +203,7 @@ def _chat_choice(state, c: Choice, forced: str, tool_names: set[str] | None,
 
 async def _chat_chunks(state, rid: str, gen: Generation, stream: AsyncIterator,
                        forced: str, tool_names: set[str] | None, include_usage: bool,
-                       want_logprobs: bool) -> AsyncIterator[str]:
+                       want_logprobs: bool, mode: DsmlMode | None = None) -> AsyncIterator[str]:
     created = _now()
 
     def chunk(index: int, delta: dict, reason: str | None = None, logprobs=None) -> str:
@@ -204,10 +215,20 @@ async def _chat_chunks(state, rid: str, gen: Generation, stream: AsyncIterator,
     for c in gen.choices:
         yield chunk(c.index, {"role": "assistant", "content": ""})
     sent = {c.index: 0 for c in gen.choices}  # chars of c.text already streamed
+    parsers = {c.index: mode.parser() for c in gen.choices} if mode is not None else {}
     try:
         async for delta, c in stream:
             lp = _chat_logprobs(state, delta.logprobs) if want_logprobs and delta.logprobs \
                 else None
+            if parsers:
+                parser = parsers[c.index]
+                # Logprobs of tokens that are all held-back markup still go out.
+                deltas = parser.deltas(delta.new_text, delta.finished) or ([{}] if lp else [])
+                for i, d in enumerate(deltas):
+                    yield chunk(c.index, d, None, lp if i == 0 else None)
+                if delta.finished:
+                    yield chunk(c.index, {}, finish_reason(parser.num_calls, c.finish_reason))
+                continue
             holding = tool_names is not None and (forced or may_become_tool_call(c.text))
             if not holding and len(c.text) > sent[c.index]:
                 yield chunk(c.index, {"content": c.text[sent[c.index]:]}, None, lp)
