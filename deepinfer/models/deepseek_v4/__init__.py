@@ -1,0 +1,1 @@
+"""DeepSeek-V4 over backend ops."""
