@@ -78,9 +78,14 @@ def init_dummy_weights(model: nn.Module, seed: int = 0, std: float = 0.02) -> No
     generator.manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
+            if not param.dtype.is_floating_point:
+                continue  # tables (a hash router's token -> experts): their modules fill them
             if param.dim() == 1 and "norm" in name:
                 param.fill_(1.0)
             elif param.dim() == 1:  # biases
                 param.zero_()
             else:
                 param.normal_(0.0, std, generator=generator)
+        for module in model.modules():
+            if hasattr(module, "init_dummy_table"):
+                module.init_dummy_table(generator)

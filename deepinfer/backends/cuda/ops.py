@@ -91,12 +91,13 @@ class CUDAOps(ModelOps):
         return super().linear(x, weight, bias)
 
     def route(self, logits: torch.Tensor, spec: RouterSpec, bias: torch.Tensor | None = None,
-              counts: RouteCounts | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+              counts: RouteCounts | None = None, fixed_ids: torch.Tensor | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
         """Softmax routers (and their counting) in one kernel (moe_router.py) instead of ~7;
-        others: the reference."""
-        if spec.scoring == "softmax" and self._on_triton(logits):
+        others (and hash routing): the reference."""
+        if spec.scoring == "softmax" and fixed_ids is None and self._on_triton(logits):
             return softmax_topk(logits, spec.top_k, spec.renormalize, spec.scaling, counts)
-        return super().route(logits, spec, bias, counts)
+        return super().route(logits, spec, bias, counts, fixed_ids)
 
     @staticmethod
     def _on_triton(x: torch.Tensor) -> bool:
@@ -104,8 +105,10 @@ class CUDAOps(ModelOps):
 
     def fused_experts(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                       weights: torch.Tensor, slots: torch.Tensor,
-                      capacity: int | None = None) -> torch.Tensor:
-        return fused_experts(x, w13, w2, weights, slots)  # no capacity: shapes are dynamic
+                      capacity: int | None = None, swiglu_limit: float | None = None
+                      ) -> torch.Tensor:
+        # No capacity: shapes are dynamic.
+        return fused_experts(x, w13, w2, weights, slots, swiglu_limit=swiglu_limit)
 
     def _attend(self, q: torch.Tensor, layer: int, meta: AttentionMeta) -> torch.Tensor:
         """Attention over the layer's cache, which already holds this step's K and V."""

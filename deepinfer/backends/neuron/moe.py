@@ -26,6 +26,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from deepinfer.models.moe.exchange import all_gather
+from deepinfer.models.moe.experts import swiglu
 
 CAPACITY_ENV = "DEEPINFER_NEURON_MOE_CAPACITY"
 # Capacity per slot = factor x the mean routes per slot: 2x absorbs ordinary router skew; a
@@ -116,16 +117,18 @@ def capacity_for(num_tokens: int, k: int, num_slots: int, factor: float | None =
 
 # ---- expert computation ----------------------------------------------------------------------
 def grouped_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-                    local: torch.Tensor, capacity: int) -> torch.Tensor:
+                    local: torch.Tensor, capacity: int,
+                    swiglu_limit: float | None = None) -> torch.Tensor:
     """x [N, H], w13 [S, 2F, H], w2 [S, H, F], weights [N, k], local [N, k] (-1: not here)
     -> [N, H] in x.dtype, each slot computing its first `capacity` routes (the caller makes
-    sure none has more: the rest would be dropped)."""
+    sure none has more: the rest would be dropped). swiglu_limit: experts.swiglu's clamp."""
     slots, (tokens, hidden) = w13.shape[0], x.shape
     source, scale = _group_rows(local, weights, slots, capacity)
     # Row `tokens` is zeros: the empty buffer rows read it and their output is added there.
     xs = torch.cat((x, x.new_zeros(1, hidden)))[source].view(slots, capacity, hidden)
     gate, up = torch.bmm(xs, w13.transpose(1, 2)).chunk(2, dim=-1)
-    y = torch.bmm(F.silu(gate) * up, w2.transpose(1, 2)).reshape(slots * capacity, hidden)
+    y = torch.bmm(swiglu(gate, up, swiglu_limit), w2.transpose(1, 2))
+    y = y.reshape(slots * capacity, hidden)
     out = torch.zeros((tokens + 1, hidden), dtype=torch.float32, device=x.device)
     out.index_add_(0, source, y.float() * scale.unsqueeze(1))
     return out[:tokens].to(x.dtype)
@@ -151,7 +154,7 @@ def _group_rows(local: torch.Tensor, weights: torch.Tensor, slots: int,
 
 
 def dense_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-                  local: torch.Tensor) -> torch.Tensor:
+                  local: torch.Tensor, swiglu_limit: float | None = None) -> torch.Tensor:
     """grouped_experts without a capacity: every slot over every token, each weighted by the
     routes it serves (0 for the others). Exact at any load."""
     slots = w13.shape[0]
@@ -159,7 +162,7 @@ def dense_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
     mask = F.one_hot(local.long().clamp_min(0), slots) * here  # [N, k, S]
     scale = (mask.to(torch.float32) * weights.to(torch.float32).unsqueeze(-1)).sum(1)
     gate, up = torch.matmul(x, w13.transpose(1, 2)).chunk(2, dim=-1)  # [S, N, 2F]
-    y = torch.bmm(F.silu(gate) * up, w2.transpose(1, 2))  # [S, N, H]
+    y = torch.bmm(swiglu(gate, up, swiglu_limit), w2.transpose(1, 2))  # [S, N, H]
     return torch.einsum("ns,snh->nh", scale, y.float()).to(x.dtype)
 
 
@@ -258,10 +261,11 @@ class StaticMoEOps:
 
     def fused_experts(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                       weights: torch.Tensor, slots: torch.Tensor,
-                      capacity: int | None = None) -> torch.Tensor:
+                      capacity: int | None = None, swiglu_limit: float | None = None
+                      ) -> torch.Tensor:
         if capacity is None:
-            return dense_experts(x, w13, w2, weights, slots)
-        return grouped_experts(x, w13, w2, weights, slots, capacity)
+            return dense_experts(x, w13, w2, weights, slots, swiglu_limit)
+        return grouped_experts(x, w13, w2, weights, slots, capacity, swiglu_limit)
 
     def expert_exchange(self, group: Any, rank: int, world_size: int,
                         slots_per_rank: int) -> StaticMoEExchange:

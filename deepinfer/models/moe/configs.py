@@ -51,3 +51,26 @@ def deepseek_moe(config: PretrainedConfig) -> tuple[MoEDims | None, tuple[bool, 
     dims = MoEDims(config.hidden_size, config.moe_intermediate_size, router, router_fp32=True,
                    score_bias=True, shared_intermediate=shared)
     return dims, tuple(i >= dense for i in range(layers))
+
+
+def deepseek_v4_moe(config: PretrainedConfig) -> tuple[MoEDims, ...]:
+    """DeepSeek-V4, one MoEDims per layer (every layer is MoE): sqrt(softplus) scores (or
+    sigmoid, `scoring_func`), no expert groups, the k weights always renormalised (as
+    transformers does, whatever `norm_topk_prob` says) times `routed_scaling_factor`; one shared
+    expert of `moe_intermediate_size` (transformers builds exactly one); `swiglu_limit` clamps
+    routed and shared experts. "moe" layers pick by score plus a correction bias; "hash_moe"
+    layers (`mlp_layer_types`) take a token-id table's experts and have no bias."""
+    scoring = config.scoring_func
+    if scoring not in ("sqrtsoftplus", "sigmoid"):
+        raise ValueError(f"unsupported DeepSeek-V4 scoring_func {scoring!r}")
+    router = RouterSpec(config.n_routed_experts, config.num_experts_per_tok, scoring=scoring,
+                        renormalize=True, scaling=float(config.routed_scaling_factor))
+    limit = None if config.swiglu_limit is None else float(config.swiglu_limit)
+    # Router in float32 as for V3 (transformers' V4 router runs in the model's dtype: the same
+    # in float32; in bf16 ours rounds less).
+    common = dict(hidden_size=config.hidden_size, intermediate_size=config.moe_intermediate_size,
+                  router=router, router_fp32=True,
+                  shared_intermediate=config.moe_intermediate_size, swiglu_limit=limit)
+    hashed = MoEDims(**common, hash_vocab=config.vocab_size)
+    learned = MoEDims(**common, score_bias=True)
+    return tuple(hashed if kind == "hash_moe" else learned for kind in config.mlp_layer_types)

@@ -1,6 +1,10 @@
 """The MLP of an MoE decoder layer: a router, routed experts (stacked per slot), optionally
 shared experts that every token goes through (DeepSeek).
 
+DeepSeek-V4 adds a clamp of every expert's activation (`swiglu_limit`, shared experts too) and
+hash-routed layers, whose experts are a checkpoint table's row of each token id (`tid2eid`):
+those layers need the step's token ids, forward(x, token_ids).
+
 The router's scores pick k experts per token (ops.route); the runtime turns each route into a
 physical slot and, under expert parallelism, exchanges tokens with the ranks that hold them;
 ops.fused_experts computes the routes this rank's slots serve. Checkpoints name experts one by
@@ -25,8 +29,8 @@ from deepinfer.models.weights import SlotRows, Target
 EXPERT_PROJ = {"gate_proj": ("w13", 0), "up_proj": ("w13", 1), "down_proj": ("w2", None),
                "w1": ("w13", 0), "w3": ("w13", 1), "w2": ("w2", None)}
 _MOE_NAME = re.compile(r"layers\.(\d+)\.(?:mlp|block_sparse_moe)\.(gate\.weight|"
-                       r"gate\.e_score_correction_bias|experts\.(\d+)\.(\w+)\.weight|"
-                       r"shared_experts\.(\w+)\.weight)$")
+                       r"gate\.e_score_correction_bias|gate\.tid2eid|"
+                       r"experts\.(\d+)\.(\w+)\.weight|shared_experts\.(\w+)\.weight)$")
 
 
 @dataclass(frozen=True)
@@ -37,6 +41,23 @@ class MoEDims:
     router_fp32: bool = False  # DeepSeek scores in float32 (weights and activations)
     score_bias: bool = False  # DeepSeek-V3's e_score_correction_bias
     shared_intermediate: int = 0  # shared experts' total width; 0 for none
+    swiglu_limit: float | None = None  # DeepSeek-V4's activation clamp (experts.swiglu)
+    hash_vocab: int = 0  # rows of a hash layer's token id -> experts table; 0: learned top-k
+
+
+class ClampedSharedExperts(GatedMLP):
+    """DeepSeek-V4's shared expert: the gated MLP with the experts' swiglu_limit clamp."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, ops: ModelOps,
+                 limit: float) -> None:
+        super().__init__(hidden_size, intermediate_size, ops)
+        self.limit = limit
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ops = self.ops
+        gate_up = ops.linear(x, self.gate_up_proj.weight, self.gate_up_proj.bias)
+        return ops.linear(ops.swiglu(gate_up, self.limit), self.down_proj.weight,
+                          self.down_proj.bias)
 
 
 class MoEBlock(nn.Module):
@@ -50,20 +71,54 @@ class MoEBlock(nn.Module):
         self.gate = nn.Parameter(torch.empty(dims.router.num_experts, h))
         if dims.score_bias:
             self.e_score_correction_bias = nn.Parameter(torch.empty(dims.router.num_experts))
+        if dims.hash_vocab:
+            # A parameter (not a buffer) so load_mapped fills it; integer, so no dtype cast
+            # touches it.
+            self.tid2eid = nn.Parameter(torch.zeros(dims.hash_vocab, dims.router.top_k,
+                                                    dtype=torch.int64), requires_grad=False)
         self.w13 = nn.Parameter(torch.empty(slots, 2 * f, h))
         self.w2 = nn.Parameter(torch.empty(slots, h, f))
-        self.shared_experts = GatedMLP(h, dims.shared_intermediate, ops) \
-            if dims.shared_intermediate else None
+        self.shared_experts = self._shared(dims, ops)
         runtime.add_block(self)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = self.ops.route(self._router_logits(x), self.dims.router,
-                                      getattr(self, "e_score_correction_bias", None),
-                                      self.runtime.counts(self.layer))
+    @torch.no_grad()
+    def init_dummy_table(self, generator: torch.Generator) -> None:
+        """load_format="dummy": k distinct random experts per token id (init_dummy_weights
+        leaves integer tables to their module)."""
+        if not self.dims.hash_vocab:
+            return
+        rows, k = self.tid2eid.shape
+        noise = torch.rand(rows, self.dims.router.num_experts, generator=generator,
+                           device=self.tid2eid.device)
+        self.tid2eid.copy_(noise.argsort(dim=1)[:, :k])
+
+    @staticmethod
+    def _shared(dims: MoEDims, ops: ModelOps) -> GatedMLP | None:
+        h, width = dims.hidden_size, dims.shared_intermediate
+        if not width:
+            return None
+        if dims.swiglu_limit is None:
+            return GatedMLP(h, width, ops)
+        return ClampedSharedExperts(h, width, ops, dims.swiglu_limit)
+
+    def forward(self, x: torch.Tensor, token_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """x [T, H]; token_ids [T], the step's input ids: read by hash-routed layers only."""
+        weights, ids = self._route(x, token_ids)
         out = self.runtime.run(self.layer, x, weights, ids, self._compute)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out
+
+    def _route(self, x: torch.Tensor, token_ids: torch.Tensor | None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        args = (self._router_logits(x), self.dims.router,
+                getattr(self, "e_score_correction_bias", None), self.runtime.counts(self.layer))
+        if not self.dims.hash_vocab:  # ops whose route() predates fixed_ids still work
+            return self.ops.route(*args)
+        if token_ids is None:
+            raise ValueError(f"MoE layer {self.layer} routes by token id: pass the step's "
+                             f"token_ids to forward()")
+        return self.ops.route(*args, fixed_ids=self.tid2eid[token_ids.long()])
 
     def _router_logits(self, x: torch.Tensor) -> torch.Tensor:
         if self.dims.router_fp32:
@@ -72,9 +127,12 @@ class MoEBlock(nn.Module):
 
     def _compute(self, x: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor,
                  capacity: int | None = None) -> torch.Tensor:
-        if capacity is None:  # an ops class whose fused_experts predates `capacity` still works
-            return self.ops.fused_experts(x, self.w13, self.w2, weights, slots)
-        return self.ops.fused_experts(x, self.w13, self.w2, weights, slots, capacity=capacity)
+        # Optional arguments only when set: an ops class whose fused_experts predates
+        # `capacity` or `swiglu_limit` still serves the models that use neither.
+        extra: dict = {} if capacity is None else {"capacity": capacity}
+        if self.dims.swiglu_limit is not None:
+            extra["swiglu_limit"] = self.dims.swiglu_limit
+        return self.ops.fused_experts(x, self.w13, self.w2, weights, slots, **extra)
 
     # ---- weights -------------------------------------------------------------------------
     def expert_targets(self, prefix: str, expert: int, proj: str) -> list[Target]:
@@ -106,6 +164,8 @@ def moe_checkpoint_target(layers: nn.ModuleList, name: str) -> list[Target] | No
         return [(f"{prefix}.gate", None)]
     if what == "gate.e_score_correction_bias":
         return [(f"{prefix}.e_score_correction_bias", None)]
+    if what == "gate.tid2eid":
+        return [(f"{prefix}.tid2eid", None)]
     if expert is not None:
         return block.expert_targets(prefix, int(expert), proj)
     if shared in ("gate_proj", "up_proj"):

@@ -13,7 +13,8 @@ The design is vLLM's and SGLang's fused_moe, written smaller:
    their programs return at once.
 2. gate-up: a grouped GEMM over those blocks. Each program gathers its rows of x, multiplies
    them by one N tile of the gate and the matching tile of up (two accumulators, same A tile),
-   and writes silu(gate) * up: the [routes, 2F] product never reaches memory.
+   and writes silu(gate) * up: the [routes, 2F] product never reaches memory. DeepSeek-V4's
+   swiglu_limit clamps gate and up first (a constexpr: models without it compile unchanged).
 3. down: a grouped GEMM of that intermediate (rows already in block order, read contiguously)
    with w2, scaled by each route's weight, each row written to its route's row of [T*k, H].
 4. a sum over the k rows of each token in float32, skipping the routes not served here. It is
@@ -38,6 +39,8 @@ import triton
 import triton.language as tl
 
 from deepinfer.backends.cuda.kernels import moe_gemv
+from deepinfer.backends.cuda.kernels.moe_gemv import limit_constexpr as _limit
+from deepinfer.backends.cuda.kernels.moe_gemv import swiglu
 
 _ALIGN_CHUNK = 1024  # routes one align program sorts in registers
 _ALIGN_BLOCKS = 32  # blocks one align program labels per iteration
@@ -223,8 +226,9 @@ def _tile(num_blocks, n_cols, BLOCK_N: tl.constexpr):
 def _gate_up_kernel(x_ptr, w_ptr, routes_ptr, block_slots_ptr, h_ptr, n_routes, top_k, F, H,
                     num_blocks, sx, sw_e, sw_n, sh, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                    PRECISION: tl.constexpr):
-    """h[row] = silu(x[t] @ gate.T) * (x[t] @ up.T) for the route in each sorted row."""
+                    PRECISION: tl.constexpr, LIMIT: tl.constexpr = None):
+    """h[row] = silu(x[t] @ gate.T) * (x[t] @ up.T) for the route in each sorted row; with a
+    LIMIT, silu(min(gate, LIMIT)) * clamp(up, -LIMIT, LIMIT)."""
     pid_m, pid_n = _tile(num_blocks, F, BLOCK_N)
     slot = tl.load(block_slots_ptr + pid_m)
     if slot < 0:
@@ -257,7 +261,7 @@ def _gate_up_kernel(x_ptr, w_ptr, routes_ptr, block_slots_ptr, h_ptr, n_routes, 
         a_ptrs += BLOCK_K
         g_ptrs += BLOCK_K
         u_ptrs += BLOCK_K
-    h = gate / (1.0 + tl.exp(-gate)) * up
+    h = swiglu(gate, up, LIMIT)
     h_ptrs = h_ptr + rows.to(tl.int64)[:, None] * sh + cols[None, :]
     tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=cols[None, :] < F)
 
@@ -321,8 +325,9 @@ def _precision(dtype: torch.dtype) -> str:
 
 
 def moe_gate_up(x: torch.Tensor, w13: torch.Tensor, al: Alignment, top_k: int,
-                tiles: Tiles) -> torch.Tensor:
-    """The first GEMM: silu(gate) * up of each aligned row's route, [rows, F] in x's dtype."""
+                tiles: Tiles, swiglu_limit: float | None = None) -> torch.Tensor:
+    """The first GEMM: silu(gate) * up of each aligned row's route, [rows, F] in x's dtype
+    (gate and up clamped first under a swiglu_limit)."""
     f, h = w13.shape[1] // 2, w13.shape[2]
     blocks = al.block_slots.numel()
     out = torch.empty((al.routes.numel(), f), dtype=x.dtype, device=x.device)
@@ -331,7 +336,8 @@ def moe_gate_up(x: torch.Tensor, w13: torch.Tensor, al: Alignment, top_k: int,
         x, w13, al.routes, al.block_slots, out, top_k * x.shape[0], top_k, f, h, blocks,
         x.stride(0), w13.stride(0), w13.stride(1), out.stride(0), BLOCK_M=al.block_m,
         BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, EVEN_K=h % tiles.block_k == 0,
-        PRECISION=_precision(x.dtype), num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+        PRECISION=_precision(x.dtype), LIMIT=_limit(swiglu_limit), num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages)
     return out
 
 
@@ -381,10 +387,12 @@ def _check(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.
 
 
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-                  slots: torch.Tensor, config: MoeConfig | None = None) -> torch.Tensor:
+                  slots: torch.Tensor, config: MoeConfig | None = None,
+                  swiglu_limit: float | None = None) -> torch.Tensor:
     """sum over j of weights[t, j] * w2[s] @ (silu(w13[s, :F] @ x[t]) * (w13[s, F:] @ x[t])),
     s = slots[t, j], routes with s = -1 skipped. x [T, H]; w13 [S, 2F, H]; w2 [S, H, F];
-    weights [T, k] float32; slots [T, k] int32. Returns [T, H] in x's dtype. No host sync."""
+    weights [T, k] float32; slots [T, k] int32. Returns [T, H] in x's dtype. No host sync.
+    swiglu_limit: silu(min(gate, limit)) * clamp(up, -limit, limit) instead (DeepSeek-V4)."""
     _check(x, w13, w2, weights, slots)
     tokens, top_k = slots.shape
     num_slots = w13.shape[0]
@@ -392,10 +400,11 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
         return torch.zeros_like(x)
     slots, weights = slots.contiguous(), weights.contiguous()
     if config is None and moe_gemv.takes(tokens, top_k, num_slots):
-        return moe_gemv.moe_gemv(x, w13, w2, weights, slots)
+        return moe_gemv.moe_gemv(x, w13, w2, weights, slots, swiglu_limit=swiglu_limit)
     cfg = config or config_for(tokens, top_k, num_slots)
     al = align_routes(slots, num_slots, cfg.block_m)
     size = x.element_size()
-    inter = moe_gate_up(x, w13, al, top_k, fit_tiles(cfg.gate_up, cfg.block_m, size, 2))
+    inter = moe_gate_up(x, w13, al, top_k, fit_tiles(cfg.gate_up, cfg.block_m, size, 2),
+                        swiglu_limit)
     y = moe_down(inter, w2, al, weights.reshape(-1), fit_tiles(cfg.down, cfg.block_m, size, 1))
     return _sum_routes(y, slots, num_slots)

@@ -14,8 +14,10 @@ align and the sum are pure latency. Here:
    sums weight * dot over the k routes in float32 before the one store: no [T*k, H]
    intermediate, no atomics, the same sum order every run.
 
-Routes with slot -1 (served by another rank) or out of range are skipped. Both kernels launch
-with PDL (pdl.py): the slot ids come from the router, so no weight is read before the wait.
+DeepSeek-V4's swiglu_limit clamps gate and up before the product (a constexpr, None for the
+other models). Routes with slot -1 (served by another rank) or out of range are skipped. Both
+kernels launch with PDL (pdl.py): the slot ids come from the router, so no weight is read
+before the wait.
 Grid sizes depend on T, k and the shapes only: CUDA-graph safe.
 """
 from __future__ import annotations
@@ -64,6 +66,21 @@ def takes(tokens: int, top_k: int, slots: int) -> bool:
     return tokens <= MAX_TOKENS and tokens * top_k <= MAX_ROUTES_PER_SLOT * slots
 
 
+def limit_constexpr(swiglu_limit: float | None) -> float | None:
+    """The LIMIT constexpr of a swiglu_limit: a float (one compile per value), None for none."""
+    return None if swiglu_limit is None else float(swiglu_limit)
+
+
+@triton.jit
+def swiglu(gate, up, LIMIT: tl.constexpr):
+    """silu(gate) * up in float32; under a LIMIT, silu(min(gate, LIMIT)) * clamp(up, +-LIMIT)
+    (transformers' DeepseekV4Experts._apply_gate)."""
+    if LIMIT is not None:
+        gate = tl.minimum(gate, LIMIT)
+        up = tl.minimum(tl.maximum(up, -LIMIT), LIMIT)
+    return gate / (1.0 + tl.exp(-gate)) * up
+
+
 @triton.jit
 def _slot_of(slots_ptr, route, S):
     """The route's slot, or -1 when it is not served here."""
@@ -74,8 +91,9 @@ def _slot_of(slots_ptr, route, S):
 @triton.jit
 def _gate_up_gemv_kernel(x_ptr, w_ptr, slots_ptr, h_ptr, F, H, S, sx, sw_e, sw_n, sh,
                          TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         EVEN_K: tl.constexpr, PDL: tl.constexpr):
-    """h[route, rows] = silu(x[t] . gate rows) * (x[t] . up rows) of the route's expert."""
+                         EVEN_K: tl.constexpr, PDL: tl.constexpr, LIMIT: tl.constexpr = None):
+    """h[route, rows] = silu(x[t] . gate rows) * (x[t] . up rows) of the route's expert
+    (gate and up clamped first under a LIMIT)."""
     if PDL:  # let the next kernel launch now; wait for the one ahead (see pdl.py)
         gdc_launch_dependents()
         gdc_wait()
@@ -99,7 +117,7 @@ def _gate_up_gemv_kernel(x_ptr, w_ptr, slots_ptr, h_ptr, F, H, S, sx, sw_e, sw_n
         up += tl.load(u_rows + c, mask=mask, other=0.0).to(tl.float32) * x
     g = tl.sum(gate, axis=1)
     u = tl.sum(up, axis=1)
-    h = g / (1.0 + tl.exp(-g)) * u
+    h = swiglu(g, u, LIMIT)
     tl.store(h_ptr + route.to(tl.int64) * sh + rows, h.to(h_ptr.dtype.element_ty), mask=rows < F)
 
 
@@ -134,7 +152,8 @@ def _down_gemv_kernel(h_ptr, w_ptr, slots_ptr, weights_ptr, y_ptr, H, F, S, sh, 
 
 
 def moe_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-             slots: torch.Tensor, config: MoeGemvConfig = CONFIG) -> torch.Tensor:
+             slots: torch.Tensor, config: MoeGemvConfig = CONFIG,
+             swiglu_limit: float | None = None) -> torch.Tensor:
     """fused_experts for small T (checked by the caller): x [T, H]; w13 [S, 2F, H];
     w2 [S, H, F]; weights [T, k] float32 and slots [T, k] int32, both contiguous."""
     tokens, top_k = slots.shape
@@ -146,7 +165,8 @@ def moe_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torc
     _gate_up_gemv_kernel[(tokens * top_k, triton.cdiv(f, up.block_n))](
         x, w13, slots, inter, f, h, num_slots, x.stride(0), w13.stride(0), w13.stride(1),
         inter.stride(0), TOP_K=top_k, BLOCK_N=up.block_n, BLOCK_K=up.block_k,
-        EVEN_K=h % up.block_k == 0, num_warps=up.num_warps, **pdl)
+        EVEN_K=h % up.block_k == 0, LIMIT=limit_constexpr(swiglu_limit),
+        num_warps=up.num_warps, **pdl)
     _down_gemv_kernel[(tokens, triton.cdiv(h, down.block_n))](
         inter, w2, slots, weights, out, h, f, num_slots, inter.stride(0), w2.stride(0),
         w2.stride(1), out.stride(0), TOP_K=top_k, BLOCK_R=triton.next_power_of_2(top_k),
