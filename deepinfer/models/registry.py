@@ -17,6 +17,7 @@ BUILTIN_MODELS: Mapping[str, str] = MappingProxyType({
     "MixtralForCausalLM": "deepinfer.models.llama:LlamaForCausalLM",
     "DeepseekV2ForCausalLM": "deepinfer.models.deepseek_v3:DeepseekV3ForCausalLM",
     "DeepseekV3ForCausalLM": "deepinfer.models.deepseek_v3:DeepseekV3ForCausalLM",
+    "DeepseekV4ForCausalLM": "deepinfer.models.deepseek_v4.model:DeepseekV4ForCausalLM",
 })
 
 

@@ -111,3 +111,17 @@ def test_state_slots_are_per_request_and_come_back():
     assert kv.state_slot("a") is None
     c = _req("c", [1, 2, 3])
     assert kv.allocate(c, 3) and kv.state_slot("c") == slot_a  # freed slots are reused
+
+
+def test_models_with_state_take_no_device_prefix_hits():
+    """Cached pages alone cannot resume a model with per-request state (no state snapshots on
+    the device yet): the same prompt again is a miss."""
+    from deepinfer.core.kv.spec import KVSpec, kv_heads_layer
+
+    spec = KVSpec((kv_heads_layer(1, 4),), state_bytes=64)
+    kv = KVCacheManager(num_blocks=9, block_size=4, spec=spec, num_state_slots=2)
+    first = _req("a", list(range(10)))
+    assert kv.allocate(first, 10)
+    first.num_computed_tokens = 10
+    kv.cache_computed_pages(first)
+    assert kv.find_cached_prefix(_req("b", list(range(10)))) == [[]]

@@ -26,3 +26,10 @@ def test_latent_and_compressed_entries_size_pages():
         spec.chunks(6)
     with pytest.raises(ValueError, match="sliding_window"):
         LayerKV((), sliding_window=0)
+
+
+def test_block_multiple_refuses_other_block_sizes():
+    spec = KVSpec((latent_layer(8),), block_multiple=128)
+    assert len(spec.chunks(256)) == 1
+    with pytest.raises(ValueError, match="multiple of 128"):
+        spec.chunks(64)

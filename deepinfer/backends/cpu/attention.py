@@ -7,7 +7,7 @@ window can see (its table holds the null block before them).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +35,7 @@ class CPUAttentionMeta:
     seq_lens: list[int]
     groups: list[GroupMeta]
     group_of: dict[int, int]  # layer -> group
+    state_slots: list[int] = field(default_factory=list)  # per sequence (models with state)
 
     @classmethod
     def from_batch(cls, batch: ModelBatch, spec: KVSpec) -> "CPUAttentionMeta":
@@ -44,7 +45,8 @@ class CPUAttentionMeta:
         groups = [_group_meta(g, batch, kv.sliding_window)
                   for g, kv in zip(batch.groups, spec.groups)]
         group_of = {layer: g.index for g in spec.groups for layer in g.layers}
-        return cls(starts, list(batch.query_lens), list(batch.seq_lens), groups, group_of)
+        return cls(starts, list(batch.query_lens), list(batch.seq_lens), groups, group_of,
+                   list(batch.state_slots))
 
 
 def _group_meta(group: GroupBatch, batch: ModelBatch, window: int | None) -> GroupMeta:

@@ -50,6 +50,9 @@ class KVCacheManager:
         self.groups = [_Group(num_blocks, w) for w in windows or [None]]
         self.block_size = block_size
         self.enable_caching = enable_caching
+        # A model with per-request state (a compressor's carry-over) cannot resume from cached
+        # pages alone, and device state snapshots do not exist yet: no device prefix hits.
+        self.stateful = spec is not None and spec.state_bytes > 0
         # How many leading pages of each request are already registered in the prefix cache.
         self._cached_pages: dict[str, int] = {}
         self._free_slots = list(range(num_state_slots - 1, -1, -1))
@@ -94,7 +97,7 @@ class KVCacheManager:
         produces the logits the next token is sampled from.
         """
         empty: list[list[KVBlock]] = [[] for _ in self.groups]
-        if not (self.enable_caching and req.use_prefix_cache):
+        if not (self.enable_caching and req.use_prefix_cache) or self.stateful:
             return empty
         bs = self.block_size
         limit = (req.num_tokens - 1) // bs

@@ -83,6 +83,9 @@ class Chunk:
 class KVSpec:
     layers: tuple[LayerKV, ...]
     state_bytes: int = 0  # per-request state besides pages (0: none)
+    # block_size must be a multiple of this: a model whose state is only well defined at
+    # page ends that line up with its compression windows (DeepSeek-V4: 128)
+    block_multiple: int = 1
 
     @cached_property
     def groups(self) -> tuple[KVGroup, ...]:
@@ -110,6 +113,9 @@ class KVSpec:
 
     def chunks(self, block_size: int) -> list[Chunk]:
         """Every (layer, entry) slice of a page, group by group: a page's layout in order."""
+        if block_size % self.block_multiple:
+            raise ValueError(f"this model needs a block_size that is a multiple of "
+                             f"{self.block_multiple}, got {block_size}")
         return [Chunk(g.index, layer, entry, entry.numel_per_block(block_size))
                 for g in self.groups for layer in g.layers for entry in g.kind.entries]
 

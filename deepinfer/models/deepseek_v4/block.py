@@ -1,0 +1,158 @@
+"""One DeepSeek-V4 decoder layer over a flat token list of several sequences.
+
+As transformers' DeepseekV4DecoderLayer: the attention block, then the MLP block, each between
+a hyper-connection collapse of the residual streams and an update of them; the blocks' outputs
+are cast back to the streams' dtype before the update.
+
+The attention block, per step: project every token (q, one K=V vector), write every K=V
+vector into the layer's window pages; then per sequence: run the compressor (and a CSA
+layer's indexer compressor) over its new tokens from its state slot, write the entries they
+emit into the compressed pages, gather its window keys and its compressed entries so far, let
+the indexer pick (CSA) or the causal limit bound (HCA) the entries each query sees, and
+attend (attention.attend, the reference the attention tests compare with transformers).
+Projections run once over the whole step; only the compressor steps, the gathers and the
+attention itself are per sequence.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+
+from deepinfer.models.deepseek_v4.attention import (V4Attention, attend, entries_visible,
+                                                    selected_visible)
+from deepinfer.models.deepseek_v4.cache import SeqView, V4PagedCache
+from deepinfer.models.deepseek_v4.compressor import (CSACompressor, Compressed, Compressor,
+                                                     RMSNorm, build_compressor, select_topk)
+from deepinfer.models.deepseek_v4.hyper import HyperConnection, HyperDims
+from deepinfer.models.ops import ModelOps
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where one model layer keeps its cache."""
+
+    window_layer: int  # the spec layer of its sliding window (the model layer's own index)
+    entries_layer: int | None  # the spec layer of its compressed entries (CSA / HCA)
+    state_offset: int  # elements into a sequence's state slot where its compressors' start
+
+
+@dataclass(frozen=True)
+class _Projected:
+    """A compressed layer's projections of every token of the step (one matmul each)."""
+
+    kv: torch.Tensor  # [T, width] compressor kv_proj
+    gate: torch.Tensor  # [T, width] compressor gate_proj
+    index_kv: torch.Tensor | None = None  # CSA: the indexer compressor's
+    index_gate: torch.Tensor | None = None
+    index_q: torch.Tensor | None = None  # CSA: roped index queries [T, heads, index_head_dim]
+    index_w: torch.Tensor | None = None  # CSA: index head weights [T, heads] float32
+
+
+class V4DecoderLayer(nn.Module):
+    """Parameters under transformers' names (attn_hc, ffn_hc, input_layernorm,
+    post_attention_layernorm, self_attn incl. self_attn.compressor, mlp)."""
+
+    def __init__(self, config: PretrainedConfig, index: int, ops: ModelOps, mlp: nn.Module,
+                 place: Placement) -> None:
+        super().__init__()
+        hyper = HyperDims.from_config(config)
+        self.attn_hc, self.ffn_hc = HyperConnection(hyper, ops), HyperConnection(hyper, ops)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = V4Attention(config, index)
+        compressor = build_compressor(config, config.layer_types[index])
+        if compressor is not None:  # transformers' place for it: self_attn.compressor
+            self.self_attn.compressor = compressor
+        self.mlp, self.place = mlp, place
+
+    @property
+    def compressor(self) -> Compressor | None:
+        return getattr(self.self_attn, "compressor", None)
+
+    def forward(self, streams: torch.Tensor, token_ids: torch.Tensor, positions: torch.Tensor,
+                paged: V4PagedCache) -> torch.Tensor:
+        """streams [T, hc_mult, H] -> the layer's new streams."""
+        x, mix = self.attn_hc.collapse(streams)
+        out = self.attention(self.input_layernorm(x), positions, paged)
+        streams = HyperConnection.update(streams, mix, out.to(streams.dtype))
+        x, mix = self.ffn_hc.collapse(streams)
+        out = self.mlp(self.post_attention_layernorm(x), token_ids)
+        return HyperConnection.update(streams, mix, out.to(streams.dtype))
+
+    # ---- attention ------------------------------------------------------------------------
+    def attention(self, hidden: torch.Tensor, positions: torch.Tensor,
+                  paged: V4PagedCache) -> torch.Tensor:
+        attn, d = self.self_attn, self.self_attn.dims
+        q_residual = attn.q_residual(hidden)
+        q, kv = attn.project(hidden, positions, q_residual)
+        paged.write_window(self.place.window_layer, kv)
+        projected = self._project(hidden, q_residual, positions)
+        out = torch.empty_like(q)
+        for seq in paged.sequences:
+            compressed, visible = None, None
+            if projected is not None:
+                compressed, visible = self._compressed(seq, projected, positions, paged)
+            keys, key_positions = paged.window(seq, self.place.window_layer)
+            out[seq.rows] = attend(q[seq.rows], positions[seq.rows], keys, key_positions,
+                                   compressed, visible, attn.sinks, d.sliding_window, d.scale)
+        return attn.output(out, positions)
+
+    def _project(self, hidden: torch.Tensor, q_residual: torch.Tensor,
+                 positions: torch.Tensor) -> _Projected | None:
+        comp = self.compressor
+        if comp is None:
+            return None
+        kv, gate = comp.kv_proj(hidden), comp.gate_proj(hidden)
+        if not isinstance(comp, CSACompressor):
+            return _Projected(kv, gate)
+        indexer = comp.indexer
+        index_q, index_w = indexer.queries(hidden, q_residual, positions)
+        return _Projected(kv, gate, indexer.kv_proj(hidden), indexer.gate_proj(hidden),
+                          index_q, index_w)
+
+    def _compressed(self, seq: SeqView, projected: _Projected, positions: torch.Tensor,
+                    paged: V4PagedCache) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the sequence's compressed entries so far [N, D], which of them each of its
+        queries sees [Q, N]), after this chunk's entries are written."""
+        comp, layer = self.compressor, self.place.entries_layer
+        count = self._compress(seq, projected, paged)
+        entries = paged.entries(seq, layer, comp.rate, count)
+        query_positions = positions[seq.rows]
+        if not isinstance(comp, CSACompressor):
+            return entries[0], entries_visible(query_positions, count, comp.rate)
+        indexer, rows = comp.indexer, seq.rows
+        picks = select_topk(projected.index_q[rows], projected.index_w[rows], query_positions,
+                            entries[1], indexer.rate, indexer.topk, indexer.softmax_scale)
+        return entries[0], selected_visible(picks, count)
+
+    def _compress(self, seq: SeqView, projected: _Projected, paged: V4PagedCache) -> int:
+        """Run the layer's compressors over the sequence's new tokens, from and back to its
+        state slot, and write the entries they emit; returns its entry count."""
+        comp = self.compressor
+        steps = [(comp, projected.kv, projected.gate)]
+        if isinstance(comp, CSACompressor):  # the indexer's keys: same windows, own weights
+            steps.append((comp.indexer, projected.index_kv, projected.index_gate))
+        offset, emitted = self.place.state_offset, []
+        for compressor, kv, gate in steps:
+            emitted.append(_step(compressor, seq, kv[seq.rows], gate[seq.rows],
+                                 paged.state(seq, offset, compressor.state_numel)))
+            offset += compressor.state_numel
+        paged.write_entries(seq, self.place.entries_layer, comp.rate, emitted[0].indices,
+                            tuple(e.entries for e in emitted))
+        return seq.seq_len // comp.rate
+
+
+def _step(compressor: Compressor, seq: SeqView, kv: torch.Tensor, gate: torch.Tensor,
+          slot: torch.Tensor) -> Compressed:
+    """One compressor over one sequence's chunk; its state slot is read and rewritten."""
+    if seq.start == 0:  # a first chunk (or a recompute after preemption): nothing carried
+        state = compressor.initial_state(kv.dtype, kv.device)
+    else:
+        state = compressor.unpack_state(slot, seq.start)
+    out, state = compressor.compress(kv, gate, seq.start, state)
+    # pack_state builds a new tensor before the copy, so views of the old slot are safe.
+    slot.copy_(compressor.pack_state(state))
+    return out

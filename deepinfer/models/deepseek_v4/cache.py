@@ -1,0 +1,104 @@
+"""DeepSeek-V4's paged storage, as its model reads and writes it over the torch backends'
+`PagedCache`: the one place that knows where a sequence's window keys, compressed entries and
+compressor state live. The attention math (models/deepseek_v4/attention.py, compressor.py)
+never sees a slot id.
+
+The KV spec (model.py) gives every model layer a windowed spec layer with one K=V vector per
+token, and every CSA / HCA layer one more, full-attention spec layer with its compressed
+entries (CSA: `compressed` and `index_key`, one per 4 tokens; HCA: `compressed`, one per
+`rate` tokens). Entry w of a sequence lives in its block table's page w * rate // block_size at
+offset w % (block_size // rate). That is the token slot of position w * rate divided by rate,
+so the token slots a backend's step metadata lists (CPUAttentionMeta.groups[g].context_slots:
+positions 0..seq_len-1 for a full group) locate the entries without new metadata.
+
+The compressors' carry-over lives in the sequence's state slot (`PagedCache.state`, bytes),
+each compressed layer at a fixed element offset, in the projections' dtype.
+
+This reads the CPU backend's step metadata (`CPUAttentionMeta`'s fields, duck-typed so the
+model package does not import a backend); a backend with other metadata (CUDA) needs its own
+kernels for this data path.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class SeqView:
+    """One sequence of the step: its rows of the flat token list and its positions."""
+
+    index: int  # in the step's sequence list
+    rows: slice  # its new tokens in the flat list
+    start: int  # position of its first new token (0: its first chunk, a fresh state)
+    seq_len: int  # tokens once this step is done
+    state_slot: int | None
+
+
+class V4PagedCache:
+    """One step's view of the paged cache: writes and gathers by sequence."""
+
+    def __init__(self, cache: Any, meta: Any, dtype: torch.dtype) -> None:
+        if not all(hasattr(meta, f) for f in ("query_starts", "groups", "state_slots")):
+            raise NotImplementedError(
+                "DeepSeek-V4 runs on the CPU backend for now: its paged data path reads "
+                f"CPUAttentionMeta, not {type(meta).__name__}")
+        self.cache, self.meta, self.dtype = cache, meta, dtype
+        slots = meta.state_slots or [None] * len(meta.query_starts)
+        self.sequences = [
+            SeqView(i, slice(start, start + qlen), seq_len - qlen, seq_len, slot)
+            for i, (start, qlen, seq_len, slot) in enumerate(
+                zip(meta.query_starts, meta.query_lens, meta.seq_lens, slots))]
+
+    def _group(self, layer: int) -> Any:
+        return self.meta.groups[self.meta.group_of[layer]]
+
+    # ---- the sliding window (every layer) -----------------------------------------------
+    def write_window(self, layer: int, kv: torch.Tensor) -> None:
+        """Every token's K=V vector [T, D] into the layer's window pages."""
+        (window,) = self.cache.layer(layer)
+        window.index_copy_(0, self._group(layer).slot_mapping, kv.to(window.dtype))
+
+    def window(self, seq: SeqView, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(keys [K, D], their positions [K]): every key the sequence's new queries can see
+        in the window, the new tokens' included (written first)."""
+        g = self._group(layer)
+        (window,) = self.cache.layer(layer)
+        start = g.key_starts[seq.index]
+        return window.index_select(0, g.context_slots[seq.index]), \
+            torch.arange(start, seq.seq_len, device=window.device)
+
+    # ---- compressed entries (CSA / HCA layers' second spec layer) ------------------------
+    def _entry_rows(self, seq: SeqView, layer: int, indices: torch.Tensor,
+                    rate: int) -> torch.Tensor:
+        """Rows of entries `indices` of the sequence in the layer's entry tensors: the token
+        slot of each entry's first source position, divided by the rate."""
+        token_slots = self._group(layer).context_slots[seq.index]  # positions 0..seq_len-1
+        return torch.div(token_slots[indices * rate], rate, rounding_mode="floor")
+
+    def write_entries(self, seq: SeqView, layer: int, rate: int, indices: torch.Tensor,
+                      values: tuple[torch.Tensor, ...]) -> None:
+        """Entries number `indices` of the sequence: values[e] [m, *shape] into the layer's
+        e-th entry tensor (compressed, then index_key on CSA layers)."""
+        if indices.numel() == 0:
+            return
+        rows = self._entry_rows(seq, layer, indices.to(torch.long), rate)
+        for tensor, value in zip(self.cache.layer(layer), values):
+            tensor.index_copy_(0, rows, value.to(tensor.dtype))
+
+    def entries(self, seq: SeqView, layer: int, rate: int, count: int
+                ) -> tuple[torch.Tensor, ...]:
+        """The sequence's entries 0..count-1 of each of the layer's entry tensors."""
+        tensors = self.cache.layer(layer)
+        rows = self._entry_rows(seq, layer, torch.arange(count, device=tensors[0].device), rate)
+        return tuple(t.index_select(0, rows) for t in tensors)
+
+    # ---- compressor state ---------------------------------------------------------------
+    def state(self, seq: SeqView, offset: int, numel: int) -> torch.Tensor:
+        """A view of elements [offset, offset + numel) of the sequence's state slot, in the
+        model's dtype (writes go straight to the slot)."""
+        if seq.state_slot is None or self.cache.state is None:
+            raise RuntimeError("DeepSeek-V4 needs a state slot per running sequence")
+        return self.cache.state[seq.state_slot].view(self.dtype)[offset:offset + numel]

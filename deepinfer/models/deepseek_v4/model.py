@@ -1,0 +1,153 @@
+"""DeepSeek-V4 (`DeepseekV4ForCausalLM`) served by the engine: embedding, mHC streams,
+decoder layers (block.py), the hyper head, the final norm and the LM head, equal to
+transformers' DeepseekV4ForCausalLM.
+
+KV spec. Spec layers 0..L-1 are the model layers' sliding windows (one K=V vector of head_dim
+per token, `sliding_window` wide: one windowed KV group); each CSA / HCA layer adds one full
+spec layer after them with its compressed entries (compressor.layer_cache_entries: a CSA group
+and an HCA group). So the KV groups machinery runs as for any model: the window group frees
+the pages out of the window, the compressed groups keep theirs, and page i names tokens
+[i * block_size, (i + 1) * block_size) in every group.
+
+State. A sequence's state slot holds every compressed layer's carry-over, layer by layer
+(CSA: compressor then indexer), packed by the compressors (`pack_state`), in the model's
+dtype; `state_bytes` is their sum. A sequence's first chunk starts from a fresh state.
+Device prefix hits are refused for models with state (core/kv/manager.py).
+
+block_size must be a multiple of 128 (`KVSpec.block_multiple`): at such a page end every
+compressor's open window is empty (128 is V4's HCA rate, a multiple of CSA's 4), which is
+where state snapshots for prefix caching will be taken.
+
+Dtypes as transformers loads V4 (_keep_in_fp32_modules_strict): norms, sinks, position biases,
+the mHC parameters and the router stay float32 (`fp32_params`, restored by the runner after
+its cast); the rope tables are recomputed in float32 by init_buffers.
+"""
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+
+from deepinfer.core.kv.spec import CacheEntry, KVSpec, LayerKV
+from deepinfer.models.deepseek_v4 import names
+from deepinfer.models.deepseek_v4.attention import SLIDING, V4Attention, rope_inv_freq
+from deepinfer.models.deepseek_v4.block import Placement, V4DecoderLayer
+from deepinfer.models.deepseek_v4.cache import V4PagedCache
+from deepinfer.models.deepseek_v4.compressor import (Compressor, RMSNorm, compress_rope,
+                                                     layer_cache_entries, layer_state_numel)
+from deepinfer.models.deepseek_v4.hyper import HyperDims, HyperHead, expand, init_hyper_buffers
+from deepinfer.models.deepseek_v4.moe_names import moe_tensors
+from deepinfer.models.moe.configs import deepseek_v4_moe, moe_runtime
+from deepinfer.models.moe.layer import MoEBlock
+from deepinfer.models.ops import ModelOps
+from deepinfer.models.weights import Target, load_mapped
+
+PAGE_MULTIPLE = 128
+
+
+def _check_supported(config: PretrainedConfig) -> None:
+    if getattr(config, "quantization_config", None):
+        raise ValueError("quantized DeepSeek-V4 checkpoints (FP8 / FP4 experts) are not "
+                         "supported yet; use a bf16 or fp32 checkpoint")
+    if getattr(config, "num_key_value_heads", 1) != 1:
+        raise ValueError("DeepSeek-V4 attention has one shared K=V head; "
+                         f"num_key_value_heads={config.num_key_value_heads}")
+
+
+def placements(config: PretrainedConfig) -> list[Placement]:
+    """Each model layer's window spec layer, compressed-entries spec layer (after all the
+    window layers) and state offset (elements)."""
+    out, extra, offset = [], config.num_hidden_layers, 0
+    for i, kind in enumerate(config.layer_types):
+        if kind == SLIDING:
+            out.append(Placement(i, None, 0))
+            continue
+        out.append(Placement(i, extra, offset))
+        extra += 1
+        offset += layer_state_numel(config, kind)
+    return out
+
+
+class DeepseekV4ForCausalLM(nn.Module):
+    def __init__(self, config: PretrainedConfig, ops: ModelOps, max_model_len: int) -> None:
+        super().__init__()
+        _check_supported(config)
+        self.config, self.ops, self.max_model_len = config, ops, max_model_len
+        num_layers = config.num_hidden_layers
+        moe = deepseek_v4_moe(config)
+        self.moe = moe_runtime(moe[0], (True,) * num_layers, ops)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            V4DecoderLayer(config, i, ops, MoEBlock(moe[i], i, ops, self.moe), place)
+            for i, place in enumerate(placements(config)))
+        self.hc_head = HyperHead(HyperDims.from_config(config), ops)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = None if config.tie_word_embeddings else \
+            nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.state_numel = sum(layer_state_numel(config, t) for t in config.layer_types)
+        _keep_float32(self)
+
+    @property
+    def needs_collectives(self) -> bool:
+        """MoE layers exchange tokens with the other ranks in every forward."""
+        return self.moe is not None and self.moe.exchange is not None
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The activations' (and the compressor state's) dtype."""
+        return self.embed_tokens.weight.dtype
+
+    def kv_spec(self) -> KVSpec:
+        c = self.config
+        window = LayerKV((CacheEntry("kv", (c.head_dim,)),), sliding_window=c.sliding_window)
+        compressed = [LayerKV(layer_cache_entries(c, t)) for t in c.layer_types if t != SLIDING]
+        state_bytes = self.state_numel * self.embed_tokens.weight.element_size()
+        return KVSpec(tuple([window] * c.num_hidden_layers + compressed), state_bytes,
+                      block_multiple=PAGE_MULTIPLE)
+
+    def init_buffers(self, device: torch.device | str) -> None:
+        """Rope tables in float32 (a meta-device build leaves them empty, the dtype cast
+        would round them), the mHC norms' unit weights, the MoE runtime."""
+        for module in self.modules():
+            if isinstance(module, V4Attention):
+                module.inv_freq = rope_inv_freq(self.config, module.dims.rope_label)[0].to(device)
+            elif isinstance(module, Compressor):
+                module.rope_inv_freq = compress_rope(self.config)[0].to(device)
+        init_hyper_buffers(self, device)
+        if self.moe is not None:
+            self.moe.to(device)
+
+    # ---- forward ---------------------------------------------------------------------------
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: Any
+                ) -> torch.Tensor:
+        paged = V4PagedCache(self.ops.cache, meta, self.dtype)
+        streams = expand(self.embed_tokens(input_ids), self.config.hc_mult)
+        for layer in self.layers:
+            streams = layer(streams, input_ids, positions, paged)
+        return self.norm(self.hc_head(streams))
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return self.ops.linear(hidden, weight).float()
+
+    # ---- checkpoint ------------------------------------------------------------------------
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        load_mapped(self, moe_tensors(weights), self.checkpoint_target)
+
+    def checkpoint_target(self, name: str) -> Target | list[Target] | None:
+        return names.checkpoint_target(self.layers, name)
+
+
+def _keep_float32(model: nn.Module) -> None:
+    """transformers' _keep_in_fp32_modules_strict as the runner's `fp32_params`: the parts
+    the attention and compressor modules do not declare themselves."""
+    for module in model.modules():
+        if isinstance(module, V4Attention):
+            module.fp32_params = ("sinks",)
+            module.q_a_norm.fp32_params = module.kv_norm.fp32_params = ("weight",)
+        elif isinstance(module, Compressor):
+            module.fp32_params = ("position_bias",)
+        elif isinstance(module, RMSNorm):
+            module.fp32_params = ("weight",)
