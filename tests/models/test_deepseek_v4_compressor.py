@@ -174,8 +174,24 @@ def test_state_slot_sizes_and_pages():
     assert layer_state_numel(config, CSA) == (2 * 3 * 1024 + 2 * 4 * 512) + (2 * 3 * 256
                                                                              + 2 * 4 * 128)
     assert layer_state_numel(config, "sliding_attention") == 0
-    assert [e.entries_per_block(128) for e in layer_cache_entries(config, CSA)] == [32, 32]
+    assert [e.entries_per_block(128) for e in layer_cache_entries(config, CSA)] == [32, 32, 1]
     assert [e.entries_per_block(128) for e in layer_cache_entries(config, HCA)] == [1]
+
+
+@torch.no_grad()
+def test_page_end_rows_resume_like_the_state(hidden):
+    """page_end_rows (what a CSA layer writes into its page_state entry) as of position 128,
+    from a chunk that starts inside a window, resumes the sequence as the carried state does."""
+    config = _config(128)
+    comp = build_compressor(config, CSA)
+    comp.load_state_dict(_attention(config, 0).compressor.state_dict())
+    full, _ = comp(hidden, 0, comp.initial_state(torch.float32))
+    _, mid = comp(hidden[:126], 0, comp.initial_state(torch.float32))
+    chunk = hidden[126:130]
+    rows = comp.page_end_rows(mid, comp.kv_proj(chunk), comp.gate_proj(chunk), [128])
+    assert rows.shape == (1, comp.page_state_numel)
+    rest, _ = comp(hidden[128:], 128, comp.resume_state(rows[0], 128))
+    torch.testing.assert_close(rest.entries, full.entries[32:], atol=0, rtol=0)
 
 
 @torch.no_grad()

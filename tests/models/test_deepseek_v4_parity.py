@@ -139,15 +139,30 @@ def test_batched_chunked_greedy_matches_transformers(engine_run, reference, prom
         _assert_reference_greedy(reference, prompt, out)
 
 
-def test_state_slots_come_back_and_device_prefix_hits_are_skipped(engine_run, prompts):
-    llm, greedy, outs = engine_run
+def test_state_slots_come_back(engine_run):
+    llm, _, _ = engine_run
     kv = llm.engine.kv
     slots = llm.engine.config.scheduler.max_num_seqs
     assert kv.stateful and not kv._slots and sorted(kv._free_slots) == list(range(slots))
-    hits = kv.stats.hits
-    again = llm.generate([prompts[2]], greedy)[0].outputs[0].token_ids
-    assert again == outs[2] and kv.stats.hits == hits == 0  # its pages are cached, not used
-    assert not kv._slots
+
+
+def test_device_prefix_hits_resume_from_page_state(checkpoint, engine_run, reference, prompts):
+    """Requests sharing 2 and 1 pages with the finished 263-token prompt hit those pages and
+    resume the CSA carry-over (the last closed window's Ca rows) from the page_state entry of
+    the hit's last page: the same tokens as without caching, and transformers' greedy path."""
+    llm, greedy, _ = engine_run
+    long, other = prompts[2], prompts[0]
+    shared = [long[:256] + other[:20], long[:128] + other[:30]]
+    outs = llm.generate(shared, greedy)
+    assert [o.num_cached_tokens for o in outs] == [256, 128]
+    assert not llm.engine.kv._slots
+    plain = LLM(checkpoint, dtype="float32", accelerator="cpu", kv_cache_memory_gb=0.05,
+                load_tokenizer=False, max_num_batched_tokens=48, enable_prefix_caching=False)
+    cold = plain.generate(shared, greedy)
+    assert [o.num_cached_tokens for o in cold] == [0, 0]
+    for prompt, out, ref in zip(shared, outs, cold):
+        assert out.outputs[0].token_ids == ref.outputs[0].token_ids
+        _assert_reference_greedy(reference, prompt, out.outputs[0].token_ids)
 
 
 def test_preempted_requests_restart_from_a_fresh_state(checkpoint, engine_run, prompts):
@@ -167,8 +182,11 @@ def test_kv_spec_groups_state_and_block_size(checkpoint):
         spec = DeepseekV4ForCausalLM(config, None, 1024).kv_spec()
     assert [(g.layers, g.sliding_window) for g in spec.groups] == [((0, 1, 2), 16),
                                                                     ((3,), None), ((4,), None)]
-    assert [(e.name, e.rate) for e in spec.groups[1].kind.entries] == [("compressed", 4),
-                                                                        ("index_key", 4)]
+    assert [(e.name, e.rate) for e in spec.groups[1].kind.entries] == [
+        ("compressed", 4), ("index_key", 4), ("page_state", 128)]
+    # the Ca kv + gate rows of a CSA window as of a page end: compressor, then indexer
+    assert spec.groups[1].kind.entries[2].shape == (2 * 4 * 32 + 2 * 4 * 16,)
+    assert spec.state_in_pages
     # CSA: compressor (2*3*64 + 2*4*32) + indexer (2*3*32 + 2*4*16); HCA: 2*31*32; float32
     assert spec.state_bytes == (640 + 320 + 1984) * 4
     with pytest.raises(ValueError, match="multiple of 128"):

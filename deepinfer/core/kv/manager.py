@@ -51,8 +51,9 @@ class KVCacheManager:
         self.block_size = block_size
         self.enable_caching = enable_caching
         # A model with per-request state (a compressor's carry-over) cannot resume from cached
-        # pages alone, and device state snapshots do not exist yet: no device prefix hits.
+        # pages alone unless its pages store that state: else no device prefix hits.
         self.stateful = spec is not None and spec.state_bytes > 0
+        self.no_prefix_hits = self.stateful and not spec.state_in_pages
         # How many leading pages of each request are already registered in the prefix cache.
         self._cached_pages: dict[str, int] = {}
         self._free_slots = list(range(num_state_slots - 1, -1, -1))
@@ -97,7 +98,7 @@ class KVCacheManager:
         produces the logits the next token is sampled from.
         """
         empty: list[list[KVBlock]] = [[] for _ in self.groups]
-        if not (self.enable_caching and req.use_prefix_cache) or self.stateful:
+        if not (self.enable_caching and req.use_prefix_cache) or self.no_prefix_hits:
             return empty
         bs = self.block_size
         limit = (req.num_tokens - 1) // bs

@@ -86,6 +86,9 @@ class KVSpec:
     # block_size must be a multiple of this: a model whose state is only well defined at
     # page ends that line up with its compression windows (DeepSeek-V4: 128)
     block_multiple: int = 1
+    # The state as of every page end is stored in the pages themselves (DeepSeek-V4's
+    # page_state entries): a request can resume from cached pages, so prefix hits are allowed.
+    state_in_pages: bool = False
 
     @cached_property
     def groups(self) -> tuple[KVGroup, ...]:

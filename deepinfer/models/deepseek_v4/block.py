@@ -24,8 +24,9 @@ from transformers import PretrainedConfig
 from deepinfer.models.deepseek_v4.attention import (V4Attention, attend, entries_visible,
                                                     selected_visible)
 from deepinfer.models.deepseek_v4.cache import SeqView, V4PagedCache
-from deepinfer.models.deepseek_v4.compressor import (CSACompressor, Compressed, Compressor,
-                                                     RMSNorm, build_compressor, select_topk)
+from deepinfer.models.deepseek_v4.compressor import (PAGE_TOKENS, CSACompressor, Compressed,
+                                                     Compressor, CompressorState, RMSNorm,
+                                                     build_compressor, select_topk)
 from deepinfer.models.deepseek_v4.hyper import HyperConnection, HyperDims
 from deepinfer.models.ops import ModelOps
 
@@ -130,28 +131,51 @@ class V4DecoderLayer(nn.Module):
 
     def _compress(self, seq: SeqView, projected: _Projected, paged: V4PagedCache) -> int:
         """Run the layer's compressors over the sequence's new tokens, from and back to its
-        state slot, and write the entries they emit; returns its entry count."""
-        comp = self.compressor
+        state slot, and write the entries they emit (and, CSA, the carry-over as of every page
+        end of the chunk into that page); returns its entry count."""
+        comp, layer = self.compressor, self.place.entries_layer
         steps = [(comp, projected.kv, projected.gate)]
         if isinstance(comp, CSACompressor):  # the indexer's keys: same windows, own weights
             steps.append((comp.indexer, projected.index_kv, projected.index_gate))
-        offset, emitted = self.place.state_offset, []
+        # A chunk starting at a page end reads the carry-over the page stores: after a prefix
+        # hit the state slot holds nothing of this sequence, and otherwise the two are equal.
+        resume = isinstance(comp, CSACompressor) and seq.start > 0 \
+            and seq.start % PAGE_TOKENS == 0
+        stored = paged.page_state(seq, layer, seq.start // PAGE_TOKENS - 1) if resume else None
+        ends = list(range((seq.start // PAGE_TOKENS + 1) * PAGE_TOKENS, seq.seq_len + 1,
+                          PAGE_TOKENS))
+        offset, page_offset, emitted, page_rows = self.place.state_offset, 0, [], []
         for compressor, kv, gate in steps:
-            emitted.append(_step(compressor, seq, kv[seq.rows], gate[seq.rows],
-                                 paged.state(seq, offset, compressor.state_numel)))
-            offset += compressor.state_numel
-        paged.write_entries(seq, self.place.entries_layer, comp.rate, emitted[0].indices,
+            n, slot = compressor.page_state_numel, paged.state(seq, offset, compressor.state_numel)
+            kv, gate = kv[seq.rows], gate[seq.rows]
+            own = None if stored is None else stored[page_offset:page_offset + n]
+            state = _start_state(compressor, seq, kv, slot, own)
+            if ends and n:
+                page_rows.append(compressor.page_end_rows(state, kv, gate, ends))
+            emitted.append(_step(compressor, seq, kv, gate, state, slot))
+            offset, page_offset = offset + compressor.state_numel, page_offset + n
+        paged.write_entries(seq, layer, comp.rate, emitted[0].indices,
                             tuple(e.entries for e in emitted))
+        if page_rows:
+            paged.write_page_states(seq, layer, [e // PAGE_TOKENS - 1 for e in ends],
+                                    torch.cat(page_rows, dim=1))
         return seq.seq_len // comp.rate
 
 
+def _start_state(compressor: Compressor, seq: SeqView, kv: torch.Tensor, slot: torch.Tensor,
+                 stored: torch.Tensor | None) -> CompressorState:
+    """The carry-over before the sequence's chunk: fresh at position 0 (a first chunk, or a
+    recompute after preemption), from its page at a page end, else from its state slot."""
+    if seq.start == 0:
+        return compressor.initial_state(kv.dtype, kv.device)
+    if stored is not None:
+        return compressor.resume_state(stored, seq.start)
+    return compressor.unpack_state(slot, seq.start)
+
+
 def _step(compressor: Compressor, seq: SeqView, kv: torch.Tensor, gate: torch.Tensor,
-          slot: torch.Tensor) -> Compressed:
-    """One compressor over one sequence's chunk; its state slot is read and rewritten."""
-    if seq.start == 0:  # a first chunk (or a recompute after preemption): nothing carried
-        state = compressor.initial_state(kv.dtype, kv.device)
-    else:
-        state = compressor.unpack_state(slot, seq.start)
+          state: CompressorState, slot: torch.Tensor) -> Compressed:
+    """One compressor over one sequence's chunk; the state slot is rewritten."""
     out, state = compressor.compress(kv, gate, seq.start, state)
     # pack_state builds a new tensor before the copy, so views of the old slot are safe.
     slot.copy_(compressor.pack_state(state))

@@ -11,6 +11,10 @@ offset w % (block_size // rate). That is the token slot of position w * rate div
 so the token slots a backend's step metadata lists (CPUAttentionMeta.groups[g].context_slots:
 positions 0..seq_len-1 for a full group) locate the entries without new metadata.
 
+A CSA layer's spec layer has a third entry, `page_state` (one per 128 tokens: the compressors'
+carry-over as of that page's end, compressor.py), so a prefix-cache hit or a page copy brings
+the state with the page.
+
 The compressors' carry-over lives in the sequence's state slot (`PagedCache.state`, bytes),
 each compressed layer at a fixed element offset, in the projections' dtype.
 
@@ -25,6 +29,9 @@ from typing import Any
 
 import torch
 
+from deepinfer.models.deepseek_v4.compressor import PAGE_TOKENS
+
+ENTRY_TENSORS = 2  # compressed (+ index_key): the entry tensors; a CSA's page_state follows
 
 @dataclass(frozen=True)
 class SeqView:
@@ -85,15 +92,34 @@ class V4PagedCache:
         if indices.numel() == 0:
             return
         rows = self._entry_rows(seq, layer, indices.to(torch.long), rate)
-        for tensor, value in zip(self.cache.layer(layer), values):
+        for tensor, value in zip(self.cache.layer(layer)[:ENTRY_TENSORS], values):
             tensor.index_copy_(0, rows, value.to(tensor.dtype))
 
     def entries(self, seq: SeqView, layer: int, rate: int, count: int
                 ) -> tuple[torch.Tensor, ...]:
         """The sequence's entries 0..count-1 of each of the layer's entry tensors."""
-        tensors = self.cache.layer(layer)
+        tensors = self.cache.layer(layer)[:ENTRY_TENSORS]
         rows = self._entry_rows(seq, layer, torch.arange(count, device=tensors[0].device), rate)
         return tuple(t.index_select(0, rows) for t in tensors)
+
+    # ---- page-end carry-over (CSA layers' page_state entry) -------------------------------
+    def _page_state(self, layer: int) -> torch.Tensor:
+        return self.cache.layer(layer)[ENTRY_TENSORS]
+
+    def write_page_states(self, seq: SeqView, layer: int, pages: list[int],
+                          values: torch.Tensor) -> None:
+        """values [len(pages), n]: the carry-over as of the end of each page number."""
+        tensor = self._page_state(layer)
+        index = torch.tensor(pages, device=tensor.device)
+        rows = self._entry_rows(seq, layer, index, PAGE_TOKENS)
+        tensor.index_copy_(0, rows, values.to(tensor.dtype))
+
+    def page_state(self, seq: SeqView, layer: int, page: int) -> torch.Tensor:
+        """[n] the carry-over stored as of the end of the sequence's page number `page`."""
+        tensor = self._page_state(layer)
+        rows = self._entry_rows(seq, layer, torch.tensor([page], device=tensor.device),
+                                PAGE_TOKENS)
+        return tensor.index_select(0, rows)[0].to(self.dtype)
 
     # ---- compressor state ---------------------------------------------------------------
     def state(self, seq: SeqView, offset: int, numel: int) -> torch.Tensor:

@@ -29,6 +29,9 @@ gate, also without the bias). As a fixed slot (`pack_state`, in the projections'
 At a 128-token page boundary the open windows are empty (128 % m == 0): only the CSA and
 indexer Ca rows are live. Entries per 128-token page: CSA 32 (+ 32 index keys), HCA 1; entry
 w lies in page w * m // 128, and depends only on tokens before that page's end.
+So each CSA layer also keeps those Ca rows as of every 128-token page end in the page itself
+(`page_state`, compressor then indexer, kv then gate): a sequence resuming at a page end (a
+prefix-cache hit, or any chunk that starts there) reads its carry-over from the pages it hits.
 
 Dtypes as transformers loads V4 (_keep_in_fp32_modules_strict): position_bias and kv_norm stay
 float32 and the projections run in the model dtype, so gates are promoted to fp32 and the
@@ -48,6 +51,7 @@ from deepinfer.core.kv.spec import CacheEntry
 
 CSA = "compressed_sparse_attention"
 HCA = "heavily_compressed_attention"
+PAGE_TOKENS = 128  # one page_state entry per this many tokens (every rate divides it)
 
 
 @dataclass(frozen=True)
@@ -95,8 +99,10 @@ def layer_cache_entries(config: PretrainedConfig, layer_type: str) -> tuple[Cach
         return (CacheEntry("compressed", (config.head_dim,), config.compress_rates[HCA]),)
     if layer_type == CSA:
         rate = config.compress_rates[CSA]
+        page_state = 2 * rate * (config.head_dim + config.index_head_dim)
         return (CacheEntry("compressed", (config.head_dim,), rate),
-                CacheEntry("index_key", (config.index_head_dim,), rate))
+                CacheEntry("index_key", (config.index_head_dim,), rate),
+                CacheEntry("page_state", (page_state,), PAGE_TOKENS))
     return ()
 
 
@@ -224,6 +230,31 @@ class Compressor(nn.Module):
     @property
     def state_numel(self) -> int:
         return state_numel(self.rate, self.head_dim, self.overlap)
+
+    @property
+    def page_state_numel(self) -> int:
+        """Elements of the carry-over at a page end: the last closed window's Ca kv + gate
+        (the open window is empty there); 0 without overlap."""
+        return 2 * self.rate * self.head_dim if self.overlap else 0
+
+    def page_end_rows(self, state: CompressorState, kv: torch.Tensor, gate: torch.Tensor,
+                      ends: list[int]) -> torch.Tensor:
+        """[len(ends), page_state_numel]: the carry-over as of each position in `ends`
+        (window ends inside the chunk of raw rows kv/gate that follows `state`)."""
+        base = state.num_entries * self.rate  # the position of the first tail row
+        kv = torch.cat([state.tail_kv, kv])[:, :self.head_dim]
+        gate = torch.cat([state.tail_gate, gate])[:, :self.head_dim]
+        rows = [torch.cat([kv[e - base - self.rate:e - base].reshape(-1),
+                           gate[e - base - self.rate:e - base].reshape(-1)]) for e in ends]
+        return torch.stack(rows)
+
+    def resume_state(self, flat: torch.Tensor, num_tokens: int) -> CompressorState:
+        """The state at a page end from page_end_rows' packing [page_state_numel]."""
+        n = self.rate * self.head_dim
+        empty = flat.new_zeros(0, self.width)
+        prev_kv, prev_gate = (flat[i * n:(i + 1) * n].view(self.rate, self.head_dim)
+                              for i in range(2))
+        return CompressorState(num_tokens // self.rate, empty, empty, prev_kv, prev_gate)
 
     def _slot_shapes(self) -> list[tuple[int, int]]:
         shapes = [(self.rate - 1, self.width)] * 2

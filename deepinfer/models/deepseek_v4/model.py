@@ -12,11 +12,12 @@ the pages out of the window, the compressed groups keep theirs, and page i names
 State. A sequence's state slot holds every compressed layer's carry-over, layer by layer
 (CSA: compressor then indexer), packed by the compressors (`pack_state`), in the model's
 dtype; `state_bytes` is their sum. A sequence's first chunk starts from a fresh state.
-Device prefix hits are refused for models with state (core/kv/manager.py).
 
 block_size must be a multiple of 128 (`KVSpec.block_multiple`): at such a page end every
-compressor's open window is empty (128 is V4's HCA rate, a multiple of CSA's 4), which is
-where state snapshots for prefix caching will be taken.
+compressor's open window is empty (128 is V4's HCA rate, a multiple of CSA's 4), so the only
+live carry-over is CSA's last closed window, which each CSA layer stores per page
+(`page_state`, compressor.py): a chunk that starts at a page end, e.g. after a device prefix
+hit, resumes from its pages (`KVSpec.state_in_pages`).
 
 Dtypes as transformers loads V4 (_keep_in_fp32_modules_strict): norms, sinks, position biases,
 the mHC parameters and the router stay float32 (`fp32_params`, restored by the runner after
@@ -105,7 +106,7 @@ class DeepseekV4ForCausalLM(nn.Module):
         compressed = [LayerKV(layer_cache_entries(c, t)) for t in c.layer_types if t != SLIDING]
         state_bytes = self.state_numel * self.embed_tokens.weight.element_size()
         return KVSpec(tuple([window] * c.num_hidden_layers + compressed), state_bytes,
-                      block_multiple=PAGE_MULTIPLE)
+                      block_multiple=PAGE_MULTIPLE, state_in_pages=True)
 
     def init_buffers(self, device: torch.device | str) -> None:
         """Rope tables in float32 (a meta-device build leaves them empty, the dtype cast
