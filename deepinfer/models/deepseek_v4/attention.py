@@ -112,26 +112,26 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 # ---- norms --------------------------------------------------------------------------------
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """V4's weighted RMSNorm: float32 statistics *and* float32 weight product, cast once at
-    the end (DeepseekV4RMSNorm, L55-61; the CPU op casts before the weight)."""
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return (weight.float() * xf).to(x.dtype)
+class RMSNorm(nn.Module):
+    """V4's weighted RMSNorm (DeepseekV4RMSNorm, L55-61): a float32 weight, float32 statistics
+    *and* weight product, cast once at the end (the CPU op casts before the weight). Every V4
+    norm with a weight: the layers', the model's, q_a/kv norms, the compressors' kv norms."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim, dtype=torch.float32))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight.float() * xf).to(x.dtype)
 
 
 def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
     """q_b_norm: the float32 reciprocal rms, multiplied in x's dtype (L72-73)."""
     inv = torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps)
     return x * inv.to(x.dtype)
-
-
-class _Weight(nn.Module):
-    """A bare `weight` parameter, so a norm's name reads `<norm>.weight` as in transformers."""
-
-    def __init__(self, size: int) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size, dtype=torch.float32))
 
 
 # ---- the layer ----------------------------------------------------------------------------
@@ -143,10 +143,10 @@ class V4Attention(nn.Module):
         super().__init__()
         self.dims = d = V4AttentionDims.from_config(config, layer)
         self.q_a_proj = nn.Linear(d.hidden_size, d.q_lora_rank, bias=False)
-        self.q_a_norm = _Weight(d.q_lora_rank)
+        self.q_a_norm = RMSNorm(d.q_lora_rank, d.rms_norm_eps)
         self.q_b_proj = nn.Linear(d.q_lora_rank, d.num_heads * d.head_dim, bias=False)
         self.kv_proj = nn.Linear(d.hidden_size, d.head_dim, bias=False)
-        self.kv_norm = _Weight(d.head_dim)
+        self.kv_norm = RMSNorm(d.head_dim, d.rms_norm_eps)
         # Row block g of o_a_proj projects head group g (DeepseekV4GroupedLinear's layout).
         group_in = d.num_heads * d.head_dim // d.o_groups
         self.o_a_proj = nn.Linear(group_in, d.o_groups * d.o_lora_rank, bias=False)
@@ -161,7 +161,7 @@ class V4Attention(nn.Module):
 
     def q_residual(self, hidden: torch.Tensor) -> torch.Tensor:
         """q_a_norm(q_a_proj(h)) [T, q_lora_rank]; CSA's indexer reads it too (L840)."""
-        return rms_norm(self.q_a_proj(hidden), self.q_a_norm.weight, self.dims.rms_norm_eps)
+        return self.q_a_norm(self.q_a_proj(hidden))
 
     def project(self, hidden: torch.Tensor, positions: torch.Tensor,
                 q_residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -173,7 +173,7 @@ class V4Attention(nn.Module):
             q_residual = self.q_residual(hidden)
         q = self.q_b_proj(q_residual).view(-1, d.num_heads, d.head_dim)
         q = apply_rope(unweighted_rms_norm(q, d.rms_norm_eps), cos, sin)
-        kv = rms_norm(self.kv_proj(hidden), self.kv_norm.weight, d.rms_norm_eps)
+        kv = self.kv_norm(self.kv_proj(hidden))
         return q, apply_rope(kv, cos, sin)
 
     def output(self, attn: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

@@ -21,11 +21,11 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from deepinfer.models.deepseek_v4.attention import (V4Attention, attend, entries_visible,
+from deepinfer.models.deepseek_v4.attention import (RMSNorm, V4Attention, attend, entries_visible,
                                                     selected_visible)
 from deepinfer.models.deepseek_v4.cache import SeqView, V4PagedCache
 from deepinfer.models.deepseek_v4.compressor import (PAGE_TOKENS, CSACompressor, Compressed,
-                                                     Compressor, CompressorState, RMSNorm,
+                                                     Compressor, CompressorState,
                                                      build_compressor, select_topk)
 from deepinfer.models.deepseek_v4.hyper import HyperConnection, HyperDims
 from deepinfer.models.ops import ModelOps

@@ -45,9 +45,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
-from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from deepinfer.core.kv.spec import CacheEntry
+from deepinfer.models.deepseek_v4.attention import RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq
 
 CSA = "compressed_sparse_attention"
 HCA = "heavily_compressed_attention"
@@ -111,33 +111,6 @@ def causal_entry_limit(positions: torch.Tensor, rate: int) -> torch.Tensor:
     return torch.div(positions + 1, rate, rounding_mode="floor")
 
 
-def compress_rope(config: PretrainedConfig) -> tuple[torch.Tensor, float]:
-    """(inv_freq [rope_dim / 2], cos/sin scaling) of the "compress" rope, as transformers'
-    DeepseekV4RotaryEmbedding builds it (YaRN with attention_factor 1 on V4 checkpoints)."""
-    params = config.rope_parameters["compress"]
-    kind = params.get("rope_type", "default")
-    if kind != "default":
-        inv_freq, scaling = ROPE_INIT_FUNCTIONS[kind](config, None, layer_type="compress")
-        return inv_freq.float(), float(scaling)
-    dim = int(config.head_dim * params.get("partial_rotary_factor", 1.0))
-    exponents = torch.arange(0, dim, 2, dtype=torch.float) / dim
-    return 1.0 / (params["rope_theta"] ** exponents), 1.0
-
-
-class RMSNorm(nn.Module):
-    """DeepseekV4RMSNorm: fp32 weight, fp32 math, one cast back at the end."""
-
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim, dtype=torch.float32))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (self.weight * h).to(x.dtype)
-
-
 class Compressor(nn.Module):
     """One compressor's parameters under transformers' names, and its chunk step."""
 
@@ -149,7 +122,7 @@ class Compressor(nn.Module):
         self.gate_proj = nn.Linear(config.hidden_size, self.width, bias=False)
         self.position_bias = nn.Parameter(torch.empty(rate, self.width, dtype=torch.float32))
         self.kv_norm = RMSNorm(head_dim, config.rms_norm_eps)
-        inv_freq, self.rope_scaling = compress_rope(config)
+        inv_freq, self.rope_scaling = rope_inv_freq(config, "compress")
         # Not persistent: transformers' rotary buffers are not in the checkpoint either.
         self.register_buffer("rope_inv_freq", inv_freq, persistent=False)
 
@@ -215,17 +188,9 @@ class Compressor(nn.Module):
         return kv, gate
 
     def rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Interleaved rope on the trailing rope dims of x [n, ..., dim] (transformers :150-153
-        and apply_rotary_pos_emb :365-370)."""
-        freqs = positions[:, None].float() * self.rope_inv_freq.to(x.device, torch.float)
-        shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (-1,)
-        cos = (freqs.cos() * self.rope_scaling).to(x.dtype).repeat_interleave(2, -1).view(shape)
-        sin = (freqs.sin() * self.rope_scaling).to(x.dtype).repeat_interleave(2, -1).view(shape)
-        rope_dim = cos.shape[-1]
-        nope, rot = x[..., :-rope_dim], x[..., -rope_dim:]
-        rotated = torch.stack((-rot[..., 1::2], rot[..., 0::2]), dim=-1).flatten(-2)
-        out = (rot.float() * cos + rotated.float() * sin).to(x.dtype)
-        return torch.cat([nope, out], dim=-1)
+        """V4's interleaved rope (attention.py) with the "compress" parameters."""
+        return apply_rope(x, *rope_cos_sin(self.rope_inv_freq, self.rope_scaling, positions,
+                                           x.dtype))
 
     @property
     def state_numel(self) -> int:

@@ -33,11 +33,11 @@ from transformers import PretrainedConfig
 
 from deepinfer.core.kv.spec import CacheEntry, KVSpec, LayerKV
 from deepinfer.models.deepseek_v4 import names
-from deepinfer.models.deepseek_v4.attention import SLIDING, V4Attention, rope_inv_freq
+from deepinfer.models.deepseek_v4.attention import SLIDING, RMSNorm, V4Attention, rope_inv_freq
 from deepinfer.models.deepseek_v4.block import Placement, V4DecoderLayer
 from deepinfer.models.deepseek_v4.cache import V4PagedCache
-from deepinfer.models.deepseek_v4.compressor import (Compressor, RMSNorm, compress_rope,
-                                                     layer_cache_entries, layer_state_numel)
+from deepinfer.models.deepseek_v4.compressor import (Compressor, layer_cache_entries,
+                                                     layer_state_numel)
 from deepinfer.models.deepseek_v4.hyper import HyperDims, HyperHead, expand, init_hyper_buffers
 from deepinfer.models.deepseek_v4.moe_names import moe_tensors
 from deepinfer.models.moe.configs import deepseek_v4_moe, moe_runtime
@@ -115,7 +115,7 @@ class DeepseekV4ForCausalLM(nn.Module):
             if isinstance(module, V4Attention):
                 module.inv_freq = rope_inv_freq(self.config, module.dims.rope_label)[0].to(device)
             elif isinstance(module, Compressor):
-                module.rope_inv_freq = compress_rope(self.config)[0].to(device)
+                module.rope_inv_freq = rope_inv_freq(self.config, "compress")[0].to(device)
         init_hyper_buffers(self, device)
         if self.moe is not None:
             self.moe.to(device)
@@ -147,7 +147,6 @@ def _keep_float32(model: nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, V4Attention):
             module.fp32_params = ("sinks",)
-            module.q_a_norm.fp32_params = module.kv_norm.fp32_params = ("weight",)
         elif isinstance(module, Compressor):
             module.fp32_params = ("position_bias",)
         elif isinstance(module, RMSNorm):
