@@ -11,6 +11,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
+from deepinfer.serve.chat import ChatFormat
 from deepinfer.serve.engine_client import EngineClient, RankView
 from deepinfer.serve.errors import APIError, error_response, http_error_message, validation_message
 from deepinfer.serve.guards import APIKeyMiddleware, BodyLimitMiddleware
@@ -35,6 +36,11 @@ class ServerState:
     limits: RequestLimits = RequestLimits()
     sampling_defaults: dict[str, Any] | None = None  # the checkpoint's generation config
     metrics_public: bool = False  # with an API key: /metrics still open
+    chat_format: ChatFormat | None = None  # None: found from model_dir once, here
+
+    def __post_init__(self) -> None:
+        if self.chat_format is None:
+            self.chat_format = ChatFormat.of(self.model_dir)
 
     def check_constraint(self, spec: Any) -> None:
         """Compile (and cache) a constraint here, so a bad one is a 400 before streaming."""

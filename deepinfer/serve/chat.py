@@ -29,12 +29,26 @@ class RenderedChat:
     forced_prefix: str  # text the assistant turn was opened with (part of the output)
 
 
-def render_chat(tokenizer: Any, model_dir: str, messages: list[dict], tools: list[dict] | None,
+@dataclass(frozen=True)
+class ChatFormat:
+    """How a checkpoint's chats are rendered and read back, found once when the server starts
+    (not per request): its own encoding.py (ours for DeepSeek-V4), else the tokenizer's Jinja
+    template (encoder None); dsml: its tool calls come back in DeepSeek's DSML."""
+
+    encoder: Any = None
+    dsml: bool = False
+
+    @classmethod
+    def of(cls, model_dir: str) -> "ChatFormat":
+        return cls(_encoding_module(model_dir), deepseek_encoding.uses_dsml(model_dir))
+
+
+def render_chat(tokenizer: Any, chat: ChatFormat, messages: list[dict], tools: list[dict] | None,
                 tool_choice: Any, add_generation_prompt: bool = True,
                 template_kwargs: dict | None = None) -> RenderedChat:
     if tool_choice == "none":
         tools = None
-    encoder = _encoding_module(model_dir)
+    encoder = chat.encoder
     if encoder is not None:
         # DeepSeek checkpoints ship encoding.py: their renderer wins over any Jinja template.
         prompt = encoder.encode_messages(messages, tools=tools, **(template_kwargs or {}))

@@ -15,7 +15,7 @@ from deepinfer.serve.router import Route, affinity_key
 from deepinfer.core.sampling import SamplingParams
 from deepinfer.serve.chat import (may_become_tool_call, parse_tool_calls, render_chat,
                                   tool_call_constraint)
-from deepinfer.serve.deepseek_encoding import THINK_OPEN, uses_dsml
+from deepinfer.serve.deepseek_encoding import THINK_OPEN
 from deepinfer.serve.dsml_parser import DsmlMode, finish_reason
 from deepinfer.serve.errors import APIError
 from deepinfer.serve.generation import (Choice, Generation, check_length, route_request,
@@ -110,7 +110,7 @@ async def render(state, messages: list, tools: list[dict] | None = None,
     check_template_kwargs(state.tokenizer, template_kwargs)
     try:
         return await asyncio.to_thread(
-            render_chat, state.tokenizer, state.model_dir, [m.for_template() for m in messages],
+            render_chat, state.tokenizer, state.chat_format, [m.for_template() for m in messages],
             tools, tool_choice, add_generation_prompt, template_kwargs)
     except (ValueError, TypeError, KeyError, AttributeError) as exc:
         raise APIError(f"could not render the chat: {exc}", param="messages") from exc
@@ -140,7 +140,7 @@ async def chat_completions(state, body: ChatCompletionRequest, request: Request)
         raise APIError("tool_choice names a function that is not in tools", param="tool_choice")
     choice = body.tool_choice.model_dump() if hasattr(body.tool_choice, "function") \
         else body.tool_choice
-    dsml = uses_dsml(state.model_dir)
+    dsml = state.chat_format.dsml
     if dsml and choice not in (None, "none", "auto"):
         # A forced call opens the answer with Hermes markup and JSON grammar, not DSML.
         raise APIError("this model takes tool_choice 'auto' or 'none' only", param="tool_choice")

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 
-from deepinfer.serve.chat import render_chat, tool_call_constraint
+from deepinfer.serve.chat import ChatFormat, render_chat, tool_call_constraint
 
 
 class _TemplateTokenizer:
@@ -19,13 +19,13 @@ def test_encoding_py_wins_over_the_template(tmp_path):
         "    names = [t['function']['name'] for t in tools or []]\n"
         "    return 'ENC:' + '/'.join(m['content'] for m in messages) + ':' + ','.join(names)\n")
     tools = [{"type": "function", "function": {"name": "f"}}]
-    rendered = render_chat(_TemplateTokenizer(), str(tmp_path),
+    rendered = render_chat(_TemplateTokenizer(), ChatFormat.of(str(tmp_path)),
                            [{"role": "user", "content": "hi"}], tools, "auto")
     assert rendered.prompt == "ENC:hi:f" and rendered.forced_prefix == ""
 
 
 def test_template_used_without_encoding_py(tmp_path):
-    rendered = render_chat(_TemplateTokenizer(), str(tmp_path),
+    rendered = render_chat(_TemplateTokenizer(), ChatFormat.of(str(tmp_path)),
                            [{"role": "user", "content": "hi"}], None, None)
     assert rendered.prompt == "JINJA:hi"
 
@@ -35,7 +35,7 @@ def test_named_tool_choice_forces_the_call_and_its_schema(tmp_path):
         "type": "object", "properties": {"x": {"type": "integer"}}}}},
              {"type": "function", "function": {"name": "g"}}]
     choice = {"type": "function", "function": {"name": "f"}}
-    rendered = render_chat(_TemplateTokenizer(), str(tmp_path),
+    rendered = render_chat(_TemplateTokenizer(), ChatFormat.of(str(tmp_path)),
                            [{"role": "user", "content": "hi"}], tools, choice)
     assert rendered.prompt.endswith("<tool_call>\n")
     schema = json.loads(tool_call_constraint(tools, choice).spec)

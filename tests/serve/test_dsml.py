@@ -18,7 +18,7 @@ import openai.types.chat as oai
 import pytest
 
 from deepinfer.core.batch import TokenLogprobs
-from deepinfer.serve.chat import render_chat
+from deepinfer.serve.chat import ChatFormat, render_chat
 from deepinfer.serve.deepseek_encoding import encode_messages
 from deepinfer.serve.dsml_parser import (CallArguments, CallStart, DsmlMode, DsmlParser, Text,
                                          openai_deltas, parse)
@@ -159,13 +159,14 @@ class _NoTemplate:
 
 def test_render_chat_uses_ours_for_deepseek_v4_checkpoints(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "deepseek_v4"}))
-    rendered = render_chat(_NoTemplate(), str(tmp_path), [{"role": "user", "content": "hi"}],
-                           [WEATHER, TIME], "auto", template_kwargs={"thinking": True})
+    rendered = render_chat(_NoTemplate(), ChatFormat.of(str(tmp_path)),
+                           [{"role": "user", "content": "hi"}], [WEATHER, TIME], "auto",
+                           template_kwargs={"thinking": True})
     assert rendered.prompt == BOS + "\n\n" + TOOLS_PROMPT + "<｜User｜>hi<｜Assistant｜><think>"
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
     with pytest.raises(ValueError, match="no chat template"):
-        render_chat(_NoTemplate(), str(tmp_path), [{"role": "user", "content": "hi"}], None,
-                    None)
+        render_chat(_NoTemplate(), ChatFormat.of(str(tmp_path)),
+                    [{"role": "user", "content": "hi"}], None, None)
 
 
 def test_markers_are_single_tokens_of_the_real_tokenizer():
@@ -454,7 +455,7 @@ def test_route_stream_without_tools_is_plain_text():
 def test_forced_tool_choice_is_refused_for_deepseek_v4(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "deepseek_v4"}))
     state = SimpleNamespace(limits=RequestLimits(), sampling_defaults={},
-                            model_dir=str(tmp_path))
+                            chat_format=ChatFormat.of(str(tmp_path)))
     for choice in ("required", {"type": "function", "function": {"name": "get_time"}}):
         body = ChatCompletionRequest.model_validate({
             "messages": [{"role": "user", "content": "hi"}], "tools": [TIME],
