@@ -5,7 +5,6 @@ exchanges tokens. Outputs must equal the single-process model's, idle ranks must
 from __future__ import annotations
 
 import multiprocessing as mp
-import socket
 from dataclasses import dataclass, field
 
 import pytest
@@ -16,6 +15,7 @@ from deepinfer.core.config import CacheConfig, EngineConfig, ModelSpec, Schedule
 from deepinfer.core.sampling import SamplingParams
 from deepinfer.llm import LLM
 from tests.checkpoints import make_checkpoint
+from tests.spawned import free_port, spawn_ranks
 
 TIMEOUT_S = 240
 
@@ -82,25 +82,11 @@ def _run_rank(job: RankJob, out: mp.Queue) -> None:
 
 
 def run_ranks(jobs: list[RankJob]) -> list[RankResult]:
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    procs = [ctx.Process(target=_run_rank, args=(job, out), daemon=True) for job in jobs]
-    for p in procs:
-        p.start()
-    try:
-        results = dict(out.get(timeout=TIMEOUT_S) for _ in jobs)
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-    return [results[r] for r in range(len(jobs))]
+    return spawn_ranks(_run_rank, [(job,) for job in jobs], TIMEOUT_S)
 
 
 def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_port()
 
 
 def _prompts(n: int, seed: int = 0) -> list[list[int]]:

@@ -6,7 +6,6 @@ StaticMoEOps against the plain CPU ops."""
 from __future__ import annotations
 
 import multiprocessing as mp
-import socket
 from dataclasses import dataclass
 
 import pytest
@@ -27,6 +26,7 @@ from deepinfer.core.sampling import SamplingParams
 from deepinfer.models.moe.experts import fused_experts_reference
 from deepinfer.models.moe.routing import RouterSpec, select_experts
 from tests.checkpoints import make_checkpoint
+from tests.spawned import free_port, spawn_ranks
 
 H, F, K, SLOTS_PER_RANK, LAYERS = 16, 8, 2, 4, 2
 TIMEOUT_S = 120
@@ -273,23 +273,8 @@ def _block_through_runtime(rank: int, world: int) -> tuple:
 
 
 def _run_ranks(world: int) -> list[dict]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    procs = [ctx.Process(target=_exchange_rank, args=(r, world, port, out), daemon=True)
-             for r in range(world)]
-    for proc in procs:
-        proc.start()
-    try:
-        results = dict(out.get(timeout=TIMEOUT_S) for _ in procs)
-    finally:
-        for proc in procs:
-            proc.join(timeout=10)
-            if proc.is_alive():
-                proc.kill()
-    return [results[r] for r in range(world)]
+    port = free_port()
+    return spawn_ranks(_exchange_rank, [(r, world, port) for r in range(world)], TIMEOUT_S)
 
 
 @pytest.mark.parametrize("world", [2, 4])
