@@ -21,6 +21,7 @@ from deepinfer.backends.cuda.kernels.mla_attention import (paged_mla_decode, pag
 from deepinfer.backends.cuda.kernels.norm import add_rms_norm, rms_norm
 from deepinfer.backends.cuda.kernels.prefill_attention import paged_prefill_attention
 from deepinfer.backends.cuda.kernels.rotary import apply_rotary_, rotary_store_kv_
+from deepinfer.backends.cuda.kernels.rotary_decode import SplitCounters, rotary_decode_attention
 from deepinfer.backends.cuda.step_inputs import AttentionMeta
 from deepinfer.backends.paged_cache import PagedCache
 from deepinfer.models.moe.routing import RouteCounts, RouterSpec
@@ -31,6 +32,7 @@ class CUDAOps(ModelOps):
     def __init__(self, cache: PagedCache, use_gemv: bool = True) -> None:
         self.cache = cache
         self.use_gemv = use_gemv  # off: every projection goes to cuBLAS (for comparison)
+        self.split_counters = SplitCounters()  # the one-kernel decode's merge tickets
 
     def _window(self, layer: int) -> int:
         return self.cache.spec.layers[layer].sliding_window or 0
@@ -71,7 +73,8 @@ class CUDAOps(ModelOps):
                          positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                          layer: int, meta: AttentionMeta, qk_norm: QKNorm | None = None
                          ) -> torch.Tensor:
-        """Rotary (and Qwen3's q/k norm, when it covers the head) fused into the KV write."""
+        """Rotary (and Qwen3's q/k norm, when it covers the head) fused into the KV write, and
+        at decode into the attention too (rotary_decode.py)."""
         fused_norm = None
         if qk_norm is not None and cos.shape[-1] == q.shape[-1] and \
                 qk_norm.q_weight.dtype == qk_norm.k_weight.dtype == q.dtype:
@@ -80,6 +83,13 @@ class CUDAOps(ModelOps):
             q = self.rms_norm(q, qk_norm.q_weight, qk_norm.eps)
             k = self.rms_norm(k, qk_norm.k_weight, qk_norm.eps)
         k_cache, v_cache = self.cache.layer(layer)
+        if meta.decode and cos.shape[-1] == q.shape[-1]:
+            # Decode: rotary, KV write, attention and split merge in one kernel.
+            return rotary_decode_attention(
+                q, k, v, positions, cos, sin, k_cache, v_cache, meta.slot_mapping,
+                meta.block_tables, meta.seq_lens, self.cache.block_size,
+                1.0 / math.sqrt(q.shape[-1]), meta.num_splits, self.split_counters,
+                window=self._window(layer), qk_norm=fused_norm)
         rotary_store_kv_(q, k, v, positions, cos, sin, k_cache, v_cache, meta.slot_mapping,
                          fused_norm)
         return self._attend(q, layer, meta)
