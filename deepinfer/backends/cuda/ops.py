@@ -33,6 +33,9 @@ class CUDAOps(ModelOps):
         self.cache = cache
         self.use_gemv = use_gemv  # off: every projection goes to cuBLAS (for comparison)
         self.split_counters = SplitCounters()  # the one-kernel decode's merge tickets
+        # DEEPINFER_CUDA_FUSED_DECODE=0: rotary + KV write, then split-K attention, then the
+        # merge, as three kernels (the baseline the one-kernel decode is measured against).
+        self.fused_decode = os.environ.get("DEEPINFER_CUDA_FUSED_DECODE", "1") != "0"
 
     def _window(self, layer: int) -> int:
         return self.cache.spec.layers[layer].sliding_window or 0
@@ -71,8 +74,8 @@ class CUDAOps(ModelOps):
 
     def rotary_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                         layer: int, meta: AttentionMeta, qk_norm: QKNorm | None = None
-                         ) -> torch.Tensor:
+                         layer: int, meta: AttentionMeta, qk_norm: QKNorm | None = None,
+                         prefetch: torch.Tensor | None = None) -> torch.Tensor:
         """Rotary (and Qwen3's q/k norm, when it covers the head) fused into the KV write, and
         at decode into the attention too (rotary_decode.py)."""
         fused_norm = None
@@ -83,13 +86,13 @@ class CUDAOps(ModelOps):
             q = self.rms_norm(q, qk_norm.q_weight, qk_norm.eps)
             k = self.rms_norm(k, qk_norm.k_weight, qk_norm.eps)
         k_cache, v_cache = self.cache.layer(layer)
-        if meta.decode and cos.shape[-1] == q.shape[-1]:
+        if meta.decode and self.fused_decode and cos.shape[-1] == q.shape[-1]:
             # Decode: rotary, KV write, attention and split merge in one kernel.
             return rotary_decode_attention(
                 q, k, v, positions, cos, sin, k_cache, v_cache, meta.slot_mapping,
                 meta.block_tables, meta.seq_lens, self.cache.block_size,
                 1.0 / math.sqrt(q.shape[-1]), meta.num_splits, self.split_counters,
-                window=self._window(layer), qk_norm=fused_norm)
+                window=self._window(layer), qk_norm=fused_norm, prefetch=prefetch)
         rotary_store_kv_(q, k, v, positions, cos, sin, k_cache, v_cache, meta.slot_mapping,
                          fused_norm)
         return self._attend(q, layer, meta)
