@@ -97,8 +97,7 @@ class LlamaAttention(nn.Module):
         k = k.view(tokens, d.num_kv_heads, d.head_dim)
         v = v.view(tokens, d.num_kv_heads, d.head_dim)
         qk_norm = QKNorm(self.q_norm, self.k_norm, d.rms_norm_eps) if d.qk_norm else None
-        out = ops.rotary_attention(q, k, v, positions, cos, sin, self.layer, meta, qk_norm,
-                                   prefetch=self.o_proj.weight)
+        out = ops.rotary_attention(q, k, v, positions, cos, sin, self.layer, meta, qk_norm)
         return ops.linear(out.reshape(tokens, self.q_size), self.o_proj.weight)
 
     def fused_rows(self, shard: int) -> tuple[int, int]:

@@ -74,11 +74,10 @@ class ModelOps(ABC):
 
     def rotary_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                         layer: int, meta: Any, qk_norm: QKNorm | None = None,
-                         prefetch: torch.Tensor | None = None) -> torch.Tensor:
+                         layer: int, meta: Any, qk_norm: QKNorm | None = None
+                         ) -> torch.Tensor:
         """attention() over q and k after rotary(), and after qk_norm's per-head RMSNorm of
-        each if given; q and k may be changed in place. prefetch names the weight read next
-        (o_proj): a hint a backend may use to fetch it meanwhile."""
+        each if given; q and k may be changed in place."""
         if qk_norm is not None:
             q = self.rms_norm(q, qk_norm.q_weight, qk_norm.eps)
             k = self.rms_norm(k, qk_norm.k_weight, qk_norm.eps)

@@ -74,8 +74,8 @@ class CUDAOps(ModelOps):
 
     def rotary_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                         layer: int, meta: AttentionMeta, qk_norm: QKNorm | None = None,
-                         prefetch: torch.Tensor | None = None) -> torch.Tensor:
+                         layer: int, meta: AttentionMeta, qk_norm: QKNorm | None = None
+                         ) -> torch.Tensor:
         """Rotary (and Qwen3's q/k norm, when it covers the head) fused into the KV write, and
         at decode into the attention too (rotary_decode.py)."""
         fused_norm = None
@@ -92,7 +92,7 @@ class CUDAOps(ModelOps):
                 q, k, v, positions, cos, sin, k_cache, v_cache, meta.slot_mapping,
                 meta.block_tables, meta.seq_lens, self.cache.block_size,
                 1.0 / math.sqrt(q.shape[-1]), meta.num_splits, self.split_counters,
-                window=self._window(layer), qk_norm=fused_norm, prefetch=prefetch)
+                window=self._window(layer), qk_norm=fused_norm)
         rotary_store_kv_(q, k, v, positions, cos, sin, k_cache, v_cache, meta.slot_mapping,
                          fused_norm)
         return self._attend(q, layer, meta)

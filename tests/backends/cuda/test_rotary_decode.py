@@ -74,12 +74,9 @@ def _unfused(c: dict, splits: int, window: int):
 def _fused(c: dict, splits: int, window: int, counters: SplitCounters):
     qkv, caches = c["qkv"].clone(), [x.clone() for x in c["caches"]]
     q, k, v = _split(qkv)
-    # A weight to prefetch into L2 (on a GPU; ignored elsewhere): it changes no result.
-    weight = torch.ones(1000, 96, dtype=qkv.dtype, device=DEVICE)
     out = rotary_decode_attention(q, k, v, c["positions"], c["cos"], c["sin"], *caches,
                                   c["slots"], c["tables"], c["seq_lens"], BLOCK, D ** -0.5,
-                                  splits, counters, window=window, qk_norm=c["qk_norm"],
-                                  prefetch=weight)
+                                  splits, counters, window=window, qk_norm=c["qk_norm"])
     assert torch.equal(qkv, c["qkv"])  # q, k and v are read, never written
     return out, caches
 
