@@ -17,6 +17,9 @@ import torch
 import torch.nn.functional as F
 
 from deepinfer.core.accelerator import ParallelContext
+from deepinfer.models.deepseek_v4.paged_ops import (DecodeLens, PagedRows,
+                                                    decode_attention_reference,
+                                                    indexer_topk_reference)
 from deepinfer.models.moe.experts import fused_experts_reference
 from deepinfer.models.moe.routing import RouteCounts, RouterSpec, select_experts
 
@@ -67,6 +70,25 @@ class ModelOps(ABC):
         raise NotImplementedError(f"{type(self).__name__} has no MLA attention")
 
     # ---- composites: reference definitions, overridden where a better kernel exists -------
+    def compressed_decode_attention(self, q: torch.Tensor, window: PagedRows,
+                                    entries: PagedRows | None, picks: torch.Tensor | None,
+                                    lens: DecodeLens, sinks: torch.Tensor, sliding_window: int,
+                                    scale: float) -> torch.Tensor:
+        """DeepSeek-V4 decode attention, one query per sequence q [B, H, D] (roped; keys are
+        the values): softmax over its last `sliding_window` K=V vectors in `window`, the
+        compressed entries it sees in `entries` (picks [B, k] entry numbers, -1 none; None:
+        every entry w < seq_len // rate) and one sink logit per head. Returns [B, H, D]."""
+        return decode_attention_reference(q, window, entries, picks, lens, sinks,
+                                          sliding_window, scale)
+
+    def indexer_topk(self, q: torch.Tensor, weights: torch.Tensor, keys: PagedRows,
+                     lens: DecodeLens, topk: int, scale: float) -> torch.Tensor:
+        """DeepSeek-V4's Lightning indexer for one query per sequence: index queries
+        q [B, heads, d], head weights [B, heads] fp32, paged index keys -> the top
+        min(topk, most entries) entry numbers [B, k] by sum_h w * ReLU(q_h . key) * scale
+        over the entries the query sees, -1 past a sequence's count."""
+        return indexer_topk_reference(q, weights, keys, lens, topk, scale)
+
     def linear(self, x: torch.Tensor, weight: torch.Tensor,
                bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [T, K] @ weight[N, K].T (+ bias)."""

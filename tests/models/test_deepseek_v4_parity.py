@@ -53,9 +53,11 @@ TEXT = (
     "religious works, with law, medicine and the classics close behind.")
 
 
-def make_v4(path: str, _name: str = "v4") -> str:
+def make_v4(path: str, _name: str = "v4", **overrides) -> str:
+    """The checkpoint of CONFIG (with `overrides`), random weights from SEED."""
+    config = {**CONFIG, **overrides}
     torch.manual_seed(SEED)
-    model = transformers.DeepseekV4ForCausalLM(transformers.DeepseekV4Config(**CONFIG)).eval()
+    model = transformers.DeepseekV4ForCausalLM(transformers.DeepseekV4Config(**config)).eval()
     g = torch.Generator().manual_seed(SEED + 1)
     with torch.no_grad():  # what transformers initialises to zeros, made to count
         for name, param in model.named_parameters():
@@ -63,7 +65,7 @@ def make_v4(path: str, _name: str = "v4") -> str:
                 param.normal_(0.0, 0.5, generator=g)
         for layer in model.model.layers:
             if hasattr(layer.mlp.gate, "tid2eid"):  # k distinct experts per token id
-                table = torch.rand(CONFIG["vocab_size"], 8, generator=g).topk(2, dim=1).indices
+                table = torch.rand(config["vocab_size"], 8, generator=g).topk(2, dim=1).indices
                 layer.mlp.gate.tid2eid.copy_(table)
     model.save_pretrained(path)
     return path

@@ -26,6 +26,7 @@ class GroupMeta:
     window: int | None
     decode_slots: torch.Tensor | None  # [B, max_keys] for decode-only steps
     decode_mask: torch.Tensor | None  # [B, 1, 1, max_keys] True where a key is visible
+    block_tables: torch.Tensor  # [B, max_blocks] long, 0-padded (models that locate rows)
 
 
 @dataclass
@@ -63,7 +64,14 @@ def _group_meta(group: GroupBatch, batch: ModelBatch, window: int | None) -> Gro
     if batch.is_decode_only:
         slots, mask = _padded(context)
     return GroupMeta(torch.tensor(group.slot_mapping, dtype=torch.long), key_starts, context,
-                     window, slots, mask)
+                     window, slots, mask, _padded_tables(group.block_tables))
+
+
+def _padded_tables(tables: list[list[int]]) -> torch.Tensor:
+    out = torch.zeros(len(tables), max((len(t) for t in tables), default=0), dtype=torch.long)
+    for i, table in enumerate(tables):
+        out[i, :len(table)] = torch.tensor(table, dtype=torch.long)
+    return out
 
 
 def _padded(context: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -6,6 +6,10 @@ with one host sync per step (the sampled ids); the KV pool sized from the memory
 step leaves; HiCache's host tier moved by a UVA copy kernel. With device="cpu" and
 TRITON_INTERPRET=1 the same code runs on the CPU (no graphs), which is how CI checks the
 backend end to end.
+
+Models with several KV groups or per-request state (DeepSeek-V4) get every group's tables and
+their state slots (group_inputs.py) and run eagerly: their compressors step sequence by
+sequence on the host's schedule, which a decode graph cannot hold, so no graph is captured.
 """
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ from typing import Sequence
 import torch
 
 from deepinfer.backends.cuda.graphs import DecodeGraphs
+from deepinfer.backends.cuda.group_inputs import grouped_inputs
 from deepinfer.backends.cuda.memory import GIB, kv_budget
 from deepinfer.backends.cuda.step_inputs import StepInputs, pack_batch, unpack_batch
 from deepinfer.backends.runner import TorchRunner
@@ -90,10 +95,13 @@ class CUDAAccelerator(Accelerator):
                                   lambda cache: CUDAOps(cache, use_gemv=use_gemv), self.seed)
         self.runner.ops.parallel = self.parallel
         self.info = self.runner.load(spec)
-        if self.info.kv_spec.num_groups != 1:
-            raise ValueError("the nvidia backend serves models with one KV group (every layer "
-                             "alike); this model's layers differ in their KV cache")
         return self.info
+
+    @property
+    def grouped(self) -> bool:
+        """The model has several KV groups or per-request state: eager grouped steps."""
+        kv = self.info.kv_spec
+        return kv.num_groups != 1 or kv.state_bytes > 0
 
     @property
     def model(self) -> torch.nn.Module | None:
@@ -115,17 +123,20 @@ class CUDAAccelerator(Accelerator):
         budget = kv_budget(self.device, cache.gpu_memory_utilization,
                            self._profile_peak(cache.block_size))
         log.info("%s", budget.describe())
-        return self.runner.blocks_in(budget.kv_bytes, cache.block_size)
+        # The engine allocates a state slot per running request beside the pages.
+        state = self.info.kv_spec.state_bytes * self.max_num_seqs
+        return self.runner.blocks_in(budget.kv_bytes - state, cache.block_size)
 
     def _profile_peak(self, block_size: int) -> int:
         """Peak bytes of the worst step: a full token budget of prefill, then the sampler over
         max_num_seqs rows with the filters that sort the vocabulary."""
         tokens = self.max_num_batched_tokens
-        batch = _profile_batch(tokens, self.max_model_len, block_size)
+        batch = _profile_batch(tokens, self.max_model_len, block_size,
+                               self.info.kv_spec.num_groups, self.info.kv_spec.state_bytes > 0)
         blocks = 1 + sum(len(table) for table in batch.block_tables)
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
-        self.allocate_kv_cache(blocks, block_size, capture=False)
+        self.allocate_kv_cache(blocks, block_size, len(batch.state_slots), capture=False)
         scratch = self.cache.nbytes
         torch.cuda.reset_peak_memory_stats(self.device)
         with torch.inference_mode():
@@ -144,7 +155,7 @@ class CUDAAccelerator(Accelerator):
     def allocate_kv_cache(self, num_blocks: int, block_size: int, num_state_slots: int = 0,
                           capture: bool = True) -> None:
         self.runner.allocate(num_blocks, block_size, num_state_slots)
-        if capture and self.on_gpu and not self.enforce_eager:
+        if capture and self.on_gpu and not self.enforce_eager and not self.grouped:
             self._capture_graphs(block_size)
 
     def _capture_graphs(self, block_size: int) -> None:
@@ -174,6 +185,8 @@ class CUDAAccelerator(Accelerator):
         return self.runner.forward(inputs.input_ids, inputs.positions, inputs.meta)
 
     def _eager_inputs(self, batch: ModelBatch) -> StepInputs:
+        if self.grouped:
+            return grouped_inputs(batch, self.info.kv_spec, self.device)
         flat, width = pack_batch(batch)
         splits = self._num_splits(batch.num_seqs, max(batch.seq_lens)) \
             if batch.is_decode_only else 1
@@ -269,9 +282,11 @@ def sampled_rows(logits: torch.Tensor, batch: ModelBatch) -> torch.Tensor:
     return logits[index]
 
 
-def _profile_batch(tokens: int, max_len: int, block_size: int) -> ModelBatch:
+def _profile_batch(tokens: int, max_len: int, block_size: int, num_groups: int = 1,
+                   stateful: bool = False) -> ModelBatch:
     """A full token budget of prefill, cut into sequences no longer than the context (rotary
-    tables end there), each in its own blocks after the null block."""
+    tables end there), each in its own blocks after the null block (the same blocks in every
+    KV group), each in its own state slot when the model keeps state."""
     lengths = [max_len] * (tokens // max_len) + ([tokens % max_len] if tokens % max_len else [])
     tables, slots, positions, next_block = [], [], [], 1
     for length in lengths:
@@ -283,8 +298,9 @@ def _profile_batch(tokens: int, max_len: int, block_size: int) -> ModelBatch:
         slots.extend(table[p // block_size] * block_size + p % block_size for p in range(length))
     return ModelBatch(
         input_ids=[0] * tokens, positions=positions, query_lens=lengths, seq_lens=lengths,
-        groups=(GroupBatch(tables, slots),), block_size=block_size,
-        sample_indices=list(range(len(lengths))), sampling=[_profile_row()] * len(lengths))
+        groups=(GroupBatch(tables, slots),) * num_groups, block_size=block_size,
+        sample_indices=list(range(len(lengths))), sampling=[_profile_row()] * len(lengths),
+        state_slots=list(range(len(lengths))) if stateful else [])
 
 
 def _profile_row() -> SamplingRow:

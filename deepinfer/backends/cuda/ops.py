@@ -25,6 +25,7 @@ from deepinfer.backends.cuda.kernels.rotary_decode import SplitCounters, rotary_
 from deepinfer.backends.cuda.step_inputs import AttentionMeta
 from deepinfer.backends.paged_cache import PagedCache
 from deepinfer.models.moe.routing import RouteCounts, RouterSpec
+from deepinfer.models.deepseek_v4.paged_ops import DecodeLens, PagedRows
 from deepinfer.models.ops import ModelOps, QKNorm
 
 
@@ -133,3 +134,26 @@ class CUDAOps(ModelOps):
         return paged_prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.query_starts,
                                        meta.seq_lens, meta.max_query_len, bs, scale,
                                        window=window)
+
+    # ---- DeepSeek-V4 decode (models/deepseek_v4/paged_ops.py holds the references) --------
+    # The kernels are imported on first use: only DeepSeek-V4 reaches them.
+    def compressed_decode_attention(self, q: torch.Tensor, window: PagedRows,
+                                    entries: PagedRows | None, picks: torch.Tensor | None,
+                                    lens: DecodeLens, sinks: torch.Tensor, sliding_window: int,
+                                    scale: float) -> torch.Tensor:
+        """Window + compressed entries + sink in one kernel (kernels/compressed_decode.py)."""
+        from deepinfer.backends.cuda.kernels.compressed_decode import compressed_decode_attention
+
+        return compressed_decode_attention(
+            q, window.cache, window.tables, None if entries is None else entries.cache,
+            None if entries is None else entries.tables, picks, lens.device, lens.max,
+            sinks, sliding_window, 1 if entries is None else entries.rate, window.block_size,
+            scale)
+
+    def indexer_topk(self, q: torch.Tensor, weights: torch.Tensor, keys: PagedRows,
+                     lens: DecodeLens, topk: int, scale: float) -> torch.Tensor:
+        """The index scores in one kernel over the paged keys, then torch.topk."""
+        from deepinfer.backends.cuda.kernels.index_topk import indexer_topk
+
+        return indexer_topk(q, weights, keys.cache, keys.tables, lens.device, lens.max,
+                            keys.rate, keys.block_size, topk, scale)

@@ -8,6 +8,7 @@ buffer whose first B rows are the live batch.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -35,7 +36,7 @@ class AttentionMeta:
 class StepInputs:
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
-    meta: AttentionMeta
+    meta: AttentionMeta | Any  # group_inputs.GroupedMeta for multi-group / stateful models
     logits_index: torch.Tensor | None  # rows of the hidden states whose logits are sampled
 
 

@@ -11,7 +11,9 @@ emit into the compressed pages, gather its window keys and its compressed entrie
 the indexer pick (CSA) or the causal limit bound (HCA) the entries each query sees, and
 attend (attention.attend, the reference the attention tests compare with transformers).
 Projections run once over the whole step; only the compressor steps, the gathers and the
-attention itself are per sequence.
+attention itself are per sequence. A decode-only step attends in one batched op per layer
+(`ops.compressed_decode_attention`, after `ops.indexer_topk` on CSA layers), which a backend
+serves with kernels over the pages (CUDA) or with the per-sequence reference (paged_ops.py).
 """
 from __future__ import annotations
 
@@ -67,7 +69,7 @@ class V4DecoderLayer(nn.Module):
         compressor = build_compressor(config, config.layer_types[index])
         if compressor is not None:  # transformers' place for it: self_attn.compressor
             self.self_attn.compressor = compressor
-        self.mlp, self.place = mlp, place
+        self.mlp, self.place, self.ops = mlp, place, ops
 
     @property
     def compressor(self) -> Compressor | None:
@@ -91,6 +93,8 @@ class V4DecoderLayer(nn.Module):
         q, kv = attn.project(hidden, positions, q_residual)
         paged.write_window(self.place.window_layer, kv)
         projected = self._project(hidden, q_residual, positions)
+        if paged.decode:
+            return attn.output(self._decode(q, projected, paged), positions)
         out = torch.empty_like(q)
         for seq in paged.sequences:
             compressed, visible = None, None
@@ -100,6 +104,25 @@ class V4DecoderLayer(nn.Module):
             out[seq.rows] = attend(q[seq.rows], positions[seq.rows], keys, key_positions,
                                    compressed, visible, attn.sinks, d.sliding_window, d.scale)
         return attn.output(out, positions)
+
+    def _decode(self, q: torch.Tensor, projected: _Projected | None,
+                paged: V4PagedCache) -> torch.Tensor:
+        """One query per sequence: compress each sequence's token, then one batched op."""
+        d, lens = self.self_attn.dims, paged.decode_lens
+        entries, picks = None, None
+        if projected is not None:
+            comp, layer = self.compressor, self.place.entries_layer
+            for seq in paged.sequences:
+                self._compress(seq, projected, paged)
+            entries = paged.paged(layer, 0, comp.rate)
+            if isinstance(comp, CSACompressor):
+                indexer = comp.indexer
+                picks = self.ops.indexer_topk(projected.index_q, projected.index_w,
+                                              paged.paged(layer, 1, indexer.rate), lens,
+                                              indexer.topk, indexer.softmax_scale)
+        return self.ops.compressed_decode_attention(
+            q, paged.paged(self.place.window_layer), entries, picks, lens, self.self_attn.sinks,
+            d.sliding_window, d.scale)
 
     def _project(self, hidden: torch.Tensor, q_residual: torch.Tensor,
                  positions: torch.Tensor) -> _Projected | None:

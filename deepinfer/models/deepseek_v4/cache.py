@@ -8,8 +8,7 @@ token, and every CSA / HCA layer one more, full-attention spec layer with its co
 entries (CSA: `compressed` and `index_key`, one per 4 tokens; HCA: `compressed`, one per
 `rate` tokens). Entry w of a sequence lives in its block table's page w * rate // block_size at
 offset w % (block_size // rate). That is the token slot of position w * rate divided by rate,
-so the token slots a backend's step metadata lists (CPUAttentionMeta.groups[g].context_slots:
-positions 0..seq_len-1 for a full group) locate the entries without new metadata.
+so a sequence's block table in the entries' group locates them without new metadata.
 
 A CSA layer's spec layer has a third entry, `page_state` (one per 128 tokens: the compressors'
 carry-over as of that page's end, compressor.py), so a prefix-cache hit or a page copy brings
@@ -18,20 +17,25 @@ the state with the page.
 The compressors' carry-over lives in the sequence's state slot (`PagedCache.state`, bytes),
 each compressed layer at a fixed element offset, in the projections' dtype.
 
-This reads the CPU backend's step metadata (`CPUAttentionMeta`'s fields, duck-typed so the
-model package does not import a backend); a backend with other metadata (CUDA) needs its own
-kernels for this data path.
+It reads a backend's step metadata by duck typing (the model package imports no backend):
+`STEP_FIELDS` on the metadata, and per KV group `slot_mapping` (a device tensor [T]) and
+`block_tables` (a device tensor [N, W], freed window pages as block 0); the CPU backend's
+`CPUAttentionMeta` and the CUDA backend's `GroupedMeta` both carry them.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import torch
 
 from deepinfer.models.deepseek_v4.compressor import PAGE_TOKENS
+from deepinfer.models.deepseek_v4.paged_ops import DecodeLens, PagedRows
 
 ENTRY_TENSORS = 2  # compressed (+ index_key): the entry tensors; a CSA's page_state follows
+# Host lists per sequence, the layer -> KV group map and the per-group device tensors.
+STEP_FIELDS = ("query_starts", "query_lens", "seq_lens", "groups", "group_of", "state_slots")
 
 @dataclass(frozen=True)
 class SeqView:
@@ -48,19 +52,34 @@ class V4PagedCache:
     """One step's view of the paged cache: writes and gathers by sequence."""
 
     def __init__(self, cache: Any, meta: Any, dtype: torch.dtype) -> None:
-        if not all(hasattr(meta, f) for f in ("query_starts", "groups", "state_slots")):
+        missing = [f for f in STEP_FIELDS if not hasattr(meta, f)]
+        if missing:
             raise NotImplementedError(
-                "DeepSeek-V4 runs on the CPU backend for now: its paged data path reads "
-                f"CPUAttentionMeta, not {type(meta).__name__}")
+                f"DeepSeek-V4's paged data path needs step metadata with {STEP_FIELDS}; "
+                f"{type(meta).__name__} lacks {missing}")
         self.cache, self.meta, self.dtype = cache, meta, dtype
         slots = meta.state_slots or [None] * len(meta.query_starts)
         self.sequences = [
             SeqView(i, slice(start, start + qlen), seq_len - qlen, seq_len, slot)
             for i, (start, qlen, seq_len, slot) in enumerate(
                 zip(meta.query_starts, meta.query_lens, meta.seq_lens, slots))]
+        self.decode = all(q == 1 for q in meta.query_lens)
 
     def _group(self, layer: int) -> Any:
         return self.meta.groups[self.meta.group_of[layer]]
+
+    def paged(self, layer: int, entry: int = 0, rate: int = 1) -> PagedRows:
+        """The layer's entry tensor number `entry` with its group's block tables."""
+        return PagedRows(self.cache.layer(layer)[entry], self._group(layer).block_tables,
+                         self.cache.block_size, rate)
+
+    @cached_property
+    def decode_lens(self) -> DecodeLens:
+        """The step's sequence lengths, host and device (decode ops read both): one copy a
+        step, shared by the layers."""
+        device = self.cache.layer(0)[0].device
+        return DecodeLens(torch.tensor(self.meta.seq_lens, dtype=torch.int32, device=device),
+                          list(self.meta.seq_lens))
 
     # ---- the sliding window (every layer) -----------------------------------------------
     def write_window(self, layer: int, kv: torch.Tensor) -> None:
@@ -71,19 +90,18 @@ class V4PagedCache:
     def window(self, seq: SeqView, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(keys [K, D], their positions [K]): every key the sequence's new queries can see
         in the window, the new tokens' included (written first)."""
-        g = self._group(layer)
-        (window,) = self.cache.layer(layer)
-        start = g.key_starts[seq.index]
-        return window.index_select(0, g.context_slots[seq.index]), \
-            torch.arange(start, seq.seq_len, device=window.device)
+        width = self.cache.spec.layers[layer].sliding_window
+        pages = self.paged(layer)
+        start = max(0, seq.start - width + 1)
+        positions = torch.arange(start, seq.seq_len, device=pages.cache.device)
+        return pages.gather(seq.index, positions), positions
 
     # ---- compressed entries (CSA / HCA layers' second spec layer) ------------------------
     def _entry_rows(self, seq: SeqView, layer: int, indices: torch.Tensor,
                     rate: int) -> torch.Tensor:
         """Rows of entries `indices` of the sequence in the layer's entry tensors: the token
         slot of each entry's first source position, divided by the rate."""
-        token_slots = self._group(layer).context_slots[seq.index]  # positions 0..seq_len-1
-        return torch.div(token_slots[indices * rate], rate, rounding_mode="floor")
+        return self.paged(layer, 0, rate).rows(seq.index, indices)
 
     def write_entries(self, seq: SeqView, layer: int, rate: int, indices: torch.Tensor,
                       values: tuple[torch.Tensor, ...]) -> None:
