@@ -58,6 +58,8 @@ class TorchRunner:
         self.model: torch.nn.Module | None = None
         self.info: ModelInfo | None = None
         self.dtype = torch.float32
+        # Speculative decoding: the model is built with its MTP draft layer (configure sets it).
+        self.num_speculative_tokens = 0
 
     # ---- model ---------------------------------------------------------------------------
     def load(self, spec: ModelSpec) -> ModelInfo:
@@ -67,8 +69,9 @@ class TorchRunner:
         max_len = hf_config.max_model_len(config, spec.max_model_len)
         # Built on the meta device: no time goes into random init of weights that are then
         # overwritten.
+        arch = hf_config.architecture(config)
         with torch.device("meta"):
-            model = model_class(hf_config.architecture(config))(config, self.ops, max_len)
+            model = model_class(arch)(config, self.ops, max_len, **self._draft_options(arch))
         model = model.to_empty(device=self.device).to(self.dtype)
         _restore_float32(model)
         if spec.load_format == "dummy":
@@ -84,6 +87,20 @@ class TorchRunner:
             dtype=str(self.dtype).removeprefix("torch."),
             needs_collectives=bool(getattr(model, "needs_collectives", False)))
         return self.info
+
+    def _draft_options(self, arch: str) -> dict[str, Any]:
+        """The model's constructor options for speculative decoding: its MTP draft layer."""
+        if not self.num_speculative_tokens:
+            return {}
+        if not getattr(model_class(arch), "has_mtp_draft", False):
+            raise ValueError(f"speculative decoding drafts with a DeepSeek-V3 checkpoint's "
+                             f"multi-token-prediction layer; {arch} has none here (set "
+                             f"num_speculative_tokens to 0)")
+        parallel = getattr(self.ops, "parallel", None)
+        if parallel is not None and parallel.expert_parallel and parallel.world_size > 1:
+            raise ValueError("speculative decoding does not run under expert parallel yet "
+                             "(its draft steps would need the ranks' lockstep)")
+        return {"mtp": True}
 
     # ---- KV pool -------------------------------------------------------------------------
     def block_bytes(self, block_size: int) -> int:

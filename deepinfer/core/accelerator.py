@@ -32,6 +32,13 @@ class Capabilities:
     token_buckets: tuple[int, ...] = ()
     # Implements host_page_bytes / allocate_host_pool / copy_pages (HiCache's host tier).
     host_page_copy: bool = False
+    # copy_pages leaves group g of page i alone where device_blocks[g][i] is the null block (a
+    # sliding-window group's page already out of its window); HiCache serves sliding-window
+    # models (DeepSeek-V4, Mistral) only with it.
+    host_copy_skips_null: bool = False
+    # Runs ModelBatch.spec steps (verify drafts, propose the next ones with the model's MTP
+    # layer); the engine refuses num_speculative_tokens > 0 elsewhere.
+    speculative_decoding: bool = False
     # Activation dtypes the backend runs; a model asking for another is refused at load.
     dtypes: tuple[str, ...] = ("float32", "bfloat16")
 
@@ -155,7 +162,8 @@ class Accelerator(ABC):
     def copy_pages(self, host_pages: Sequence[int], device_blocks: Sequence[Sequence[int]],
                    to_device: bool) -> CopyHandle | None:
         """Copy host_pages[i] <-> block device_blocks[g][i] of every KV group g (every chunk of
-        the KV spec). Backends with streams enqueue
+        the KV spec); with `Capabilities.host_copy_skips_null`, a null block (id 0) there means
+        group g of that page is not copied. Backends with streams enqueue
         the copy on the engine stream, so later steps see it in order, and return a handle the
         caller polls before reusing the host pages; None means it is already done."""
         raise NotImplementedError(f"the {self.name} backend has no host page copy")

@@ -37,6 +37,22 @@ class GroupBatch:
 
 
 @dataclass(frozen=True)
+class SpecBatch:
+    """Speculative decoding's part of a step: drafts to verify, drafts to propose."""
+
+    # Per sampled row (parallel to ModelBatch.sampling): the draft tokens its query ends with.
+    # The model samples at each of them and at the token before, and the longest run of drafts
+    # equal to its own choices is accepted (core/speculative.py).
+    draft_token_ids: list[list[int]]
+    # Per sampled row: how many drafts to propose for its next step (0: none).
+    num_proposals: list[int]
+    # Per sequence: the token after its query's last one where it is already known (a prefill
+    # chunk short of the prompt's end), else -1 (this step samples it). The draft layer at
+    # position p reads the token at p + 1.
+    next_token_ids: list[int]
+
+
+@dataclass(frozen=True)
 class ModelBatch:
     """One forward pass over a flattened set of sequences (prefill chunks and decodes).
 
@@ -60,6 +76,7 @@ class ModelBatch:
     # Trailing sequences that only pad the step to a backend's bucket (one null-block token
     # each, never sampled).
     num_padding_seqs: int = 0
+    spec: SpecBatch | None = None  # set on every step of an engine that speculates
 
     @property
     def block_tables(self) -> list[list[int]]:
@@ -97,8 +114,33 @@ class TokenLogprobs:
 
 
 @dataclass(frozen=True)
+class SampledRow:
+    """What one row got from a step: its new tokens (one; with speculative decoding the
+    accepted drafts, then the model's own next token), their logprobs, and the drafts proposed
+    for its next step."""
+
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None]
+    proposals: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
 class SamplerOutput:
     """One sampled token (and optional logprobs) per row of ModelBatch.sampling."""
 
     token_ids: list[int]
     logprobs: list[TokenLogprobs | None]
+    # Speculative steps: every row in full (token_ids[i] is the first of its tokens); empty on
+    # other steps.
+    spec_rows: list[SampledRow] = field(default_factory=list)
+
+    def rows(self) -> list[SampledRow]:
+        if self.spec_rows:
+            return self.spec_rows
+        return [SampledRow([t], [lp]) for t, lp in zip(self.token_ids, self.logprobs)]
+
+    @classmethod
+    def from_rows(cls, rows: list[SampledRow]) -> "SamplerOutput":
+        spec = any(len(r.token_ids) > 1 or r.proposals for r in rows)
+        return cls([r.token_ids[0] for r in rows], [r.logprobs[0] for r in rows],
+                   rows if spec else [])

@@ -103,10 +103,16 @@ class SchedulerConfig:
         "help": "a prefill longer than this is cut into chunks even when the budget has room, "
                 "so that decodes of other requests keep flowing (0: no cap beyond the "
                 "budget)"})
+    num_speculative_tokens: int = field(default=0, metadata={
+        "help": "speculative decoding: tokens the model's multi-token-prediction (MTP) layer "
+                "drafts per step and sequence, all verified by one forward of the model "
+                "(DeepSeek-V3 checkpoints with MTP weights; 0: off)"})
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
+        if self.num_speculative_tokens < 0:
+            raise ValueError("num_speculative_tokens must be >= 0")
 
 
 @dataclass(frozen=True)

@@ -55,6 +55,7 @@ class Engine:
             else load_hf_tokenizer(config.model.path)
         self.accelerator.init_device(parallel)
         self.accelerator.configure(config)
+        _check_speculative(config, self.accelerator)
         self.model = self.accelerator.load_model(config.model)
         # Read after the load: a static-shape backend plans its buckets from the model.
         caps = self.accelerator.capabilities
@@ -252,19 +253,20 @@ class Engine:
         return dataclasses.replace(batch, sampling=rows)
 
     def _output(self, update: TokenUpdate) -> RequestOutput | None:
-        if update.token_id is None:
+        if not update.token_ids:
             return None
         req = update.request
         sample = self._samples[req.request_id]
-        if sample.grammar is not None and not req.is_finished:
-            # The grammar is complete once it accepts a stop token; nothing may follow.
-            if not sample.grammar.accept(update.token_id) or sample.grammar.terminated:
-                self.scheduler.finish(req, FinishReason.STOP)
-        new_text = ""
+        new_text, kept, stop = "", 0, None
+        for token in update.token_ids:
+            text, stop = self._add_token(sample, token)
+            new_text, kept = new_text + text, kept + 1
+            if stop is not None:
+                self._end_at(req, stop, cut=kept < len(update.token_ids))
+                break
+        # A stop string inside a run of accepted drafts: nothing after it is output.
+        del req.output_token_ids[len(req.output_token_ids) - len(update.token_ids) + kept:]
         if sample.detok is not None:
-            new_text = sample.detok.add_token(update.token_id) or ""
-            if sample.detok.stopped_by is not None and not req.is_finished:
-                self.scheduler.finish(req, FinishReason.STOP, sample.detok.stopped_by)
             if req.is_finished:
                 new_text += sample.detok.flush()
             sample.text += new_text
@@ -272,13 +274,37 @@ class Engine:
             self._forget(sample)
         return RequestOutput(
             request_id=sample.parent_id, index=sample.index,
-            prompt_token_ids=req.prompt_token_ids, new_token_ids=[update.token_id],
+            prompt_token_ids=req.prompt_token_ids, new_token_ids=update.token_ids[:kept],
             new_text=new_text, token_ids=req.output_token_ids, text=sample.text,
             finished=req.is_finished,
             finish_reason=req.finish_reason.value if req.finish_reason else None,
             stop_reason=req.stop_reason,
-            new_logprobs=[update.logprobs] if update.logprobs is not None else [],
+            new_logprobs=[lp for lp in update.logprobs[:kept] if lp is not None],
             num_cached_tokens=max(req.num_cached_tokens, 0))
+
+    def _add_token(self, sample: _Sample, token: int
+                   ) -> tuple[str, tuple[FinishReason, str | None] | None]:
+        """One new token through the request's grammar and detokenizer: its new text, and the
+        stop it makes (a complete grammar, a stop string), if any."""
+        stop = None
+        if sample.grammar is not None and not sample.request.is_finished:
+            # The grammar is complete once it accepts a stop token; nothing may follow.
+            if not sample.grammar.accept(token) or sample.grammar.terminated:
+                stop = (FinishReason.STOP, None)
+        if sample.detok is None:
+            return "", stop
+        new_text = sample.detok.add_token(token) or ""
+        if sample.detok.stopped_by is not None and stop is None:
+            stop = (FinishReason.STOP, sample.detok.stopped_by)
+        return new_text, stop
+
+    def _end_at(self, req: Request, stop: tuple[FinishReason, str | None], cut: bool) -> None:
+        """Finish at a stop the engine found. The scheduler's own stop (EOS, max_tokens) at
+        the same token stands; one at a later token of the run gives way to this earlier one."""
+        if not req.is_finished:
+            self.scheduler.finish(req, *stop)
+        elif cut:
+            req.finish_reason, req.stop_reason = stop
 
     def _forget(self, sample: _Sample) -> None:
         self._samples.pop(sample.request.request_id, None)
@@ -297,6 +323,13 @@ class Engine:
         if self.hicache is not None:
             self.hicache.poll(wait=True)  # no copy may outlive the memory it targets
         self.accelerator.shutdown()
+
+
+def _check_speculative(config: EngineConfig, accelerator: Accelerator) -> None:
+    if config.scheduler.num_speculative_tokens and \
+            not accelerator.capabilities.speculative_decoding:
+        raise ValueError(f"the {accelerator.name} backend does not run speculative decoding "
+                         f"yet; set num_speculative_tokens to 0")
 
 
 def load_hf_tokenizer(path: str) -> Any:

@@ -41,6 +41,9 @@ class Request:
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None  # the stop string or token that ended it
     first_token_time: float | None = None
+    # Speculative decoding: the tokens the draft layer proposed to follow the last one, to be
+    # verified in the next step (cleared on preemption: the recompute proposes anew).
+    draft_token_ids: list[int] = field(default_factory=list)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -14,19 +14,22 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from deepinfer.core.batch import GroupBatch, ModelBatch, SamplerOutput, SamplingRow, TokenLogprobs
+from deepinfer.core.batch import (GroupBatch, ModelBatch, SampledRow, SamplerOutput, SamplingRow,
+                                  SpecBatch, TokenLogprobs)
 from deepinfer.core.config import SchedulerConfig
 from deepinfer.core.padding import Buckets, pad_batch
 from deepinfer.core.hicache import HiCache
 from deepinfer.core.kv.manager import KVCacheManager
 from deepinfer.core.request import FinishReason, Request, RequestStatus
+from deepinfer.core.speculative import SpecDecodeStats
 
 
 @dataclass(frozen=True)
 class ScheduledSeq:
     request: Request
-    num_new_tokens: int
+    num_new_tokens: int  # drafts included
     sampled: bool
+    num_drafts: int = 0  # speculative decoding: drafts at the end of the query, to verify
 
 
 @dataclass
@@ -44,8 +47,10 @@ class TokenUpdate:
     """What one step produced for one request."""
 
     request: Request
-    token_id: int | None  # None for a prefill chunk that sampled nothing
-    logprobs: TokenLogprobs | None
+    # [] for a prefill chunk that sampled nothing; several with accepted drafts, cut after a
+    # stop token or at max_tokens
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None]
     finished: bool
 
 
@@ -54,6 +59,8 @@ class Scheduler:
                  hicache: HiCache | None = None, buckets: Buckets = Buckets(),
                  fixed_pool: bool = False) -> None:
         self.config = config
+        self.num_spec = config.num_speculative_tokens
+        self.spec_stats = SpecDecodeStats(self.num_spec)
         self.kv = kv
         self.hicache = hicache
         self.max_model_len = max_model_len
@@ -69,7 +76,8 @@ class Scheduler:
     def add(self, req: Request) -> None:
         self.waiting.append(req)
 
-    def finish(self, req: Request, reason: FinishReason, stop_reason: str | int | None = None) -> None:
+    def finish(self, req: Request, reason: FinishReason,
+               stop_reason: str | int | None = None) -> None:
         if req.is_finished:
             return
         if req.status is RequestStatus.RUNNING:
@@ -135,8 +143,11 @@ class Scheduler:
             num_new = self._chunk(req, budget)
             if num_new == 0:
                 continue
+            sampled = self._will_sample(req, num_new)
+            drafts = self._num_drafts(req, budget - num_new) if sampled else 0
+            ahead = self._lookahead(req, req.num_computed_tokens + num_new + drafts, sampled)
             self.kv.free_out_of_window(req)
-            while not self.kv.allocate(req, num_new):
+            while not self.kv.allocate(req, num_new + drafts + ahead):
                 victim = self.running[-1]
                 if id(victim) in scheduled:
                     # Never preempt work already placed in this step's batch.
@@ -145,15 +156,35 @@ class Scheduler:
                 if victim is req:
                     break
             else:
-                out.seqs.append(ScheduledSeq(req, num_new, self._will_sample(req, num_new)))
+                out.seqs.append(ScheduledSeq(req, num_new + drafts, sampled, drafts))
                 scheduled.add(id(req))
-                budget -= num_new
+                budget -= num_new + drafts
         return budget
+
+    def _speculates(self, req: Request) -> bool:
+        # A grammar's matcher cannot take back tokens, so constrained requests decode plainly.
+        return self.num_spec > 0 and req.params.structured is None
+
+    def _num_drafts(self, req: Request, budget: int) -> int:
+        """Drafts verified this step: what the last step proposed, within the budget, the
+        context length and max_tokens (a step gives at most drafts + 1 tokens)."""
+        room = min(budget, self.max_model_len - req.num_tokens - 1,
+                   req.max_tokens - len(req.output_token_ids) - 1)
+        return max(0, min(len(req.draft_token_ids), room))
+
+    def _lookahead(self, req: Request, end: int, sampled: bool) -> int:
+        """Slots past the query for the draft layer's own proposals: proposal j is computed
+        at the position of the last accepted token + j - 1."""
+        if not sampled or not self._speculates(req):
+            return 0
+        most = min(req.num_prompt_tokens + req.max_tokens, self.max_model_len)
+        return max(0, min(self.num_spec - 1, most - end))
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         self.running.remove(req)
         self.kv.free(req)
         req.num_computed_tokens = 0
+        req.draft_token_ids = []
         req.status = RequestStatus.PREEMPTED
         self.waiting.appendleft(req)
         out.preempted.append(req)
@@ -178,7 +209,10 @@ class Scheduler:
             if self.fixed_pool and not self._fits_whole(req, hit_tokens, cached):
                 break
             # Host-hit pages need device blocks too: allocated here with the first chunk's.
-            if not self.kv.allocate(req, host_tokens + num_new, cached):
+            loaded = len(host.pages) if host is not None else 0
+            sampled = hit_tokens + num_new == req.num_tokens
+            ahead = self._lookahead(req, hit_tokens + num_new, sampled)
+            if not self.kv.allocate(req, host_tokens + num_new + ahead, cached, loaded):
                 break
             self.waiting.popleft()
             if host is not None:
@@ -227,6 +261,9 @@ class Scheduler:
             if end - start == 1:  # decodes: most rows of a busy step
                 ids.append(req.token_at(start))
                 positions.append(start)
+            elif seq.num_drafts:  # a decode whose drafts are verified in the same forward
+                ids.extend([req.token_at(start), *req.draft_token_ids[:seq.num_drafts]])
+                positions.extend(range(start, end))
             else:
                 ids.extend(req.token_slice(start, end))
                 positions.extend(range(start, end))
@@ -249,38 +286,65 @@ class Scheduler:
                                         req.eos_token_ids))
         batch = ModelBatch(ids, positions, qlens, slens,
                            tuple(GroupBatch(t, s) for t, s in zip(tables, slots)), bs,
-                           sample_indices, rows, state_slots)
+                           sample_indices, rows, state_slots, spec=self._spec_batch(out))
         return pad_batch(batch, self.buckets)
+
+    def _spec_batch(self, out: SchedulerOutput) -> SpecBatch | None:
+        if not self.num_spec:
+            return None
+        sampled = [s for s in out.seqs if s.sampled]
+        return SpecBatch(
+            [s.request.draft_token_ids[:s.num_drafts] for s in sampled],
+            [self.num_spec if self._speculates(s.request) else 0 for s in sampled],
+            [-1 if s.sampled else s.request.token_at(s.request.num_computed_tokens +
+                                                     s.num_new_tokens) for s in out.seqs])
 
     # ---- results back --------------------------------------------------------------------
     def update(self, out: SchedulerOutput, sampled: SamplerOutput) -> list[TokenUpdate]:
-        updates = []
-        k = 0
-        for seq in out.seqs:
-            req = seq.request
-            before = req.num_computed_tokens
-            req.num_computed_tokens += seq.num_new_tokens
-            token, logprobs = None, None
-            if seq.sampled:
-                token, logprobs = sampled.token_ids[k], sampled.logprobs[k]
-                k += 1
-                req.output_token_ids.append(token)
-            self.kv.cache_computed_pages(req)
-            if self.hicache is not None and \
-                    before < req.num_prompt_tokens <= req.num_computed_tokens:
-                # Write-through once the prompt is computed, before a stop can free the blocks.
-                self.hicache.store(req, self.kv.group_block_ids(req.request_id))
-            if token is not None:
-                self._check_stop(req, token)
-            updates.append(TokenUpdate(req, token, logprobs, req.is_finished))
-        return updates
+        rows = iter(sampled.rows())
+        return [self._update_seq(seq, next(rows) if seq.sampled else SampledRow([], []))
+                for seq in out.seqs]
 
-    def _check_stop(self, req: Request, token: int) -> None:
-        params, n_out = req.params, len(req.output_token_ids)
+    def _update_seq(self, seq: ScheduledSeq, row: SampledRow) -> TokenUpdate:
+        req = seq.request
+        before = req.num_computed_tokens
+        n, stop = self._tokens_until_stop(req, row.token_ids)
+        # Computed now: the query's tokens up to the last accepted draft (the newest token,
+        # sampled or the model's own after the drafts, is computed by the next step).
+        req.num_computed_tokens += seq.num_new_tokens - seq.num_drafts + max(0, n - 1)
+        req.output_token_ids.extend(row.token_ids[:n])
+        self.kv.cache_computed_pages(req)
+        if self.hicache is not None and \
+                before < req.num_prompt_tokens <= req.num_computed_tokens:
+            # Write-through once the prompt is computed, before a stop can free the blocks.
+            self.hicache.store(req, self.kv.group_block_ids(req.request_id))
+        if seq.sampled:
+            self.spec_stats.record(seq.num_drafts, len(row.token_ids) - 1)
+            req.draft_token_ids = row.proposals
+        if stop is not None:
+            self.finish(req, *stop)
+        return TokenUpdate(req, row.token_ids[:n], row.logprobs[:n], req.is_finished)
+
+    def _tokens_until_stop(self, req: Request, tokens: list[int]
+                           ) -> tuple[int, tuple[FinishReason, int | None] | None]:
+        """How many new tokens the request takes: all, or up to the first that ends it (never
+        a token past a stop, however many drafts were accepted after it)."""
+        n_out = len(req.output_token_ids)
+        for i, token in enumerate(tokens):
+            stop = self._stop(req, token, n_out + i + 1)
+            if stop is not None:
+                return i + 1, stop
+        return len(tokens), None
+
+    def _stop(self, req: Request, token: int, n_out: int
+              ) -> tuple[FinishReason, int | None] | None:
+        """Whether the request ends at `token`, its n_out-th output token."""
+        params = req.params
         if n_out >= params.min_tokens:
             if not params.ignore_eos and token in req.eos_token_ids:
-                return self.finish(req, FinishReason.STOP, token)
+                return FinishReason.STOP, token
             if token in params.stop_token_ids:
-                return self.finish(req, FinishReason.STOP, token)
-        if n_out >= req.max_tokens or req.num_tokens >= self.max_model_len:
-            self.finish(req, FinishReason.LENGTH)
+                return FinishReason.STOP, token
+        if n_out >= req.max_tokens or req.num_prompt_tokens + n_out >= self.max_model_len:
+            return FinishReason.LENGTH, None
+        return None

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
-from deepinfer.core.batch import SamplerOutput, TokenLogprobs
+from deepinfer.core.batch import SampledRow, SamplerOutput
 from deepinfer.core.scheduler import ScheduledSeq, SchedulerOutput
 
 
@@ -21,23 +21,21 @@ class IsolatedStep:
     (in the step's order) and the ones that fail on their own, with their errors."""
 
     seqs: list[ScheduledSeq] = field(default_factory=list)
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    rows: list[SampledRow] = field(default_factory=list)  # one per sampled sequence
     failed: list[tuple[ScheduledSeq, BaseException]] = field(default_factory=list)
 
     def survivors(self, keep: Callable[[ScheduledSeq], bool]
                   ) -> tuple[SchedulerOutput, SamplerOutput]:
         """The step without the sequences `keep` drops (e.g. siblings of a failed request)."""
-        out, tokens, logprobs = SchedulerOutput(), [], []
-        samples = iter(zip(self.token_ids, self.logprobs))
+        out, rows = SchedulerOutput(), []
+        samples = iter(self.rows)
         for seq in self.seqs:
-            token, lp = next(samples) if seq.sampled else (None, None)
+            row = next(samples) if seq.sampled else None
             if keep(seq):
                 out.seqs.append(seq)
-                if seq.sampled:
-                    tokens.append(token)
-                    logprobs.append(lp)
-        return out, SamplerOutput(tokens, logprobs)
+                if row is not None:
+                    rows.append(row)
+        return out, SamplerOutput.from_rows(rows)
 
 
 def isolate(execute: Callable[[SchedulerOutput], SamplerOutput],
@@ -61,5 +59,4 @@ def _run(execute: Callable[[SchedulerOutput], SamplerOutput], seqs: list[Schedul
         _run(execute, seqs[half:], result)
         return
     result.seqs.extend(seqs)
-    result.token_ids.extend(sampled.token_ids)
-    result.logprobs.extend(sampled.logprobs)
+    result.rows.extend(sampled.rows())

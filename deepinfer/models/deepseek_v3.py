@@ -14,9 +14,13 @@ values.
 Layers from `first_k_dense_replace` on are MoE (models/moe): sigmoid router with a score
 correction bias, group-limited top-k, shared experts. DeepSeek-V2's MoE routing (softmax,
 `topk_method`) is not implemented: V2 checkpoints load when all their layers are dense.
+
+With `mtp=True` (speculative decoding) the model also holds the checkpoint's first
+multi-token-prediction layer (models/deepseek_mtp.py) as `mtp`, with one more KV layer.
 """
 from __future__ import annotations
 
+import copy
 import math
 import re
 from dataclasses import dataclass
@@ -28,6 +32,7 @@ from transformers import PretrainedConfig
 
 from deepinfer.core.kv.spec import KVSpec, latent_layer
 from deepinfer.models.decoder import DecoderLayer, DecoderStack, GatedMLP
+from deepinfer.models.deepseek_mtp import MTP_NAMES, DeepseekMTP
 from deepinfer.models.moe.configs import deepseek_moe, moe_runtime
 from deepinfer.models.moe.layer import MoEBlock, moe_checkpoint_target
 from deepinfer.models.ops import ModelOps
@@ -168,7 +173,10 @@ class MLAttention(nn.Module):
 
 
 class DeepseekV3ForCausalLM(DecoderStack):
-    def __init__(self, config: PretrainedConfig, ops: ModelOps, max_model_len: int) -> None:
+    has_mtp_draft = True  # the runner may build it with mtp=True (speculative decoding)
+
+    def __init__(self, config: PretrainedConfig, ops: ModelOps, max_model_len: int,
+                 mtp: bool = False) -> None:
         self.dims = d = MLADims.from_config(config)
         scale = softmax_scale(config)
         moe, sparse = deepseek_moe(config)
@@ -181,18 +189,38 @@ class DeepseekV3ForCausalLM(DecoderStack):
         super().__init__(config, ops, max_model_len, d.vocab_size, d.hidden_size, d.rms_norm_eps,
                          d.tie_word_embeddings, layers)
         self.moe = runtime
+        self.mtp = _build_mtp(config, d, ops, scale) if mtp else None
 
     def kv_spec(self) -> KVSpec:
-        return KVSpec.uniform(self.dims.num_layers, latent_layer(self.dims.latent_dim))
+        layers = self.dims.num_layers + (self.mtp is not None)  # the MTP layer's KV last
+        return KVSpec.uniform(layers, latent_layer(self.dims.latent_dim))
 
     def init_buffers(self, device: torch.device | str) -> None:
         self.init_rope(self.dims.qk_rope_head_dim, device)
-        if self.moe is not None:
-            self.moe.to(device)
+        for runtime in (self.moe, self.mtp and self.mtp.moe):
+            if runtime is not None:
+                runtime.to(device)
+
+    # ---- the draft (speculative decoding) ------------------------------------------------
+    def draft_forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                      previous: torch.Tensor, meta: Any) -> torch.Tensor:
+        """The MTP layer at each position: input_ids are the tokens after the positions,
+        previous the hidden states that predicted them (the model's, or the draft's own)."""
+        return self.mtp(input_ids, positions, previous, self.rope_cos, self.rope_sin, meta)
+
+    def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.mtp.compute_logits(hidden)
 
     # ---- checkpoint names ----------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        load_mapped(self, self._absorbed(weights), self.checkpoint_target)
+        try:
+            load_mapped(self, self._absorbed(weights), self.checkpoint_target)
+        except KeyError as exc:
+            if self.mtp is None or "'mtp." not in str(exc):
+                raise
+            raise ValueError(f"this checkpoint has no weights for its multi-token-prediction "
+                             f"layer (model.layers.{self.dims.num_layers}.*), which "
+                             f"speculative decoding drafts with") from None
 
     def _absorbed(self, weights: Iterable[tuple[str, torch.Tensor]]
                   ) -> Iterator[tuple[str, torch.Tensor]]:
@@ -237,12 +265,41 @@ class DeepseekV3ForCausalLM(DecoderStack):
         if match is None:
             return name, None
         layer, rest = int(match.group(1)), match.group(2)
+        if layer == self.dims.num_layers and self.mtp is not None:
+            return self._mtp_target(rest)
         if layer >= self.dims.num_layers:
             return None  # multi-token-prediction layers past the decoder (V3's layer 61)
         moe = moe_checkpoint_target(self.layers, name)
         if moe is not None:
             return moe
         return _layer_target(self.layers[layer], f"layers.{layer}", rest)
+
+    def _mtp_target(self, rest: str) -> Target | list[Target]:
+        """A name inside the first MTP layer (after `layers.{num_layers}.`) -> our parameter."""
+        if rest in MTP_NAMES:
+            return f"mtp.{MTP_NAMES[rest]}", None
+        moe = moe_checkpoint_target([self.mtp.block], f"layers.0.{rest}")
+        if moe is not None:
+            return [(name.replace("layers.0.", "mtp.block.", 1), where) for name, where in moe]
+        return _layer_target(self.mtp.block, "mtp.block", rest)
+
+
+def _build_mtp(config: PretrainedConfig, d: MLADims, ops: ModelOps,
+               scale: float) -> DeepseekMTP:
+    """The first MTP layer: decoder layer `num_layers` of the same stack (MoE when the stack's
+    rule makes that layer sparse), with its own expert runtime."""
+    if not getattr(config, "num_nextn_predict_layers", 0):
+        raise ValueError("this checkpoint has no multi-token-prediction layer "
+                         "(num_nextn_predict_layers is 0); speculative decoding needs one")
+    grown = copy.copy(config)
+    grown.num_hidden_layers = d.num_layers + 1
+    moe, sparse = deepseek_moe(grown)
+    runtime = moe_runtime(moe, (True,), ops) if sparse[-1] else None
+    mlp = MoEBlock(moe, 0, ops, runtime) if runtime is not None \
+        else GatedMLP(d.hidden_size, d.intermediate_size, ops, d.mlp_bias)
+    block = DecoderLayer(MLAttention(d, d.num_layers, ops, scale), mlp, d.hidden_size,
+                         d.rms_norm_eps, ops)
+    return DeepseekMTP(block, d.vocab_size, d.hidden_size, d.rms_norm_eps, ops, runtime)
 
 
 def _layer_target(layer: DecoderLayer, prefix: str, rest: str) -> Target:

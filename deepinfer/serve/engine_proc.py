@@ -294,7 +294,12 @@ def _stats(engine: Engine) -> EngineStats:
     kv, sched = engine.kv, engine.scheduler
     host = {} if engine.hicache is None else \
         {f"hicache_{k}": v for k, v in vars(engine.hicache.stats()).items()}
+    spec = sched.spec_stats
     return EngineStats(len(sched.running), len(sched.waiting), kv.usage, kv.pool.num_usable,
                        kv.stats.queries, kv.stats.hits, sched.num_preemptions,
                        dummy_steps=engine.num_dummy_steps,
+                       spec_tokens=spec.num_speculative_tokens, spec_drafts=spec.drafts,
+                       spec_draft_tokens=spec.draft_tokens,
+                       spec_accepted_tokens=spec.accepted_tokens,
+                       spec_accepted_per_position=tuple(spec.accepted_per_position),
                        regions=engine.accelerator.region_times(), **host)

@@ -96,6 +96,12 @@ class EngineStats:
     hicache_store_bytes: int = 0
     hicache_load_seconds: float = 0.0
     hicache_store_seconds: float = 0.0
+    # Speculative decoding (core/speculative.py SpecDecodeStats): k (0: off), then totals.
+    spec_tokens: int = 0
+    spec_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_accepted_per_position: tuple[int, ...] = ()
     # Accelerator.region_times(): {region: {"seconds": s, "calls": n}}; empty when not timed.
     regions: dict = field(default_factory=dict)
 

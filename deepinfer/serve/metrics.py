@@ -21,6 +21,12 @@ _HICACHE_TOTALS = (
 # The finish reasons a recorded generation can have (serve/generation.py: "abort" for a choice
 # that ended without one); failed requests raise before they are recorded.
 _FINISH_REASONS = ("stop", "length", "abort")
+# Speculative decoding running totals (EngineStats.spec_<name>), as vLLM's spec_decode series.
+_SPEC_TOTALS = (
+    ("drafts", "num_drafts", "Decode steps of a sequence that verified drafts"),
+    ("draft_tokens", "num_draft_tokens", "Draft tokens verified"),
+    ("accepted_tokens", "num_accepted_tokens", "Draft tokens accepted"),
+)
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
                     2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 
@@ -66,6 +72,11 @@ class ServerMetrics:
         self._seen: dict[tuple[int, str], float] = {}
         self.bad_requests = Counter("deepinfer:bad_requests", "Requests answered with 400",
                                     labels, registry=r)
+        self.spec = {name: Counter(f"deepinfer:spec_decode_{series}", doc, labels, registry=r)
+                     for name, series, doc in _SPEC_TOTALS}
+        self.spec_per_position = Counter(
+            "deepinfer:spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted at "
+            "each draft position (0: the first draft)", labels + ["position"], registry=r)
         self._zero_series()
 
     def _zero_series(self) -> None:
@@ -96,6 +107,8 @@ class ServerMetrics:
             self._advance(self.preemptions, rank, "preemptions", s.preemptions)
             if s.hicache_pages_total:
                 self._observe_hicache(rank, s)
+            if s.spec_tokens:
+                self._observe_spec(rank, s)
         with_host = [s for s in live if s.hicache_pages_total]
         if with_host:
             self.hicache_pages_used.labels(m).set(sum(s.hicache_pages_used for s in with_host))
@@ -107,6 +120,14 @@ class ServerMetrics:
         for tier in ("device", "host"):
             self._advance(self.hicache_hit_tokens, rank, f"hicache_{tier}_hits",
                           getattr(s, f"hicache_{tier}_hit_tokens"), tier)
+
+    def _observe_spec(self, rank: int, s: EngineStats) -> None:
+        """Series that exist where a rank speculates (created at 0 with its first report)."""
+        for name, counter in self.spec.items():
+            self._advance(counter, rank, f"spec_{name}", getattr(s, f"spec_{name}"))
+        for position, total in enumerate(s.spec_accepted_per_position):
+            self._advance(self.spec_per_position, rank, f"spec_pos_{position}", total,
+                          str(position))
 
     def _advance(self, counter: Counter, rank: int, key: str, total: float,
                  *labels: str) -> None:

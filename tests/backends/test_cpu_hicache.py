@@ -32,6 +32,24 @@ def test_host_pages_round_trip(llama_dir):
     assert engine.hicache.layout.page_bytes == acc.host_page_bytes() == 2 * 2 * BLOCK * 2 * 16 * 4
 
 
+def test_null_blocks_are_left_out(llama_dir):
+    """A null block (a sliding group's freed page) is neither stored nor written to."""
+    engine = _engine(llama_dir, host_pages=8)
+    acc = engine.accelerator
+    chunks = [tensor for _, tensor in acc.runner.cache.chunk_tensors()]
+    for tensor in chunks:
+        tensor.normal_()
+    acc.host_pool.pages.fill_(7.0)
+    acc.copy_pages([5, 2], [[3, 0]], to_device=False)
+    assert (acc.host_pool.pages[2] == 7.0).all() and not (acc.host_pool.pages[5] == 7.0).any()
+    before = [t.clone() for t in chunks]
+    acc.copy_pages([5, 2], [[0, 9]], to_device=True)
+    for new, old in zip(chunks, before):
+        paged_new, paged_old = new.view(-1, BLOCK, 2, 16), old.view(-1, BLOCK, 2, 16)
+        assert torch.equal(paged_new[0], paged_old[0])  # the null block is never written
+        assert (paged_new[9] == 7.0).all()
+
+
 def test_multi_turn_conversation_same_tokens_with_host_tier(llama_dir):
     stats = check_host_tier(llama_dir, CPUAccelerator, vocab=250)
     assert stats.stored_pages > 0

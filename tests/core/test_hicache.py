@@ -7,6 +7,7 @@ import random
 
 import pytest
 
+from deepinfer.core.accelerator import Capabilities
 from deepinfer.core.config import CacheConfig, EngineConfig, ModelSpec, SchedulerConfig
 from deepinfer.core.engine import Engine
 from deepinfer.core.kv import hashing
@@ -15,6 +16,7 @@ from deepinfer.core.sampling import SamplingParams
 from fakes import FAKE_PAGE_BYTES, PagedFakeAccelerator, host_gb, reference, write_config
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+SKIPS_NULL = Capabilities(host_page_copy=True, host_copy_skips_null=True)  # sliding windows
 
 
 def _engine(tmp_path, host_pages=16, num_blocks=64, keep=1, state_slots=0, budget=64,
@@ -134,8 +136,10 @@ def test_match_is_capped_to_keep_tokens(tmp_path):
     assert _run(engine, "b", prompt).num_cached_tokens == 20
 
 
-def test_host_hit_continues_a_device_hit(tmp_path):
-    engine = _engine(tmp_path)
+@pytest.mark.parametrize("window", [None, 8])
+def test_host_hit_continues_a_device_hit(tmp_path, window):
+    # With a window, the device hit's blocks the window no longer reads at 20 are not taken.
+    engine = _engine(tmp_path, window=window, capabilities=SKIPS_NULL if window else None)
     prompt = _prompt(5, 22)  # 5 full pages
     _run(engine, "a", prompt)
     pool = engine.kv.pool
@@ -210,8 +214,11 @@ def test_pinned_pages_are_never_evicted(tmp_path):
     _assert_host_clean(engine)
 
 
-def test_no_leaks_after_aborts(tmp_path):
-    engine = _engine(tmp_path, host_pages=12, num_blocks=24, budget=6, async_copies=True)
+@pytest.mark.parametrize("window", [None, 8])
+def test_no_leaks_after_aborts(tmp_path, window):
+    caps = SKIPS_NULL if window else None
+    engine = _engine(tmp_path, host_pages=12, num_blocks=24, budget=6, async_copies=True,
+                     window=window, capabilities=caps)
     rng = random.Random(0)
     shared = _prompt(14, 12)
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
@@ -235,6 +242,7 @@ def test_no_leaks_after_aborts(tmp_path):
     engine.hicache.poll()
     assert engine.hicache.stats().host_hit_tokens > 0
     _assert_host_clean(engine)
+    assert all(g.pool.num_free == g.pool.num_usable for g in engine.kv.groups)
 
 
 def test_abort_during_a_chunked_prefill_after_a_host_load(tmp_path):
@@ -286,3 +294,55 @@ def test_backend_without_host_copy_is_refused(tmp_path):
                           cache=CacheConfig(block_size=4, num_blocks=8, hicache_size_gb=1.0))
     with pytest.raises(ValueError, match="cannot copy KV pages"):
         Engine(config, NoHost(), load_tokenizer=False)
+
+
+# ---- sliding-window models: the write-through finds the window's old pages freed ----------
+
+
+def _table_after_admission(engine: Engine, rid: str, prompt: list[int]) -> list[int]:
+    """The request's block table once its first step ran (before the next step frees what
+    left the window), and then the request run to its end."""
+    engine.add_request(rid, prompt, GREEDY)
+    engine.step()
+    table = list(engine.kv.block_ids(rid))
+    while engine.has_unfinished_requests():
+        engine.step()
+    return table
+
+
+def test_sliding_window_hit_loads_only_the_window(tmp_path):
+    """One-chunk prefill: every page is stored whole. The hit (capped at 21 tokens: 5 pages)
+    loads only the pages the 6-token window reads at 20 (3 and 4); pages 0-2 stay the null
+    block, as a cold prefill would have freed them."""
+    engine = _engine(tmp_path, window=6, capabilities=SKIPS_NULL)
+    prompt = _prompt(20, 22)
+    _run(engine, "a", prompt)
+    _drop_device_cache(engine)
+    table = _table_after_admission(engine, "b", prompt)
+    assert table[:3] == [0, 0, 0] and 0 not in table[3:]
+    assert engine.hicache.stats().host_hit_tokens == 20
+    assert _run(engine, "c", prompt).num_cached_tokens == 20  # now a device hit
+    _assert_host_clean(engine)
+
+
+@pytest.mark.parametrize("keep, hit", [(1, 20), (3, 16), (7, 0), (11, 0)])
+def test_sliding_window_hit_snaps_to_pages_stored_whole(tmp_path, keep, hit):
+    """8-token chunks: the last chunk starts at 16, so pages 0 and 1 had left the window and
+    were freed before the write-through; pages 2-4 are stored whole. A hit ending at p pages
+    needs the pages the window reads there ((4p - 5) // 4 ..): 5 and 4 pages can resume, 3
+    and 2 pages cannot (they need page 1 / page 0), 1 page needs page 0."""
+    engine = _engine(tmp_path, window=6, capabilities=SKIPS_NULL, budget=8, keep=keep)
+    prompt = _prompt(21, 22)
+    _run(engine, "a", prompt)
+    assert [p.complete for p in engine.hicache.pool.pages[:5]] == [False, False, True, True,
+                                                                   True]
+    _drop_device_cache(engine)
+    assert _run(engine, "b", prompt).num_cached_tokens == hit
+    _assert_host_clean(engine)
+
+
+def test_sliding_window_needs_a_copy_that_skips_freed_pages(tmp_path):
+    config = EngineConfig(model=ModelSpec(write_config(str(tmp_path / "fake"))),
+                          cache=CacheConfig(block_size=4, num_blocks=8, hicache_size_gb=1.0))
+    with pytest.raises(ValueError, match="sliding window's freed pages"):
+        Engine(config, PagedFakeAccelerator(window=6), load_tokenizer=False)

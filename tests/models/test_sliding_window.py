@@ -133,3 +133,12 @@ def test_the_window_changes_the_tokens(mistral_dir, tmp_path):
     model.config.sliding_window = None
     model.save_pretrained(str(tmp_path))
     assert _reference(str(tmp_path), prompt) != _reference(mistral_dir, prompt)
+
+
+def test_host_tier_serves_windowed_layers(hybrid_dir):
+    """HiCache on and off give the same tokens over a conversation whose device pages are
+    evicted between turns, with hits from the host: the full group's pages all come back, the
+    windowed group's only where its window reads at the hit's end."""
+    from deepinfer.testing.hicache import check_host_tier
+
+    assert check_host_tier(hybrid_dir, CPUAccelerator, vocab=250).host_hit_tokens > 0

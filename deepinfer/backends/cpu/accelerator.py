@@ -11,6 +11,7 @@ from deepinfer.backends.cpu.attention import CPUAttentionMeta
 from deepinfer.backends.cpu.host_pool import CPUHostPool
 from deepinfer.backends.cpu.ops import CPUOps
 from deepinfer.backends.runner import TorchRunner
+from deepinfer.backends.speculative import MTPSpeculator
 from deepinfer.core.accelerator import (Accelerator, Capabilities, HostPoolLayout, MemoryStats,
                                         ModelInfo, ParallelContext)
 from deepinfer.core.batch import ModelBatch, SamplerOutput
@@ -21,10 +22,12 @@ from deepinfer.core.config import CacheConfig, EngineConfig, ModelSpec, cpu_thre
 class CPUAccelerator(Accelerator):
     name = "cpu"
     capabilities = Capabilities(chunked_prefill=True, host_page_copy=True,
+                                host_copy_skips_null=True, speculative_decoding=True,
                                 dtypes=("float32", "bfloat16", "float16"))
 
     def __init__(self) -> None:
         self.runner = TorchRunner("cpu", self.capabilities, CPUOps)
+        self.speculator = MTPSpeculator(self.runner, self._meta)
         self.host_pool: CPUHostPool | None = None
 
     @classmethod
@@ -39,6 +42,7 @@ class CPUAccelerator(Accelerator):
 
     def configure(self, config: EngineConfig) -> None:
         self.runner.seed = config.seed
+        self.runner.num_speculative_tokens = config.scheduler.num_speculative_tokens
 
     def load_model(self, spec: ModelSpec) -> ModelInfo:
         return self.runner.load(spec)
@@ -64,7 +68,13 @@ class CPUAccelerator(Accelerator):
         last = [meta.query_starts[i] + meta.query_lens[i] - 1 for i in batch.sample_indices]
         return self.runner.logits(hidden[torch.tensor(last, dtype=torch.long)])
 
+    def _meta(self, batch: ModelBatch) -> CPUAttentionMeta:
+        return CPUAttentionMeta.from_batch(batch, self.runner.cache.spec)
+
     def execute(self, batch: ModelBatch) -> SamplerOutput:
+        if batch.spec is not None:
+            with torch.inference_mode():
+                return self.speculator.execute(batch)
         logits = self.forward_logits(batch)
         with torch.inference_mode():
             return self.runner.sample(logits, batch.sampling)

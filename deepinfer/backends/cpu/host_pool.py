@@ -13,6 +13,7 @@ from typing import Sequence
 import torch
 
 from deepinfer.backends.paged_cache import PagedCache
+from deepinfer.core.kv.block_pool import NULL_BLOCK_ID
 
 
 @dataclass
@@ -35,15 +36,19 @@ class CPUHostPool:
             return
         pages = torch.tensor(host_pages, dtype=torch.long)
         blocks = [torch.tensor(b, dtype=torch.long) for b in device_blocks]
+        # Per group, the pairs it takes part in: a null block is a sliding group's page that
+        # left its window, whose bytes are neither stored nor loaded (and block 0 never written).
+        held = [(b != NULL_BLOCK_ID).nonzero().flatten() for b in blocks]
         data = self.pages.index_select(0, pages) if to_device else None  # one gather of pages
         offset = 0
         with torch.inference_mode():
             for chunk, tensor in cache.chunk_tensors():
                 paged = tensor.view(-1, chunk.numel)
                 cols = slice(offset, offset + chunk.numel)
+                rows, group_blocks = held[chunk.group], blocks[chunk.group]
                 if to_device:
-                    paged.index_copy_(0, blocks[chunk.group], data[:, cols])
+                    paged.index_copy_(0, group_blocks[rows], data[rows, cols])
                 else:
-                    self.pages[:, cols].index_copy_(0, pages,
-                                                    paged.index_select(0, blocks[chunk.group]))
+                    self.pages[:, cols].index_copy_(0, pages[rows],
+                                                    paged.index_select(0, group_blocks[rows]))
                 offset += chunk.numel

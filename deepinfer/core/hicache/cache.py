@@ -2,9 +2,18 @@
 
 Write-through: when a request's prompt is fully computed, its full prompt pages the host does
 not hold yet are copied device -> host. Load-on-hit: at admission, matching continues from where
-the device hit ended, capped so keep_tokens are recomputed, snapped (stateful models) to a page
-end with a stored state; the pages are copied into freshly allocated device blocks and count as
-computed. The core never touches tensors: copies are accelerator calls by page-id lists.
+the device hit ended, capped so keep_tokens are recomputed, snapped to a page end a prefill can
+resume from (a stored state slot, for models with state slots; the pages a sliding window reads
+there stored whole, for sliding-window models); the pages are copied into freshly allocated
+device blocks and count as computed. The core never touches tensors: copies are accelerator
+calls by page-id lists.
+
+Sliding-window models (DeepSeek-V4's window group, Mistral): a windowed group frees its blocks
+as they leave the window during a prefill, so the write-through stores their pages without that
+group's bytes (`HostPage.complete` False; the page copy skips the null block). A hit loads no
+block of such a group out of the window at the hit's end (the manager gives the null block),
+so what the window reads there must come from complete pages. Models that keep their state in
+their pages (`KVSpec.state_in_pages`: DeepSeek-V4's page_state entries) need no state slots.
 """
 from __future__ import annotations
 
@@ -14,6 +23,7 @@ from dataclasses import dataclass, field
 from deepinfer.core.accelerator import Accelerator, CopyHandle, HostPoolLayout
 from deepinfer.core.config import CacheConfig
 from deepinfer.core.hicache.pool import HostPage, HostPagePool
+from deepinfer.core.kv.block_pool import NULL_BLOCK_ID
 from deepinfer.core.kv.hashing import BlockHash, extend_block_hashes
 from deepinfer.core.kv.spec import KVSpec
 from deepinfer.core.request import Request
@@ -56,6 +66,16 @@ class HostHit:
         return (self.first_page + len(self.pages)) * self.block_size
 
 
+@dataclass(frozen=True)
+class _Commit:
+    """A stored page, indexed once its copy is done."""
+
+    page: HostPage
+    block_hash: BlockHash
+    tokens: tuple[int, ...]
+    complete: bool  # every KV group's block was held (see HostPage.complete)
+
+
 @dataclass
 class _Copy:
     """A copy in flight; its pages stay pinned and its index entries wait until it is done."""
@@ -64,18 +84,25 @@ class _Copy:
     pinned: list[HostPage]  # unpinned at the end, in eviction order (tails first)
     to_device: bool
     started: float
-    commits: list[tuple[HostPage, BlockHash, tuple[int, ...]]] = field(default_factory=list)
+    commits: list[_Commit] = field(default_factory=list)
     state: tuple[HostPage, int] | None = None
 
 
 class HiCache:
     def __init__(self, accelerator: Accelerator, layout: HostPoolLayout, block_size: int,
-                 keep_tokens: int) -> None:
+                 keep_tokens: int, window: int | None = None,
+                 state_in_pages: bool = False) -> None:
         self.accelerator = accelerator
         self.layout = layout
         self.block_size = block_size
         # One token is always recomputed anyway: that step yields the logits to sample from.
         self.keep_tokens = max(1, keep_tokens)
+        # The widest sliding window of the model (None: no windowed group): how far back a
+        # resumed prefill reads the windowed groups' pages.
+        self.window = window
+        # Layer state must come back from a state slot: the backend keeps some (stateful
+        # layout) and the pages do not carry it already.
+        self.restores_state = layout.stateful and not state_in_pages
         self.pool = HostPagePool(layout.num_pages, layout.num_state_slots)
         self._stats = HiCacheStats(pages_total=layout.num_pages)
         self._inflight: list[_Copy] = []
@@ -89,18 +116,23 @@ class HiCache:
         if not accelerator.capabilities.host_page_copy:
             raise ValueError(f"the {accelerator.name} backend cannot copy KV pages to host "
                              "memory; run without hicache_size_gb")
-        if kv_spec is not None and kv_spec.has_sliding_window:
-            # A sliding group frees its old pages during prefill, so the write-through at the
-            # end of the prompt finds them gone; its window would have to be a state slot.
-            raise ValueError("HiCache does not serve sliding-window models yet; run without "
-                             "hicache_size_gb")
+        spec = kv_spec if kv_spec is not None else KVSpec(())
+        if spec.has_sliding_window and not accelerator.capabilities.host_copy_skips_null:
+            # A sliding group's freed blocks are the null block in its table: a copy that
+            # moved them would store garbage, or load host bytes into the null block.
+            raise ValueError(f"the {accelerator.name} backend's host page copy cannot leave "
+                             "out a sliding window's freed pages; run without hicache_size_gb")
         page_bytes = accelerator.host_page_bytes()
         num_pages = int(cache.hicache_size_gb * GIB) // page_bytes
         if num_pages < 1:
             raise ValueError(f"hicache_size_gb={cache.hicache_size_gb} holds no page of "
                              f"{page_bytes} bytes")
-        layout = accelerator.allocate_host_pool(num_pages, cache.hicache_state_slots)
-        return cls(accelerator, layout, cache.block_size, cache.yoco_keep_tokens)
+        # State kept in the pages moves with them: host state slots would hold nothing new.
+        slots = 0 if spec.state_in_pages else cache.hicache_state_slots
+        layout = accelerator.allocate_host_pool(num_pages, slots)
+        windows = [g.sliding_window for g in spec.groups if g.sliding_window is not None]
+        return cls(accelerator, layout, cache.block_size, cache.yoco_keep_tokens,
+                   max(windows, default=None), spec.state_in_pages)
 
     # ---- hits ----------------------------------------------------------------------------
     def match(self, req: Request, num_device_pages: int) -> HostHit | None:
@@ -118,11 +150,26 @@ class HiCache:
             if page is None:
                 break
             pages.append(page)
-        if self.layout.stateful:
-            # Layer state must be restored too, and it exists only where a store saved it.
-            while pages and pages[-1].state_slot is None:
-                pages.pop()
+        while pages and not self._resumable(num_device_pages, pages):
+            pages.pop()
         return HostHit(num_device_pages, tuple(pages), bs) if pages else None
+
+    def _resumable(self, first_page: int, pages: list[HostPage]) -> bool:
+        """Whether a prefill can resume after `pages` (the request's pages first_page..).
+        Layer state must be restored too, and it exists only where a store saved it. A
+        sliding window reads its last pages there: those must have been stored whole (the
+        device hit's own pages, before first_page, are held on the device)."""
+        if self.restores_state and pages[-1].state_slot is None:
+            return False
+        end = first_page + len(pages)
+        read_from = self._window_start(end) - first_page
+        return all(p.complete for p in pages[max(0, read_from):])
+
+    def _window_start(self, num_pages: int) -> int:
+        """The first page the window reads from a query right after num_pages pages."""
+        if self.window is None:
+            return num_pages
+        return max(0, num_pages * self.block_size - self.window + 1) // self.block_size
 
     def load(self, req: Request, hit: HostHit, device_blocks: list[list[int]]) -> None:
         """Copy the hit's pages (and state) into the request's new device blocks (one list per
@@ -136,7 +183,7 @@ class HiCache:
             copy.handles.append(self.accelerator.copy_pages(
                 [p.page_id for p in pages], device_blocks, to_device=True))
             nbytes = len(pages) * self.layout.page_bytes
-            if self.layout.stateful:
+            if self.restores_state:
                 self.pool.touch_state(pages[-1])
                 copy.handles.append(self.accelerator.copy_state(
                     pages[-1].state_slot, req.request_id, hit.end_tokens, to_device=True))
@@ -157,7 +204,8 @@ class HiCache:
     # ---- write-through -------------------------------------------------------------------
     def store(self, req: Request, device_blocks: list[list[int]]) -> None:
         """Copy the request's full prompt pages the host lacks from device to host
-        (device_blocks: the request's block table in each KV group)."""
+        (device_blocks: the request's block table in each KV group; a sliding group's freed
+        pages are the null block there, which the copy leaves out)."""
         if not req.use_prefix_cache:
             return
         bs = self.block_size
@@ -180,7 +228,9 @@ class HiCache:
             chain[i] = page
         pages = [p for p in chain if p is not None]
         copy = _Copy([], list(reversed(pages)), False, time.perf_counter())
-        copy.commits = [(p, req.block_hashes[i], tuple(req.token_slice(i * bs, (i + 1) * bs)))
+        copy.commits = [_Commit(p, req.block_hashes[i],
+                                tuple(req.token_slice(i * bs, (i + 1) * bs)),
+                                all(blocks[i] != NULL_BLOCK_ID for blocks in device_blocks))
                         for i, p in zip(missing, fresh)]
         try:
             if fresh:
@@ -189,7 +239,7 @@ class HiCache:
                     [[blocks[i] for i in missing] for blocks in device_blocks], to_device=False))
             nbytes = len(fresh) * self.layout.page_bytes
             whole = len(pages) == num_full  # every prompt page is (or will be) on the host
-            if self.layout.stateful and whole and chain[-1].state_slot is None:
+            if self.restores_state and whole and chain[-1].state_slot is None:
                 # The prompt's last full page carries the state a later turn resumes from.
                 slot = self.pool.take_state_slot()
                 if slot is not None:
@@ -230,8 +280,8 @@ class HiCache:
         self._inflight = still
 
     def _finish(self, copy: _Copy) -> None:
-        for page, block_hash, tokens in copy.commits:
-            if self.pool.commit(page, block_hash, tokens):
+        for c in copy.commits:
+            if self.pool.commit(c.page, c.block_hash, c.tokens, c.complete):
                 self._stats.stored_pages += 1
         if copy.state is not None:
             page, slot = copy.state

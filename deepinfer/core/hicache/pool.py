@@ -20,6 +20,11 @@ class HostPage:
     block_hash: BlockHash | None = None
     token_ids: tuple[int, ...] | None = None  # kept to reject hash collisions on a hit
     state_slot: int | None = None  # layer state as of this page's end (stateful models)
+    # Every KV group's block was stored. A sliding-window group frees the blocks that leave
+    # its window during a prefill, so the write-through at its end finds them gone: such a
+    # page's bytes for that group were never written, and no hit may resume where the window
+    # would read them.
+    complete: bool = True
 
 
 class HostPagePool:
@@ -66,11 +71,12 @@ class HostPagePool:
         """The page indexed under block_hash, whatever its tokens (for collision checks)."""
         return self._index.get(block_hash)
 
-    def commit(self, page: HostPage, block_hash: BlockHash, tokens: Sequence[int]) -> bool:
+    def commit(self, page: HostPage, block_hash: BlockHash, tokens: Sequence[int],
+               complete: bool = True) -> bool:
         """Index a freshly written page; False if another page already holds this hash."""
         if block_hash in self._index:
             return False
-        page.block_hash, page.token_ids = block_hash, tuple(tokens)
+        page.block_hash, page.token_ids, page.complete = block_hash, tuple(tokens), complete
         self._index[block_hash] = page
         return True
 

@@ -141,22 +141,44 @@ class KVCacheManager:
     def blocks_needed(self, req: Request, num_new_tokens: int,
                       cached: list[list[KVBlock]] | None = None) -> int:
         """Blocks the most demanding group needs for num_new_tokens more tokens."""
-        return max(self._needed(g, req, num_new_tokens, c)
-                   for g, c in zip(self.groups, cached or [[]] * len(self.groups)))
+        cached = cached or [[] for _ in self.groups]
+        end = self._end(req, num_new_tokens, cached)
+        return max(self._needed(g, req, end, c) for g, c in zip(self.groups, cached))
 
-    def _needed(self, g: _Group, req: Request, num_new: int, cached: list[KVBlock]) -> int:
+    def _end(self, req: Request, num_new: int, cached: list[list[KVBlock]]) -> int:
+        """Tokens the request holds after num_new more past its computed and cached ones."""
+        return req.num_computed_tokens + len(cached[0]) * self.block_size + num_new
+
+    def _needed(self, g: _Group, req: Request, end: int, cached: list[KVBlock]) -> int:
         table = g.tables.get(req.request_id, [])
-        tokens = req.num_computed_tokens + len(cached) * self.block_size + num_new
-        return -(-tokens // self.block_size) - len(table) - len(cached)
+        return -(-end // self.block_size) - len(table) - len(cached)
 
     def can_allocate(self, num_blocks: int) -> bool:
         return all(num_blocks <= g.pool.num_free for g in self.groups)
 
+    def _in_window(self, g: _Group, cached: list[KVBlock], hit_pages: int) -> list[KVBlock]:
+        """A hit of hit_pages pages (cached first, then pages loaded from the host tier) as the
+        group holds it: a sliding group takes the null block for every page out of its window
+        at the hit's end, as a cold prefill would have freed it (a loaded page there is not
+        loaded, a device-hit block there not taken)."""
+        first = min(g.first_visible_page(hit_pages * self.block_size, self.block_size),
+                    hit_pages)
+        if g.window is None or first == 0:
+            return cached
+        kept = [g.null if p < first else b for p, b in enumerate(cached)]
+        return kept + [g.null] * max(0, first - len(cached))
+
     def allocate(self, req: Request, num_new_tokens: int,
-                 cached: list[list[KVBlock]] | None = None) -> bool:
-        """Make room for num_new_tokens after the computed ones; False if a pool is short."""
+                 cached: list[list[KVBlock]] | None = None, loaded_pages: int = 0) -> bool:
+        """Make room for num_new_tokens after the computed ones (and the cached blocks);
+        False if a pool is short. The first loaded_pages pages of the new tokens are a
+        host-tier hit: fresh blocks, except in a sliding group out of its window."""
         cached = cached or [[] for _ in self.groups]
-        needs = [self._needed(g, req, num_new_tokens, c) for g, c in zip(self.groups, cached)]
+        end = self._end(req, num_new_tokens, cached)
+        if loaded_pages:
+            hit_pages = len(cached[0]) + loaded_pages
+            cached = [self._in_window(g, c, hit_pages) for g, c in zip(self.groups, cached)]
+        needs = [self._needed(g, req, end, c) for g, c in zip(self.groups, cached)]
         if all(n <= 0 for n in needs) and not any(cached) and \
                 req.request_id in self.groups[0].tables:
             return True  # a decode inside its last page: the common case, nothing to do
