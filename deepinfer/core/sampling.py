@@ -9,13 +9,14 @@ MAX_LOGPROBS = 20
 INT32_MAX = 2**31 - 1  # counts and token ids: more than any vocabulary or context holds
 INT64_MIN, INT64_MAX = -2**63, 2**63 - 1
 MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 2.0
-STRUCTURED_KINDS = ("json_object", "json_schema", "regex", "ebnf")
+STRUCTURED_KINDS = ("json_object", "json_schema", "regex", "ebnf", "structural_tag")
 
 
 @dataclass(frozen=True)
 class StructuredOutput:
-    """A constraint on the output text: any JSON object, a JSON schema, a regex or an EBNF
-    grammar (spec holds the schema as JSON text, the regex or the grammar)."""
+    """A constraint on the output text: any JSON object, a JSON schema, a regex, an EBNF
+    grammar or an xgrammar structural tag (spec holds the schema as JSON text, the regex, the
+    grammar or the tag as JSON text)."""
 
     kind: str
     spec: str = ""

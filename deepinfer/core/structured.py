@@ -46,6 +46,8 @@ class GrammarCompiler:
                 return self._compiler.compile_json_schema(spec.spec)
             if spec.kind == "regex":
                 return self._compiler.compile_regex(spec.spec)
+            if spec.kind == "structural_tag":
+                return self._compiler.compile_structural_tag(spec.spec)
             return self._compiler.compile_grammar(spec.spec)
         except Exception as exc:  # xgrammar raises several types for a bad user constraint
             raise ValueError(f"invalid {spec.kind} constraint: {exc}") from exc

@@ -4,6 +4,9 @@ Tool calls follow the Hermes/Qwen convention most open chat templates emit:
 <tool_call>{"name": ..., "arguments": {...}}</tool_call>. For tool_choice "required" or a named
 function the assistant turn is opened with the start of such a call, so the model can only
 complete a call; the forced text is put back in front of the output before parsing.
+DeepSeek-V4 checkpoints call tools in DSML (deepseek_encoding.py): there a forced call is the
+whole answer constrained by xgrammar's structural tag for that format (reasoning first in
+thinking mode, then the tool-calls block), and nothing is put in front.
 """
 from __future__ import annotations
 
@@ -58,7 +61,7 @@ def render_chat(tokenizer: Any, chat: ChatFormat, messages: list[dict], tools: l
         prompt = tokenizer.apply_chat_template(
             messages, tools=tools, add_generation_prompt=add_generation_prompt,
             tokenize=False, **(template_kwargs or {}))
-    forced = _forced_prefix(tool_choice) if tools else ""
+    forced = _forced_prefix(tool_choice) if tools and not chat.dsml else ""
     return RenderedChat(prompt + forced, forced)
 
 
@@ -74,19 +77,50 @@ def _named(tool_choice: Any) -> str | None:
     return None
 
 
-def tool_call_constraint(tools: list[dict] | None, tool_choice: Any) -> StructuredOutput | None:
-    """For tool_choice "required" or a named function: the JSON of one call, as a schema.
+def tool_call_constraint(tools: list[dict] | None, tool_choice: Any,
+                         dsml: DsmlCalls | None = None) -> StructuredOutput | None:
+    """For tool_choice "required" or a named function: the JSON of one call, as a schema
+    (DSML models: the answer's format, as a structural tag).
 
     The assistant turn was opened with TOOL_OPEN (see _forced_prefix), so the constrained text
     is exactly the call's {"name": ..., "arguments": {...}} object.
     """
     if not tools or not (tool_choice == "required" or _named(tool_choice)):
         return None
+    if dsml is not None:
+        return _dsml_constraint(tools, tool_choice, dsml)
     wanted = _named(tool_choice)
     options = [_call_schema(t["function"]) for t in tools
                if wanted is None or t["function"]["name"] == wanted]
     schema = options[0] if len(options) == 1 else {"anyOf": options}
     return StructuredOutput("json_schema", json.dumps(schema))
+
+
+@dataclass(frozen=True)
+class DsmlCalls:
+    """How a DSML answer that must call a tool is shaped: thinking (the prompt opened <think>,
+    so reasoning and </think> come first) and whether several calls may follow one another."""
+
+    thinking: bool
+    parallel: bool = True
+
+
+def _dsml_constraint(tools: list[dict], tool_choice: Any, calls: DsmlCalls) -> StructuredOutput:
+    """xgrammar's structural tag for DeepSeek-V4 (its format table, not a grammar of ours): the
+    tool-calls block with one invoke per call, parameters typed by each tool's JSON schema."""
+    try:
+        import xgrammar as xgr
+    except ImportError as exc:  # an optional extra
+        raise ValueError("forced tool calls need xgrammar: pip install 'deepinfer[structured]'"
+                         ) from exc
+    wanted = _named(tool_choice)
+    if wanted is not None:
+        tools = [t for t in tools if t["function"]["name"] == wanted]
+    tag = xgr.get_model_structural_tag(
+        "deepseek_v4", tools=tools, tool_choice="required",
+        reasoning="enabled" if calls.thinking else "disabled",
+        parallel_tool_calls=calls.parallel and wanted is None)
+    return StructuredOutput("structural_tag", tag.model_dump_json())
 
 
 def _call_schema(function: dict) -> dict:

