@@ -113,44 +113,67 @@ def bench_ours(path: str, quick: bool) -> dict:
     out: dict = {"weights_bytes": engine.accelerator.memory_stats().weights_bytes}
     _decode(engine, random_prompts(2, 300, vocab, 0), 4)  # warm-up: compile every kernel
     for batch in BATCHES:
-        step_s = _decode(engine, random_prompts(batch, CONTEXT, vocab, batch), 16 if quick else 64)
-        out[f"batch{batch}_tok_s"] = batch / step_s
+        prompts = random_prompts(batch, CONTEXT, vocab, batch)
+        _measure(out, f"batch{batch}_tok_s",
+                 lambda: batch / _decode(engine, prompts, 16 if quick else 64))
     for n in PREFILLS:
         _prefill(engine, random_prompts(1, min(n, 8192), vocab, 98))  # warm-up
-        out[f"prefill{n // 1024}k_tok_s"] = n / _prefill(engine, random_prompts(1, n, vocab, 99))
+        prompt = random_prompts(1, n, vocab, 99)
+        _measure(out, f"prefill{n // 1024}k_tok_s", lambda: n / _prefill(engine, prompt))
     engine.shutdown()
     torch.cuda.empty_cache()
     return out
 
 
+def _measure(out: dict, key: str, run) -> None:
+    """out[key] = run(), or the error that stopped it under out["errors"] (out of memory: the
+    rest still runs)."""
+    try:
+        out[key] = run()
+    except torch.OutOfMemoryError as e:
+        torch.cuda.empty_cache()
+        out.setdefault("errors", {})[key] = str(e).splitlines()[0]
+    print(key, out.get(key, out.get("errors", {}).get(key)), flush=True)
+
+
 # ---- transformers ------------------------------------------------------------------------
 def bench_hf(quick: bool) -> dict:
+    out = _bench_hf_model(_hf_model(), 4 if quick else 16)
+    torch.cuda.empty_cache()  # the model is gone with the call's frame
+    return out
+
+
+def _hf_model():
     import transformers
 
-    config = v4_config()
     torch.set_default_dtype(torch.bfloat16)
     with torch.device("cuda"):
-        model = transformers.DeepseekV4ForCausalLM(config).eval()
+        model = transformers.DeepseekV4ForCausalLM(v4_config()).eval()
     torch.set_default_dtype(torch.float32)
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
+    return model
+
+
+def _bench_hf_model(model, new: int) -> dict:
+    import transformers
+
+    vocab = model.config.vocab_size
     out: dict = {"transformers": transformers.__version__}
-    new = 4 if quick else 16
     for batch in BATCHES:
-        ids = torch.tensor(random_prompts(batch, CONTEXT, config.vocab_size, batch), device="cuda")
-        gen = _hf_generate(model, ids)
-        gen(2)
-        one, full = gen(1), gen(new + 1)
-        out[f"batch{batch}_tok_s"] = batch * new / (full - one)
+        ids = torch.tensor(random_prompts(batch, CONTEXT, vocab, batch), device="cuda")
+        _measure(out, f"batch{batch}_tok_s", lambda: _hf_decode(model, ids, new))
     for n in PREFILLS:
-        try:
-            out[f"prefill{n // 1024}k_tok_s"] = _hf_prefill(model, n, config.vocab_size)
-        except torch.OutOfMemoryError as e:  # recorded, not plotted
-            torch.cuda.empty_cache()
-            out.setdefault("errors", {})[f"prefill{n // 1024}k_tok_s"] = str(e).splitlines()[0]
-    del model
-    torch.cuda.empty_cache()
+        _measure(out, f"prefill{n // 1024}k_tok_s", lambda: _hf_prefill(model, n, vocab))
     return out
+
+
+def _hf_decode(model, ids: torch.Tensor, new: int) -> float:
+    """Decode tokens/s of generate: (n + 1 tokens) - (1 token), so the prefill cancels."""
+    gen = _hf_generate(model, ids)
+    gen(2)
+    one, full = gen(1), gen(new + 1)
+    return ids.shape[0] * new / (full - one)
 
 
 def _hf_prefill(model, n: int, vocab: int) -> float:
@@ -172,12 +195,18 @@ def keys() -> list[str]:
 
 def report(result: dict) -> None:
     for key in keys():
-        ours, top, hf = result["ours"][key], result["ceiling"][key], result["hf"].get(key)
-        error = result["hf"].get("errors", {}).get(key)
-        line = f"{key:18s}: ours {ours:10.1f} = {ours / top:.0%} of the roofline {top:10.1f}"
+        ours, top, hf = result["ours"].get(key), result["ceiling"][key], result["hf"].get(key)
+        line = f"{key:18s}: roofline {top:10.1f}"
+        if ours:
+            line += f"; ours {ours:10.1f} = {ours / top:.0%}"
         if hf:
-            line += f"; transformers {hf:9.1f} (x{ours / hf:.1f})"
-        print(line + (f"; transformers: {error}" if error else ""))
+            line += f"; transformers {hf:9.1f}" + (f" (x{ours / hf:.1f})" if ours else "")
+        print(line)
+
+
+def save(result: dict, out: str) -> None:
+    with open(os.path.join(out, "v4_engine.json"), "w") as f:
+        json.dump(result, f, indent=2)
 
 
 def main() -> None:
@@ -190,13 +219,13 @@ def main() -> None:
     counts = parameter_counts()
     result: dict = {"config": {"layer_types": LAYER_TYPES, "mlp_layer_types": MLP_TYPES},
                     "parameters": counts, "context": CONTEXT, "device": ceilings()}
+    result["ceiling"] = roofline(result, counts)
     with tempfile.TemporaryDirectory() as tmp:
         result["ours"] = bench_ours(write_config(tmp), args.quick)
+    save(result, args.out)  # kept if the peer's run does not finish
     result["hf"] = {} if args.skip_hf else bench_hf(args.quick)
-    result["ceiling"] = roofline(result, counts)
+    save(result, args.out)
     report(result)
-    with open(os.path.join(args.out, "v4_engine.json"), "w") as f:
-        json.dump(result, f, indent=2)
     peer_bars(os.path.join(args.out, "v4_engine.png"), result, keys(),
               [f"decode b{b}" for b in BATCHES] + [f"{n // 1024}K prefill" for n in PREFILLS],
               "tokens/s", f"DeepSeek-V4-Flash width, {len(LAYER_TYPES)} layers, H200 bf16")
