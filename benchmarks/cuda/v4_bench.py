@@ -46,6 +46,7 @@ def v4_config():
     config = transformers.DeepseekV4Config(
         num_hidden_layers=len(LAYER_TYPES), layer_types=LAYER_TYPES, mlp_layer_types=MLP_TYPES,
         max_position_embeddings=131072, bos_token_id=0, eos_token_id=1)
+    config.architectures = ["DeepseekV4ForCausalLM"]
     config.torch_dtype = "bfloat16"
     return config
 

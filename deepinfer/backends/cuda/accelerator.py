@@ -95,6 +95,11 @@ class CUDAAccelerator(Accelerator):
                                   lambda cache: CUDAOps(cache, use_gemv=use_gemv), self.seed)
         self.runner.ops.parallel = self.parallel
         self.info = self.runner.load(spec)
+        if self.grouped and not getattr(self.runner.model, "reads_group_meta", False):
+            # Only a model whose data path reads every group's tables (GroupedMeta) may have
+            # several: the llama family's attention reads one group's (AttentionMeta).
+            raise ValueError("the nvidia backend serves this model with one KV group only "
+                             "(every layer alike); its layers differ in their KV cache")
         return self.info
 
     @property

@@ -72,6 +72,10 @@ def placements(config: PretrainedConfig) -> list[Placement]:
 
 
 class DeepseekV4ForCausalLM(nn.Module):
+    # Its data path (cache.py) reads every KV group's tables and the state slots from the step
+    # metadata: backends hand it their grouped metadata.
+    reads_group_meta = True
+
     def __init__(self, config: PretrainedConfig, ops: ModelOps, max_model_len: int) -> None:
         super().__init__()
         _check_supported(config)
