@@ -1,0 +1,103 @@
+"""Where a batch-1 decode step of the DeepSeek-V4-Flash-width model (v4_bench.py's config) goes:
+its kernels by device time (torch.profiler), how long the GPU is busy in the step, and the
+host's Python by own and cumulative time (cProfile). The model runs eagerly (no CUDA graph), so
+the host's share is the question.
+
+    python benchmarks/cuda/profile_v4.py --out benchmarks/results/cuda
+Writes v4_profile.json.
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import json
+import os
+import pstats
+import sys
+import tempfile
+import time
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", ".."))
+sys.path.insert(0, HERE)
+
+from engine_bench import random_prompts  # noqa: E402
+from profile_moe import busy_us  # noqa: E402
+from v4_bench import v4_config, write_config  # noqa: E402
+
+from deepinfer.core.config import CacheConfig, EngineConfig, ModelSpec, SchedulerConfig  # noqa: E402
+from deepinfer.core.engine import Engine  # noqa: E402
+from deepinfer.core.sampling import SamplingParams  # noqa: E402
+
+STEPS = 10
+
+
+def decoding_engine(path: str) -> Engine:
+    """An engine with one request past its prefill and a few decode steps."""
+    config = EngineConfig(
+        model=ModelSpec(path, dtype="bfloat16", max_model_len=4096, load_format="dummy"),
+        cache=CacheConfig(gpu_memory_utilization=0.85),
+        scheduler=SchedulerConfig(max_num_batched_tokens=4096, max_num_seqs=8),
+        accelerator="nvidia")
+    engine = Engine(config, load_tokenizer=False)
+    params = SamplingParams(temperature=0.0, max_tokens=4 * STEPS + 20, ignore_eos=True)
+    engine.add_request("p", random_prompts(1, 512, v4_config().vocab_size, 0)[0], params)
+    for _ in range(10):
+        engine.step()
+    torch.cuda.synchronize()
+    return engine
+
+
+def device_profile(engine: Engine) -> dict:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(STEPS):
+            engine.step()
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - t0) / STEPS
+    rows = [{"name": e.key[:90], "calls_per_step": e.count / STEPS,
+             "us_per_step": (getattr(e, "device_time_total", 0) or 0) / STEPS}
+            for e in prof.key_averages()]
+    rows = sorted((r for r in rows if r["us_per_step"] > 0), key=lambda r: -r["us_per_step"])
+    return {"step_ms": wall * 1e3, "gpu_busy_us_per_step": busy_us(prof) / STEPS,
+            "kernels_per_step": sum(r["calls_per_step"] for r in rows), "top": rows[:30]}
+
+
+def host_profile(engine: Engine, top: int = 30) -> dict:
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(STEPS):
+        engine.step()
+    torch.cuda.synchronize()
+    prof.disable()
+    rows = [{"function": f"{path.split('/')[-1]}:{line}:{name}", "calls_per_step": c / STEPS,
+             "own_us_per_step": tt / STEPS * 1e6, "cum_us_per_step": ct / STEPS * 1e6}
+            for (path, line, name), (c, _, tt, ct, _) in pstats.Stats(prof).stats.items()]
+    return {"by_own": sorted(rows, key=lambda r: -r["own_us_per_step"])[:top],
+            "by_cumulative": sorted(rows, key=lambda r: -r["cum_us_per_step"])[:top]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="benchmarks/results/cuda")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        engine = decoding_engine(write_config(tmp))
+        result = {"device": device_profile(engine), "host": host_profile(engine)}
+        engine.shutdown()
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "v4_profile.json"), "w") as f:
+        json.dump(result, f, indent=2)
+    d = result["device"]
+    print(f"step {d['step_ms']:.2f} ms, GPU busy {d['gpu_busy_us_per_step'] / 1e3:.2f} ms, "
+          f"{d['kernels_per_step']:.0f} kernels")
+    for r in d["top"][:12]:
+        print(f"  {r['us_per_step']:9.1f} us {r['calls_per_step']:6.1f}x {r['name']}")
+    for r in result["host"]["by_own"][:15]:
+        print(f"  own {r['own_us_per_step']:9.1f} us {r['calls_per_step']:7.1f}x {r['function']}")
+
+
+if __name__ == "__main__":
+    main()
