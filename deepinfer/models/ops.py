@@ -70,6 +70,13 @@ class ModelOps(ABC):
         raise NotImplementedError(f"{type(self).__name__} has no MLA attention")
 
     # ---- composites: reference definitions, overridden where a better kernel exists -------
+    def sinkhorn(self, logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+        """DeepSeek-V4's mHC normalisation of float32 [T, N, N] logits (row softmax, then
+        alternating column / row normalisations; reference: deepseek_v4/hyper.py)."""
+        from deepinfer.models.deepseek_v4.hyper import sinkhorn
+
+        return sinkhorn(logits, iters, eps)
+
     def compressed_decode_attention(self, q: torch.Tensor, window: PagedRows,
                                     entries: PagedRows | None, picks: torch.Tensor | None,
                                     lens: DecodeLens, sinks: torch.Tensor, sliding_window: int,

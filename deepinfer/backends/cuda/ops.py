@@ -135,6 +135,14 @@ class CUDAOps(ModelOps):
                                        meta.seq_lens, meta.max_query_len, bs, scale,
                                        window=window)
 
+    def sinkhorn(self, logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+        """mHC's normalisation in one kernel instead of ~120 launches (kernels/sinkhorn.py)."""
+        if not self._on_triton(logits):
+            return super().sinkhorn(logits, iters, eps)
+        from deepinfer.backends.cuda.kernels.sinkhorn import sinkhorn
+
+        return sinkhorn(logits, iters, eps)
+
     # ---- DeepSeek-V4 decode (models/deepseek_v4/paged_ops.py holds the references) --------
     # The kernels are imported on first use: only DeepSeek-V4 reaches them.
     def compressed_decode_attention(self, q: torch.Tensor, window: PagedRows,

@@ -151,8 +151,8 @@ class HyperConnection(_StreamGates):
         pre_s, post_s, comb_s = self.scale.unbind(0)
         pre = torch.sigmoid(pre_w * pre_s + pre_b) + d.hc_eps
         post = 2 * torch.sigmoid(post_w * post_s + post_b)
-        comb = sinkhorn(comb_w.view(-1, n, n) * comb_s + comb_b.view(n, n), d.sinkhorn_iters,
-                        d.hc_eps)
+        comb = self.ops.sinkhorn(comb_w.view(-1, n, n) * comb_s + comb_b.view(n, n),
+                                 d.sinkhorn_iters, d.hc_eps)
         return weighted_sum(pre, streams), HyperMix(post, comb)
 
     @staticmethod
