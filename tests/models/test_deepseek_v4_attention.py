@@ -192,3 +192,17 @@ def test_window_and_sinks_matter(reference) -> None:
     assert (full[WINDOW:] - windowed[WINDOW:]).abs().max() > 1e-3
     torch.testing.assert_close(full[:WINDOW], windowed[:WINDOW])
     assert (no_sink - windowed).abs().max() > 1e-3
+
+
+def test_long_prefills_attend_in_blocks_of_queries(monkeypatch) -> None:
+    """A chunk whose scores would not fit is attended block by block of queries: the same
+    output (here blocks of 2 queries, with compressed entries each query sees differently)."""
+    from deepinfer.models.deepseek_v4 import attention
+
+    g = torch.Generator().manual_seed(5)
+    q, kv, comp = (torch.randn(*s, generator=g) for s in ((9, 4, 16), (9, 16), (3, 16)))
+    pos, sinks = torch.arange(9), torch.randn(4, generator=g)
+    visible = entries_visible(pos, 3, 3)
+    whole = attend(q, pos, kv, pos, comp, visible, sinks, 4, 0.25)
+    monkeypatch.setattr(attention, "MAX_SCORES", 2 * 4 * 12)
+    torch.testing.assert_close(attend(q, pos, kv, pos, comp, visible, sinks, 4, 0.25), whole)

@@ -210,3 +210,17 @@ def test_page_boundary_snapshot_resumes(hidden):
     assert rest.indices.tolist() == list(range(32, SEQ_LEN // 4))
     with pytest.raises(ValueError):
         comp(hidden[:1], 127, resumed)
+
+
+def test_long_chunks_select_in_blocks_of_queries(monkeypatch):
+    """The indexer's picks of a chunk too long for one score tensor, block by block of
+    queries: the same picks."""
+    from deepinfer.models.deepseek_v4 import attention
+    from deepinfer.models.deepseek_v4.compressor import select_topk
+
+    g = torch.Generator().manual_seed(3)
+    q, w, keys = (torch.randn(*s, generator=g) for s in ((11, 2, 8), (11, 2), (7, 8)))
+    positions = torch.arange(20, 31)
+    whole = select_topk(q, w, positions, keys, 4, 3, 0.5)
+    monkeypatch.setattr(attention, "MAX_SCORES", 3 * 2 * 7)
+    assert torch.equal(select_topk(q, w, positions, keys, 4, 3, 0.5), whole)

@@ -191,6 +191,12 @@ class V4Attention(nn.Module):
 
 
 # ---- the attention itself (reference for the backend op) ----------------------------------
+# Score elements (queries x heads x keys) one block of queries may hold: a long prefill chunk
+# (8K queries, 64 heads, a 24K-key CSA layer at 64K context: 51 GB of float32 scores) is
+# attended in blocks of queries that each fit in ~1 GiB.
+MAX_SCORES = 1 << 28
+
+
 def attend(q: torch.Tensor, positions: torch.Tensor, window_kv: torch.Tensor,
            window_positions: torch.Tensor, compressed_kv: torch.Tensor | None,
            compressed_visible: torch.Tensor | None, sinks: torch.Tensor, window: int,
@@ -201,6 +207,22 @@ def attend(q: torch.Tensor, positions: torch.Tensor, window_kv: torch.Tensor,
     [N, D] the layer's compressed entries, compressed_visible [T, N] which of them each query
     sees (`entries_visible` for HCA, `selected_visible` for CSA). sinks [heads]: a logit per
     head in every softmax denominator. Returns [T, heads, D] in q's dtype."""
+    keys = window_kv.shape[0] + (0 if compressed_kv is None else compressed_kv.shape[0])
+    rows = max(1, MAX_SCORES // (q.shape[1] * max(1, keys)))
+    if q.shape[0] <= rows:
+        return _attend_block(q, positions, window_kv, window_positions, compressed_kv,
+                             compressed_visible, sinks, window, scale)
+    return torch.cat([
+        _attend_block(q[i:i + rows], positions[i:i + rows], window_kv, window_positions,
+                      compressed_kv, None if compressed_visible is None
+                      else compressed_visible[i:i + rows], sinks, window, scale)
+        for i in range(0, q.shape[0], rows)])
+
+
+def _attend_block(q: torch.Tensor, positions: torch.Tensor, window_kv: torch.Tensor,
+                  window_positions: torch.Tensor, compressed_kv: torch.Tensor | None,
+                  compressed_visible: torch.Tensor | None, sinks: torch.Tensor, window: int,
+                  scale: float) -> torch.Tensor:
     rel = positions[:, None] - window_positions[None, :]
     visible = (rel >= 0) & (rel < window)
     keys = window_kv

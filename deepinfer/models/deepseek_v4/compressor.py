@@ -47,6 +47,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from deepinfer.core.kv.spec import CacheEntry
+from deepinfer.models.deepseek_v4 import attention
 from deepinfer.models.deepseek_v4.attention import RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq
 
 CSA = "compressed_sparse_attention"
@@ -298,8 +299,13 @@ def select_topk(q: torch.Tensor, weights: torch.Tensor, positions: torch.Tensor,
     k = min(topk, keys.shape[0])
     if k == 0:
         return torch.zeros(q.shape[0], 0, dtype=torch.long, device=q.device)
-    scores = index_scores(q, weights, positions, keys, rate, softmax_scale)
-    picks = scores.topk(k, dim=-1).indices
+    # In blocks of queries whose [n, H, T] scores fit (attention.MAX_SCORES): a long chunk's
+    # would not.
+    rows = max(1, attention.MAX_SCORES // (q.shape[1] * keys.shape[0]))
+    picks = torch.cat([
+        index_scores(q[i:i + rows], weights[i:i + rows], positions[i:i + rows], keys, rate,
+                     softmax_scale).topk(k, dim=-1).indices
+        for i in range(0, q.shape[0], rows)])
     invalid = picks >= causal_entry_limit(positions, rate)[:, None]
     return picks.masked_fill(invalid, -1)
 
