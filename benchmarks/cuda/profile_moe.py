@@ -104,21 +104,25 @@ def busy_us(prof: torch.profiler.profile) -> float:
 
 def host_profile(engine: Engine, top: int = 30) -> list[dict]:
     """The step's Python by cumulative time (us per step), from cProfile."""
+    return sorted(host_rows(engine, STEPS), key=lambda r: -r["cum_us_per_step"])[:top]
+
+
+def host_rows(engine: Engine, steps: int) -> list[dict]:
+    """Every function the engine's `steps` steps ran, with its calls and own and cumulative
+    time per step (us), from cProfile."""
     import cProfile
     import pstats
 
     prof = cProfile.Profile()
     prof.enable()
-    for _ in range(STEPS):
+    for _ in range(steps):
         engine.step()
     torch.cuda.synchronize()
     prof.disable()
     stats = pstats.Stats(prof).stats
-    rows = [{"function": f"{path.split('/')[-1]}:{line}:{name}", "calls_per_step": c / STEPS,
-             "own_us_per_step": tt / STEPS * 1e6, "cum_us_per_step": ct / STEPS * 1e6}
+    return [{"function": f"{path.split('/')[-1]}:{line}:{name}", "calls_per_step": c / steps,
+             "own_us_per_step": tt / steps * 1e6, "cum_us_per_step": ct / steps * 1e6}
             for (path, line, name), (c, _, tt, ct, _) in stats.items()]
-    rows.sort(key=lambda r: -r["cum_us_per_step"])
-    return rows[:top]
 
 
 def main() -> None:

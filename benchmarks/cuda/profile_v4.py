@@ -9,10 +9,8 @@ Writes v4_profile.json.
 from __future__ import annotations
 
 import argparse
-import cProfile
 import json
 import os
-import pstats
 import sys
 import tempfile
 import time
@@ -24,7 +22,7 @@ sys.path.insert(0, os.path.join(HERE, "..", ".."))
 sys.path.insert(0, HERE)
 
 from engine_bench import random_prompts  # noqa: E402
-from profile_moe import busy_us  # noqa: E402
+from profile_moe import busy_us, host_rows  # noqa: E402
 from v4_bench import v4_config, write_config  # noqa: E402
 
 from deepinfer.core.config import CacheConfig, EngineConfig, ModelSpec, SchedulerConfig  # noqa: E402
@@ -66,15 +64,7 @@ def device_profile(engine: Engine) -> dict:
 
 
 def host_profile(engine: Engine, top: int = 30) -> dict:
-    prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(STEPS):
-        engine.step()
-    torch.cuda.synchronize()
-    prof.disable()
-    rows = [{"function": f"{path.split('/')[-1]}:{line}:{name}", "calls_per_step": c / STEPS,
-             "own_us_per_step": tt / STEPS * 1e6, "cum_us_per_step": ct / STEPS * 1e6}
-            for (path, line, name), (c, _, tt, ct, _) in pstats.Stats(prof).stats.items()]
+    rows = host_rows(engine, STEPS)
     return {"by_own": sorted(rows, key=lambda r: -r["own_us_per_step"])[:top],
             "by_cumulative": sorted(rows, key=lambda r: -r["cum_us_per_step"])[:top]}
 

@@ -85,12 +85,27 @@ def _decode_split_kernel(
     q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=row_ok[:, None], other=0.0)
 
+    table = BlockTables + b.to(tl.int64) * stride_bt
+    acc, lse = attend_tiles(q, table, K + kv_head * stride_kh, V + kv_head * stride_vh,
+                            stride_kt, stride_vt, seq_len, key_lo, tile_lo, tile_hi, offs_d,
+                            qk_scale, ROWS, HEAD_DIM, BLOCK_N, BLOCK_SIZE, PRECISION, SLIDING)
+    out = Out + b * stride_ob + heads[:, None] * stride_oh + split * stride_os + offs_d[None, :]
+    tl.store(out, acc.to(Out.dtype.element_ty), mask=row_ok[:, None])
+    if NUM_SPLITS > 1:
+        tl.store(Lse + b * stride_lb + heads * stride_lh + split, lse, mask=row_ok)
+
+
+@triton.jit
+def attend_tiles(q, table, k_base, v_base, stride_kt, stride_vt, seq_len, key_lo, tile_lo,
+                 tile_hi, offs_d, qk_scale, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, PRECISION: tl.constexpr,
+                 SLIDING: tl.constexpr):
+    """The query rows q [ROWS, HEAD_DIM] over tiles [tile_lo, tile_hi) of one KV head's paged
+    keys, fp32 online softmax in base 2: (normalised output, natural-log LSE per row). An empty
+    split (tile_lo >= tile_hi) gives zeros and lse = -inf."""
     m_i = tl.full([ROWS], float("-inf"), tl.float32)
     l_i = tl.zeros([ROWS], tl.float32)
     acc = tl.zeros([ROWS, HEAD_DIM], tl.float32)
-    table = BlockTables + b.to(tl.int64) * stride_bt
-    k_base = K + kv_head * stride_kh
-    v_base = V + kv_head * stride_vh
     for tile in range(tile_lo, tile_hi):
         offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
         valid = offs_n < seq_len
@@ -109,16 +124,11 @@ def _decode_split_kernel(
                     mask=valid[:, None], other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
-
-    # An empty split (tile_lo >= tile_hi) leaves l_i == 0: write zeros and lse = -inf.
     nonempty = l_i > 0.0
     acc = acc / tl.where(nonempty, l_i, 1.0)[:, None]
     lse = tl.where(nonempty, (m_i + tl.log2(tl.where(nonempty, l_i, 1.0))) * 0.6931471805599453,
                    float("-inf"))
-    out = Out + b * stride_ob + heads[:, None] * stride_oh + split * stride_os + offs_d[None, :]
-    tl.store(out, acc.to(Out.dtype.element_ty), mask=row_ok[:, None])
-    if NUM_SPLITS > 1:
-        tl.store(Lse + b * stride_lb + heads * stride_lh + split, lse, mask=row_ok)
+    return acc, lse
 
 
 @triton.jit

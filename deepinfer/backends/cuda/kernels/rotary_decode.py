@@ -31,9 +31,9 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from deepinfer.backends.cuda.kernels.decode_attention import (_LOG2E, _MIN_ROWS, _config, _check,
-                                                              check_window, merge_splits,
-                                                              split_tiles, tile_slots)
+from deepinfer.backends.cuda.kernels.decode_attention import (_LOG2E, _MIN_ROWS, _check, _config,
+                                                              attend_tiles, check_window,
+                                                              merge_splits, split_tiles)
 from deepinfer.backends.cuda.kernels.pdl import launch_kwargs
 
 
@@ -129,36 +129,10 @@ def _rotary_decode_kernel(
                       offs_d, cos, sin, KNorm, eps, HEAD_DIM, NORM)
         tl.debug_barrier()  # the tile loop's threads read the slot just written
 
-    m_i = tl.full([ROWS], float("-inf"), tl.float32)
-    l_i = tl.zeros([ROWS], tl.float32)
-    acc = tl.zeros([ROWS, HEAD_DIM], tl.float32)
     table = BlockTables + b.to(tl.int64) * stride_bt
-    k_base = KC + kv_head * stride_kh
-    v_base = VC + kv_head * stride_vh
-    for tile in range(tile_lo, tile_hi):
-        offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-        valid = offs_n < seq_len
-        if SLIDING:  # keys before the window may sit in the null block: never load them
-            valid = valid & (offs_n >= key_lo)
-        slots = tile_slots(table, tile * BLOCK_N, offs_n, valid, BLOCK_N, BLOCK_SIZE)
-        k = tl.load(k_base + slots[:, None] * stride_kt + offs_d[None, :],
-                    mask=valid[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-        s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.math.exp2(s - m_new[:, None])
-        alpha = tl.math.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_base + slots[:, None] * stride_vt + offs_d[None, :],
-                    mask=valid[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
-
-    # An empty split (tile_lo >= tile_hi) leaves l_i == 0: zeros and lse = -inf.
-    nonempty = l_i > 0.0
-    acc = acc / tl.where(nonempty, l_i, 1.0)[:, None]
-    lse = tl.where(nonempty, (m_i + tl.log2(tl.where(nonempty, l_i, 1.0))) * 0.6931471805599453,
-                   float("-inf"))
+    acc, lse = attend_tiles(q, table, KC + kv_head * stride_kh, VC + kv_head * stride_vh,
+                            stride_kt, stride_vt, seq_len, key_lo, tile_lo, tile_hi, offs_d,
+                            qk_scale, ROWS, HEAD_DIM, BLOCK_N, BLOCK_SIZE, PRECISION, SLIDING)
     if NUM_SPLITS == 1:
         tl.store(Out + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
                  acc.to(Out.dtype.element_ty), mask=row_ok[:, None])
