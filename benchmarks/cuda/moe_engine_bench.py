@@ -120,17 +120,22 @@ def bench_hf(quick: bool, layers: int) -> dict:
         gen(2)
         one, full = statistics.median(gen(1) for _ in range(2)), gen(new + 1)
         out[f"batch{batch}_tok_s"] = batch * new / (full - one)
-    ids = torch.tensor(random_prompts(1, PREFILL, config.vocab_size, 99), device="cuda")
+    out["prefill_tok_s"] = hf_prefill(model, PREFILL, config.vocab_size)
+    del model
+    torch.cuda.empty_cache()
+    return out
+
+
+def hf_prefill(model, n: int, vocab: int) -> float:
+    """Tokens/s of one forward over an n-token random prompt (after a 512-token warm-up)."""
+    ids = torch.tensor(random_prompts(1, n, vocab, 99), device="cuda")
     with torch.inference_mode():
         model(ids[:, :512])
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         model(ids, logits_to_keep=1)
         torch.cuda.synchronize()
-    out["prefill_tok_s"] = PREFILL / (time.perf_counter() - t0)
-    del model
-    torch.cuda.empty_cache()
-    return out
+    return n / (time.perf_counter() - t0)
 
 
 def _hf_generate(model, ids: torch.Tensor):

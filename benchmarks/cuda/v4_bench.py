@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from common import peer_bars  # noqa: E402
 from engine_bench import ceilings, random_prompts  # noqa: E402
 from mla_bench import _decode  # noqa: E402  (median decode-only step of a batch)
-from moe_engine_bench import _hf_generate  # noqa: E402
+from moe_engine_bench import _hf_generate, hf_prefill  # noqa: E402
 
 from deepinfer.core.config import CacheConfig, EngineConfig, ModelSpec, SchedulerConfig  # noqa: E402
 from deepinfer.core.engine import Engine  # noqa: E402
@@ -181,7 +181,7 @@ def _bench_hf_model(model, new: int) -> dict:
         ids = torch.tensor(random_prompts(batch, CONTEXT, vocab, batch), device="cuda")
         _measure(out, f"batch{batch}_tok_s", lambda: _hf_decode(model, ids, new))
     for n in PREFILLS:
-        _measure(out, f"prefill{n // 1024}k_tok_s", lambda: _hf_prefill(model, n, vocab))
+        _measure(out, f"prefill{n // 1024}k_tok_s", lambda: hf_prefill(model, n, vocab))
     return out
 
 
@@ -191,18 +191,6 @@ def _hf_decode(model, ids: torch.Tensor, new: int) -> float:
     gen(2)
     one, full = gen(1), gen(new + 1)
     return ids.shape[0] * new / (full - one)
-
-
-def _hf_prefill(model, n: int, vocab: int) -> float:
-    """Tokens/s of one forward over an n-token prompt."""
-    ids = torch.tensor(random_prompts(1, n, vocab, 99), device="cuda")
-    with torch.inference_mode():
-        model(ids[:, :512])
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        model(ids, logits_to_keep=1)
-        torch.cuda.synchronize()
-    return n / (time.perf_counter() - t0)
 
 
 # ---- report ------------------------------------------------------------------------------
