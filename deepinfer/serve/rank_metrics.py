@@ -41,7 +41,20 @@ _TOTALS = (
     ("hicache_store_bytes", "hicache_store_bytes", "Bytes copied device to host"),
     ("hicache_load_seconds", "hicache_load_seconds", "Seconds spent copying host to device"),
     ("hicache_store_seconds", "hicache_store_seconds", "Seconds spent copying device to host"),
+    ("spec_decode_num_drafts", "spec_drafts", "Decode steps of a sequence that verified drafts"),
+    ("spec_decode_num_draft_tokens", "spec_draft_tokens", "Draft tokens verified"),
+    ("spec_decode_num_accepted_tokens", "spec_accepted_tokens", "Draft tokens accepted"),
 )
+
+
+def _reports(suffix: str, stats: EngineStats) -> bool:
+    """Whether the rank has the series: HiCache's only with HiCache on, speculative decoding's
+    only where it speculates."""
+    if suffix.startswith("hicache"):
+        return bool(stats.hicache_pages_total)
+    if suffix.startswith("spec_decode"):
+        return bool(stats.spec_tokens)
+    return True
 
 
 class RankCollector(Collector):
@@ -112,7 +125,7 @@ class RankCollector(Collector):
         for suffix, field, doc in table:
             family = self._family(family_cls, f"rank_{suffix}", doc)
             for v, s in reported:
-                if suffix.startswith("hicache") and not s.hicache_pages_total:
+                if not _reports(suffix, s):
                     continue
                 value = getattr(s, field) if v.alive or not dead_reads_zero else 0.0
                 family.add_metric([self.model_name, str(v.rank)], value)

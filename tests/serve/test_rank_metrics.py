@@ -87,3 +87,14 @@ def test_health_body_names_dead_ranks():
     assert "pid" not in anonymous and "exitcode" not in anonymous
     down = health_body([_view(0, None, alive=False)])
     assert (down["status"], down["live"]) == ("unavailable", [])
+
+
+def test_spec_decode_twins_only_where_a_rank_speculates():
+    speculating = dataclasses.replace(BASE, spec_tokens=2, spec_drafts=7, spec_draft_tokens=12,
+                                      spec_accepted_tokens=9)
+    m = _render([_view(0, speculating), _view(1, BASE)], Router(2))
+    r0 = '{model_name="m",rank="0"}'
+    assert m[f"deepinfer:rank_spec_decode_num_drafts_total{r0}"] == 7
+    assert m[f"deepinfer:rank_spec_decode_num_draft_tokens_total{r0}"] == 12
+    assert m[f"deepinfer:rank_spec_decode_num_accepted_tokens_total{r0}"] == 9
+    assert not any(k.startswith("deepinfer:rank_spec_decode") and 'rank="1"' in k for k in m)
