@@ -109,3 +109,16 @@ def _zeroed_mtp(path: str, h: int) -> None:
     tensors = {**block, **_mtp_head(layers, main, torch.ones(3, h), eh_proj)}
     save_file(tensors, os.path.join(path, "mtp.safetensors"))
     _write_config(path, config)
+
+
+def add_word_tokenizer(path: str, vocab: int) -> str:
+    """A tokenizer for the checkpoint: token i is the word "<i>", words joined by spaces, so a
+    stop string can name exactly one token."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = {f"<{i}>": i for i in range(vocab)}
+    tokenizer = Tokenizer(models.WordLevel(words, unk_token="<0>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer).save_pretrained(path)
+    return path

@@ -18,7 +18,7 @@ from deepinfer.core.config import ModelSpec
 from deepinfer.core.sampling import SamplingParams
 from deepinfer.llm import LLM
 from tests.checkpoints import make_checkpoint
-from tests.models.mtp_checkpoints import add_mtp, make_successor_model
+from tests.models.mtp_checkpoints import add_mtp, add_word_tokenizer, make_successor_model
 from tests.models.test_deepseek_v3_parity import (DIMS, _prompts, _reference_greedy,
                                                   _reference_model, make_deepseek)
 
@@ -49,9 +49,9 @@ def successor(tmp_path_factory) -> tuple[str, list[int]]:
 
 
 def _llm(path: str, k: int, **options) -> LLM:
+    options = {"load_tokenizer": False, **options}
     return LLM(path, dtype="float32", accelerator="cpu", block_size=16,
-               kv_cache_memory_gb=0.05, load_tokenizer=False, num_speculative_tokens=k,
-               **options)
+               kv_cache_memory_gb=0.05, num_speculative_tokens=k, **options)
 
 
 def _run(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> tuple[list, int]:
@@ -174,6 +174,24 @@ def test_stops_inside_an_accepted_run(successor, params, n, reason):
     if n is not None:
         assert out.token_ids == chain[:n]
     assert llm.engine.scheduler.spec_stats.accepted_tokens > 0
+
+
+def test_a_stop_string_inside_an_accepted_run_ends_it_there(successor):
+    """Decoded text ends at a stop string found in the middle of a step's run of accepted
+    tokens: the tokens after it are neither output nor kept, as in plain decoding."""
+    path, succ = successor
+    add_word_tokenizer(path, DIMS["vocab_size"])
+    prompt = [5, 12, 40]
+    chain = _chain(succ, prompt[-1], 12)
+    assert chain[6] not in chain[:6]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True,
+                            stop=[f"<{chain[6]}>"])
+    outs = [_run(_llm(path, k, load_tokenizer=True), [prompt], params)[0][0] for k in (0, 3)]
+    plain, spec = outs
+    assert (spec.token_ids, spec.text, spec.finish_reason, spec.stop_reason) == \
+        (plain.token_ids, plain.text, plain.finish_reason, plain.stop_reason)
+    assert spec.token_ids == chain[:7] and spec.stop_reason == f"<{chain[6]}>"
+    assert f"<{chain[5]}>" in spec.text and f"<{chain[7]}>" not in spec.text
 
 
 def test_abort_mid_generation_frees_every_block(successor):
