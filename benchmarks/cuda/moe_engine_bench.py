@@ -80,23 +80,26 @@ def bench_ours(path: str, quick: bool) -> dict:
     for batch in BATCHES:
         step_s = _decode(engine, random_prompts(batch, CONTEXT, vocab, batch), steps)
         out[f"batch{batch}_tok_s"] = batch / step_s
-    _prefill(engine, random_prompts(1, PREFILL, vocab, 99))  # warm-up at this size
-    out["prefill_tok_s"] = PREFILL / min(_prefill(engine, random_prompts(1, PREFILL, vocab, s))
-                                         for s in range(3))
+    prefill_seconds(engine, random_prompts(1, PREFILL, vocab, 99)[0])  # warm-up at this size
+    prompts = [random_prompts(1, PREFILL, vocab, s)[0] for s in range(3)]
+    out["prefill_tok_s"] = PREFILL / min(prefill_seconds(engine, p) for p in prompts)
     engine.shutdown()
     torch.cuda.empty_cache()
     return out
 
 
-def _prefill(engine: Engine, prompts: list[list[int]]) -> float:
-    """Seconds of the one step that prefills the prompt (max_tokens 1)."""
+def prefill_seconds(engine: Engine, prompt: list[int]) -> float:
+    """Seconds of the steps that prefill the prompt (max_tokens 1). A step the engine failed
+    (out of memory, ...) ends the request with an error: that is raised, not timed."""
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-    engine.add_request(f"p{time.monotonic_ns()}", prompts[0], params, prefix_cache=False)
+    engine.add_request(f"p{time.monotonic_ns()}", prompt, params, prefix_cache=False)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    while engine.has_unfinished_requests():
-        engine.step()
+    reasons = [o.finish_reason for _ in iter(engine.has_unfinished_requests, False)
+               for o in engine.step() if o.finished]
     torch.cuda.synchronize()
+    if reasons != ["length"]:
+        raise RuntimeError(f"the prefill ended with {reasons} (see the engine's log)")
     return time.perf_counter() - t0
 
 

@@ -18,7 +18,6 @@ import json
 import os
 import sys
 import tempfile
-import time
 
 import torch
 
@@ -29,11 +28,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from common import peer_bars  # noqa: E402
 from engine_bench import ceilings, random_prompts  # noqa: E402
 from mla_bench import _decode  # noqa: E402  (median decode-only step of a batch)
-from moe_engine_bench import _hf_generate, hf_prefill  # noqa: E402
+from moe_engine_bench import _hf_generate, hf_prefill, prefill_seconds  # noqa: E402
 
 from deepinfer.core.config import CacheConfig, EngineConfig, ModelSpec, SchedulerConfig  # noqa: E402
 from deepinfer.core.engine import Engine  # noqa: E402
-from deepinfer.core.sampling import SamplingParams  # noqa: E402
 
 LAYER_TYPES = ["sliding_attention", "compressed_sparse_attention",
                "heavily_compressed_attention", "compressed_sparse_attention"]
@@ -119,27 +117,12 @@ def bench_ours(path: str, quick: bool) -> dict:
         _measure(out, f"batch{batch}_tok_s",
                  lambda: batch / _decode(engine, prompts, 16 if quick else 64))
     for n in PREFILLS:
-        _prefill(engine, random_prompts(1, min(n, 8192), vocab, 98)[0])  # warm-up
+        prefill_seconds(engine, random_prompts(1, min(n, 8192), vocab, 98)[0])  # warm-up
         prompt = random_prompts(1, n, vocab, 99)[0]
-        _measure(out, f"prefill{n // 1024}k_tok_s", lambda: n / _prefill(engine, prompt))
+        _measure(out, f"prefill{n // 1024}k_tok_s", lambda: n / prefill_seconds(engine, prompt))
     engine.shutdown()
     torch.cuda.empty_cache()
     return out
-
-
-def _prefill(engine: Engine, prompt: list[int]) -> float:
-    """Seconds of the steps that prefill the prompt (max_tokens 1). A step the engine failed
-    (out of memory, ...) ends the request with an error: that is raised, not timed."""
-    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-    engine.add_request(f"p{time.monotonic_ns()}", prompt, params, prefix_cache=False)
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    reasons = [o.finish_reason for _ in iter(engine.has_unfinished_requests, False)
-               for o in engine.step() if o.finished]
-    torch.cuda.synchronize()
-    if reasons != ["length"]:
-        raise RuntimeError(f"the prefill ended with {reasons} (see the engine's log)")
-    return time.perf_counter() - t0
 
 
 def _measure(out: dict, key: str, run) -> None:
