@@ -20,15 +20,12 @@ import os
 from dataclasses import dataclass, field
 
 import pytest
-import torch
-import transformers
 
 from deepinfer.core.config import CacheConfig, EngineConfig, ModelSpec, SchedulerConfig
 from deepinfer.core.engine import Engine
 from deepinfer.core.sampling import SamplingParams
 from deepinfer.models.registry import kv_spec_of
-from tests.checkpoints import checkpoint_cache
-from tests.models.test_deepseek_v4_parity import CONFIG, TEXT, make_v4
+from tests.models.test_deepseek_v4_parity import CONFIG, TEXT
 from tests.models.test_moe_parity import _assert_reference_greedy
 
 PAGE = 128  # block_size: V4's page
@@ -51,17 +48,6 @@ MORE_TEXT = (
     "among many and so, without meaning to, fixing the written language for centuries. The "
     "printers of Lyon specialised in law and medicine; those of Antwerp in maps, atlases and "
     "polyglot bibles that took a decade to finish and nearly ruined Christophe Plantin.")
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory) -> str:
-    return checkpoint_cache(tmp_path_factory, make_v4)("v4")
-
-
-@pytest.fixture(scope="module")
-def reference(checkpoint) -> transformers.PreTrainedModel:
-    return transformers.AutoModelForCausalLM.from_pretrained(checkpoint,
-                                                             dtype=torch.float32).eval()
 
 
 @pytest.fixture(scope="module")
@@ -155,9 +141,9 @@ class Runs:
 
 
 @pytest.fixture(scope="module")
-def runs(checkpoint, text_ids):
+def runs(v4_checkpoint, text_ids):
     first = text_ids[:460]  # 3 full pages + 76 tokens, prefilled in chunks at 0 and 256
-    out, model = Runs(_engine(checkpoint, host_pages=16)), HostModel()
+    out, model = Runs(_engine(v4_checkpoint, host_pages=16)), HostModel()
 
     def run(rid: str, prompt: list[int]) -> list[int]:
         out.engine.kv.reset_prefix_cache()  # the device tier forgets: hits come from the host
@@ -172,7 +158,7 @@ def runs(checkpoint, text_ids):
     # a conversation: the last answer and a new user message appended each turn
     answered = run("turn2", answered + text_ids[300:370])
     run("turn3", answered + text_ids[380:500])
-    off = _engine(checkpoint, 0, prefix_caching=False)
+    off = _engine(v4_checkpoint, 0, prefix_caching=False)
     out.cold = {rid: _generate(off, rid, p).tokens for rid, p in out.prompts.items()}
     off.shutdown()
     yield out
@@ -204,10 +190,10 @@ def test_hits_load_no_window_page_out_of_the_window(runs):
         assert all(0 not in table for table in compressed), rid
 
 
-def test_tokens_equal_transformers_and_caches_off(runs, reference):
+def test_tokens_equal_transformers_and_caches_off(runs, v4_reference):
     for rid, prompt in runs.prompts.items():
         assert runs.runs[rid].tokens == runs.cold[rid], rid
-        _assert_reference_greedy(reference, prompt, runs.runs[rid].tokens)
+        _assert_reference_greedy(v4_reference, prompt, runs.runs[rid].tokens)
 
 
 def test_nothing_leaks(runs):

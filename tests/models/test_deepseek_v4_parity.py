@@ -20,7 +20,6 @@ from deepinfer.core.config import ModelSpec
 from deepinfer.core.sampling import SamplingParams
 from deepinfer.llm import LLM
 from deepinfer.models.deepseek_v4.model import DeepseekV4ForCausalLM
-from tests.checkpoints import checkpoint_cache
 from tests.models.test_moe_parity import _assert_reference_greedy
 
 LAYERS = ["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"]
@@ -72,17 +71,6 @@ def make_v4(path: str, _name: str = "v4", **overrides) -> str:
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory) -> str:
-    return checkpoint_cache(tmp_path_factory, make_v4)("v4")
-
-
-@pytest.fixture(scope="module")
-def reference(checkpoint) -> transformers.PreTrainedModel:
-    return transformers.AutoModelForCausalLM.from_pretrained(checkpoint,
-                                                             dtype=torch.float32).eval()
-
-
-@pytest.fixture(scope="module")
 def prompts() -> list[list[int]]:
     """Three real-text prompts (41, 150 and 263 tokens) from different places of TEXT."""
     tokenizers = pytest.importorskip("tokenizers")
@@ -113,32 +101,32 @@ def _prefill_batch(spec, prompts: list[list[int]], bs: int = 128) -> ModelBatch:
     return ModelBatch(ids, positions, lens, lens, groups, bs, [0, 1], [], [1, 0])
 
 
-def test_prefill_logits_match_transformers(checkpoint, reference, prompts):
+def test_prefill_logits_match_transformers(v4_checkpoint, v4_reference, prompts):
     acc = CPUAccelerator()
     acc.init_device()
-    info = acc.load_model(ModelSpec(checkpoint, dtype="float32"))
+    info = acc.load_model(ModelSpec(v4_checkpoint, dtype="float32"))
     acc.allocate_kv_cache(6, 128, num_state_slots=2)
     pair = [prompts[2], prompts[1]]
     ours = acc.forward_logits(_prefill_batch(info.kv_spec, pair), all_tokens=True)
-    ref = torch.cat([_logits(reference, p) for p in pair])
+    ref = torch.cat([_logits(v4_reference, p) for p in pair])
     assert (ours - ref).abs().max().item() < 1e-4
 
 
 # ---- the engine: batched, chunked, decoding ----------------------------------------------------
 @pytest.fixture(scope="module")
-def engine_run(checkpoint, prompts):
+def engine_run(v4_checkpoint, prompts):
     # 48-token steps: chunks end inside CSA and HCA windows, so the state crosses chunks.
-    llm = LLM(checkpoint, dtype="float32", accelerator="cpu", kv_cache_memory_gb=0.05,
+    llm = LLM(v4_checkpoint, dtype="float32", accelerator="cpu", kv_cache_memory_gb=0.05,
               load_tokenizer=False, max_num_batched_tokens=48)
     greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     outs = llm.generate(prompts, greedy)
     return llm, greedy, [o.outputs[0].token_ids for o in outs]
 
 
-def test_batched_chunked_greedy_matches_transformers(engine_run, reference, prompts):
+def test_batched_chunked_greedy_matches_transformers(engine_run, v4_reference, prompts):
     _, _, outs = engine_run
     for prompt, out in zip(prompts, outs):
-        _assert_reference_greedy(reference, prompt, out)
+        _assert_reference_greedy(v4_reference, prompt, out)
 
 
 def test_state_slots_come_back(engine_run):
@@ -148,7 +136,8 @@ def test_state_slots_come_back(engine_run):
     assert kv.stateful and not kv._slots and sorted(kv._free_slots) == list(range(slots))
 
 
-def test_device_prefix_hits_resume_from_page_state(checkpoint, engine_run, reference, prompts):
+def test_device_prefix_hits_resume_from_page_state(v4_checkpoint, engine_run, v4_reference,
+                                                   prompts):
     """Requests sharing 2 and 1 pages with the finished 263-token prompt hit those pages and
     resume the CSA carry-over (the last closed window's Ca rows) from the page_state entry of
     the hit's last page: the same tokens as without caching, and transformers' greedy path."""
@@ -158,28 +147,28 @@ def test_device_prefix_hits_resume_from_page_state(checkpoint, engine_run, refer
     outs = llm.generate(shared, greedy)
     assert [o.num_cached_tokens for o in outs] == [256, 128]
     assert not llm.engine.kv._slots
-    plain = LLM(checkpoint, dtype="float32", accelerator="cpu", kv_cache_memory_gb=0.05,
+    plain = LLM(v4_checkpoint, dtype="float32", accelerator="cpu", kv_cache_memory_gb=0.05,
                 load_tokenizer=False, max_num_batched_tokens=48, enable_prefix_caching=False)
     cold = plain.generate(shared, greedy)
     assert [o.num_cached_tokens for o in cold] == [0, 0]
     for prompt, out, ref in zip(shared, outs, cold):
         assert out.outputs[0].token_ids == ref.outputs[0].token_ids
-        _assert_reference_greedy(reference, prompt, out.outputs[0].token_ids)
+        _assert_reference_greedy(v4_reference, prompt, out.outputs[0].token_ids)
 
 
-def test_preempted_requests_restart_from_a_fresh_state(checkpoint, engine_run, prompts):
+def test_preempted_requests_restart_from_a_fresh_state(v4_checkpoint, engine_run, prompts):
     """Five usable pages cannot hold all three sequences: requests are preempted (their state
     slots freed) and recomputed from position 0, and every token stays the same."""
     _, greedy, outs = engine_run
-    llm = LLM(checkpoint, dtype="float32", accelerator="cpu", num_blocks=6,
+    llm = LLM(v4_checkpoint, dtype="float32", accelerator="cpu", num_blocks=6,
               load_tokenizer=False, max_num_batched_tokens=48)
     again = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
     assert llm.engine.scheduler.num_preemptions > 0 and again == outs
 
 
 # ---- layout, names, dtypes ----------------------------------------------------------------------
-def test_kv_spec_groups_state_and_block_size(checkpoint):
-    config = transformers.AutoConfig.from_pretrained(checkpoint)
+def test_kv_spec_groups_state_and_block_size(v4_checkpoint):
+    config = transformers.AutoConfig.from_pretrained(v4_checkpoint)
     with torch.device("meta"):
         spec = DeepseekV4ForCausalLM(config, None, 1024).kv_spec()
     assert [(g.layers, g.sliding_window) for g in spec.groups] == [((0, 1, 2), 16),
@@ -192,19 +181,19 @@ def test_kv_spec_groups_state_and_block_size(checkpoint):
     # CSA: compressor (2*3*64 + 2*4*32) + indexer (2*3*32 + 2*4*16); HCA: 2*31*32; float32
     assert spec.state_bytes == (640 + 320 + 1984) * 4
     with pytest.raises(ValueError, match="multiple of 128"):
-        LLM(checkpoint, dtype="float32", accelerator="cpu", kv_cache_memory_gb=0.05,
+        LLM(v4_checkpoint, dtype="float32", accelerator="cpu", kv_cache_memory_gb=0.05,
             load_tokenizer=False, block_size=64)
 
 
-def test_checkpoint_spellings_load_the_same_weights(checkpoint, reference):
+def test_checkpoint_spellings_load_the_same_weights(v4_checkpoint, v4_reference):
     """save_pretrained's names (DeepSeek's, under "model.") and transformers' module names
     (packed experts) fill every parameter with the same values; `mtp.*` is skipped."""
     from deepinfer.models.weights import iter_checkpoint
 
     mtp = [("mtp.0.attn.wq_a.weight", torch.zeros(32, 64)), ("mtp.0.hc_head_fn", torch.ones(1))]
     models = []
-    for weights in (iter_checkpoint(checkpoint), [*reference.state_dict().items(), *mtp]):
-        model = DeepseekV4ForCausalLM(reference.config, CPUOps(PagedCache()), 1024)
+    for weights in (iter_checkpoint(v4_checkpoint), [*v4_reference.state_dict().items(), *mtp]):
+        model = DeepseekV4ForCausalLM(v4_reference.config, CPUOps(PagedCache()), 1024)
         model.load_weights(weights)
         models.append(dict(model.named_parameters()))
     assert models[0].keys() == models[1].keys()
@@ -212,10 +201,10 @@ def test_checkpoint_spellings_load_the_same_weights(checkpoint, reference):
         assert torch.equal(param, models[1][name]), name
 
 
-def test_bfloat16_keeps_float32_parts_and_stays_close(checkpoint, reference, prompts):
+def test_bfloat16_keeps_float32_parts_and_stays_close(v4_checkpoint, v4_reference, prompts):
     acc = CPUAccelerator()
     acc.init_device()
-    info = acc.load_model(ModelSpec(checkpoint, dtype="bfloat16"))
+    info = acc.load_model(ModelSpec(v4_checkpoint, dtype="bfloat16"))
     model = acc.runner.model
     fp32 = {n for n, p in model.named_parameters() if p.dtype == torch.float32}
     assert {"layers.1.self_attn.sinks", "layers.1.self_attn.kv_norm.weight",
@@ -226,7 +215,7 @@ def test_bfloat16_keeps_float32_parts_and_stays_close(checkpoint, reference, pro
     acc.allocate_kv_cache(6, 128, num_state_slots=2)
     pair = [prompts[2], prompts[1]]
     ours = acc.forward_logits(_prefill_batch(info.kv_spec, pair), all_tokens=True)
-    ref = torch.cat([_logits(reference, p) for p in pair])
+    ref = torch.cat([_logits(v4_reference, p) for p in pair])
     # bf16 rounding flips some discrete choices (indexer picks, experts) and those rows move,
     # as transformers' own bf16 run moves from its float32 one; the rest stay close.
     cosine = torch.nn.functional.cosine_similarity(ours, ref, dim=-1)
