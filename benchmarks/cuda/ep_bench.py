@@ -146,8 +146,8 @@ def skew_router(ops, experts: int) -> None:
     bias[experts // 2 - hot:experts // 2] = math.log((experts - hot) / hot)
     route = ops.route
 
-    def skewed(logits, spec, correction=None):
-        return route(logits + bias.to(logits.device, logits.dtype), spec, correction)
+    def skewed(logits, spec, *rest, **options):  # the rest of ModelOps.route's arguments
+        return route(logits + bias.to(logits.device, logits.dtype), spec, *rest, **options)
     ops.route = skewed
 
 
