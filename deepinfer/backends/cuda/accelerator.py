@@ -38,6 +38,7 @@ class CUDAAccelerator(Accelerator):
     name = "nvidia"
     distributed_backend = "nccl"
     capabilities = Capabilities(chunked_prefill=True, host_page_copy=True,
+                                host_copy_skips_null=True,
                                 dtypes=("bfloat16", "float16", "float32"))
 
     def __init__(self, device: str | torch.device | None = None) -> None:
@@ -250,12 +251,17 @@ class CUDAAccelerator(Accelerator):
         chunks = DeviceChunks.prepare([t for _, t in pairs], [c.group for c, _ in pairs],
                                       self.cache.num_blocks)
         self.host_pool = CUDAHostPool.allocate(num_pages, chunks)
+        # State slots are bookkeeping only, as on the CPU backend: the one model with state
+        # (DeepSeek-V4) keeps it in its pages (KVSpec.state_in_pages), so HiCache asks for none
+        # and never calls copy_state.
         return HostPoolLayout(num_pages, self.host_page_bytes(), num_state_slots, 0, True)
 
     def copy_pages(self, host_pages: Sequence[int], device_blocks: Sequence[Sequence[int]],
                    to_device: bool):
         if self.host_pool is None:
             raise RuntimeError("allocate_host_pool was not called")
+        # A null block in device_blocks[g][i] leaves group g of page i alone
+        # (host_copy_skips_null): sliding-window models' freed pages.
         return self.host_pool.copy(host_pages, device_blocks, to_device)
 
     def memory_stats(self) -> MemoryStats:

@@ -5,9 +5,12 @@
     handle = pool.copy(host_pages, device_blocks_per_group, to_device=True)
 
 A page is one block of every KV group: the chunks' blocks back to back, in chunk order (see
-page_copy.py). Copies are enqueued on the current stream of the chunks' device (the engine's),
-so a step launched after a load reads the loaded pages in order without a host wait; the returned
-handle (an event) tells HiCache when a host page may be reused.
+page_copy.py). A null block (id 0) in device_blocks[g][i] leaves group g of page i alone, as on
+the CPU backend (Capabilities.host_copy_skips_null): a sliding-window group's page that left its
+window is neither stored nor loaded, and block 0 is never written. Copies are enqueued on the
+current stream of the chunks' device (the engine's), so a step launched after a load reads the
+loaded pages in order without a host wait; the returned handle (an event) tells HiCache when a
+host page may be reused.
 """
 from __future__ import annotations
 
@@ -56,10 +59,12 @@ class CUDAHostPool:
     def copy(self, host_pages: Indices, device_blocks: GroupIndices,
              to_device: bool) -> EventHandle | None:
         """Pair i: host page host_pages[i] <-> block device_blocks[g][i] of every chunk of group
-        g. Lists are range-checked and uploaded through pinned staging by the copier; tensors
-        already on the device are trusted. None when there is nothing to copy."""
+        g, except where that block is the null block (group g of page i is left alone). Indices
+        are range-checked on the host (tensors on the device read back first) and uploaded
+        through pinned staging by the copier. None when there is nothing to copy."""
         # Validated even when empty, so a wrong group count fails on the first call.
-        self.copier.copy(self.pages, self.chunks, host_pages, device_blocks, to_device)
+        self.copier.copy(self.pages, self.chunks, host_pages, device_blocks, to_device,
+                         skip_null=True)
         if len(host_pages) == 0:
             return None
         event = torch.cuda.Event()

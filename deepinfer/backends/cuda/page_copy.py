@@ -28,6 +28,16 @@ the chunks' device are used as they are (int64, unchecked: a range check would s
 host); lists and CPU tensors are range-checked and uploaded through pinned staging without a
 host wait. copy_memcpy is the baseline it replaces: one cudaMemcpyAsync per (pair, chunk).
 copy_reference is the same copy in plain torch (slow; the tests compare against it).
+
+Null blocks (skip_null=True, what HiCache's pool asks for: Capabilities.host_copy_skips_null):
+where device_blocks[g][i] is the null block 0 (a sliding-window group's page that left its
+window), pair i moves none of group g's chunks, in either direction: the host bytes stay as
+they were and block 0 is never written. The pairs are split on the host (copy_parts, as the CPU
+backend's host pool does): pairs whose groups holding a block are the same form one part, moved
+by one launch over a table of those groups' chunks only, so the kernel never sees a null block
+it would move. Every part's indices go up in one upload; indices already on the device are
+read back to the host first (a sync).
+
 ChunkLayout and the index checks are plain Python, usable (and tested) without a GPU. The
 extension is built on first use and kept under the deepinfer cache dir, so later starts load it.
 """
@@ -36,13 +46,14 @@ from __future__ import annotations
 import functools
 import numbers
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import TYPE_CHECKING, Sequence, Union
 
 import torch
 
 from deepinfer.core.config import cache_dir
+from deepinfer.core.kv.block_pool import NULL_BLOCK_ID
 
 if TYPE_CHECKING:
     from deepinfer.core.kv.spec import KVSpec
@@ -243,6 +254,39 @@ def validate_host_pool(host_pool: torch.Tensor, page_bytes: int) -> int:
     return host_pool.shape[0]
 
 
+# ---- null blocks: which chunks of which pairs a copy moves -----------------------------------
+
+
+@dataclass(frozen=True, eq=False)
+class CopyPart:
+    """One launch of a copy: the chunks it moves, of the pairs it moves them for."""
+
+    chunks: tuple[int, ...]  # chunk ids, ascending (page order)
+    pairs: torch.Tensor  # int64 [m], CPU: positions in the copy's pair list, ascending
+
+
+def copy_parts(blocks: torch.Tensor, layout: ChunkLayout, skip_null: bool) -> list[CopyPart]:
+    """Split a copy into launches; `blocks` is its device_blocks as a checked int64
+    [num_groups, n] CPU tensor (block_indices). Without skip_null, or without a null block:
+    one part, every chunk of every pair (none if n == 0). With it, pair i moves the chunks of
+    the groups g whose blocks[g][i] is not the null block; pairs that move the same groups
+    form one part (parts in order of their first pair), and a pair with no block moves
+    nothing. A chunk keeps its host offset: the page layout does not change."""
+    n = blocks.shape[1]
+    held = blocks != NULL_BLOCK_ID
+    if not skip_null or bool(held.all()):
+        return [CopyPart(tuple(range(layout.num_chunks)), torch.arange(n))] if n else []
+    by_groups: dict[tuple[bool, ...], list[int]] = {}
+    for i, groups in enumerate(held.t().tolist()):
+        by_groups.setdefault(tuple(groups), []).append(i)
+    parts = []
+    for groups, pairs in by_groups.items():
+        chunks = tuple(c for c, g in enumerate(layout.groups) if groups[g])
+        if chunks:
+            parts.append(CopyPart(chunks, torch.tensor(pairs, dtype=torch.int64)))
+    return parts
+
+
 # ---- device chunks and the copier ------------------------------------------------------------
 
 
@@ -265,6 +309,8 @@ class DeviceChunks:
     layout: ChunkLayout
     host_table: torch.Tensor  # int64 [len(TABLE_ROWS), num_chunks], CPU
     table: torch.Tensor  # the same on the chunks' device
+    # Device tables of chunk subsets (copies that skip null blocks), uploaded on first use.
+    _tables: dict = field(default_factory=dict, init=False, repr=False)
 
     @classmethod
     def prepare(cls, tensors: Sequence[torch.Tensor], groups: Sequence[int],
@@ -283,6 +329,28 @@ class DeviceChunks:
     @property
     def page_bytes(self) -> int:
         return self.layout.page_bytes
+
+    def _all(self, chunk_ids: tuple[int, ...]) -> bool:
+        return chunk_ids == tuple(range(self.layout.num_chunks))
+
+    def host_table_of(self, chunk_ids: tuple[int, ...]) -> torch.Tensor:
+        """The table's columns of chunk_ids (CPU): each keeps its base, block bytes, host
+        offset and group, so a launch over them moves those chunks where the full one would."""
+        if self._all(chunk_ids):
+            return self.host_table
+        return self.host_table[:, list(chunk_ids)].contiguous()
+
+    def table_of(self, chunk_ids: tuple[int, ...]) -> torch.Tensor:
+        """The same on the device: uploaded once per subset and kept (one subset per set of
+        groups that hold a block in some copy's pair, so a few)."""
+        if self._all(chunk_ids):
+            return self.table
+        table = self._tables.get(chunk_ids)
+        if table is None:
+            # Synchronous like `table` itself: later copies may run on another stream.
+            table = self.host_table_of(chunk_ids).to(self.device)
+            self._tables[chunk_ids] = table
+        return table
 
 
 def pinned_empty(nbytes: int, device: torch.device) -> torch.Tensor:
@@ -359,9 +427,18 @@ class UVAPageCopier:
             raise ValueError(f"unroll must be 1, 2, 4 or 8, got {self.unroll}")
 
     def copy(self, host_pool: torch.Tensor, chunks: DeviceChunks, host_pages: Indices,
-             device_blocks: GroupIndices, to_device: bool) -> None:
-        """Enqueue the copy on the current stream: one kernel for every pair and chunk."""
+             device_blocks: GroupIndices, to_device: bool, skip_null: bool = False) -> None:
+        """Enqueue the copy on the current stream: one kernel for every pair and chunk. With
+        skip_null, group g of pair i is left alone where device_blocks[g][i] is the null block:
+        one kernel per part of copy_parts, the indices checked on the host (device tensors
+        read back, a sync) and uploaded in one go."""
         num_pages = validate_host_pool(host_pool, chunks.page_bytes)
+        if skip_null:
+            pages = host_page_indices(host_pages, num_pages)
+            blocks = block_indices(device_blocks, chunks.layout, pages.numel())
+            self._copy_parts(host_pool, chunks, pages, blocks,
+                             copy_parts(blocks, chunks.layout, skip_null=True), to_device)
+            return
         pages = _device_pages(host_pages, chunks.device, num_pages)
         blocks = _device_blocks(device_blocks, chunks.device, chunks.layout, pages.numel())
         if pages.numel():
@@ -369,30 +446,58 @@ class UVAPageCopier:
                                                blocks, to_device, self.threads,
                                                self.ctas_per_chunk, self.unroll)
 
+    def _copy_parts(self, host_pool: torch.Tensor, chunks: DeviceChunks, pages: torch.Tensor,
+                    blocks: torch.Tensor, parts: list[CopyPart], to_device: bool) -> None:
+        """One kernel per part. pages [n] and blocks [num_groups, n] are checked CPU tensors;
+        every part's pages [m], then its blocks [num_groups, m], go up in one upload and each
+        launch takes its contiguous slices (a part's blocks keep every group's row: the kernel
+        reads only the rows of the groups its table names)."""
+        if not parts:
+            return
+        indices = [(pages[part.pairs], blocks[:, part.pairs]) for part in parts]
+        flat = _upload(torch.cat([t.reshape(-1) for pair in indices for t in pair]),
+                       chunks.device)
+        extension = _extension(chunks.device)
+        at = 0
+        for part, (part_pages, part_blocks) in zip(parts, indices):
+            m, size = part_pages.numel(), part_blocks.numel()
+            dev_pages = flat[at:at + m]
+            dev_blocks = flat[at + m:at + m + size].view(part_blocks.shape)
+            at += m + size
+            extension.copy_uva(host_pool, chunks.table_of(part.chunks), chunks.page_bytes,
+                               dev_pages, dev_blocks, to_device, self.threads,
+                               self.ctas_per_chunk, self.unroll)
+
     def copy_memcpy(self, host_pool: torch.Tensor, chunks: DeviceChunks, host_pages: Indices,
-                    device_blocks: GroupIndices, to_device: bool) -> None:
+                    device_blocks: GroupIndices, to_device: bool, skip_null: bool = False) -> None:
         """The baseline: one cudaMemcpyAsync per (pair, chunk) on the current stream (indices
-        on the device are first read back to the host)."""
+        on the device are first read back to the host); skip_null as in copy."""
         num_pages = validate_host_pool(host_pool, chunks.page_bytes)
         pages = host_page_indices(host_pages, num_pages)
         blocks = block_indices(device_blocks, chunks.layout, pages.numel())
-        if pages.numel():
-            _extension(chunks.device).copy_memcpy(host_pool, chunks.host_table, chunks.page_bytes,
-                                                  pages, blocks, to_device, chunks.device.index)
+        for part in copy_parts(blocks, chunks.layout, skip_null):
+            _extension(chunks.device).copy_memcpy(
+                host_pool, chunks.host_table_of(part.chunks), chunks.page_bytes,
+                pages[part.pairs], blocks[:, part.pairs], to_device, chunks.device.index)
 
 
 def copy_reference(host_pool: torch.Tensor, tensors: Sequence[torch.Tensor], layout: ChunkLayout,
-                   host_pages: Indices, device_blocks: GroupIndices, to_device: bool) -> None:
+                   host_pages: Indices, device_blocks: GroupIndices, to_device: bool,
+                   skip_null: bool = False) -> None:
     """The same copy in plain torch, a gather/scatter per chunk; any device, synchronous
-    semantics, unpinned host memory allowed. Slow: for tests and benchmarks."""
+    semantics, unpinned host memory allowed; skip_null as in UVAPageCopier.copy. Slow: for
+    tests and benchmarks."""
     pages = host_page_indices(host_pages, host_pool.shape[0])
     blocks = block_indices(device_blocks, layout, pages.numel())
     host = host_pool.view(-1).view(torch.uint8).view(-1, layout.page_bytes)
-    for c, t in enumerate(tensors):
-        g, size, off = layout.groups[c], layout.block_bytes[c], layout.host_offsets[c]
-        dev = t.view(-1).view(torch.uint8).view(layout.num_blocks[g], size)
-        rows = blocks[g].to(t.device)
-        if to_device:
-            dev[rows] = host[pages, off:off + size].to(t.device)
-        else:
-            host[pages, off:off + size] = dev[rows].cpu()
+    for part in copy_parts(blocks, layout, skip_null):
+        part_pages = pages[part.pairs]
+        for c in part.chunks:
+            t = tensors[c]
+            g, size, off = layout.groups[c], layout.block_bytes[c], layout.host_offsets[c]
+            dev = t.view(-1).view(torch.uint8).view(layout.num_blocks[g], size)
+            rows = blocks[g][part.pairs].to(t.device)
+            if to_device:
+                dev[rows] = host[part_pages, off:off + size].to(t.device)
+            else:
+                host[part_pages, off:off + size] = dev[rows].cpu()

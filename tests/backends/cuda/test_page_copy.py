@@ -5,16 +5,26 @@ argument check and its message, the per-chunk table, the index range checks, and
 reference copy against a page built by hand. With a GPU: the UVA kernel, the memcpy baseline
 and the torch reference agree byte for byte, both directions, on llama-like, MLA-like and
 two-group chunk lists, pages out of order, indices as lists, CPU tensors and device tensors.
+
+Null blocks (skip_null, what HiCache's pool asks for): without a GPU, the host-side split of a
+copy's pairs into launches (copy_parts), the chunk-subset tables, the reference copy against the
+CPU backend's host pool, and UVAPageCopier's launches against an emulation of the kernel on CPU
+memory; with a GPU, the kernel, the memcpy baseline and the pool leave the host bytes of a null
+group untouched and never write device block 0, and a sliding-window model's host tier
+decodes the same tokens through the engine.
 """
 from __future__ import annotations
+
+import ctypes
 
 import pytest
 import torch
 
+from deepinfer.backends.cuda import page_copy
 from deepinfer.backends.cuda.page_copy import (TABLE_ROWS, ChunkLayout, DeviceChunks,
                                                UVAPageCopier, block_indices, chunk_layout_of,
-                                               chunk_table, copy_reference, host_page_indices,
-                                               validate_host_pool)
+                                               chunk_table, copy_parts, copy_reference,
+                                               host_page_indices, validate_host_pool)
 from deepinfer.core.kv.spec import KVSpec, kv_heads_layer, latent_layer
 
 BLOCK, HEADS, DIM, LATENT = 4, 2, 8, 576
@@ -250,6 +260,221 @@ def test_reference_copy_on_cpu():
         assert torch.equal(paged[untouched], old.view(num_blocks[groups[c]], -1)[untouched])
 
 
+# ---- null blocks: the host-side split (skip_null) ---------------------------------------------
+
+# _two_group_spec's chunks: 0-3 are group 0 (K, V of layers 0 and 2), 4-5 group 1 (layer 1).
+G0, G1, ALL = (0, 1, 2, 3), (4, 5), (0, 1, 2, 3, 4, 5)
+
+
+def _two_group_layout(num_blocks=(6, 3)) -> ChunkLayout:
+    return ChunkLayout.from_spec(_two_group_spec(), BLOCK, 2, num_blocks)
+
+
+def _parts(blocks, skip_null: bool = True) -> list[tuple[tuple[int, ...], list[int]]]:
+    parts = copy_parts(torch.tensor(blocks, dtype=torch.int64).view(2, -1), _two_group_layout(),
+                       skip_null)
+    for part in parts:
+        assert part.pairs.dtype == torch.int64
+    return [(part.chunks, part.pairs.tolist()) for part in parts]
+
+
+def test_copy_parts_drop_null_pairs_and_keep_order():
+    # pair:       0  1  2  3  4  5
+    blocks = [[5, 2, 0, 1, 0, 4],   # group 0
+              [0, 2, 1, 0, 0, 2]]   # group 1
+    # Pairs moving the same groups form one part, parts in order of their first pair, pairs
+    # ascending; pair 4 (no block in either group) moves nothing.
+    assert _parts(blocks) == [(G0, [0, 3]), (ALL, [1, 5]), (G1, [2])]
+
+
+def test_copy_parts_without_null_blocks_is_one_launch():
+    assert _parts([[5, 2, 1], [1, 2, 1]]) == [(ALL, [0, 1, 2])]
+    # skip_null off: the null block is a block like any other (the benchmarks' copies)
+    assert _parts([[5, 0, 1], [0, 2, 0]], skip_null=False) == [(ALL, [0, 1, 2])]
+    assert _parts([[], []]) == [] and _parts([[], []], skip_null=False) == []
+    assert _parts([[0, 0], [0, 0]]) == []  # nothing held: nothing to launch
+
+
+def test_copy_parts_move_every_held_pair_chunk_once():
+    layout = _two_group_layout()
+    g = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        n = int(torch.randint(1, 12, (1,), generator=g))
+        blocks = torch.stack([torch.randint(0, limit, (n,), generator=g)
+                              for limit in layout.num_blocks])
+        moved = [(int(i), c) for part in copy_parts(blocks, layout, True)
+                 for i in part.pairs for c in part.chunks]
+        want = [(i, c) for i in range(n) for c in range(layout.num_chunks)
+                if blocks[layout.groups[c], i] != 0]
+        assert sorted(moved) == want  # each held (pair, chunk) exactly once, no null one
+        for part in copy_parts(blocks, layout, True):
+            assert part.pairs.tolist() == sorted(part.pairs.tolist())
+
+
+def _cpu_chunks(seed: int = 0, num_blocks=(6, 3)) -> DeviceChunks:
+    """DeviceChunks on CPU tensors, built around prepare's placement check: the tables and the
+    copier's host-side work, without a GPU."""
+    tensors, groups = _chunk_tensors(_two_group_spec(), num_blocks, "cpu", seed)
+    layout = chunk_layout_of(tensors, groups, num_blocks)
+    table = chunk_table(tensors, layout)
+    return DeviceChunks(tuple(tensors), layout, table, table.clone())
+
+
+def test_chunk_subset_tables_keep_each_chunks_offset_and_group():
+    chunks = _cpu_chunks()
+    layout, full = chunks.layout, chunks.host_table
+    assert chunks.host_table_of(ALL) is full and chunks.table_of(ALL) is chunks.table
+    for ids in (G0, G1, (1, 4)):
+        sub = chunks.host_table_of(ids)
+        assert sub.is_contiguous() and torch.equal(sub, full[:, list(ids)])
+        rows = dict(zip(TABLE_ROWS, sub.tolist()))
+        assert rows["host_offset"] == [layout.host_offsets[c] for c in ids]  # the page layout
+        assert rows["group"] == [layout.groups[c] for c in ids]  # rows of device_blocks
+        assert rows["base"] == [chunks.tensors[c].data_ptr() for c in ids]
+        table = chunks.table_of(ids)
+        assert torch.equal(table, sub) and chunks.table_of(ids) is table  # uploaded once
+
+
+def _cpu_cache(num_blocks: int, seed: int):
+    from deepinfer.backends.paged_cache import PagedCache
+
+    cache = PagedCache()
+    cache.spec = _two_group_spec()
+    cache.allocate(num_blocks, BLOCK, torch.bfloat16, "cpu")
+    g = torch.Generator().manual_seed(seed)
+    for _, t in cache.chunk_tensors():
+        t.copy_(torch.randn(t.shape, generator=g))
+    return cache
+
+
+def _blocks_of(t: torch.Tensor, num_blocks: int) -> torch.Tensor:
+    return t.view(-1).view(torch.uint8).view(num_blocks, -1)
+
+
+def test_reference_copy_skips_null_like_the_cpu_host_pool():
+    """copy_reference(skip_null=True) moves the bytes the CPU backend's host pool moves (the
+    reference implementation of host_copy_skips_null): same pages, byte for byte."""
+    from deepinfer.backends.cpu.host_pool import CPUHostPool
+
+    cache = _cpu_cache(6, seed=11)
+    tensors = [t for _, t in cache.chunk_tensors()]
+    layout = chunk_layout_of(tensors, [c.group for c, _ in cache.chunk_tensors()], 6)
+    cpu_pool = CPUHostPool.allocate(5, cache)
+    cpu_host = cpu_pool.pages.view(torch.uint8)  # the same page-first layout, as bytes
+    assert tuple(cpu_host.shape) == (5, layout.page_bytes)
+    cpu_host.copy_(torch.randint(0, 256, cpu_host.shape, generator=torch.Generator()
+                                 .manual_seed(12), dtype=torch.uint8))
+    host = cpu_host.clone()
+    ours = [t.clone() for t in tensors]
+    pages, stored = [3, 0, 4, 1], [[5, 2, 1, 0], [0, 2, 0, 0]]
+    cpu_pool.copy(cache, pages, stored, to_device=False)
+    copy_reference(host, ours, layout, pages, stored, to_device=False, skip_null=True)
+    assert torch.equal(host, cpu_host)
+    g1 = slice(layout.host_offsets[4], layout.page_bytes)  # group 1's bytes of a page
+    before = cpu_host.clone()
+    assert torch.equal(host[[3, 4], g1], before[[3, 4], g1])
+    loaded = [[4, 3, 0, 0], [0, 1, 2, 0]]
+    cpu_pool.copy(cache, pages, loaded, to_device=True)
+    copy_reference(host, ours, layout, pages, loaded, to_device=True, skip_null=True)
+    for t, mine in zip(tensors, ours):
+        assert torch.equal(t.view(torch.int16), mine.view(torch.int16))
+    for c, t in enumerate(ours):  # the null block was never written
+        assert torch.equal(_blocks_of(t, 6)[0], _blocks_of(tensors[c], 6)[0])
+
+
+class _EmulatedKernel:
+    """page_copy.cu's copy_uva and copy_memcpy on CPU memory: the argument checks, then for
+    every pair and every chunk of the table a memmove between block device_blocks[group][pair]
+    at the chunk's base and host page host_pages[pair] at the chunk's host offset (on CPU
+    tensors a base address is a host address). Records what each launch moved."""
+
+    def __init__(self) -> None:
+        self.launches: list[list[tuple[int, int, int, int]]] = []  # (pair, chunk, block, page)
+
+    def copy_uva(self, host_pool, table, page_bytes, pages, blocks, to_device, threads,
+                 ctas_per_chunk, unroll) -> None:
+        self._copy(host_pool, table, page_bytes, pages, blocks, to_device)
+
+    def copy_memcpy(self, host_pool, table, page_bytes, pages, blocks, to_device,
+                    device_index) -> None:
+        self._copy(host_pool, table, page_bytes, pages, blocks, to_device)
+
+    def _copy(self, host_pool, table, page_bytes, pages, blocks, to_device) -> None:
+        assert table.dtype == torch.int64 and table.dim() == 2 and table.is_contiguous()
+        assert table.shape[0] == len(TABLE_ROWS) and table.shape[1] >= 1
+        assert pages.dtype == blocks.dtype == torch.int64 and pages.dim() == 1
+        assert blocks.dim() == 2 and blocks.shape[1] == pages.shape[0] and blocks.shape[0] >= 1
+        assert pages.is_contiguous() and blocks.is_contiguous()
+        rows = dict(zip(TABLE_ROWS, table.tolist()))
+        moved = []
+        for pair, page in enumerate(pages.tolist()):
+            for c, base in enumerate(rows["base"]):
+                block = int(blocks[rows["group"][c], pair])
+                size = rows["block_bytes"][c]
+                dev = base + block * size
+                hst = host_pool.data_ptr() + page * page_bytes + rows["host_offset"][c]
+                ctypes.memmove(hst if not to_device else dev, dev if not to_device else hst, size)
+                moved.append((pair, base, block, page))
+        self.launches.append(moved)
+
+
+@pytest.fixture
+def emulated(monkeypatch) -> _EmulatedKernel:
+    kernel = _EmulatedKernel()
+    monkeypatch.setattr(page_copy, "_extension", lambda device: kernel)
+    monkeypatch.setattr(page_copy, "_upload", lambda ids, device: ids.clone())
+    # CPU memory stands in for the pinned pool: every check but pinning.
+    monkeypatch.setattr(page_copy, "validate_host_pool",
+                        lambda pool, page_bytes: pool.view(-1).view(torch.uint8).numel()
+                        // page_bytes)
+    return kernel
+
+
+@pytest.mark.parametrize("indices", ["lists", "tensors"])
+@pytest.mark.parametrize("method", ["copy", "copy_memcpy"])
+def test_copier_launches_skip_null_blocks(emulated, method: str, indices: str):
+    """UVAPageCopier with skip_null, its launches run by the kernel's emulation: one launch per
+    part over that part's chunks, no launch moves a null block, and the result is
+    copy_reference's, both directions."""
+    chunks = _cpu_chunks(seed=21)
+    layout = chunks.layout
+    ref_tensors = [t.clone() for t in chunks.tensors]
+    g = torch.Generator().manual_seed(22)
+    host = torch.randint(0, 256, (5, layout.page_bytes), generator=g, dtype=torch.uint8)
+    ref_host = host.clone()
+    as_given = (lambda x: x) if indices == "lists" else (lambda x: torch.tensor(x))
+    copy = getattr(UVAPageCopier(), method)
+    pages = [3, 0, 4, 1, 2]
+    # Each direction: pairs moving group 0 only, both groups, group 1 only, and neither.
+    for to_device, blocks in ((False, [[5, 2, 0, 0, 4], [0, 2, 1, 0, 1]]),
+                              (True, [[4, 3, 0, 0, 1], [0, 1, 2, 0, 0]])):
+        emulated.launches.clear()
+        copy(host, chunks, as_given(pages), as_given(blocks), to_device, skip_null=True)
+        copy_reference(ref_host, ref_tensors, layout, pages, blocks, to_device, skip_null=True)
+        assert torch.equal(host, ref_host)
+        for t, ref in zip(chunks.tensors, ref_tensors):
+            assert torch.equal(t.view(torch.int16), ref.view(torch.int16))
+        parts = copy_parts(torch.tensor(blocks), layout, skip_null=True)
+        assert len(emulated.launches) == len(parts) == 3
+        for launch, part in zip(emulated.launches, parts):
+            bases = [chunks.tensors[c].data_ptr() for c in part.chunks]
+            assert sorted({base for _, base, _, _ in launch}) == sorted(bases)
+            assert [page for *_, page in launch[::len(bases)]] == [pages[i] for i in part.pairs]
+            assert all(block != 0 for _, _, block, _ in launch)
+
+
+def test_copier_without_null_blocks_is_one_launch_of_the_full_table(emulated):
+    chunks = _cpu_chunks(seed=31)
+    host = torch.zeros(5, chunks.page_bytes, dtype=torch.uint8)
+    UVAPageCopier().copy(host, chunks, [3, 0], [[5, 2], [1, 2]], False, skip_null=True)
+    assert len(emulated.launches) == 1 and len(emulated.launches[0]) == 2 * len(ALL)
+    for page, b0, b1 in ((3, 5, 1), (0, 2, 2)):
+        assert torch.equal(host[page], _page_by_hand(chunks.tensors, chunks.layout, [b0, b1]))
+    emulated.launches.clear()
+    UVAPageCopier().copy(host, chunks, [], [[], []], False, skip_null=True)
+    assert emulated.launches == []
+
+
 # ---- on the GPU --------------------------------------------------------------------------------
 
 LAYOUTS = {  # name: (spec, blocks per group)
@@ -339,11 +564,15 @@ def test_host_pool_allocates_exactly_and_returns_an_event():
     with pytest.raises(ValueError, match="rows for 2 KV groups"):
         pool.copy([], [[]], to_device=True)
     pool.pages[6] = host[4]
-    handle = pool.copy([6], [[blocks[0][0]], [blocks[1][0]]], to_device=True)
+    # Pair 1's blocks: the pool leaves a group whose block is the null block alone (pair 0's
+    # group 1 here; test_null_blocks_are_left_alone_on_the_gpu), so none of those.
+    pair = [[blocks[0][1]], [blocks[1][1]]]
+    assert 0 not in (pair[0][0], pair[1][0])
+    handle = pool.copy([6], pair, to_device=True)
     handle.wait()
     assert handle.done()
     pool.pages[6] = 0
-    pool.copy([6], [[blocks[0][0]], [blocks[1][0]]], to_device=False).wait()
+    pool.copy([6], pair, to_device=False).wait()
     assert torch.equal(pool.pages[6], host[4])
 
 
@@ -360,3 +589,113 @@ def test_gpu_range_checks_and_trusted_device_indices():
     with pytest.raises(ValueError, match=r"must be \[num_groups=1, n=2\]"):
         copier.copy(host, chunks, torch.tensor([0, 1], device="cuda"),
                     torch.tensor([0, 1], device="cuda"), True)
+
+
+# ---- null blocks on the GPU (skip_null: HiCache's pool) ---------------------------------------
+
+NULL_PAGES = [3, 0, 4, 1]  # page 2 is never named
+# Stored from: pair 0 group 0 only, pair 1 both groups, pair 2 group 0 only, pair 3 neither.
+NULL_STORE = [[5, 2, 1, 0], [0, 2, 0, 0]]
+# Loaded into: pair 0 group 0 only, pair 1 both, pair 2 group 1 only, pair 3 neither.
+NULL_LOAD = [[4, 3, 0, 0], [0, 1, 2, 0]]
+
+
+def _null_copy(method: str, chunks: DeviceChunks, host: torch.Tensor):
+    """copy(pages, blocks, to_device) of one method, with skip_null, run to the end."""
+    from deepinfer.backends.cuda.host_pool import CUDAHostPool
+
+    if method == "pool":  # what CUDAAccelerator.copy_pages calls
+        pool = CUDAHostPool(host, chunks, UVAPageCopier())
+
+        def copy(pages, blocks, to_device):
+            handle = pool.copy(pages, blocks, to_device)
+            if handle is not None:
+                handle.wait()
+                assert handle.done()
+        return copy
+    run = getattr(UVAPageCopier(), "copy" if method == "uva" else "copy_memcpy")
+
+    def copy(pages, blocks, to_device):
+        run(host, chunks, pages, blocks, to_device, skip_null=True)
+        torch.cuda.synchronize()
+    return copy
+
+
+@needs_cuda
+@pytest.mark.parametrize("indices", ["lists", "device tensors"])
+@pytest.mark.parametrize("method", ["uva", "memcpy", "pool"])
+def test_null_blocks_are_left_alone_on_the_gpu(method: str, indices: str):
+    """Store: a pair's group whose device block is the null block leaves that group's bytes of
+    the host page as they were (a pair with no block leaves the page whole); every other chunk
+    lands in the page byte for byte. Load: device block 0 of every chunk is never written, the
+    other named blocks get their page's bytes, every other block keeps its own."""
+    chunks, _, _ = _setup("two_groups", seed=7)
+    layout = chunks.layout
+    g = torch.Generator().manual_seed(8)
+    host = torch.randint(0, 256, (5, layout.page_bytes), generator=g,
+                         dtype=torch.uint8).pin_memory()
+    copy = _null_copy(method, chunks, host)
+    as_given = ((lambda x: x) if indices == "lists"
+                else (lambda x: torch.tensor(x, device=chunks.device)))
+
+    def device_blocks() -> list[torch.Tensor]:  # per chunk, [num_blocks, block_bytes] on the CPU
+        return [_blocks_of(t, layout.num_blocks[layout.groups[c]]).cpu()
+                for c, t in enumerate(chunks.tensors)]
+
+    # device -> host
+    dev, want = device_blocks(), host.clone()
+    for i, page in enumerate(NULL_PAGES):
+        for c in range(layout.num_chunks):
+            block = NULL_STORE[layout.groups[c]][i]
+            if block != 0:
+                off = layout.host_offsets[c]
+                want[page, off:off + layout.block_bytes[c]] = dev[c][block]
+    before = host.clone()
+    copy(as_given(NULL_PAGES), as_given(NULL_STORE), False)
+    assert torch.equal(host, want)
+    g1 = slice(layout.host_offsets[G1[0]], layout.page_bytes)  # group 1's bytes of a page
+    assert torch.equal(host[[3, 4], g1], before[[3, 4], g1])  # null in group 1: untouched
+    assert torch.equal(host[[1, 2]], before[[1, 2]])  # no block / not named: untouched
+    assert not torch.equal(host[[3, 4], :g1.start], before[[3, 4], :g1.start])  # group 0 moved
+
+    # host -> device, from fresh host bytes
+    host.copy_(torch.randint(0, 256, host.shape, generator=g, dtype=torch.uint8))
+    before, want = device_blocks(), device_blocks()
+    for i, page in enumerate(NULL_PAGES):
+        for c in range(layout.num_chunks):
+            block = NULL_LOAD[layout.groups[c]][i]
+            if block != 0:
+                off = layout.host_offsets[c]
+                want[c][block] = host[page, off:off + layout.block_bytes[c]]
+    copy(as_given(NULL_PAGES), as_given(NULL_LOAD), True)
+    after = device_blocks()
+    for c in range(layout.num_chunks):
+        assert torch.equal(after[c][0], before[c][0]), f"chunk {c}: block 0 was written"
+        assert torch.equal(after[c], want[c]), f"chunk {c}"
+
+
+@needs_cuda
+def test_host_tier_serves_a_sliding_window_model_on_the_gpu(tmp_path):
+    """HiCache through the engine on the GPU with Mistral and a 48-token window (its one KV
+    group frees the pages that leave the window, so a hit loads its pages out of the window at
+    its end into the null block, which the copy must leave alone; prompts here prefill in one
+    chunk, so every stored page is whole): greedy tokens equal the run without the host tier,
+    and hits come from the host.
+    (A model mixing windowed and full layers has two KV groups, which the nvidia backend serves
+    for DeepSeek-V4 only.)"""
+    from deepinfer.backends.cuda.accelerator import CUDAAccelerator
+    from deepinfer.testing.hicache import check_host_tier
+    from tests.checkpoints import make_checkpoint
+
+    null_copies = []
+
+    class Recording(CUDAAccelerator):
+        def copy_pages(self, host_pages, device_blocks, to_device):
+            null_copies.extend(to_device for row in device_blocks if 0 in list(row))
+            return super().copy_pages(host_pages, device_blocks, to_device)
+
+    assert CUDAAccelerator.capabilities.host_copy_skips_null
+    path = make_checkpoint(str(tmp_path / "mistral"), "mistral", sliding_window=48)
+    stats = check_host_tier(path, Recording, vocab=250)
+    assert stats.host_hit_tokens > 0 and stats.stored_pages > 0
+    assert True in null_copies  # loads that left the null block alone
