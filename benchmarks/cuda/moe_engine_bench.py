@@ -13,6 +13,7 @@ moe_engine.json and moe_engine.png.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -66,11 +67,12 @@ def active_bytes(batch: int, layers: int) -> float:
 
 
 # ---- DeepInfer ---------------------------------------------------------------------------
-def bench_ours(path: str, quick: bool) -> dict:
+def bench_ours(path: str, quick: bool, async_scheduling: bool = True) -> dict:
     config = EngineConfig(
         model=ModelSpec(path, dtype="bfloat16", max_model_len=16384, load_format="dummy"),
         cache=CacheConfig(gpu_memory_utilization=0.85),
-        scheduler=SchedulerConfig(max_num_batched_tokens=PREFILL, max_num_seqs=64),
+        scheduler=SchedulerConfig(max_num_batched_tokens=PREFILL, max_num_seqs=64,
+                                  async_scheduling=async_scheduling),
         accelerator="nvidia")
     engine = Engine(config, load_tokenizer=False)
     vocab = QWEN3_30B_A3B["vocab_size"]
@@ -176,19 +178,30 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--layers", type=int, default=QWEN3_30B_A3B["num_hidden_layers"])
+    parser.add_argument("--compare-sync", action="store_true",
+                        help="also run the engine with async scheduling off (ours_sync)")
+    parser.add_argument("--no-async-scheduling", action="store_true",
+                        help="run the engine with async scheduling off")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     result: dict = {"config": QWEN3_30B_A3B, "layers": args.layers, "context": CONTEXT,
                     "device": ceilings()}
     with tempfile.TemporaryDirectory() as tmp:
-        result["ours"] = bench_ours(write_config(tmp, args.layers), args.quick)
+        path = write_config(tmp, args.layers)
+        result["ours"] = bench_ours(path, args.quick, not args.no_async_scheduling)
+        if args.compare_sync:
+            gc.collect()  # the first engine's weights, cache and graphs (reference cycles)
+            torch.cuda.empty_cache()
+            result["ours_sync"] = bench_ours(path, args.quick, async_scheduling=False)
     result["hf"] = {} if args.skip_hf else bench_hf(args.quick, args.layers)
     result["ceiling"] = roofline(result, args.layers)
     for key in [f"batch{b}_tok_s" for b in BATCHES] + ["prefill_tok_s"]:
         ours, top = result["ours"][key], result["ceiling"][key]
         hf = result["hf"].get(key)
+        sync = result.get("ours_sync", {}).get(key)
         print(f"{key:16s}: ours {ours:10.1f} = {ours / top:.0%} of the roofline {top:10.1f}"
-              + (f"; transformers {hf:9.1f} (x{ours / hf:.1f})" if hf else ""))
+              + (f"; transformers {hf:9.1f} (x{ours / hf:.1f})" if hf else "")
+              + (f"; async scheduling off {sync:9.1f}" if sync else ""))
     with open(os.path.join(args.out, "moe_engine.json"), "w") as f:
         json.dump(result, f, indent=2)
     plot(result, os.path.join(args.out, "moe_engine.png"))

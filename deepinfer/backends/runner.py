@@ -138,6 +138,12 @@ class TorchRunner:
             return SamplerOutput(token_ids=[], logprobs=[])
         return self.sampler.sample(logits, rows)
 
+    def sample_tokens(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """sample()'s ids left on the device (launch() of an async step)."""
+        if not rows:
+            return torch.empty(0, dtype=torch.int64, device=logits.device)
+        return self.sampler.sample_tokens(logits, rows)
+
     # ---- MoE -----------------------------------------------------------------------------
     @property
     def moe(self):

@@ -39,6 +39,10 @@ class Capabilities:
     # Runs ModelBatch.spec steps (verify drafts, propose the next ones with the model's MTP
     # layer); the engine refuses num_speculative_tokens > 0 elsewhere.
     speculative_decoding: bool = False
+    # launch() returns before the step's tokens reach the host, and takes input ids from the
+    # step in flight (ModelBatch.from_last_step): the engine schedules and launches the next
+    # step while this one runs (async scheduling).
+    async_output: bool = False
     # Activation dtypes the backend runs; a model asking for another is refused at load.
     dtypes: tuple[str, ...] = ("float32", "bfloat16")
 
@@ -106,6 +110,24 @@ class CopyHandle(Protocol):
     def wait(self) -> None: ...
 
 
+class StepFuture(Protocol):
+    """A launched step whose sampled tokens the host has not read yet."""
+
+    def result(self) -> "SamplerOutput":
+        """Wait for the step and return what it sampled."""
+        ...
+
+
+@dataclass(frozen=True)
+class ReadyStep:
+    """A step that ran to the end before launch() returned."""
+
+    output: "SamplerOutput"
+
+    def result(self) -> "SamplerOutput":
+        return self.output
+
+
 class Accelerator(ABC):
     """A backend. One instance per rank process.
 
@@ -149,6 +171,13 @@ class Accelerator(ABC):
     @abstractmethod
     def execute(self, batch: "ModelBatch") -> "SamplerOutput":
         """Run the model on the batch, sample one token per sampled sequence."""
+
+    def launch(self, batch: "ModelBatch") -> StepFuture:
+        """execute() without waiting for the tokens (Capabilities.async_output): the engine
+        calls it only on steps whose rows need nothing but token ids back (no logprobs,
+        penalties, grammars or drafts), and reads the result after launching the next step,
+        whose batch may take input ids from this one (ModelBatch.from_last_step)."""
+        return ReadyStep(self.execute(batch))
 
     # ---- HiCache host tier (optional; Capabilities.host_page_copy says a backend has it) ------
     def host_page_bytes(self) -> int:

@@ -53,6 +53,17 @@ class SpecBatch:
 
 
 @dataclass(frozen=True)
+class InputsFromLastStep:
+    """Input ids a step takes from the step still in flight (async scheduling): the host does
+    not know them yet, the device does. input_ids holds 0 at these token indices until the
+    backend writes there the ids that `source` (that step's StepFuture) sampled in `rows`."""
+
+    token_indices: list[int]
+    rows: list[int]  # sampled rows of the step in flight, parallel to token_indices
+    source: Any  # the step in flight's StepFuture (a backend's own type)
+
+
+@dataclass(frozen=True)
 class ModelBatch:
     """One forward pass over a flattened set of sequences (prefill chunks and decodes).
 
@@ -77,6 +88,7 @@ class ModelBatch:
     # each, never sampled).
     num_padding_seqs: int = 0
     spec: SpecBatch | None = None  # set on every step of an engine that speculates
+    from_last_step: InputsFromLastStep | None = None  # async scheduling only
 
     @property
     def block_tables(self) -> list[list[int]]:

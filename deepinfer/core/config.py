@@ -107,6 +107,12 @@ class SchedulerConfig:
         "help": "speculative decoding: tokens the model's multi-token-prediction (MTP) layer "
                 "drafts per step and sequence, all verified by one forward of the model "
                 "(DeepSeek-V3 checkpoints with MTP weights; 0: off)"})
+    async_scheduling: bool = field(default=True, metadata={
+        "flag": "--no-async-scheduling",
+        "help": "async scheduling: schedule and launch the next step while this one runs on "
+                "the device (its new tokens are read one step later), on backends that "
+                "support it; steps with logprobs, penalties, grammars or speculative "
+                "decoding still run one at a time"})
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:

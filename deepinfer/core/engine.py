@@ -1,6 +1,10 @@
 """The engine: add_request / step / abort. One per rank process.
 
     step():  schedule -> accelerator.execute(batch) -> scheduler.update -> detokenize
+
+With async scheduling a step is launched before the one ahead is read:
+
+    step():  schedule -> accelerator.launch(batch) -> read the step ahead -> advance
 """
 from __future__ import annotations
 
@@ -10,7 +14,7 @@ import random
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from deepinfer.core.accelerator import Accelerator, ParallelContext
+from deepinfer.core.accelerator import Accelerator, ParallelContext, StepFuture
 from deepinfer.core.config import EngineConfig
 from deepinfer.core.detokenizer import IncrementalDetokenizer
 from deepinfer.core.hicache import HiCache
@@ -81,6 +85,14 @@ class Engine:
         self._broken_steps = 0
         self.num_dummy_steps = 0
         self.last_step_prefilled = False
+        # Async scheduling: not under expert parallel (ranks agree on each step's shape before
+        # it runs) nor with drafts (the next step's drafts come from this one's results).
+        self._async = (scheduler_config.async_scheduling and caps.async_output and
+                       not scheduler_config.num_speculative_tokens and
+                       not self.model.needs_collectives)
+        self._in_flight: tuple[SchedulerOutput, StepFuture] | None = None
+        self.num_overlapped_steps = 0  # steps launched while the one ahead still ran
+        self.num_sync_fallbacks = 0  # async launches that raised and ran synchronously
 
     # ---- requests ------------------------------------------------------------------------
     @property
@@ -165,6 +177,8 @@ class Engine:
                 self.scheduler.finish(sample.request, reason)
 
     def has_unfinished_requests(self) -> bool:
+        # A step in flight needs no call of its own: its live requests are still unfinished,
+        # and one whose requests all ended has nothing left to give (the next step reads it).
         return self.scheduler.num_unfinished > 0
 
     # ---- the loop ------------------------------------------------------------------------
@@ -174,10 +188,19 @@ class Engine:
         scheduled = self.scheduler.schedule()
         # A step that runs a prompt chunk (EPLB's --eplb-after-prefill rebalances after one).
         self.last_step_prefilled = any(s.num_new_tokens > 1 for s in scheduled.seqs)
+        if scheduled.seqs and self._overlaps(scheduled):
+            return self._launch(scheduled)
+        done = self._read_in_flight()
+        # Requests that ended in the step just read drop out of this one.
+        scheduled.seqs = [s for s in scheduled.seqs if not s.request.is_finished]
         if not scheduled.seqs:
             if self.model.needs_collectives:
                 self.dummy_step()  # nothing fits this step, but the peers' layers need ours
-            return []
+            return done
+        return done + self._run(scheduled)
+
+    def _run(self, scheduled: SchedulerOutput) -> list[RequestOutput]:
+        """One step run to the end: execute, then every request takes its tokens."""
         failed: list[RequestOutput] = []
         try:
             sampled = self._execute(scheduled)
@@ -188,6 +211,44 @@ class Engine:
             scheduled, sampled = self._isolate_fault(scheduled, failed)
         updates = self.scheduler.update(scheduled, sampled)
         return failed + [out for u in updates if (out := self._safe_output(u, failed))]
+
+    # ---- async scheduling ----------------------------------------------------------------
+    def _overlaps(self, scheduled: SchedulerOutput) -> bool:
+        """Whether this step may run while the one ahead is unread: each sampled row needs
+        nothing of its request's newest token on the host (penalties count it, grammars
+        advance on it, min_tokens may still ban EOS) and gives back token ids only."""
+        return self._async and all(_needs_ids_only(s.request) for s in scheduled.seqs
+                                   if s.sampled)
+
+    def _launch(self, scheduled: SchedulerOutput) -> list[RequestOutput]:
+        """Launch this step, then read the one ahead while it runs: the outputs returned are
+        that step's; this one's come with the next call."""
+        batch = self.scheduler.build_batch(scheduled, self._in_flight)
+        try:
+            future = self.accelerator.launch(batch)
+        except Exception as exc:  # noqa: BLE001 - the synchronous path isolates the fault
+            log.warning("async launch failed (%s: %s); the step runs synchronously",
+                        type(exc).__name__, exc)
+            self.num_sync_fallbacks += 1
+            done = self._read_in_flight()
+            scheduled.seqs = [s for s in scheduled.seqs if not s.request.is_finished]
+            return done + (self._run(scheduled) if scheduled.seqs else [])
+        self.num_overlapped_steps += self._in_flight is not None
+        done = self._read_in_flight()
+        self.scheduler.advance(scheduled)
+        self._in_flight = (scheduled, future)
+        return done
+
+    def _read_in_flight(self) -> list[RequestOutput]:
+        """Wait for the step in flight, if any, and turn its tokens into outputs."""
+        if self._in_flight is None:
+            return []
+        scheduled, future = self._in_flight
+        self._in_flight = None
+        updates = self.scheduler.resolve(scheduled, future.result())
+        failed: list[RequestOutput] = []
+        outputs = [out for u in updates if (out := self._safe_output(u, failed))]
+        return failed + outputs
 
     def dummy_step(self) -> None:
         """A step of no real work, for a rank whose peers step (their collectives must be
@@ -320,9 +381,16 @@ class Engine:
         return dropped
 
     def shutdown(self) -> None:
+        self._in_flight = None
         if self.hicache is not None:
             self.hicache.poll(wait=True)  # no copy may outlive the memory it targets
         self.accelerator.shutdown()
+
+
+def _needs_ids_only(req: Request) -> bool:
+    params = req.params
+    return (params.logprobs is None and not params.uses_penalties and
+            params.structured is None and len(req.output_token_ids) >= params.min_tokens)
 
 
 def _check_speculative(config: EngineConfig, accelerator: Accelerator) -> None:

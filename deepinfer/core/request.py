@@ -44,6 +44,11 @@ class Request:
     # Speculative decoding: the tokens the draft layer proposed to follow the last one, to be
     # verified in the next step (cleared on preemption: the recompute proposes anew).
     draft_token_ids: list[int] = field(default_factory=list)
+    # Async scheduling: tokens sampled by a step in flight, not yet in output_token_ids (0 or
+    # 1). They count in num_tokens, so the scheduler plans the next step past them.
+    num_pending: int = 0
+    # Of num_computed_tokens, those the step in flight computes (its results not read yet).
+    num_computed_in_flight: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -51,6 +56,11 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_pending
+
+    @property
+    def num_known_tokens(self) -> int:
+        """Tokens whose ids the host has: num_tokens less those still in flight."""
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property

@@ -58,7 +58,20 @@ class Sampler:
         if all(_is_plain_greedy(row) for row in rows):
             # argmax is unchanged by an exact upcast, so skip the float32 copy entirely.
             return SamplerOutput(argmax_rows(logits).tolist(), [None] * len(rows))
+        tokens, logprobs = self._sample(logits, rows)
+        return SamplerOutput(token_ids=tokens.tolist(), logprobs=logprobs)
 
+    def sample_tokens(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        """sample()'s token ids, left on the logits' device (int64 [rows]) with no host sync,
+        for rows that ask for no logprobs (async scheduling reads them a step later)."""
+        if logits.shape[0] != len(rows) or any(r.params.logprobs is not None for r in rows):
+            raise ValueError("sample_tokens takes one row per logits row and no logprobs")
+        if all(_is_plain_greedy(row) for row in rows):
+            return argmax_rows(logits)
+        return self._sample(logits, rows)[0]
+
+    def _sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]
+                ) -> tuple[torch.Tensor, list[TokenLogprobs | None]]:
         # A private float32 copy: the steps below edit it in place, never the caller's tensor.
         logits = logits.detach().to(torch.float32, copy=True)
         device = logits.device
@@ -79,7 +92,7 @@ class Sampler:
         logprobs: list[TokenLogprobs | None] = [None] * len(rows)
         if raw_logprobs is not None:
             _fill_logprobs(logprobs, raw_logprobs, tokens, rows, logprob_rows)
-        return SamplerOutput(token_ids=tokens.tolist(), logprobs=logprobs)
+        return tokens, logprobs
 
 
 def _is_plain_greedy(row: SamplingRow) -> bool:

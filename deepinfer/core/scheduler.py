@@ -14,8 +14,10 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from deepinfer.core.batch import (GroupBatch, ModelBatch, SampledRow, SamplerOutput, SamplingRow,
-                                  SpecBatch, TokenLogprobs)
+from typing import Any
+
+from deepinfer.core.batch import (GroupBatch, InputsFromLastStep, ModelBatch, SampledRow,
+                                  SamplerOutput, SamplingRow, SpecBatch, TokenLogprobs)
 from deepinfer.core.config import SchedulerConfig
 from deepinfer.core.padding import Buckets, pad_batch
 from deepinfer.core.hicache import HiCache
@@ -140,6 +142,8 @@ class Scheduler:
                 break
             if req.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this step to make room
+            if req.num_pending and self._ends_by_length(req):
+                continue  # its token in flight is its last, whatever it is
             num_new = self._chunk(req, budget)
             if num_new == 0:
                 continue
@@ -183,7 +187,7 @@ class Scheduler:
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         self.running.remove(req)
         self.kv.free(req)
-        req.num_computed_tokens = 0
+        req.num_computed_tokens = req.num_computed_in_flight = 0
         req.draft_token_ids = []
         req.status = RequestStatus.PREEMPTED
         self.waiting.appendleft(req)
@@ -242,13 +246,23 @@ class Scheduler:
         most = min(req.num_prompt_tokens + req.max_tokens, self.max_model_len)
         return max(0, self.kv.blocks_needed(req, most - req.num_computed_tokens))
 
+    def _ends_by_length(self, req: Request) -> bool:
+        n_out = len(req.output_token_ids) + req.num_pending
+        return n_out >= req.max_tokens or req.num_prompt_tokens + n_out >= self.max_model_len
+
     @staticmethod
     def _will_sample(req: Request, num_new: int) -> bool:
         return req.num_computed_tokens + num_new == req.num_tokens
 
     # ---- the batch a backend sees --------------------------------------------------------
-    def build_batch(self, out: SchedulerOutput) -> ModelBatch:
+    def build_batch(self, out: SchedulerOutput,
+                    in_flight: tuple[SchedulerOutput, Any] | None = None) -> ModelBatch:
+        """The step's batch. in_flight: the step launched and not read yet, with its StepFuture
+        (async scheduling); a decode whose input token that step samples reads it there."""
         bs = self.kv.block_size
+        last_rows = _sampled_rows(in_flight[0]) if in_flight is not None else {}
+        pending_at: list[int] = []
+        pending_rows: list[int] = []
         num_groups = len(self.kv.groups)
         ids, positions, qlens, slens, sample_indices, rows = [], [], [], [], [], []
         tables: list[list[list[int]]] = [[] for _ in range(num_groups)]
@@ -258,7 +272,12 @@ class Scheduler:
             req, start = seq.request, seq.request.num_computed_tokens
             end = start + seq.num_new_tokens
             rid = req.request_id
-            if end - start == 1:  # decodes: most rows of a busy step
+            if end - start == 1 and start >= req.num_known_tokens:  # sampled by the step in flight
+                pending_at.append(len(ids))
+                pending_rows.append(last_rows[id(req)])
+                ids.append(0)
+                positions.append(start)
+            elif end - start == 1:  # decodes: most rows of a busy step
                 ids.append(req.token_at(start))
                 positions.append(start)
             elif seq.num_drafts:  # a decode whose drafts are verified in the same forward
@@ -281,12 +300,16 @@ class Scheduler:
             slens.append(end)
             if seq.sampled:
                 sample_indices.append(i)
-                rows.append(SamplingRow(req.params, req.seed, len(req.output_token_ids),
+                rows.append(SamplingRow(req.params, req.seed,
+                                        len(req.output_token_ids) + req.num_pending,
                                         req.prompt_token_ids, req.output_token_ids,
                                         req.eos_token_ids))
+        from_last = InputsFromLastStep(pending_at, pending_rows, in_flight[1]) \
+            if pending_at else None
         batch = ModelBatch(ids, positions, qlens, slens,
                            tuple(GroupBatch(t, s) for t, s in zip(tables, slots)), bs,
-                           sample_indices, rows, state_slots, spec=self._spec_batch(out))
+                           sample_indices, rows, state_slots, spec=self._spec_batch(out),
+                           from_last_step=from_last)
         return pad_batch(batch, self.buckets)
 
     def _spec_batch(self, out: SchedulerOutput) -> SpecBatch | None:
@@ -301,18 +324,52 @@ class Scheduler:
 
     # ---- results back --------------------------------------------------------------------
     def update(self, out: SchedulerOutput, sampled: SamplerOutput) -> list[TokenUpdate]:
+        """A step run to the end: advance() and resolve() at once."""
+        self.advance(out)
+        return self.resolve(out, sampled)
+
+    def advance(self, out: SchedulerOutput) -> None:
+        """Right after a step is launched: its query's tokens count as computed (drafts are
+        counted once verified) and each sampled row holds one token in flight. The next
+        step can be scheduled from here, before this one's tokens are known."""
+        for seq in out.seqs:
+            req = seq.request
+            if req.status is not RequestStatus.RUNNING:
+                continue  # ended while the step ahead was read: nothing of this one is kept
+            req.num_computed_in_flight = seq.num_new_tokens - seq.num_drafts
+            req.num_computed_tokens += req.num_computed_in_flight
+            if seq.sampled:
+                req.num_pending += 1
+
+    def resolve(self, out: SchedulerOutput, sampled: SamplerOutput) -> list[TokenUpdate]:
+        """An advanced step's tokens are back: each request takes its own, up to a stop.
+        Requests that ended since the step was launched take none."""
         rows = iter(sampled.rows())
-        return [self._update_seq(seq, next(rows) if seq.sampled else SampledRow([], []))
-                for seq in out.seqs]
+        updates = []
+        for seq in out.seqs:
+            row = next(rows) if seq.sampled else SampledRow([], [])
+            if seq.request.is_finished:
+                continue
+            updates.append(self._update_seq(seq, row))
+        return updates
 
     def _update_seq(self, seq: ScheduledSeq, row: SampledRow) -> TokenUpdate:
         req = seq.request
-        before = req.num_computed_tokens
+        req.num_computed_in_flight = 0
+        if seq.sampled:
+            req.num_pending -= 1
         n, stop = self._tokens_until_stop(req, row.token_ids)
+        req.output_token_ids.extend(row.token_ids[:n])
+        if req.status is not RequestStatus.RUNNING:
+            # Preempted while its token was in flight: the token stands (it was computed
+            # from the whole context); the recompute starts from scratch anyway.
+            if stop is not None:
+                self.finish(req, *stop)
+            return TokenUpdate(req, row.token_ids[:n], row.logprobs[:n], req.is_finished)
+        before = req.num_computed_tokens - (seq.num_new_tokens - seq.num_drafts)
         # Computed now: the query's tokens up to the last accepted draft (the newest token,
         # sampled or the model's own after the drafts, is computed by the next step).
-        req.num_computed_tokens += seq.num_new_tokens - seq.num_drafts + max(0, n - 1)
-        req.output_token_ids.extend(row.token_ids[:n])
+        req.num_computed_tokens += max(0, n - 1)
         self.kv.cache_computed_pages(req)
         if self.hicache is not None and \
                 before < req.num_prompt_tokens <= req.num_computed_tokens:
@@ -348,3 +405,8 @@ class Scheduler:
         if n_out >= req.max_tokens or req.num_prompt_tokens + n_out >= self.max_model_len:
             return FinishReason.LENGTH, None
         return None
+
+
+def _sampled_rows(out: SchedulerOutput) -> dict[int, int]:
+    """id(request) -> its row among a step's sampled rows."""
+    return {id(seq.request): i for i, seq in enumerate(s for s in out.seqs if s.sampled)}

@@ -18,16 +18,23 @@ PROMPTS = [[1, 5, 9, 13], [2, 4, 6, 8, 10, 12], [3, 3, 3], [7, 11, 19, 23, 29]]
 
 
 class _FaultyCPU(CPUAccelerator):
-    """Raises inside execute whenever a row to sample carries BAD_SEED (or always)."""
+    """Raises inside execute (and launch) whenever a row to sample carries BAD_SEED (or always)."""
 
     def __init__(self, always: bool = False) -> None:
         super().__init__()
         self.always = always
 
     def execute(self, batch):
+        self._fault(batch)
+        return super().execute(batch)
+
+    def launch(self, batch):  # the async path: a fault here sends the step down the sync one
+        self._fault(batch)
+        return super().launch(batch)
+
+    def _fault(self, batch) -> None:
         if self.always or any(row.seed == BAD_SEED for row in batch.sampling):
             raise RuntimeError("injected sampling fault")
-        return super().execute(batch)
 
 
 def _engine(model_dir: str, always: bool = False) -> Engine:
@@ -112,14 +119,17 @@ def test_offline_llm_raises_once_the_others_finished(llama_dir, monkeypatch):
     from deepinfer import LLM
 
     llm = LLM(llama_dir, dtype="float32", block_size=4, num_blocks=64, load_tokenizer=False)
-    healthy = llm.engine.accelerator.execute
+    accelerator = llm.engine.accelerator
 
-    def execute(batch):
-        if any(row.seed == BAD_SEED for row in batch.sampling):
-            raise RuntimeError("injected sampling fault")
-        return healthy(batch)
+    def faulty(healthy):
+        def run(batch):
+            if any(row.seed == BAD_SEED for row in batch.sampling):
+                raise RuntimeError("injected sampling fault")
+            return healthy(batch)
+        return run
 
-    monkeypatch.setattr(llm.engine.accelerator, "execute", execute)
+    for entry in ("execute", "launch"):  # the sync and the async path
+        monkeypatch.setattr(accelerator, entry, faulty(getattr(accelerator, entry)))
     with pytest.raises(RuntimeError, match="1 of 2 request.*injected sampling fault"):
         llm.generate([PROMPTS[0], PROMPTS[1]], [_params(1), _params(BAD_SEED)])
     _assert_idle(llm.engine)

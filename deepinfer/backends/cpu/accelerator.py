@@ -12,6 +12,7 @@ from deepinfer.backends.cpu.host_pool import CPUHostPool
 from deepinfer.backends.cpu.ops import CPUOps
 from deepinfer.backends.runner import TorchRunner
 from deepinfer.backends.speculative import MTPSpeculator
+from deepinfer.backends.step_future import DeviceTokens, fill_from_last_step
 from deepinfer.core.accelerator import (Accelerator, Capabilities, HostPoolLayout, MemoryStats,
                                         ModelInfo, ParallelContext)
 from deepinfer.core.batch import ModelBatch, SamplerOutput
@@ -23,7 +24,7 @@ class CPUAccelerator(Accelerator):
     name = "cpu"
     capabilities = Capabilities(chunked_prefill=True, host_page_copy=True,
                                 host_copy_skips_null=True, speculative_decoding=True,
-                                dtypes=("float32", "bfloat16", "float16"))
+                                async_output=True, dtypes=("float32", "bfloat16", "float16"))
 
     def __init__(self) -> None:
         self.runner = TorchRunner("cpu", self.capabilities, CPUOps)
@@ -60,6 +61,7 @@ class CPUAccelerator(Accelerator):
         """Logits of each sampled sequence's last token (or of every token), float32."""
         meta = CPUAttentionMeta.from_batch(batch, self.runner.cache.spec)
         input_ids = torch.tensor(batch.input_ids, dtype=torch.long)
+        fill_from_last_step(input_ids, batch.from_last_step)
         positions = torch.tensor(batch.positions, dtype=torch.long)
         self.runner.begin_step(batch.num_tokens, batch.num_real_tokens)
         hidden = self.runner.forward(input_ids, positions, meta)
@@ -78,6 +80,13 @@ class CPUAccelerator(Accelerator):
         logits = self.forward_logits(batch)
         with torch.inference_mode():
             return self.runner.sample(logits, batch.sampling)
+
+    def launch(self, batch: ModelBatch) -> DeviceTokens:
+        # Nothing here runs asynchronously, but the engine's async path is the same as on a
+        # GPU: the next step takes its input ids from this one's tensor.
+        logits = self.forward_logits(batch)
+        with torch.inference_mode():
+            return DeviceTokens(self.runner.sample_tokens(logits, batch.sampling))
 
     def expert_load(self):
         return self.runner.expert_load()

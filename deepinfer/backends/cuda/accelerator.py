@@ -25,6 +25,7 @@ from deepinfer.backends.cuda.group_inputs import grouped_inputs
 from deepinfer.backends.cuda.memory import GIB, kv_budget
 from deepinfer.backends.cuda.step_inputs import StepInputs, pack_batch, unpack_batch
 from deepinfer.backends.runner import TorchRunner
+from deepinfer.backends.step_future import DeviceTokens, HostTokenBuffers, fill_from_last_step
 from deepinfer.core.accelerator import (Accelerator, Capabilities, HostPoolLayout, MemoryStats,
                                         ModelInfo, ParallelContext)
 from deepinfer.core.batch import GroupBatch, ModelBatch, SamplerOutput, SamplingRow
@@ -38,7 +39,7 @@ class CUDAAccelerator(Accelerator):
     name = "nvidia"
     distributed_backend = "nccl"
     capabilities = Capabilities(chunked_prefill=True, host_page_copy=True,
-                                host_copy_skips_null=True,
+                                host_copy_skips_null=True, async_output=True,
                                 dtypes=("bfloat16", "float16", "float32"))
 
     def __init__(self, device: str | torch.device | None = None) -> None:
@@ -49,6 +50,7 @@ class CUDAAccelerator(Accelerator):
         self.info: ModelInfo | None = None
         self.graphs: DecodeGraphs | None = None
         self.host_pool = None
+        self.host_tokens: HostTokenBuffers | None = None  # launch()'s readback, on a GPU
         self.num_sms = 8  # split-K sizing; the device's count once init_device ran on a GPU
         self.parallel = ParallelContext()
 
@@ -192,12 +194,16 @@ class CUDAAccelerator(Accelerator):
 
     def _eager_inputs(self, batch: ModelBatch) -> StepInputs:
         if self.grouped:
-            return grouped_inputs(batch, self.info.kv_spec, self.device)
-        flat, width = pack_batch(batch)
-        splits = self._num_splits(batch.num_seqs, max(batch.seq_lens)) \
-            if batch.is_decode_only else 1
-        device_flat = torch.from_numpy(flat).to(self.device)
-        return unpack_batch(device_flat, batch, width, splits)
+            inputs = grouped_inputs(batch, self.info.kv_spec, self.device)
+        else:
+            flat, width = pack_batch(batch)
+            splits = self._num_splits(batch.num_seqs, max(batch.seq_lens)) \
+                if batch.is_decode_only else 1
+            # Staged at once from pageable memory, with no wait for the step in flight.
+            device_flat = torch.from_numpy(flat).to(self.device, non_blocking=True)
+            inputs = unpack_batch(device_flat, batch, width, splits)
+        fill_from_last_step(inputs.input_ids, batch.from_last_step)
+        return inputs
 
     @torch.inference_mode()
     def forward_logits(self, batch: ModelBatch, all_tokens: bool = False) -> torch.Tensor:
@@ -230,6 +236,14 @@ class CUDAAccelerator(Accelerator):
         logits = self.forward_logits(batch)
         with torch.inference_mode():
             return self.runner.sample(logits, batch.sampling)
+
+    def launch(self, batch: ModelBatch) -> DeviceTokens:
+        logits = self.forward_logits(batch)
+        if self.host_tokens is None and self.on_gpu:
+            self.host_tokens = HostTokenBuffers(self.max_num_seqs)
+        with torch.inference_mode():
+            return DeviceTokens(self.runner.sample_tokens(logits, batch.sampling),
+                                self.host_tokens)
 
     def expert_load(self):
         return self.runner.expert_load()

@@ -16,6 +16,7 @@ import torch
 
 from deepinfer.backends.cuda.step_inputs import DECODE_COLS, StepInputs, decode_inputs, \
     fill_decode_rows
+from deepinfer.backends.step_future import fill_from_last_step
 from deepinfer.core.batch import ModelBatch
 
 # Buckets as in vLLM/SGLang: every size up to 8, then steps of 8 then 16, so padding wastes
@@ -43,9 +44,12 @@ class DecodeGraphs:
         self.split_policy = split_policy  # batch -> split-K of the decode kernel
         width = DECODE_COLS + max_blocks
         self.rows = torch.zeros((self.buckets[-1], width), dtype=torch.int64, device=device)
-        # Pinned staging so the per-step copy is one asynchronous DMA.
-        self.host_rows = torch.zeros((self.buckets[-1], width), dtype=torch.int64,
-                                     pin_memory=True)
+        # Pinned staging so the per-step copy is one asynchronous DMA; two, used in turn,
+        # since with async scheduling a step's rows are written while the step ahead (whose
+        # copy may not have run yet) is still queued.
+        self.host_rows = [torch.zeros((self.buckets[-1], width), dtype=torch.int64,
+                                      pin_memory=True) for _ in range(2)]
+        self.turn = 0
         self.graphs: dict[int, _Graph] = {}
 
     @property
@@ -85,9 +89,11 @@ class DecodeGraphs:
         one: expert-parallel ranks replay the same bucket)."""
         n = batch.num_seqs
         bucket = self.bucket_for(n) if bucket is None else bucket
-        host = self.host_rows[:bucket].numpy()
-        fill_decode_rows(host, batch)
-        self.rows[:bucket].copy_(self.host_rows[:bucket], non_blocking=True)
+        self.turn ^= 1
+        staging = self.host_rows[self.turn][:bucket]
+        fill_decode_rows(staging.numpy(), batch)
+        self.rows[:bucket].copy_(staging, non_blocking=True)
+        fill_from_last_step(self.rows[:, 0], batch.from_last_step)
         entry = self.graphs[bucket]
         entry.graph.replay()
         return entry.logits[:n]

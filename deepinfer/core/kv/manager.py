@@ -205,7 +205,11 @@ class KVCacheManager:
                 continue
             table, ids = g.tables[req.request_id], g.ids[req.request_id]
             start = g.dropped.get(req.request_id, 0)
-            end = min(g.first_visible_page(req.num_computed_tokens, self.block_size), len(table))
+            # Tokens a step still in flight computes (async scheduling) are not counted: their
+            # step's results register and write through the pages they fill before any is
+            # released, as when steps run one at a time.
+            computed = req.num_computed_tokens - req.num_computed_in_flight
+            end = min(g.first_visible_page(computed, self.block_size), len(table))
             if end <= start:
                 continue
             # Freed in page order, so the oldest page is the first to be reused.
