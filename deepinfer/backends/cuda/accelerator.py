@@ -25,6 +25,7 @@ from deepinfer.backends.cuda.group_inputs import grouped_inputs
 from deepinfer.backends.cuda.memory import GIB, kv_budget
 from deepinfer.backends.cuda.step_inputs import StepInputs, pack_batch, unpack_batch
 from deepinfer.backends.runner import TorchRunner
+from deepinfer.backends.speculative import MTPSpeculator
 from deepinfer.backends.step_future import DeviceTokens, HostTokenBuffers, fill_from_last_step
 from deepinfer.core.accelerator import (Accelerator, Capabilities, HostPoolLayout, MemoryStats,
                                         ModelInfo, ParallelContext)
@@ -40,12 +41,14 @@ class CUDAAccelerator(Accelerator):
     distributed_backend = "nccl"
     capabilities = Capabilities(chunked_prefill=True, host_page_copy=True,
                                 host_copy_skips_null=True, async_output=True,
+                                speculative_decoding=True,
                                 dtypes=("bfloat16", "float16", "float32"))
 
     def __init__(self, device: str | torch.device | None = None) -> None:
         self.device = torch.device(device) if device is not None else None
         self.max_num_batched_tokens, self.max_num_seqs = 2048, 64
         self.enforce_eager, self.seed = False, 0
+        self.num_speculative_tokens = 0  # the model loads its MTP draft layer when > 0
         self.runner: TorchRunner | None = None
         self.info: ModelInfo | None = None
         self.graphs: DecodeGraphs | None = None
@@ -82,6 +85,7 @@ class CUDAAccelerator(Accelerator):
         self.max_num_batched_tokens = config.scheduler.max_num_batched_tokens
         self.max_num_seqs = config.scheduler.max_num_seqs
         self.enforce_eager, self.seed = config.enforce_eager, config.seed
+        self.num_speculative_tokens = config.scheduler.num_speculative_tokens
 
     # ---- model ---------------------------------------------------------------------------
     def load_model(self, spec: ModelSpec) -> ModelInfo:
@@ -97,6 +101,7 @@ class CUDAAccelerator(Accelerator):
         self.runner = TorchRunner(self.device, self.capabilities,
                                   lambda cache: CUDAOps(cache, use_gemv=use_gemv), self.seed)
         self.runner.ops.parallel = self.parallel
+        self.runner.num_speculative_tokens = self.num_speculative_tokens
         self.info = self.runner.load(spec)
         if self.grouped and not getattr(self.runner.model, "reads_group_meta", False):
             # Only a model whose data path reads every group's tables (GroupedMeta) may have
@@ -233,9 +238,16 @@ class CUDAAccelerator(Accelerator):
             self.runner.moe.set_step(padded, batch.num_real_tokens)
 
     def execute(self, batch: ModelBatch) -> SamplerOutput:
+        if batch.spec is not None:  # eager: a verify step's queries are 1 + k tokens long
+            with torch.inference_mode():
+                return MTPSpeculator(self.runner, self._step_meta).execute(batch)
         logits = self.forward_logits(batch)
         with torch.inference_mode():
             return self.runner.sample(logits, batch.sampling)
+
+    def _step_meta(self, batch: ModelBatch):
+        """The attention metadata of an eager step (the speculator's forwards)."""
+        return self._eager_inputs(batch).meta
 
     def launch(self, batch: ModelBatch) -> DeviceTokens:
         logits = self.forward_logits(batch)
