@@ -21,6 +21,7 @@ import torch
 from deepinfer.backends.runner import TorchRunner
 from deepinfer.core.batch import GroupBatch, ModelBatch, SampledRow, SamplerOutput
 from deepinfer.core.speculative import accept, verify_rows
+from deepinfer.core.transfer import tensor_on
 
 
 class MTPSpeculator:
@@ -40,7 +41,7 @@ class MTPSpeculator:
                                         for row, p in zip(rows, proposals)])
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.long, device=self.runner.device)
+        return tensor_on(values, self.runner.device)
 
     def _verify(self, batch: ModelBatch, hidden: torch.Tensor) -> list[SampledRow]:
         drafts = batch.spec.draft_token_ids

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from deepinfer.core.batch import InputsFromLastStep, SamplerOutput
+from deepinfer.core.transfer import tensor_on
 
 
 class HostTokenBuffers:
@@ -55,7 +56,6 @@ def fill_from_last_step(input_ids: torch.Tensor, last: InputsFromLastStep | None
     in stream order: no host wait)."""
     if last is None:
         return
-    index = torch.tensor([last.token_indices, last.rows], dtype=torch.long)
-    index = index.to(input_ids.device, non_blocking=True)
+    index = tensor_on([last.token_indices, last.rows], input_ids.device)
     tokens = last.source.tokens[index[1]].to(input_ids.dtype)
     input_ids.index_put_((index[0],), tokens)

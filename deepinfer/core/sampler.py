@@ -19,6 +19,7 @@ from typing import Sequence
 import torch
 
 from deepinfer.core.batch import SamplerOutput, SamplingRow, TokenLogprobs
+from deepinfer.core.transfer import tensor_on
 
 _SEED_MULTIPLIER = 1_000_003
 _SEED_MODULUS = 2**63
@@ -119,13 +120,13 @@ def _apply_bitmasks(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
 
 
 def _index(positions: list[int], device: torch.device) -> torch.Tensor:
-    return torch.tensor(positions, dtype=torch.long, device=device)
+    return tensor_on(positions, device)
 
 
 def _column(values: list[float], device: torch.device,
             dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Per-row parameters as a [rows, 1] tensor that broadcasts over the vocabulary."""
-    return torch.tensor(values, dtype=dtype, device=device).unsqueeze(-1)
+    return tensor_on(values, device, dtype).unsqueeze(-1)
 
 
 def _token_counts(token_lists: list[Sequence[int]], vocab: int,
@@ -173,7 +174,7 @@ def _apply_min_tokens(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None
               for token in (*row.eos_token_ids, *row.params.stop_token_ids)
               if 0 <= token < vocab]
     if banned:
-        row_ids, token_ids = torch.tensor(banned, dtype=torch.long, device=logits.device).T
+        row_ids, token_ids = tensor_on(banned, logits.device).T
         logits[row_ids, token_ids] = float("-inf")
 
 

@@ -32,6 +32,7 @@ from deepinfer.core.accelerator import (Accelerator, Capabilities, HostPoolLayou
 from deepinfer.core.batch import GroupBatch, ModelBatch, SamplerOutput, SamplingRow
 from deepinfer.core.config import CacheConfig, EngineConfig, ModelSpec, cpu_threads
 from deepinfer.core.sampling import SamplingParams
+from deepinfer.core.transfer import tensor_on, to_device
 
 log = logging.getLogger(__name__)
 
@@ -204,8 +205,7 @@ class CUDAAccelerator(Accelerator):
             flat, width = pack_batch(batch)
             splits = self._num_splits(batch.num_seqs, max(batch.seq_lens)) \
                 if batch.is_decode_only else 1
-            # Staged at once from pageable memory, with no wait for the step in flight.
-            device_flat = torch.from_numpy(flat).to(self.device, non_blocking=True)
+            device_flat = to_device(torch.from_numpy(flat), self.device)
             inputs = unpack_batch(device_flat, batch, width, splits)
         fill_from_last_step(inputs.input_ids, batch.from_last_step)
         return inputs
@@ -315,7 +315,7 @@ def sampled_rows(logits: torch.Tensor, batch: ModelBatch) -> torch.Tensor:
     step: its one padding sequence samples nothing)."""
     if list(batch.sample_indices) == list(range(batch.num_seqs)):
         return logits
-    index = torch.tensor(batch.sample_indices, dtype=torch.long, device=logits.device)
+    index = tensor_on(batch.sample_indices, logits.device)
     return logits[index]
 
 

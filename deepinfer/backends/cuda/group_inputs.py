@@ -15,6 +15,7 @@ import torch
 from deepinfer.backends.cuda.step_inputs import StepInputs
 from deepinfer.core.batch import ModelBatch
 from deepinfer.core.kv.spec import KVSpec
+from deepinfer.core.transfer import to_device
 
 
 @dataclass
@@ -68,7 +69,7 @@ def pack_grouped(batch: ModelBatch) -> tuple[np.ndarray, list[int]]:
 
 def grouped_inputs(batch: ModelBatch, spec: KVSpec, device: torch.device) -> StepInputs:
     flat_host, widths = pack_grouped(batch)
-    flat = torch.from_numpy(flat_host).to(device)
+    flat = to_device(torch.from_numpy(flat_host), device)
     t, n, sampled = batch.num_tokens, batch.num_seqs, len(batch.sample_indices)
     groups, o = [], 2 * t + sampled
     for width in widths:
