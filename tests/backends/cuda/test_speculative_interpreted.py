@@ -1,7 +1,8 @@
 """Speculative decoding on the CUDA backend (DeepSeek-V3's MTP layer as the draft), on a GPU or
 with its Triton kernels under TRITON_INTERPRET=1: greedy tokens equal plain decoding on the
-CPU backend (itself equal to transformers, tests/models/test_deepseek_v3_mtp.py) for k = 1 and
-3, drafts get verified, and every block is freed."""
+CPU backend (itself equal to transformers, tests/models/test_deepseek_v3_mtp.py) for k = 2 (two
+proposals a step, so the draft layer's own steps run too), drafts get verified, and every
+block is freed."""
 from __future__ import annotations
 
 import os
@@ -55,7 +56,7 @@ def _run(engine: Engine, prompts: list[list[int]]) -> list[list[int]]:
     return [done[str(i)] for i in range(len(prompts))]
 
 
-@pytest.mark.parametrize("k", [1, 3])
+@pytest.mark.parametrize("k", [2])  # k = 1..3 on the CPU backend: test_deepseek_v3_mtp.py
 def test_greedy_equals_plain_decoding(mtp_path, plain, k):
     config = EngineConfig(model=ModelSpec(mtp_path, dtype="float32"),
                           cache=CacheConfig(block_size=16, num_blocks=24),
