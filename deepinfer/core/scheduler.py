@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-
 from typing import Any
 
 from deepinfer.core.batch import (GroupBatch, InputsFromLastStep, ModelBatch, SampledRow,
