@@ -190,8 +190,12 @@ class Engine:
         self.last_step_prefilled = any(s.num_new_tokens > 1 for s in scheduled.seqs)
         if scheduled.seqs and self._overlaps(scheduled):
             return self._launch(scheduled)
+        return self._read_then_run(scheduled)
+
+    def _read_then_run(self, scheduled: SchedulerOutput) -> list[RequestOutput]:
+        """The step in flight's outputs, then this step run to the end without the requests
+        that step ended."""
         done = self._read_in_flight()
-        # Requests that ended in the step just read drop out of this one.
         scheduled.seqs = [s for s in scheduled.seqs if not s.request.is_finished]
         if not scheduled.seqs:
             if self.model.needs_collectives:
@@ -230,9 +234,7 @@ class Engine:
             log.warning("async launch failed (%s: %s); the step runs synchronously",
                         type(exc).__name__, exc)
             self.num_sync_fallbacks += 1
-            done = self._read_in_flight()
-            scheduled.seqs = [s for s in scheduled.seqs if not s.request.is_finished]
-            return done + (self._run(scheduled) if scheduled.seqs else [])
+            return self._read_then_run(scheduled)
         self.num_overlapped_steps += self._in_flight is not None
         done = self._read_in_flight()
         self.scheduler.advance(scheduled)

@@ -55,6 +55,7 @@ class CUDAAccelerator(Accelerator):
         self.graphs: DecodeGraphs | None = None
         self.host_pool = None
         self.host_tokens: HostTokenBuffers | None = None  # launch()'s readback, on a GPU
+        self.speculator: MTPSpeculator | None = None  # built with the runner
         self.num_sms = 8  # split-K sizing; the device's count once init_device ran on a GPU
         self.parallel = ParallelContext()
 
@@ -103,6 +104,7 @@ class CUDAAccelerator(Accelerator):
                                   lambda cache: CUDAOps(cache, use_gemv=use_gemv), self.seed)
         self.runner.ops.parallel = self.parallel
         self.runner.num_speculative_tokens = self.num_speculative_tokens
+        self.speculator = MTPSpeculator(self.runner, self._step_meta)
         self.info = self.runner.load(spec)
         if self.grouped and not getattr(self.runner.model, "reads_group_meta", False):
             # Only a model whose data path reads every group's tables (GroupedMeta) may have
@@ -240,7 +242,7 @@ class CUDAAccelerator(Accelerator):
     def execute(self, batch: ModelBatch) -> SamplerOutput:
         if batch.spec is not None:  # eager: a verify step's queries are 1 + k tokens long
             with torch.inference_mode():
-                return MTPSpeculator(self.runner, self._step_meta).execute(batch)
+                return self.speculator.execute(batch)
         logits = self.forward_logits(batch)
         with torch.inference_mode():
             return self.runner.sample(logits, batch.sampling)
