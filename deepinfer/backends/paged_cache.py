@@ -8,6 +8,9 @@ is one contiguous run: what a page copy moves. Models with per-request state get
 """
 from __future__ import annotations
 
+import math
+import mmap
+
 import torch
 
 from deepinfer.core.kv.spec import Chunk, KVSpec
@@ -29,12 +32,11 @@ class PagedCache:
         for group in self.spec.groups:
             for layer in group.layers:
                 self._layers[layer] = tuple(
-                    torch.zeros((num_blocks * e.entries_per_block(block_size), *e.shape),
-                                dtype=dtype, device=device) for e in group.kind.entries)
+                    zeros((num_blocks * e.entries_per_block(block_size), *e.shape), dtype,
+                          device) for e in group.kind.entries)
         self._chunks = self._pair_chunks()
         if self.spec.state_bytes and num_state_slots:
-            self.state = torch.zeros((num_state_slots, self.spec.state_bytes), dtype=torch.uint8,
-                                     device=device)
+            self.state = zeros((num_state_slots, self.spec.state_bytes), torch.uint8, device)
 
     def layer(self, index: int) -> tuple[torch.Tensor, ...]:
         """The layer's entry tensors, in the order its LayerKV lists them."""
@@ -66,3 +68,14 @@ class PagedCache:
     def free(self) -> None:
         self._layers, self._chunks = {}, []
         self.state = None
+
+
+def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """A zeroed pool tensor. In host memory it is made of fresh anonymous pages, which read as
+    zero and take memory only once written: a CPU server's resident size is the KV its
+    requests have used, not the whole pool."""
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if torch.device(device).type != "cpu" or nbytes == 0:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    pages = mmap.mmap(-1, nbytes)  # the tensor holds the mapping alive through its buffer
+    return torch.frombuffer(pages, dtype=torch.uint8).view(dtype).view(shape)

@@ -16,8 +16,10 @@ from deepinfer.core.config import CacheConfig, ModelSpec
 from deepinfer.core.sampler import Sampler
 from deepinfer.models import hf_config
 from deepinfer.models.ops import ModelOps
+from deepinfer.models.quant.plan import apply_plan, plan_packed
+from deepinfer.models.quant.source import checkpoint_source
 from deepinfer.models.registry import model_class
-from deepinfer.models.weights import init_dummy_weights, iter_checkpoint
+from deepinfer.models.weights import init_dummy_weights
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
@@ -56,6 +58,8 @@ class TorchRunner:
         self.seed = seed
         self.sampler = Sampler()
         self.model: torch.nn.Module | None = None
+        # Parameter name -> the packed kind it is held in (models/quant/plan.py).
+        self.packed: dict[str, str] = {}
         self.info: ModelInfo | None = None
         self.dtype = torch.float32
         # Speculative decoding: the model is built with its MTP draft layer (configure sets it).
@@ -72,12 +76,18 @@ class TorchRunner:
         arch = hf_config.architecture(config)
         with torch.device("meta"):
             model = model_class(arch)(config, self.ops, max_len, **self._draft_options(arch))
+        source = checkpoint_source(spec.path, config, spec.quantization, self.ops.packed_kinds)
+        dummy = spec.load_format == "dummy"
+        self.packed = plan_packed(model, {} if dummy else source.kinds(), model.checkpoint_target,
+                                  self.ops.packed_kinds, spec.quantization)
+        apply_plan(model, self.packed)
+        self.ops.load_packed_kernels(set(self.packed.values()))
         model = model.to_empty(device=self.device).to(self.dtype)
         _restore_float32(model)
-        if spec.load_format == "dummy":
+        if dummy:
             init_dummy_weights(model, self.seed)
         else:
-            model.load_weights(iter_checkpoint(spec.path))
+            model.load_weights(source.tensors(set(self.packed.values())))
         model.init_buffers(self.device)
         self.model = model.eval()
         self.cache.spec = model.kv_spec()
@@ -163,7 +173,8 @@ class TorchRunner:
     def weights_bytes(self) -> int:
         if self.model is None:
             return 0
-        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+        tensors = [*self.model.parameters(), *self.model.buffers()]
+        return sum(t.numel() * t.element_size() for t in tensors)
 
     def memory_stats(self, device_total: int, extra: dict[str, int] | None = None) -> MemoryStats:
         return MemoryStats(device_total_bytes=device_total, weights_bytes=self.weights_bytes(),

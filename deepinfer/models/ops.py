@@ -22,6 +22,7 @@ from deepinfer.models.deepseek_v4.paged_ops import (DecodeLens, PagedRows,
                                                     indexer_topk_reference)
 from deepinfer.models.moe.experts import fused_experts_reference
 from deepinfer.models.moe.routing import RouteCounts, RouterSpec, select_experts
+from deepinfer.models.quant.packed import PackedWeight
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,9 @@ class ModelOps(ABC):
     # The ranks MoE layers spread their experts over (set by the runner before the model is
     # built); None: one rank holds every expert.
     parallel: ParallelContext | None = None
+    # The packed weight kinds (models/quant: "gguf:Q4_1", "fp8") packed_linear runs; the
+    # loader keeps those packed and dequantizes every other quantized weight.
+    packed_kinds: tuple[str, ...] = ()
 
     # ---- primitives: every backend implements these -------------------------------------
     @abstractmethod
@@ -98,8 +102,21 @@ class ModelOps(ABC):
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor,
                bias: torch.Tensor | None = None) -> torch.Tensor:
-        """x [T, K] @ weight[N, K].T (+ bias)."""
+        """x [T, K] @ weight[N, K].T (+ bias); a packed weight goes to packed_linear."""
+        if isinstance(weight, PackedWeight):
+            return self.packed_linear(x, weight, bias)
         return F.linear(x, weight, bias)
+
+    def load_packed_kernels(self, kinds: set[str]) -> None:
+        """Build or load the kernels of these packed kinds now, at load, not in the first
+        step (a first build can take a minute)."""
+
+    def packed_linear(self, x: torch.Tensor, weight: PackedWeight,
+                      bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x @ a quantized weight (one of packed_kinds), in x.dtype; the reference
+        dequantizes it."""
+        w = weight.dequantize().to(device=x.device, dtype=x.dtype)
+        return F.linear(x, w, bias)
 
     def rotary_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

@@ -1,5 +1,11 @@
 """Checkpoint tensors into a model's parameters. Each model maps its own checkpoint names
-(`checkpoint_target`); this module only reads safetensors and copies."""
+(`checkpoint_target`); this module only reads safetensors and copies.
+
+FP8 weights (float8_e4m3fn with a `weight_scale_inv` of one scale per block, DeepSeek's release
+format) come out of iter_checkpoint as one FP8BlockTensor each. A destination that keeps them
+packed (a PackedWeight, models/quant) takes them as they are; a plain parameter gets them
+dequantized.
+"""
 from __future__ import annotations
 
 import glob
@@ -10,6 +16,9 @@ from typing import Callable, Iterable, Iterator
 import torch
 from safetensors import safe_open
 from torch import nn
+
+from deepinfer.models.quant.packed import PackedWeight
+from deepinfer.models.quant.tensors import QUANTIZED_TYPES, FP8BlockTensor, QuantizedTensor
 
 
 @dataclass(frozen=True)
@@ -28,21 +37,64 @@ Target = tuple[str, tuple[int, int] | SlotRows | None]
 Mapper = Callable[[str], Target | list[Target] | None]
 
 
-def iter_checkpoint(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+# The names an FP8 weight's block scales go by: DeepSeek's, and compressed-tensors'.
+_SCALE_SUFFIXES = ("_scale_inv", "_scale")
+
+
+def _files(path: str) -> list[str]:
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {path}")
-    for file in files:
+    return files
+
+
+def _index(path: str) -> dict[str, tuple[str, str]]:
+    """Every tensor's name -> (file, safetensors dtype), from the headers alone."""
+    index = {}
+    for file in _files(path):
         with safe_open(file, framework="pt") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                index[name] = (file, f.get_slice(name).get_dtype())
+    return index
+
+
+def _scale_name(name: str, index: dict[str, tuple[str, str]]) -> str | None:
+    """The block-scale tensor of an FP8 weight, if `name` is one."""
+    if not index[name][1].startswith("F8"):
+        return None
+    return next((name + s for s in _SCALE_SUFFIXES if name + s in index), None)
+
+
+def checkpoint_kinds(path: str) -> dict[str, str]:
+    """Every checkpoint tensor (scales folded into their weights) -> "fp8" or "float"."""
+    index = _index(path)
+    scales = {_scale_name(n, index) for n in index} - {None}
+    return {n: "fp8" if _scale_name(n, index) else "float" for n in index if n not in scales}
+
+
+def iter_checkpoint(path: str, fp8_block: tuple[int, int] = (128, 128)
+                    ) -> Iterator[tuple[str, torch.Tensor | FP8BlockTensor]]:
+    index = _index(path)
+    scales = {_scale_name(n, index) for n in index} - {None}
+    for file in _files(path):
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():
+                if name in scales:
+                    continue
+                scale = _scale_name(name, index)
+                if scale is None:
+                    yield name, f.get_tensor(name)
+                    continue
+                with safe_open(index[scale][0], framework="pt") as g:
+                    yield name, FP8BlockTensor(f.get_tensor(name), g.get_tensor(scale), fp8_block)
 
 
 def load_mapped(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
                 mapper: Mapper) -> None:
     """Copy every mapped checkpoint tensor into its parameter (or its rows of a fused one);
     every parameter must be written, and every tensor must have a place."""
-    params = dict(model.named_parameters())
+    params: dict[str, torch.Tensor | PackedWeight] = dict(model.named_parameters())
+    params.update((n, m) for n, m in model.named_modules() if isinstance(m, PackedWeight))
     loaded: set[str] = set()
     with torch.no_grad():
         for name, tensor in weights:
@@ -50,16 +102,29 @@ def load_mapped(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
             for param_name, where in [targets] if isinstance(targets, tuple) else targets or []:
                 if param_name not in params:
                     raise KeyError(f"checkpoint tensor {name!r} has no place in the model")
-                dest = _destination(params[param_name], where)
-                if dest.shape != tensor.shape:
-                    raise ValueError(f"checkpoint tensor {name!r} has shape "
-                                     f"{tuple(tensor.shape)}, the model expects "
-                                     f"{tuple(dest.shape)}")
-                dest.copy_(tensor)
+                _copy(name, tensor, params[param_name], where)
                 loaded.add(param_name)
     missing = set(params) - loaded
     if missing:
         raise KeyError(f"checkpoint lacks weights for: {sorted(missing)[:8]}")
+
+
+def _copy(name: str, tensor: torch.Tensor | QuantizedTensor, param: torch.Tensor | PackedWeight,
+          where: tuple[int, int] | SlotRows | None) -> None:
+    if isinstance(param, PackedWeight):
+        rows = where or (0, param.shape[0])
+        _check_shape(name, tensor.shape, (rows[1] - rows[0], param.shape[1]))
+        param.load_rows(tensor, where)
+        return
+    dest = _destination(param, where)
+    _check_shape(name, tensor.shape, dest.shape)
+    dest.copy_(tensor.dequantize() if isinstance(tensor, QUANTIZED_TYPES) else tensor)
+
+
+def _check_shape(name: str, got: tuple[int, ...], expected: tuple[int, ...]) -> None:
+    if tuple(got) != tuple(expected):
+        raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(got)}, the model "
+                         f"expects {tuple(expected)}")
 
 
 def _destination(param: torch.Tensor, where: tuple[int, int] | SlotRows | None) -> torch.Tensor:

@@ -8,6 +8,7 @@ window can see (its table holds the null block before them).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +27,7 @@ class GroupMeta:
     window: int | None
     decode_slots: torch.Tensor | None  # [B, max_keys] for decode-only steps
     decode_mask: torch.Tensor | None  # [B, 1, 1, max_keys] True where a key is visible
+    decode_lens: torch.Tensor | None  # [B] visible keys of each sequence (decode-only steps)
     block_tables: torch.Tensor  # [B, max_blocks] long, 0-padded (models that locate rows)
 
 
@@ -60,11 +62,11 @@ def _group_meta(group: GroupBatch, batch: ModelBatch, window: int | None) -> Gro
         blocks = torch.tensor(table[: (seq_len + bs - 1) // bs], dtype=torch.long)
         context.append(blocks[positions // bs] * bs + positions % bs)
         key_starts.append(start)
-    slots, mask = (None, None)
+    slots, mask, lens = (None, None, None)
     if batch.is_decode_only:
-        slots, mask = _padded(context)
+        slots, mask, lens = _padded(context)
     return GroupMeta(torch.tensor(group.slot_mapping, dtype=torch.long), key_starts, context,
-                     window, slots, mask, _padded_tables(group.block_tables))
+                     window, slots, mask, lens, _padded_tables(group.block_tables))
 
 
 def _padded_tables(tables: list[list[int]]) -> torch.Tensor:
@@ -74,18 +76,22 @@ def _padded_tables(tables: list[list[int]]) -> torch.Tensor:
     return out
 
 
-def _padded(context: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    lens = torch.tensor([c.numel() for c in context])
+def _padded(context: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    lens = torch.tensor([c.numel() for c in context], dtype=torch.long)
     max_len = int(lens.max())
     slots = torch.zeros(len(context), max_len, dtype=torch.long)
     for i, c in enumerate(context):
         slots[i, : c.numel()] = c
     mask = (torch.arange(max_len)[None, :] < lens[:, None])[:, None, None, :]
-    return slots, mask
+    return slots, mask, lens
 
 
 class CPUPagedAttention:
-    """Attention of one layer over its paged entries: K/V layers and MLA latent layers."""
+    """Attention of one layer over its paged entries: K/V layers and MLA latent layers.
+    `kernels` (the C++ extension, or None) runs float32 K/V decode steps in one call."""
+
+    def __init__(self, kernels: Any = None) -> None:
+        self.kernels = kernels
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: CPUAttentionMeta, layer: int,
@@ -93,7 +99,15 @@ class CPUPagedAttention:
         g = meta.groups[meta.group_of[layer]]
         k_cache.index_copy_(0, g.slot_mapping, k)
         v_cache.index_copy_(0, g.slot_mapping, v)
+        if g.decode_slots is not None and self._fused(q, k_cache, v_cache):
+            scale = q.shape[-1] ** -0.5 if scale is None else scale
+            return self.kernels.decode_attention(q.contiguous(), k_cache, v_cache,
+                                                 g.decode_slots, g.decode_lens, scale)
         return _attend(q, k, v, k_cache, v_cache, g, meta, scale)
+
+    def _fused(self, *tensors: torch.Tensor) -> bool:
+        return self.kernels is not None and all(
+            t.dtype == torch.float32 and t.is_contiguous() for t in tensors)
 
     def latent(self, q: torch.Tensor, latent: torch.Tensor, cache: torch.Tensor,
                meta: CPUAttentionMeta, layer: int, value_dim: int, scale: float) -> torch.Tensor:

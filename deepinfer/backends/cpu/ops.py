@@ -1,13 +1,20 @@
-"""Reference implementations of the model ops (norms, rotary, activation) in torch."""
+"""The CPU backend's model ops: torch references, with float32 norms, rotary and decode
+attention in single C++ calls where the extension built (kernels.py), and GGUF weights kept
+packed."""
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
 
 from deepinfer.backends.cpu.attention import CPUPagedAttention
+from deepinfer.backends.cpu.kernels import GGUF_KINDS, MAX_GEMV_ROWS, extension, gguf_linear
 from deepinfer.backends.paged_cache import PagedCache
-from deepinfer.models.ops import ModelOps
+from deepinfer.models.ops import ModelOps, QKNorm
+from deepinfer.models.quant.packed import GGUFWeight, PackedWeight
+
+log = logging.getLogger(__name__)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -32,25 +39,57 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 class CPUOps(ModelOps):
-    """ModelOps over torch; attention goes to the paged KV cache."""
+    """ModelOps over torch; attention goes to the paged KV cache; GGUF Q4_0/Q4_1/Q8_0 weights
+    stay packed (gguf_kernels.cpp)."""
 
     def __init__(self, cache: PagedCache) -> None:
         self.cache = cache
-        self.paged = CPUPagedAttention()
+        self.kernels = _load_kernels()
+        self.paged = CPUPagedAttention(self.kernels)
+        # GGUF blocks stay packed only where their kernels built.
+        self.packed_kinds = GGUF_KINDS if self.kernels is not None else ()
+
+    def _fused(self, *tensors: torch.Tensor) -> bool:
+        return self.kernels is not None and all(
+            t.dtype == torch.float32 and t.is_contiguous() for t in tensors)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        if self._fused(x, weight):
+            return self.kernels.rms_norm(x, weight, eps)
         return rms_norm(x, weight, eps)
 
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._fused(x, residual, weight):
+            return self.kernels.add_rms_norm(x, residual, weight, eps)
         summed = x + residual
         return rms_norm(summed, weight, eps), summed
+
+    def rotary_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                         layer: int, meta: Any, qk_norm: QKNorm | None = None
+                         ) -> torch.Tensor:
+        if qk_norm is not None or not self._fused(q, k, cos, sin):
+            return super().rotary_attention(q, k, v, positions, cos, sin, layer, meta, qk_norm)
+        self.kernels.rotary(q, k, positions, cos, sin)  # in place, as the seam allows
+        return self.attention(q, k, v, layer, meta)
 
     def rotary(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
                cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         c = cos[positions].unsqueeze(1).to(q.dtype)
         s = sin[positions].unsqueeze(1).to(q.dtype)
         return apply_rotary(q, c, s), apply_rotary(k, c, s)
+
+    def packed_linear(self, x: torch.Tensor, weight: PackedWeight,
+                      bias: torch.Tensor | None = None) -> torch.Tensor:
+        if not isinstance(weight, GGUFWeight) or self.kernels is None:
+            return super().packed_linear(x, weight, bias)
+        if x.dim() == 2 and x.shape[0] <= MAX_GEMV_ROWS and self._fused(x):
+            y = self.kernels.gemv(x, weight.blocks, weight.qtype)  # decode: the common call
+        else:
+            y = gguf_linear(x.reshape(-1, x.shape[-1]), weight.blocks, weight.qtype,
+                            weight.shape[1]).to(x.dtype).view(*x.shape[:-1], weight.shape[0])
+        return y if bias is None else y + bias
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = x.chunk(2, dim=-1)
@@ -65,3 +104,13 @@ class CPUOps(ModelOps):
                          value_dim: int, scale: float) -> torch.Tensor:
         (cache,) = self.cache.layer(layer)
         return self.paged.latent(q, latent, cache, meta, layer, value_dim, scale)
+
+
+def _load_kernels():
+    """The C++ kernels, or None (torch ops and dequantized GGUF weights) where they do not
+    build; said once."""
+    try:
+        return extension()
+    except RuntimeError as exc:
+        log.warning("%s", exc)
+        return None

@@ -1,0 +1,136 @@
+// Fused float32 CPU ops for decode-sized steps: one call each where torch takes 8-20 small ops.
+//
+// At batch 1 a small model's step is mostly per-op overhead (a 135M llama layer is ~80 torch
+// calls), so the norms, the rotary embedding and the paged decode attention run here as single
+// calls. Each computes what the torch reference in ops.py / attention.py computes, in float32.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+namespace {
+
+void check_f32(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.dtype() == torch::kFloat32 && t.is_contiguous(), name,
+              " must be a contiguous float32 tensor");
+}
+
+// out[i] = w * (x[i] / sqrt(mean(x[i]^2) + eps)) for each row i of [rows, h].
+void norm_rows(const float* x, const float* w, float eps, int64_t rows, int64_t h, float* out) {
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* xr = x + r * h;
+      double sq = 0.0;
+      for (int64_t i = 0; i < h; ++i) sq += static_cast<double>(xr[i]) * xr[i];
+      const float inv = 1.f / std::sqrt(static_cast<float>(sq / h) + eps);
+      float* o = out + r * h;
+      for (int64_t i = 0; i < h; ++i) o[i] = w[i] * (xr[i] * inv);
+    }
+  });
+}
+
+}  // namespace
+
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps) {
+  check_f32(x, "x");
+  check_f32(w, "weight");
+  const int64_t h = x.size(-1);
+  torch::Tensor out = torch::empty_like(x);
+  norm_rows(x.data_ptr<float>(), w.data_ptr<float>(), static_cast<float>(eps), x.numel() / h, h,
+            out.data_ptr<float>());
+  return out;
+}
+
+// (rms_norm(x + residual), x + residual)
+std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(const torch::Tensor& x,
+                                                      const torch::Tensor& residual,
+                                                      const torch::Tensor& w, double eps) {
+  check_f32(x, "x");
+  check_f32(residual, "residual");
+  torch::Tensor summed = x + residual;
+  return {rms_norm(summed, w, eps), summed};
+}
+
+// NeoX rotary in place on x [T, H, D] over its first R dims: the two halves of those dims
+// rotate as (a, b) -> (a cos - b sin, b cos + a sin), with cos/sin rows [R] per position.
+void rotate(torch::Tensor& x, const int64_t* positions, const float* cos, const float* sin,
+            int64_t rot) {
+  const int64_t t = x.size(0), heads = x.size(1), d = x.size(2), half = rot / 2;
+  float* p = x.data_ptr<float>();
+  for (int64_t i = 0; i < t; ++i) {
+    const float* c = cos + positions[i] * rot;
+    const float* s = sin + positions[i] * rot;
+    for (int64_t h = 0; h < heads; ++h) {
+      float* v = p + (i * heads + h) * d;
+      for (int64_t j = 0; j < half; ++j) {
+        const float a = v[j], b = v[j + half];
+        v[j] = a * c[j] - b * s[j];
+        v[j + half] = b * c[j + half] + a * s[j + half];
+      }
+    }
+  }
+}
+
+void rotary(torch::Tensor q, torch::Tensor k, const torch::Tensor& positions,
+            const torch::Tensor& cos, const torch::Tensor& sin) {
+  check_f32(q, "q");
+  check_f32(k, "k");
+  check_f32(cos, "cos");
+  check_f32(sin, "sin");
+  TORCH_CHECK(positions.dtype() == torch::kInt64, "positions must be int64");
+  const torch::Tensor pos = positions.contiguous();
+  const int64_t rot = cos.size(1);
+  rotate(q, pos.data_ptr<int64_t>(), cos.data_ptr<float>(), sin.data_ptr<float>(), rot);
+  rotate(k, pos.data_ptr<int64_t>(), cos.data_ptr<float>(), sin.data_ptr<float>(), rot);
+}
+
+// One query per sequence over its keys in the paged cache: q [B, Hq, D], caches [S, Hk, D] and
+// [S, Hk, Dv], slots [B, L] (the first lens[b] are sequence b's visible keys, in order).
+// Softmax(q . k * scale) . v per query head, the query heads of a KV head sharing its keys.
+torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache,
+                               const torch::Tensor& v_cache, const torch::Tensor& slots,
+                               const torch::Tensor& lens, double scale) {
+  check_f32(q, "q");
+  check_f32(k_cache, "k_cache");
+  check_f32(v_cache, "v_cache");
+  TORCH_CHECK(slots.dtype() == torch::kInt64 && lens.dtype() == torch::kInt64,
+              "slots and lens must be int64");
+  const int64_t batch = q.size(0), hq = q.size(1), d = q.size(2);
+  const int64_t hk = k_cache.size(1), dv = v_cache.size(2), width = slots.size(1);
+  const int64_t group = hq / hk;
+  const torch::Tensor sl = slots.contiguous(), ln = lens.contiguous();
+  torch::Tensor out = torch::empty({batch, hq, dv}, q.options());
+  const float* qp = q.data_ptr<float>();
+  const float* kp = k_cache.data_ptr<float>();
+  const float* vp = v_cache.data_ptr<float>();
+  const int64_t* sp = sl.data_ptr<int64_t>();
+  const int64_t* lp = ln.data_ptr<int64_t>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, batch * hq, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> score(width);
+    for (int64_t bh = begin; bh < end; ++bh) {
+      const int64_t b = bh / hq, h = bh % hq, kvh = h / group, n = lp[b];
+      const float* qv = qp + bh * d;
+      float top = -INFINITY;
+      for (int64_t j = 0; j < n; ++j) {
+        const float* kv = kp + (sp[b * width + j] * hk + kvh) * d;
+        float s = 0.f;
+        for (int64_t i = 0; i < d; ++i) s += qv[i] * kv[i];
+        score[j] = s * static_cast<float>(scale);
+        top = std::max(top, score[j]);
+      }
+      float total = 0.f;
+      for (int64_t j = 0; j < n; ++j) total += (score[j] = std::exp(score[j] - top));
+      float* o = op + bh * dv;
+      std::fill(o, o + dv, 0.f);
+      for (int64_t j = 0; j < n; ++j) {
+        const float* vv = vp + (sp[b * width + j] * hk + kvh) * dv;
+        const float p = score[j] / total;
+        for (int64_t i = 0; i < dv; ++i) o[i] += p * vv[i];
+      }
+    }
+  });
+  return out;
+}

@@ -1,0 +1,61 @@
+"""The CPU backend's C++ kernels, built on first use: GGUF block-quantized matmuls
+(gguf_kernels.cpp) and fused float32 decode ops (fused_ops.cpp).
+
+The extension is compiled once per machine kind and torch version into the deepinfer cache dir
+(AVX2 + F16C where the CPU has them, portable C++ elsewhere); later starts load the build.
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from deepinfer.core.config import cache_dir
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_SOURCES = [os.path.join(_HERE, f) for f in ("bindings.cpp", "gguf_kernels.cpp", "fused_ops.cpp")]
+# The GGUF block types the kernels run (models/quant kinds).
+GGUF_KINDS = ("gguf:Q4_0", "gguf:Q4_1", "gguf:Q8_0")
+# Rows of x the integer-dot GEMV takes in one call (kMaxRows in the source); a step with more
+# tokens dequantizes the weight and runs a float32 GEMM instead.
+MAX_GEMV_ROWS = 16
+
+
+def _vector_flags() -> tuple[str, list[str]]:
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability in ("AVX2", "AVX512"):
+        return "avx2", ["-mavx2", "-mfma", "-mf16c"]
+    return "portable", []
+
+
+@functools.lru_cache(maxsize=None)
+def extension():
+    """The compiled module (bindings.cpp lists its functions)."""
+    from torch.utils.cpp_extension import load
+
+    kind, flags = _vector_flags()
+    build = os.path.join(cache_dir(), "extensions", f"cpu_kernels1-torch{torch.__version__}-{kind}")
+    os.makedirs(build, exist_ok=True)
+    try:
+        return load(name="deepinfer_cpu_kernels1", sources=_SOURCES, build_directory=build,
+                    extra_cflags=["-O3", *flags])
+    except (OSError, RuntimeError) as exc:
+        raise RuntimeError(f"could not build the CPU backend's kernels ({exc}); they need a C++ "
+                           f"compiler and ninja. --quantization none serves the dequantized "
+                           f"weights instead") from exc
+
+
+def gguf_linear(x: torch.Tensor, blocks: torch.Tensor, qtype: int, in_features: int
+                ) -> torch.Tensor:
+    """x [T, K] @ W.T for W [N, K] held as GGUF blocks [N, row_bytes]; float32 out."""
+    ext = extension()
+    x = x.float()
+    if x.shape[0] <= MAX_GEMV_ROWS:
+        return ext.gemv(x, blocks, qtype)
+    return torch.nn.functional.linear(x, ext.dequantize(blocks, qtype, in_features))
+
+
+def gguf_dequantize(blocks: torch.Tensor, qtype: int, in_features: int) -> torch.Tensor:
+    """GGUF blocks [N, row_bytes] -> float32 [N, K]."""
+    return extension().dequantize(blocks.contiguous(), qtype, in_features)

@@ -1,0 +1,119 @@
+"""Modules that hold a quantized weight inside a model.
+
+A PackedWeight takes the place of an nn.Linear's `weight` (or of an embedding table): the model
+still calls ops.linear(x, self.proj.weight), and the backend's ops see the packed weight and
+run their kernel for its format. Built on the meta device with the rest of the model; to_empty
+allocates the buffers and the loader fills them with load_rows.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from deepinfer.models.quant.tensors import GGUFTensor, QuantizedTensor, RowScaledFP8
+
+_GGUF_BLOCK = {2: (32, 18), 3: (32, 20), 8: (32, 34)}  # Q4_0, Q4_1, Q8_0: (values, bytes)
+
+
+class PackedWeight(nn.Module):
+    """A linear weight [N, K] kept quantized; `kind` names the format ("gguf:Q4_1", "fp8")."""
+
+    kind: str
+
+    def __init__(self, shape: tuple[int, int]) -> None:
+        super().__init__()
+        self.shape = torch.Size(shape)
+
+    def load_rows(self, tensor: torch.Tensor | QuantizedTensor,
+                  rows: tuple[int, int] | None) -> None:
+        raise NotImplementedError
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 [N, K] (the reference; backends without a kernel for the format)."""
+        raise NotImplementedError
+
+    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        """float32 rows [T, K] (an embedding table kept packed)."""
+        raise NotImplementedError
+
+    def packed_bytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.buffers())
+
+    def extra_repr(self) -> str:
+        return f"{self.kind}, shape={tuple(self.shape)}"
+
+
+class GGUFWeight(PackedWeight):
+    """GGUF blocks as the file stores them: uint8 [N, K/32 * block bytes] (Q4_0, Q4_1, Q8_0)."""
+
+    def __init__(self, shape: tuple[int, int], qtype: int) -> None:
+        super().__init__(shape)
+        values, nbytes = _GGUF_BLOCK[qtype]
+        self.qtype = qtype
+        self.kind = f"gguf:{ {2: 'Q4_0', 3: 'Q4_1', 8: 'Q8_0'}[qtype] }"
+        self.register_buffer("blocks", torch.empty(shape[0], shape[1] // values * nbytes,
+                                                   dtype=torch.uint8))
+
+    def load_rows(self, tensor: torch.Tensor | QuantizedTensor,
+                  rows: tuple[int, int] | None) -> None:
+        if not isinstance(tensor, GGUFTensor) or tensor.qtype != self.qtype:
+            raise TypeError(f"a {self.kind} weight loads GGUF blocks of its own type, not "
+                            f"{getattr(tensor, 'kind', tensor.dtype)}")
+        start, end = rows or (0, self.shape[0])
+        self.blocks[start:end].copy_(tensor.blocks)
+
+    def dequantize(self) -> torch.Tensor:
+        return GGUFTensor(self.blocks.cpu(), self.qtype, tuple(self.shape)).dequantize()
+
+    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = self.blocks.index_select(0, ids.reshape(-1)).cpu()
+        return GGUFTensor(rows, self.qtype, (rows.shape[0], self.shape[1])).dequantize()
+
+
+class FP8Weight(PackedWeight):
+    """float8_e4m3fn [N, K] with float32 scales per row and 128-column group [N, ceil(K/128)];
+    loads DeepSeek's block-scaled tensors, or quantizes a float weight (--quantization fp8)."""
+
+    kind = "fp8"
+    group = 128
+
+    def __init__(self, shape: tuple[int, int]) -> None:
+        super().__init__(shape)
+        n, k = shape
+        self.register_buffer("weight", torch.empty(n, k, dtype=torch.float8_e4m3fn))
+        self.register_buffer("scale", torch.empty(n, -(-k // self.group), dtype=torch.float32))
+
+    def load_rows(self, tensor: torch.Tensor | QuantizedTensor,
+                  rows: tuple[int, int] | None) -> None:
+        if isinstance(tensor, torch.Tensor):
+            tensor = RowScaledFP8.quantize(tensor, self.group)
+        if getattr(tensor, "kind", None) != "fp8":
+            raise TypeError(f"an fp8 weight loads FP8 or float tensors, not {tensor.kind}")
+        part = tensor.rows(0, tensor.shape[0])
+        if part.group != self.group:
+            raise ValueError(f"FP8 scales per {part.group} columns; the kernels read {self.group}")
+        start, end = rows or (0, self.shape[0])
+        self.weight[start:end].copy_(part.weight)
+        self.scale[start:end].copy_(part.scale)
+
+    def dequantize(self) -> torch.Tensor:
+        return RowScaledFP8(self.weight, self.scale, self.group).dequantize()
+
+    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        ids = ids.reshape(-1)
+        return RowScaledFP8(self.weight[ids], self.scale[ids], self.group).dequantize()
+
+
+class PackedEmbedding(nn.Module):
+    """An embedding table kept packed (a GGUF token_embd, tied to the LM head)."""
+
+    def __init__(self, weight: PackedWeight) -> None:
+        super().__init__()
+        self.weight = weight
+        # An empty float buffer: model.to(dtype) converts it, so it carries the dtype the rows
+        # are served in without a reference to the rest of the model.
+        self.register_buffer("dtype_probe", torch.empty(0), persistent=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = self.weight.lookup(ids).to(self.dtype_probe.dtype)
+        return rows.view(*ids.shape, self.weight.shape[1])

@@ -1,0 +1,83 @@
+"""Which of a model's weights stay packed, and the swap of those into PackedWeight modules.
+
+The plan is made on the meta-device model before its memory exists: every checkpoint tensor's
+kind ("float", "gguf:Q4_1", "fp8") is mapped through the model's own checkpoint names onto its
+parameters. A linear or embedding weight stays packed when all of its sources share one kind
+that the backend runs; everything else is dequantized as it loads. With `quantization="fp8"`
+the float linear weights of the decoder layers are quantized to FP8 at load as well.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Callable, Iterable, Mapping
+
+from torch import nn
+
+from deepinfer.core.config import QUANTIZATION_MODES
+from deepinfer.models.quant.packed import (FP8Weight, GGUFWeight, PackedEmbedding,
+                                           PackedWeight)
+from deepinfer.models.weights import Mapper
+
+_GGUF_TYPES = {"gguf:Q4_0": 2, "gguf:Q4_1": 3, "gguf:Q8_0": 8}
+
+
+def plan_packed(model: nn.Module, kinds: Mapping[str, str], mapper: Mapper,
+                runs: Iterable[str], mode: str = "auto") -> dict[str, str]:
+    """Parameter name -> the packed kind it is held in."""
+    if mode not in QUANTIZATION_MODES:
+        raise ValueError(f"quantization must be one of {QUANTIZATION_MODES}, got {mode!r}")
+    runs = set(runs)
+    if mode == "none":
+        return {}
+    if mode == "fp8" and "fp8" not in runs:
+        raise ValueError("quantization 'fp8' needs a backend with FP8 kernels (nvidia); this "
+                         "backend runs " + (", ".join(sorted(runs)) or "no packed weights"))
+    sources = _source_kinds(kinds, mapper)
+    plan = {}
+    for name, module in _packable(model):
+        found = sources.get(name, set())
+        kind = next(iter(found)) if len(found) == 1 else None
+        if kind is not None and kind != "float" and kind in runs:
+            plan[name] = kind
+        elif mode == "fp8" and isinstance(module, nn.Linear) and name.startswith("layers."):
+            plan[name] = "fp8"
+    return plan
+
+
+def _source_kinds(kinds: Mapping[str, str], mapper: Mapper) -> dict[str, set[str]]:
+    found: dict[str, set[str]] = defaultdict(set)
+    for name, kind in kinds.items():
+        targets = mapper(name)
+        for param, _ in [targets] if isinstance(targets, tuple) else targets or []:
+            found[param].add(kind)
+    return found
+
+
+def _packable(model: nn.Module) -> Iterable[tuple[str, nn.Module]]:
+    for name, module in model.named_modules():
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            yield f"{name}.weight", module
+
+
+def apply_plan(model: nn.Module, plan: Mapping[str, str],
+               make: Callable[[str, tuple[int, int]], PackedWeight] | None = None) -> None:
+    """Swap each planned weight for its PackedWeight (an embedding for a PackedEmbedding)."""
+    make = make or packed_weight
+    for name, kind in plan.items():
+        owner_name = name.removesuffix(".weight")
+        owner = model.get_submodule(owner_name)
+        weight = make(kind, tuple(owner.weight.shape))
+        if isinstance(owner, nn.Embedding):
+            parent_name, _, child = owner_name.rpartition(".")
+            setattr(model.get_submodule(parent_name), child, PackedEmbedding(weight))
+        else:
+            del owner._parameters["weight"]
+            owner.weight = weight  # registered as a submodule: its buffers load and move
+
+
+def packed_weight(kind: str, shape: tuple[int, int]) -> PackedWeight:
+    if kind == "fp8":
+        return FP8Weight(shape)
+    if kind in _GGUF_TYPES:
+        return GGUFWeight(shape, _GGUF_TYPES[kind])
+    raise ValueError(f"no packed weight for {kind!r}")

@@ -1,0 +1,103 @@
+"""Checkpoint tensors that arrive quantized, as the weight loader yields them.
+
+Each knows its logical [N, K] shape, can give a range of its rows (fused projections take the
+rows of several checkpoint tensors) and can dequantize itself (the reference, and the path of a
+backend that does not run the format natively).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize as gguf_dequantize
+
+FP8_MAX = 448.0  # the largest float8_e4m3fn value
+
+
+@dataclass(frozen=True)
+class GGUFTensor:
+    """A weight as a .gguf file stores it: rows of quantized blocks (uint8 [N, row_bytes])."""
+
+    blocks: torch.Tensor
+    qtype: int  # GGMLQuantizationType
+    shape: tuple[int, int]
+
+    @property
+    def kind(self) -> str:
+        return f"gguf:{GGMLQuantizationType(self.qtype).name}"
+
+    def rows(self, start: int, end: int) -> "GGUFTensor":
+        return GGUFTensor(self.blocks[start:end], self.qtype, (end - start, self.shape[1]))
+
+    def dequantize(self) -> torch.Tensor:
+        array = gguf_dequantize(self.blocks.numpy(), GGMLQuantizationType(self.qtype))
+        return torch.from_numpy(np.array(array, dtype=np.float32)).reshape(self.shape)
+
+
+@dataclass(frozen=True)
+class FP8BlockTensor:
+    """DeepSeek's FP8 weight: float8_e4m3fn [N, K] and one inverse scale per block of
+    block[0] rows x block[1] columns (`weight_scale_inv` [ceil(N/b0), ceil(K/b1)])."""
+
+    weight: torch.Tensor
+    scale_inv: torch.Tensor
+    block: tuple[int, int] = (128, 128)
+
+    kind = "fp8"
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.weight.shape)
+
+    def row_scales(self) -> torch.Tensor:
+        """float32 [N, ceil(K/b1)]: each row's scale per column group, so rows can be cut and
+        fused at any offset."""
+        n = self.weight.shape[0]
+        return self.scale_inv.float().repeat_interleave(self.block[0], dim=0)[:n].contiguous()
+
+    def rows(self, start: int, end: int) -> "RowScaledFP8":
+        return RowScaledFP8(self.weight[start:end], self.row_scales()[start:end], self.block[1])
+
+    def dequantize(self) -> torch.Tensor:
+        return RowScaledFP8(self.weight, self.row_scales(), self.block[1]).dequantize()
+
+
+@dataclass(frozen=True)
+class RowScaledFP8:
+    """float8_e4m3fn [N, K] with float32 scales [N, ceil(K/group)]: the layout the FP8 kernels
+    read (w[n, k] = weight[n, k] * scale[n, k // group])."""
+
+    weight: torch.Tensor
+    scale: torch.Tensor
+    group: int = 128
+
+    kind = "fp8"
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.weight.shape)
+
+    def rows(self, start: int, end: int) -> "RowScaledFP8":
+        return RowScaledFP8(self.weight[start:end], self.scale[start:end], self.group)
+
+    def dequantize(self) -> torch.Tensor:
+        k = self.weight.shape[1]
+        scale = self.scale.float().repeat_interleave(self.group, dim=1)[:, :k]
+        return self.weight.float() * scale
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor, group: int = 128) -> "RowScaledFP8":
+        """A float weight [N, K] to FP8 with one scale per row and column group (amax / 448),
+        as `--quantization fp8` does at load."""
+        n, k = weight.shape
+        pad = -k % group
+        w = torch.nn.functional.pad(weight.float(), (0, pad)).view(n, -1, group)
+        scale = (w.abs().amax(dim=-1) / FP8_MAX).clamp(min=1e-12)
+        q = (w / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+        return cls(q.view(n, -1)[:, :k].contiguous(), scale, group)
+
+
+QuantizedTensor = GGUFTensor | FP8BlockTensor | RowScaledFP8
+QUANTIZED_TYPES = (GGUFTensor, FP8BlockTensor, RowScaledFP8)
