@@ -73,3 +73,56 @@ def make_checkpoint(path: str, family: str = "llama", dtype: torch.dtype = torch
             layer.mlp.gate.e_score_correction_bias.normal_(0.0, 0.1)
     model.save_pretrained(path)
     return path
+
+
+def _block_quantize(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek's FP8 layout, written here independently of the loader: per block of
+    block[0] x block[1], scale_inv = amax / 448 and codes = w / scale_inv in float8_e4m3fn."""
+    n, k = w.shape
+    b0, b1 = block
+    padded = torch.nn.functional.pad(w.float(), (0, -k % b1, 0, -n % b0))
+    blocks = padded.view(padded.shape[0] // b0, b0, padded.shape[1] // b1, b1)
+    scale = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-8) / 448.0
+    codes = (blocks / scale[:, None, :, None]).to(torch.float8_e4m3fn)
+    return codes.view(padded.shape)[:n, :k].contiguous(), scale
+
+
+def _block_dequantize(codes: torch.Tensor, scale: torch.Tensor,
+                      block: tuple[int, int]) -> torch.Tensor:
+    n, k = codes.shape
+    full = scale.repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)[:n, :k]
+    return codes.float() * full
+
+
+def write_fp8_checkpoint(source: str, fp8_dir: str, dequantized_dir: str,
+                         block: tuple[int, int] = (128, 128)) -> tuple[str, str]:
+    """A float checkpoint rewritten as DeepSeek ships its releases: every projection weight of
+    the decoder layers in float8_e4m3fn with a `weight_scale_inv` per block, and
+    `quantization_config` in config.json; beside it the same weights dequantized in float32
+    (what transformers loads as the reference)."""
+    import json
+    import os
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(os.path.join(source, "model.safetensors"))
+    fp8, plain = {}, {}
+    for name, tensor in weights.items():
+        if name.endswith("_proj.weight") and ".layers." in name and tensor.dim() == 2:
+            codes, scale = _block_quantize(tensor, block)
+            fp8[name], fp8[name + "_scale_inv"] = codes, scale
+            plain[name] = _block_dequantize(codes, scale, block)
+        else:
+            fp8[name] = plain[name] = tensor
+    for out, tensors in ((fp8_dir, fp8), (dequantized_dir, plain)):
+        shutil.copytree(source, out, dirs_exist_ok=True)
+        save_file(tensors, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(fp8_dir, "config.json")) as f:
+        config = json.load(f)
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3",
+                                     "activation_scheme": "dynamic",
+                                     "weight_block_size": list(block)}
+    with open(os.path.join(fp8_dir, "config.json"), "w") as f:
+        json.dump(config, f)
+    return fp8_dir, dequantized_dir

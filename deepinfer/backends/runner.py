@@ -16,7 +16,7 @@ from deepinfer.core.config import CacheConfig, ModelSpec
 from deepinfer.core.sampler import Sampler
 from deepinfer.models import hf_config
 from deepinfer.models.ops import ModelOps
-from deepinfer.models.quant.plan import apply_plan, plan_packed
+from deepinfer.models.quant.plan import apply_plan, cast_unpacked, plan_packed
 from deepinfer.models.quant.source import checkpoint_source
 from deepinfer.models.registry import model_class
 from deepinfer.models.weights import init_dummy_weights
@@ -82,7 +82,8 @@ class TorchRunner:
                                   self.ops.packed_kinds, spec.quantization)
         apply_plan(model, self.packed)
         self.ops.load_packed_kernels(set(self.packed.values()))
-        model = model.to_empty(device=self.device).to(self.dtype)
+        model = model.to_empty(device=self.device)
+        cast_unpacked(model, self.dtype)
         _restore_float32(model)
         if dummy:
             init_dummy_weights(model, self.seed)

@@ -37,6 +37,7 @@ from deepinfer.models.moe.configs import deepseek_moe, moe_runtime
 from deepinfer.models.moe.layer import MoEBlock, moe_checkpoint_target
 from deepinfer.models.ops import ModelOps
 from deepinfer.models.rope import rope_parameters
+from deepinfer.models.quant.tensors import QUANTIZED_TYPES
 from deepinfer.models.weights import Target, load_mapped
 
 _FUSED_MLP = {"gate_proj": 0, "up_proj": 1}
@@ -230,6 +231,9 @@ class DeepseekV3ForCausalLM(DecoderStack):
         for name, tensor in weights:
             match = re.match(r"(.*self_attn\.)(\w+)\.(weight|bias)$", name)
             proj = match.group(2) if match else None
+            if isinstance(tensor, QUANTIZED_TYPES) and (proj == "kv_b_proj" or (
+                    proj in _ROPE_ROWS and d.rope_interleave)):
+                tensor = tensor.dequantize()  # split or reordered here: as floats
             if proj == "kv_b_proj":
                 w = tensor.view(d.num_heads, d.qk_nope_head_dim + d.v_head_dim, d.kv_lora_rank)
                 w_uk, w_uv = w.split([d.qk_nope_head_dim, d.v_head_dim], dim=1)

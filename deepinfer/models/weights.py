@@ -154,3 +154,5 @@ def init_dummy_weights(model: nn.Module, seed: int = 0, std: float = 0.02) -> No
         for module in model.modules():
             if hasattr(module, "init_dummy_table"):
                 module.init_dummy_table(generator)
+            if isinstance(module, PackedWeight):
+                module.init_dummy(generator, std)

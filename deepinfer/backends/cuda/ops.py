@@ -2,7 +2,10 @@
 Sliding-window layers pass their window to the attention kernels; MLA layers attend a paged
 latent cache with the MLA kernels.
 Projections go to cuBLAS via torch, except one-token ones (batch-1 decode), which go to the
-Triton GEMV (kernels/gemv.py): 9% less time over a decode step's weights on an H200."""
+Triton GEMV (kernels/gemv.py): 9% less time over a decode step's weights on an H200. FP8
+weights (DeepSeek's block-scaled checkpoints, or --quantization fp8) stay FP8 and go to
+kernels/fp8_gemm.py: a weight-only GEMV for decode, a block-scaled tensor-core GEMM for more
+tokens."""
 from __future__ import annotations
 
 import math
@@ -12,6 +15,7 @@ import torch
 
 from deepinfer.backends.cuda.kernels.activation import silu_and_mul
 from deepinfer.backends.cuda.kernels.decode_attention import paged_decode_attention
+from deepinfer.backends.cuda.kernels.fp8_gemm import fp8_linear
 from deepinfer.backends.cuda.kernels.fused_moe import fused_experts
 from deepinfer.backends.cuda.kernels.gemv import gemv
 from deepinfer.backends.cuda.kernels.kv_write import store_kv
@@ -27,9 +31,12 @@ from deepinfer.backends.paged_cache import PagedCache
 from deepinfer.models.moe.routing import RouteCounts, RouterSpec
 from deepinfer.models.deepseek_v4.paged_ops import DecodeLens, PagedRows
 from deepinfer.models.ops import ModelOps, QKNorm
+from deepinfer.models.quant.packed import FP8Weight, PackedWeight
 
 
 class CUDAOps(ModelOps):
+    packed_kinds = ("fp8",)
+
     def __init__(self, cache: PagedCache, use_gemv: bool = True) -> None:
         self.cache = cache
         self.use_gemv = use_gemv  # off: every projection goes to cuBLAS (for comparison)
@@ -98,11 +105,18 @@ class CUDAOps(ModelOps):
                          fused_norm)
         return self._attend(q, layer, meta)
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor,
+    def linear(self, x: torch.Tensor, weight: torch.Tensor | PackedWeight,
                bias: torch.Tensor | None = None) -> torch.Tensor:
-        if self.use_gemv and x.shape[0] == 1 and x.is_contiguous():
+        if not isinstance(weight, PackedWeight) and self.use_gemv and x.shape[0] == 1 \
+                and x.is_contiguous():
             return gemv(x, weight, bias)
         return super().linear(x, weight, bias)
+
+    def packed_linear(self, x: torch.Tensor, weight: PackedWeight,
+                      bias: torch.Tensor | None = None) -> torch.Tensor:
+        if isinstance(weight, FP8Weight) and self._on_triton(x):
+            return fp8_linear(x, weight.weight, weight.scale, bias)
+        return super().packed_linear(x, weight, bias)
 
     def route(self, logits: torch.Tensor, spec: RouterSpec, bias: torch.Tensor | None = None,
               counts: RouteCounts | None = None, fixed_ids: torch.Tensor | None = None

@@ -36,6 +36,10 @@ class PackedWeight(nn.Module):
         """float32 rows [T, K] (an embedding table kept packed)."""
         raise NotImplementedError
 
+    def init_dummy(self, generator: torch.Generator, std: float) -> None:
+        """Random weights for load_format="dummy" (benchmarks of a model shape)."""
+        raise NotImplementedError(f"no random {self.kind} weights")
+
     def packed_bytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self.buffers())
 
@@ -90,14 +94,19 @@ class FP8Weight(PackedWeight):
         if getattr(tensor, "kind", None) != "fp8":
             raise TypeError(f"an fp8 weight loads FP8 or float tensors, not {tensor.kind}")
         part = tensor.rows(0, tensor.shape[0])
-        if part.group != self.group:
-            raise ValueError(f"FP8 scales per {part.group} columns; the kernels read {self.group}")
+        if part.group != self.group:  # other block widths: regrouped for the kernels
+            part = RowScaledFP8.quantize(part.dequantize(), self.group)
         start, end = rows or (0, self.shape[0])
         self.weight[start:end].copy_(part.weight)
         self.scale[start:end].copy_(part.scale)
 
     def dequantize(self) -> torch.Tensor:
         return RowScaledFP8(self.weight, self.scale, self.group).dequantize()
+
+    def init_dummy(self, generator: torch.Generator, std: float) -> None:
+        w = torch.empty(self.shape, device=self.weight.device).normal_(0.0, std,
+                                                                       generator=generator)
+        self.load_rows(w, None)
 
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
         ids = ids.reshape(-1)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Callable, Iterable, Mapping
 
+import torch
 from torch import nn
 
 from deepinfer.core.config import QUANTIZATION_MODES
@@ -81,3 +82,18 @@ def packed_weight(kind: str, shape: tuple[int, int]) -> PackedWeight:
     if kind in _GGUF_TYPES:
         return GGUFWeight(shape, _GGUF_TYPES[kind])
     raise ValueError(f"no packed weight for {kind!r}")
+
+
+def cast_unpacked(model: nn.Module, dtype: torch.dtype) -> None:
+    """model.to(dtype) but for packed weights, whose dtypes are their format (float8 codes
+    and float32 scales stay as they are)."""
+    for module in model.modules():
+        if isinstance(module, PackedWeight):
+            continue
+        for table in (module._parameters, module._buffers):
+            for name, tensor in table.items():
+                if tensor is not None and tensor.is_floating_point():
+                    if isinstance(tensor, nn.Parameter):
+                        tensor.data = tensor.data.to(dtype)
+                    else:
+                        table[name] = tensor.to(dtype)

@@ -2,7 +2,8 @@
 
 The variable must be set before any kernel module is imported (triton.jit reads it when it
 decorates), so it is set here, at conftest import time. Two interpreter bugs of Triton 3.6
-that would fail correct kernels are patched for the session, only where present.
+that would fail correct kernels (and its float8 cast) are patched for the session, only where
+present.
 """
 import os
 
@@ -57,6 +58,26 @@ def _patch_bf16_dot(mp: pytest.MonkeyPatch, interpreter) -> None:
     mp.setattr(builder, "create_dot", create_dot)
 
 
+def _patch_fp8_cast(mp: pytest.MonkeyPatch, interpreter) -> None:
+    """float32 -> float8 casts truncate the mantissa and add the cut-off bit, OR-ing the carry
+    into the exponent (-124 becomes -64, not -128) and rounding ties away from zero; cast like
+    the GPU (and torch): round to nearest even."""
+    import triton.language as tl
+
+    builder = interpreter.InterpreterBuilder
+    original = builder.create_fp_to_fp
+    fp8 = {tl.float8e4nv: torch.float8_e4m3fn, tl.float8e5: torch.float8_e5m2}
+
+    def create_fp_to_fp(self, src, dst_type, rounding_mode):
+        dst = fp8.get(dst_type.scalar)
+        if dst is None or src.dtype.scalar not in (tl.float32, tl.float16):
+            return original(self, src, dst_type, rounding_mode)
+        data = torch.from_numpy(np.ascontiguousarray(src.data)).to(dst).view(torch.uint8)
+        return interpreter.TensorHandle(data.numpy(), dst_type.scalar)
+
+    mp.setattr(builder, "create_fp_to_fp", create_fp_to_fp)
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _interpreter_fixes():
     if os.environ.get("TRITON_INTERPRET") != "1":
@@ -68,6 +89,7 @@ def _interpreter_fixes():
         if _numpy_refuses_size1_int():
             _patch_scalar_index(mp, interpreter)
         _patch_bf16_dot(mp, interpreter)
+        _patch_fp8_cast(mp, interpreter)
         yield
 
 

@@ -1,0 +1,262 @@
+"""The FP8 block-scaled projection kernels against torch references.
+
+Without a GPU they run under TRITON_INTERPRET=1 (see conftest.py) on CPU tensors, so the shapes
+are tiny: K 128, 200 (a partial last scale group) and 384, N 64 and 100 (a multiple of no N
+tile), M 1, 3 and 8 for the GEMV and 1 and 33 for the GEMM. Weights are quantized as DeepSeek
+ships them (one scale per 128x128 block) in two parts stacked at row 40 (32 for N 64), as a
+fused projection is, so the per-row scales change inside a 128-row block. The interpreter's
+tl.dot takes fp8 operands as they are (it widens them to fp16, exactly); its float32 -> fp8
+cast is wrong and is patched for the session (conftest.py, _patch_fp8_cast). With a GPU the same tests run compiled, plus
+larger shapes and a CUDA-graph capture.
+"""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from deepinfer.backends.cuda.kernels.fp8_gemm import (
+    FP8_MAX,
+    GEMV_MAX_M,
+    Fp8GemmConfig,
+    Fp8GemvConfig,
+    dequantize_weight,
+    fp8_gemm,
+    fp8_gemv,
+    fp8_linear,
+    fp8_linear_reference,
+    gemm_config_for,
+    gemv_config_for,
+    quantize_tokens_fp8,
+)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+ON_GPU = DEVICE == "cuda"
+SHAPES = [(64, 128), (100, 200), (100, 384)]  # (N, K)
+GPU_SHAPES = [(1000, 1800), (6144, 4096)] if ON_GPU else []
+# GEMV: BLOCK_K 128 and 256, a K loop of one scale group a chunk and of two (masked but for
+# K 128 and 384 at 128); BLOCK_N 128 and 64 against N 64 and 100 (few programs: the
+# interpreter's time goes by the program; on a GPU, tiles that fit in registers). GEMM: 3 x 2
+# and 1 x 4 tiles at M 33 (grouped order, wrapped rows and columns).
+GEMV_CONFIGS = ([Fp8GemvConfig(16, 1, 4), Fp8GemvConfig(8, 2, 4)] if ON_GPU
+                else [Fp8GemvConfig(128, 1, 4), Fp8GemvConfig(64, 2, 4)])
+GEMM_CONFIGS = [Fp8GemmConfig(16, 64, 4, 1), Fp8GemmConfig(64, 32, 4, 2)]
+pytestmark = pytest.mark.usefixtures("gpu_bf16_rounding")
+
+
+def _cases(ms: list[int]) -> list[tuple]:
+    """(m, n, k, dtype) for each m and shape, float32 and bf16 in turn (so each shape sees
+    both over the m's); on a GPU every pairing, and the larger shapes too."""
+    dtypes = (torch.float32, torch.bfloat16)
+    if ON_GPU:
+        return list(itertools.product(ms, SHAPES + GPU_SHAPES, dtypes))
+    return [(m, *shape, dtype) for (m, shape), dtype
+            in zip(itertools.product(ms, SHAPES), itertools.cycle(dtypes))]
+
+
+def _id(value) -> str | None:
+    return str(value).removeprefix("torch.") if isinstance(value, torch.dtype) else None
+
+
+def _block_quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek's format: codes and one inverse scale per 128x128 block, expanded to the
+    loader's per-row scales [N, ceil(K/128)]."""
+    n, k = w.shape
+    nb, kb = -(-n // 128), -(-k // 128)
+    padded = torch.zeros(nb * 128, kb * 128)
+    padded[:n, :k] = w
+    blocks = padded.view(nb, 128, kb, 128)
+    scale_inv = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12) / FP8_MAX  # [nb, kb]
+    q = (blocks / scale_inv[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX)
+    q = q.view(nb * 128, kb * 128)[:n, :k].to(torch.float8_e4m3fn)
+    return q, scale_inv.repeat_interleave(128, dim=0)[:n]
+
+
+def _weight(g: torch.Generator, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A fused weight: two parts quantized on their own and stacked at row min(40, n // 2), not
+    a multiple of 128; block magnitudes e^N(0, 1) apart."""
+    parts = []
+    for rows in (min(40, n // 2), n - min(40, n // 2)):
+        magnitude = torch.exp(torch.randn(-(-rows // 128), -(-k // 128), generator=g))
+        magnitude = magnitude.repeat_interleave(128, 0).repeat_interleave(128, 1)[:rows, :k]
+        parts.append(_block_quantize(torch.randn(rows, k, generator=g) / k ** 0.5 * magnitude))
+    wq, ws = (torch.cat(t) for t in zip(*parts))
+    return wq.to(DEVICE), ws.to(DEVICE)
+
+
+def _problem(g: torch.Generator, m: int, n: int, k: int, dtype: torch.dtype):
+    x = torch.randn(m, k, generator=g).to(dtype=dtype, device=DEVICE)
+    bias = torch.randn(n, generator=g).to(dtype=dtype, device=DEVICE)
+    return (x, *_weight(g, n, k), bias)
+
+
+def _quantize_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """vLLM's per_token_group_quant_fp8 in torch: scale = max(|x|, 1e-10) / 448 per token and
+    128 columns, q = clamp(x / scale, -448, 448)."""
+    m, k = x.shape
+    padded = torch.zeros(m, -(-k // 128) * 128, device=x.device)
+    padded[:, :k] = x.float()
+    groups = padded.view(m, -1, 128)
+    scales = groups.abs().amax(dim=2).clamp(min=1e-10) / FP8_MAX
+    q = (groups / scales[:, :, None]).clamp(-FP8_MAX, FP8_MAX).view(m, -1)[:, :k]
+    return q.to(torch.float8_e4m3fn), scales
+
+
+def _w8a8_reference(x, wq, w_scale, bias):
+    """What the GEMM computes exactly: x quantized as above, then float32."""
+    q, s = _quantize_reference(x)
+    return fp8_linear_reference(dequantize_weight(q, s), wq, w_scale, bias.float()).float()
+
+
+def _poisoned(m: int, n: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """A NaN [m, n] view into a NaN [m, n + 3] buffer: the output, and the buffer whose last
+    columns must stay untouched."""
+    wide = torch.full((m, n + 3), float("nan"), dtype=dtype, device=DEVICE)
+    return wide[:, :n], wide
+
+
+def _check_result(out, wide, ref, tol) -> None:
+    assert not out.isnan().any(), "an output element was never written"
+    assert wide[:, out.shape[1]:].isnan().all(), "written past the output's columns"
+    rel = ((out.float() - ref).norm() / ref.norm()).item()
+    torch.testing.assert_close(out.float(), ref, rtol=tol, atol=tol,
+                               msg=lambda m: f"{m}\nrelative error {rel:.3g}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=_id)
+@pytest.mark.parametrize("m,k", [(1, 128), (3, 200), (33, 384)] + [(517, 4096)] * ON_GPU)
+def test_quantize_tokens_matches_torch(m: int, k: int, dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(m * k)
+    x = torch.randn(m, k, generator=g) * torch.exp(2 * torch.randn(m, 1, generator=g))
+    x[0, :128] = 0.0  # an all-zero group: the scale floor
+    x[-1, -1] = 1e4  # an outlier in the last (maybe partial) group
+    x = x.to(dtype=dtype, device=DEVICE)
+    q, scales = quantize_tokens_fp8(x)
+    q_ref, scales_ref = _quantize_reference(x)
+    assert q.dtype == torch.float8_e4m3fn and q.shape == x.shape
+    assert scales.dtype == torch.float32 and scales.shape == (m, -(-k // 128))
+    assert torch.equal(scales, scales_ref)
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+    # Round trip: half a unit in the last place of e4m3 (2^-4 relative), or of its subnormals
+    # (2^-10 of the scale) near zero.
+    s = scales.repeat_interleave(128, dim=1)[:, :k]
+    err = (q.float() * s - x.float()).abs()
+    bound = torch.maximum(x.float().abs() * 2 ** -4, s * 2 ** -10) * (1 + 1e-5)
+    assert (err <= bound).all(), f"round trip off by {(err / bound).max():.3g} of the bound"
+
+
+def _configs(configs: list, m: int, n: int) -> list:
+    """Both test configs, with and without a bias, in an order that turns with the shape; on
+    a GPU also the default (config_for's tiles)."""
+    turn = (m + n) % len(configs)
+    return configs[turn:] + configs[:turn] + [None] * ON_GPU
+
+
+@pytest.mark.parametrize("m,n,k,dtype", _cases([1, 3, GEMV_MAX_M]), ids=_id)
+def test_gemv_equals_reference(m: int, n: int, k: int, dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(m * n * k)
+    x, wq, w_scale, bias = _problem(g, m, n, k, dtype)
+    ref = fp8_linear_reference(x.float(), wq, w_scale, bias.float())
+    # x is not quantized: float32 differs in summation order only, bf16 by one rounding.
+    tol = (1e-5 if k <= 1024 else 1e-4) if dtype == torch.float32 else 1e-2
+    for config, b in zip(_configs(GEMV_CONFIGS, m, n), (bias, None, bias)):
+        out, wide = _poisoned(m, n, dtype)
+        assert fp8_gemv(x, wq, w_scale, b, config, out=out) is out
+        _check_result(out, wide, ref if b is not None else ref - bias.float(), tol)
+
+
+@pytest.mark.parametrize("m,n,k,dtype", _cases([1, 33] + [517] * ON_GPU), ids=_id)
+def test_gemm_equals_reference(m: int, n: int, k: int, dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(m * n * k + 1)
+    x, wq, w_scale, bias = _problem(g, m, n, k, dtype)
+    exact = _w8a8_reference(x, wq, w_scale, bias)
+    ref = fp8_linear_reference(x.float(), wq, w_scale, bias.float())
+    # Hopper's fp8 tensor cores sum a 128-wide dot in about 14 bits (DeepSeek-V3's report), so
+    # float32 is held to 2e-3 on a GPU; the interpreter's dot is float32 throughout.
+    tol = (2e-3 if ON_GPU else 1e-5) if dtype == torch.float32 else 1e-2
+    for config, b in zip(_configs(GEMM_CONFIGS, m, n), (bias, None, bias)):
+        out, wide = _poisoned(m, n, dtype)
+        assert fp8_gemm(x, wq, w_scale, b, config, out=out) is out
+        # Against the same arithmetic (activations quantized): summation order and the output
+        # rounding only. Against the unquantized x: fp8's 2^-4 per activation, averaged.
+        shift = 0.0 if b is not None else bias.float()
+        _check_result(out, wide, exact - shift, tol)
+        rel = ((out.float() - (ref - shift)).norm() / (ref - shift).norm()).item()
+        assert rel < 4e-2, f"relative error to the float32 reference {rel:.3g}"
+
+
+def test_fp8_linear_picks_the_path_by_m() -> None:
+    g = torch.Generator().manual_seed(5)
+    x, wq, w_scale, bias = _problem(g, GEMV_MAX_M + 1, 16, 200, torch.float32)
+    small, large = x[:3], x
+    assert torch.equal(fp8_linear(small, wq, w_scale, bias), fp8_gemv(small, wq, w_scale, bias))
+    assert torch.equal(fp8_linear(large, wq, w_scale, bias), fp8_gemm(large, wq, w_scale, bias))
+    forced = fp8_linear(small, wq, w_scale, bias, path="gemm")
+    assert torch.equal(forced, fp8_gemm(small, wq, w_scale, bias))
+    with pytest.raises(ValueError, match="at most"):
+        fp8_linear(large, wq, w_scale, bias, path="gemv")
+    with pytest.raises(ValueError, match="path"):
+        fp8_linear(small, wq, w_scale, path="cublas")
+    assert fp8_linear(x[:0], wq, w_scale).shape == (0, 16)
+
+
+def test_strided_rows() -> None:
+    """x, weight and scale rows that are slices of wider tensors (row strides != K)."""
+    g = torch.Generator().manual_seed(6)
+    x, wq, w_scale, _ = _problem(g, 3, 64, 384, torch.float32)
+    wide_x = torch.randn(3, 400, generator=g).to(DEVICE)
+    wide_x[:, :200] = x[:, :200]
+    wide_q = torch.zeros(64, 256, dtype=torch.float8_e4m3fn, device=DEVICE)
+    wide_q[:, :200] = wq[:, :200]
+    wide_s = torch.ones(64, 5, device=DEVICE)
+    wide_s[:, :2] = w_scale[:, :2]
+    xs, qs, ss = wide_x[:, :200], wide_q[:, :200], wide_s[:, :2]
+    ref = fp8_linear_reference(xs, qs, ss)
+    torch.testing.assert_close(fp8_gemv(xs, qs, ss, None, GEMV_CONFIGS[0]), ref,
+                               rtol=1e-5, atol=1e-5)
+    exact = _w8a8_reference(xs, qs, ss, torch.zeros(64, device=DEVICE))
+    torch.testing.assert_close(fp8_gemm(xs, qs, ss, None, GEMM_CONFIGS[0]), exact,
+                               rtol=2e-3, atol=2e-3)
+
+
+def test_configs_cover_the_llama3_shapes() -> None:
+    for n, k in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)):
+        for m in (1, 2, 4, GEMV_MAX_M):
+            cfg = gemv_config_for(n, k, m)
+            assert k % (cfg.groups * 128) == 0 and m * cfg.block_n * cfg.groups * 128 <= 32768
+        for m in (16, 64, 8192):
+            assert gemm_config_for(m, n, k).block_n <= 128
+    assert gemv_config_for(100, 200).groups == 2  # never wider than K
+
+
+def test_rejects_bad_inputs() -> None:
+    g = torch.Generator().manual_seed(7)
+    x, wq, w_scale, bias = _problem(g, 2, 64, 200, torch.float32)
+    with pytest.raises(ValueError, match="wq must be"):
+        fp8_linear(x, wq.float(), w_scale)
+    with pytest.raises(ValueError, match="x must be"):
+        fp8_linear(x[:, :128], wq, w_scale)
+    with pytest.raises(ValueError, match="w_scale must be"):
+        fp8_linear(x, wq, w_scale[:, :1])
+    with pytest.raises(ValueError, match="bias"):
+        fp8_linear(x, wq, w_scale, bias[:3])
+    with pytest.raises(ValueError, match="out must be"):
+        fp8_linear(x, wq, w_scale, out=torch.empty(2, 64, dtype=torch.bfloat16, device=DEVICE))
+    with pytest.raises(ValueError, match="groups"):
+        quantize_tokens_fp8(x, group=64)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a GPU")
+def test_gemv_in_a_cuda_graph() -> None:
+    g = torch.Generator().manual_seed(8)
+    x, wq, w_scale, bias = _problem(g, 4, 4096, 4096, torch.bfloat16)
+    out = torch.empty(4, 4096, dtype=torch.bfloat16, device=DEVICE)
+    fp8_gemv(x, wq, w_scale, bias, out=out)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fp8_gemv(x, wq, w_scale, bias, out=out)
+    x.copy_(torch.randn(4, 4096, generator=g).to(DEVICE))
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.testing.assert_close(out, fp8_gemv(x, wq, w_scale, bias), rtol=0, atol=0)

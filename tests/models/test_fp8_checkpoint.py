@@ -1,0 +1,114 @@
+"""DeepSeek's FP8 release format (float8_e4m3fn weights + `weight_scale_inv` per block) on the
+CPU backend, which dequantizes it at load: logits and greedy tokens equal transformers on the
+same weights dequantized, for a tiny llama and a tiny DeepSeek-V3 MoE (MLA: its kv_b_proj and
+rope rows are split and reordered after dequantizing)."""
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from deepinfer.backends.cpu.accelerator import CPUAccelerator
+from deepinfer.core.batch import GroupBatch, ModelBatch
+from deepinfer.core.config import ModelSpec
+from deepinfer.core.sampling import SamplingParams
+from deepinfer.llm import LLM
+from deepinfer.models.quant.tensors import FP8BlockTensor, RowScaledFP8
+from deepinfer.models.weights import checkpoint_kinds, iter_checkpoint
+from deepinfer.testing.conformance import MIN_MARGIN
+from tests.checkpoints import make_checkpoint, write_fp8_checkpoint
+
+# 16 x 16 blocks: several per matrix of these tiny models, so every block has its own scale.
+BLOCK = (16, 16)
+
+
+@pytest.fixture(scope="module")
+def fp8_pair(tmp_path_factory):
+    made: dict[str, tuple[str, str]] = {}
+
+    def get(family: str) -> tuple[str, str]:
+        if family not in made:
+            root = tmp_path_factory.mktemp(family)
+            source = make_checkpoint(str(root / "float"), family)
+            made[family] = write_fp8_checkpoint(source, str(root / "fp8"), str(root / "deq"),
+                                                BLOCK)
+        return made[family]
+    return get
+
+
+def _prefill_logits(path: str, prompt: list[int], block_size: int = 16) -> torch.Tensor:
+    acc = CPUAccelerator()
+    acc.init_device()
+    acc.load_model(ModelSpec(path, dtype="float32"))
+    pages = -(-len(prompt) // block_size)
+    table = list(range(1, pages + 1))
+    acc.allocate_kv_cache(pages + 1, block_size)
+    n = len(prompt)
+    slots = [table[p // block_size] * block_size + p % block_size for p in range(n)]
+    batch = ModelBatch(prompt, list(range(n)), [n], [n], (GroupBatch([table], slots),),
+                       block_size, [0], [])
+    return acc.forward_logits(batch, all_tokens=True)
+
+
+def _reference(path: str) -> transformers.PreTrainedModel:
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def test_fp8_tensors_are_read_with_their_block_scales(fp8_pair):
+    fp8, _ = fp8_pair("llama")
+    kinds = checkpoint_kinds(fp8)
+    assert kinds["model.layers.0.self_attn.q_proj.weight"] == "fp8"
+    assert kinds["model.layers.0.input_layernorm.weight"] == "float"
+    assert not any(name.endswith("_scale_inv") for name in kinds)
+    tensors = dict(iter_checkpoint(fp8, BLOCK))
+    q = tensors["model.layers.0.self_attn.q_proj.weight"]
+    assert isinstance(q, FP8BlockTensor) and q.weight.dtype == torch.float8_e4m3fn
+    assert q.scale_inv.shape == (64 // 16, 64 // 16)
+    # Rows cut at an offset inside a block keep that block's scales.
+    torch.testing.assert_close(q.rows(5, 37).dequantize(), q.dequantize()[5:37], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("family", ["llama", "deepseek_v3_moe"])
+def test_fp8_checkpoint_logits_equal_transformers_on_dequantized(fp8_pair, family):
+    fp8, dequantized = fp8_pair(family)
+    prompt = torch.randint(2, 250, (37,), generator=torch.Generator().manual_seed(1)).tolist()
+    ours = _prefill_logits(fp8, prompt)
+    with torch.no_grad():
+        ref = _reference(dequantized)(torch.tensor([prompt])).logits[0].float()
+    assert (ours - ref).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("family", ["llama", "deepseek_v3_moe"])
+def test_fp8_checkpoint_greedy_equals_transformers(fp8_pair, family):
+    fp8, dequantized = fp8_pair(family)
+    prompt = torch.randint(2, 250, (9,), generator=torch.Generator().manual_seed(3)).tolist()
+    llm = LLM(fp8, dtype="float32", accelerator="cpu", block_size=16, kv_cache_memory_gb=0.05,
+              load_tokenizer=False)
+    ours = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=24,
+                                                 ignore_eos=True))[0].outputs[0].token_ids
+    with torch.no_grad():
+        logits = _reference(dequantized)(torch.tensor([prompt + ours])).logits[0].float()
+    logits = logits[len(prompt) - 1:-1]
+    top2 = logits.topk(2, dim=-1).values
+    assert (top2[:, 0] - top2[:, 1]).min().item() >= MIN_MARGIN, "near-tie on the reference"
+    assert logits.argmax(dim=-1).tolist() == ours
+
+
+def test_quantize_at_load_is_refused_without_fp8_kernels(fp8_pair):
+    _, dequantized = fp8_pair("llama")
+    with pytest.raises(ValueError, match="FP8 kernels"):
+        LLM(dequantized, accelerator="cpu", quantization="fp8", kv_cache_memory_gb=0.05,
+            load_tokenizer=False)
+
+
+def test_row_scaled_quantization_bounds_the_error():
+    w = torch.randn(40, 300, generator=torch.Generator().manual_seed(0)) * 3
+    w[7, 200] = 80.0  # one outlier: only its row's second group scales for it
+    q = RowScaledFP8.quantize(w)
+    assert q.weight.dtype == torch.float8_e4m3fn and q.scale.shape == (40, 3)
+    err = (q.dequantize() - w).abs()
+    # e4m3 keeps 3 mantissa bits: half a step is 1/16 of a value's binade, at most 2^-4 * max.
+    bound = q.scale.repeat_interleave(128, 1)[:, :300] * 448 / 16
+    assert (err <= bound).all()
+    assert q.scale[7, 1].item() == pytest.approx(80.0 / 448)
+    assert q.scale[7, 0] < q.scale[7, 1] / 4 and q.scale[7, 2] < q.scale[7, 1] / 4
