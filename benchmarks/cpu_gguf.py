@@ -106,7 +106,8 @@ def server_rss(folder: str, prompt: list[int], args) -> dict:
     try:
         base = f"http://127.0.0.1:{port}"
         wait_healthy(proc, base, log_path)
-        body = {"model": "x", "prompt": prompt, "max_tokens": args.max_tokens, "temperature": 0}
+        model = httpx.get(f"{base}/v1/models").json()["data"][0]["id"]
+        body = {"model": model, "prompt": prompt, "max_tokens": args.max_tokens, "temperature": 0}
         httpx.post(f"{base}/v1/completions", json=body, timeout=600).raise_for_status()
         tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
         return {"rss": sum(p.memory_info().rss for p in tree), "processes": len(tree)}
@@ -166,6 +167,7 @@ def main() -> None:
     parser.add_argument("--out", default=RESULTS_DIR)
     args = parser.parse_args()
     os.environ["DEEPINFER_CPU_THREADS"] = str(args.threads)
+    os.makedirs(args.out, exist_ok=True)
     folder, gguf = (os.path.dirname(args.gguf), args.gguf) if args.gguf else default_gguf()
     prompt = prompt_ids(folder, args.prompt_tokens)
     result = {"environment": machine_environment(), "threads": args.threads,
@@ -181,11 +183,11 @@ def main() -> None:
                         "prefill_vs_llama_cpp": ours["prefill_tok_s"] / peer["prefill_tok_s"]}
     result["tokens_vs_llama_cpp"] = agreement(ours["tokens"], peer["tokens"])
     result["tokens_vs_fp32"] = agreement(ours["tokens"], fp32["tokens"])
+    log(json.dumps({k: result[k] for k in ("ratios", "tokens_vs_llama_cpp", "tokens_vs_fp32")}))
     if not args.skip_server:
         log("deepinfer-serve resident memory ...")
         served = server_rss(folder, prompt, args)
         result["server_rss_mb"] = served["rss"] / 1e6
-    os.makedirs(args.out, exist_ok=True)
     write_json(os.path.join(args.out, "cpu_gguf.json"), result)
     plot(result, os.path.join(args.out, "cpu_gguf.png"))
     for name in ("llama_cpp", "deepinfer_gguf", "deepinfer_fp32"):

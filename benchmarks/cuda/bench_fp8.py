@@ -187,8 +187,10 @@ def sweep_gemv(w: Weights, quick: bool, reps: int) -> dict:
     out = {}
     for m in (1, GEMV_MAX_M):
         x = torch.randn(m, w.k, device="cuda", dtype=torch.bfloat16)
-        grid = [Fp8GemvConfig(bn, g, nw) for bn, g, nw in
-                itertools.product((2, 4, 8, 16, 32), (1, 2, 4, 8), (4, 8)) if m * bn * g <= 256]
+        each = (True, False) if m == 1 else (True,)  # M=1: both loops of _gemv_row_kernel
+        grid = [Fp8GemvConfig(bn, g, nw, e) for bn, g, nw, e in
+                itertools.product((2, 4, 8, 16, 32), (1, 2, 4, 8), (4, 8), each)
+                if m * bn * g <= 256]
         times = {str(c): _sweep_us(lambda c=c: [fp8_gemv(x, q, s, None, c) for q, s in w.fp8],
                                    len(w.fp8), reps) for c in (grid[::3] if quick else grid)}
         out[str(m)] = _best(times)

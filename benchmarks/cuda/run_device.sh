@@ -41,6 +41,13 @@ wanted moe_gemv_sweep && step moe_gemv_sweep python3 benchmarks/cuda/moe_bench.p
     --out "$out/fused_moe.json" --gemv-sweep
 wanted profile_moe && step profile_moe python3 benchmarks/cuda/profile_moe.py --out "$out" \
     --layers 12
+wanted fp8 && step fp8_tests python3 -m pytest -q -p no:cacheprovider \
+    tests/backends/cuda/test_fp8_gemm.py
+wanted fp8 && step fp8_gemm python3 benchmarks/cuda/bench_fp8.py --out "$out"
+wanted fp8 && step fp8_engine python3 benchmarks/cuda/engine_bench.py --out "$out" --skip-hf \
+    --quick --quantization fp8
+wanted fp8 && step fp8_engine_bf16 python3 benchmarks/cuda/engine_bench.py --out "$out/bf16" \
+    --skip-hf --quick
 wanted profile_steps && step profile_steps python3 benchmarks/cuda/profile_steps.py --out "$out"
 wanted profile_unfused && DEEPINFER_CUDA_GEMV=0 step profile_unfused \
     python3 benchmarks/cuda/profile_steps.py --out "$out" --batches 1 --tag unfused

@@ -4,10 +4,11 @@
 // Q4_1: {fp16 d; fp16 m; 16 bytes} (w = d*q + m), Q8_0: {fp16 d; int8 q[32]} (w = d*q). In a
 // 4-bit block, byte j holds element j in its low nibble and element j + 16 in its high one.
 //
-// Decode (a few rows of x) is bandwidth-bound: gemv() quantizes x once per 32-column block to
-// int8 (one scale each, as llama.cpp's Q8_0/Q8_1 activations) and takes integer dot products
-// with AVX2 (maddubs: unsigned weight nibbles x signed activations), so a weight byte costs a
-// few instructions and is read once for all rows of x. Prefill (many rows) is compute-bound:
+// Decode (a few rows of x) is bound by the weight bytes: gemv() expands each block's values to
+// float32 in registers and multiplies them by x as it is, in float32, so its products are the
+// dequantized weight's (greedy decoding follows the float32 path through near-ties; llama.cpp
+// instead rounds x to int8 per block, which moved the default model's first answer token).
+// Each weight byte is read once for all rows of x. Prefill (many rows) is compute-bound:
 // dequantize() writes float32 rows for a BLAS GEMM instead.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -15,6 +16,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #if defined(__AVX2__) && defined(__F16C__)
 #include <immintrin.h>
@@ -60,52 +62,18 @@ inline float half_to_float(const uint8_t* p) {
 #endif
 }
 
-float round_to_half(float value) {
-#ifdef DEEPINFER_AVX2
-  return _cvtsh_ss(_cvtss_sh(value, _MM_FROUND_TO_NEAREST_INT));
-#else
-  return value;  // the portable build keeps float32 scales
-#endif
-}
-
-// x quantized per 32-column block: int8 values, the block's scale, and the block's sum as
-// the int8 values give it (Q4_0's -8 offset and Q4_1's minimum both multiply that sum).
-struct QuantizedRow {
-  std::vector<int8_t> q;
-  std::vector<float> scale;
-  std::vector<float> sum;
-};
-
-QuantizedRow quantize_row(const float* x, int64_t blocks) {
-  QuantizedRow row{std::vector<int8_t>(blocks * kBlock), std::vector<float>(blocks),
-                   std::vector<float>(blocks)};
+// Per row of x, the sum of each 32-column block: Q4_0's -8 and Q4_1's minimum multiply it.
+std::vector<float> block_sums(const float* x, int64_t blocks) {
+  std::vector<float> sums(blocks);
   for (int64_t b = 0; b < blocks; ++b) {
-    const float* xb = x + b * kBlock;
-    float amax = 0.f;
-    for (int i = 0; i < kBlock; ++i) amax = std::max(amax, std::fabs(xb[i]));
-    const float d = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
-    int32_t sum = 0;
-    for (int i = 0; i < kBlock; ++i) {
-      const int v = static_cast<int>(std::nearbyint(xb[i] * inv));
-      row.q[b * kBlock + i] = static_cast<int8_t>(v);
-      sum += v;
-    }
-    // Stored as llama.cpp stores its Q8_0/Q8_1 activations (scale and sum in fp16), so the
-    // products equal its own and greedy decoding follows it through near-ties.
-    row.scale[b] = round_to_half(d);
-    row.sum[b] = round_to_half(d * static_cast<float>(sum));
+    float s = 0.f;
+    for (int i = 0; i < kBlock; ++i) s += x[b * kBlock + i];
+    sums[b] = s;
   }
-  return row;
+  return sums;
 }
 
-// sum over the block of weight integer * activation integer (Q4: nibbles 0..15; Q8: signed).
 #ifdef DEEPINFER_AVX2
-inline __m256i nibbles(const uint8_t* qs) {
-  const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
-  const __m256i both = _mm256_set_m128i(_mm_srli_epi16(packed, 4), packed);
-  return _mm256_and_si256(both, _mm256_set1_epi8(0x0f));
-}
-
 inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -113,70 +81,80 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-inline __m256 dot_u8_s8(__m256i w, const int8_t* x) {
-  const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
-  const __m256i pairs = _mm256_maddubs_epi16(w, xv);
-  return _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
-}
+inline __m256 widen_u8(__m128i bytes) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes)); }
+inline __m256 widen_s8(__m128i bytes) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)); }
 
-inline __m256 dot_s8_s8(__m256i w, const int8_t* x) {
-  // maddubs wants one unsigned operand: |w| times x carrying w's sign.
-  const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
-  const __m256i pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(xv, w));
-  return _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+// The block's 32 integer values (Q4: 0..15, Q8: signed) as four vectors of 8 floats, in order.
+template <int64_t QT>
+inline void expand(const uint8_t* block, __m256 v[4]) {
+  if (QT == kQ8_0) {
+    const __m128i lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 2));
+    const __m128i hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 18));
+    v[0] = widen_s8(lo);
+    v[1] = widen_s8(_mm_srli_si128(lo, 8));
+    v[2] = widen_s8(hi);
+    v[3] = widen_s8(_mm_srli_si128(hi, 8));
+    return;
+  }
+  const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(
+      block + (QT == kQ4_1 ? 4 : 2)));
+  const __m128i mask = _mm_set1_epi8(0x0f);
+  const __m128i lo = _mm_and_si128(packed, mask);                     // elements 0..15
+  const __m128i hi = _mm_and_si128(_mm_srli_epi16(packed, 4), mask);  // elements 16..31
+  v[0] = widen_u8(lo);
+  v[1] = widen_u8(_mm_srli_si128(lo, 8));
+  v[2] = widen_u8(hi);
+  v[3] = widen_u8(_mm_srli_si128(hi, 8));
 }
 #endif
 
-int32_t dot_scalar(int64_t qtype, const uint8_t* block, const int8_t* x) {
-  int32_t acc = 0;
-  if (qtype == kQ8_0) {
+// sum over the block of its integer values times x (the scalar build's path).
+template <int64_t QT>
+float dot_scalar(const uint8_t* block, const float* x) {
+  float acc = 0.f;
+  if (QT == kQ8_0) {
     const int8_t* q = reinterpret_cast<const int8_t*>(block + 2);
     for (int i = 0; i < kBlock; ++i) acc += q[i] * x[i];
     return acc;
   }
-  const uint8_t* qs = block + (qtype == kQ4_1 ? 4 : 2);
+  const uint8_t* qs = block + (QT == kQ4_1 ? 4 : 2);
   for (int j = 0; j < 16; ++j) acc += (qs[j] & 0x0f) * x[j] + (qs[j] >> 4) * x[j + 16];
   return acc;
 }
 
-// Pointers into one QuantizedRow, read in the inner loop.
-struct RowView {
-  const int8_t* q;
-  const float* scale;
-  const float* sum;
-};
-
-// One weight row against every quantized row of x: out[m] = sum over blocks. The block type
-// is a template parameter so that the inner loop has no branches on it.
+// One weight row against every row of x: out[m] = sum over blocks of
+// d * (values . x_block) + offset * sum(x_block). The block type is a template parameter so
+// the inner loop has no branches on it; the block is expanded once for all rows of x.
 template <int64_t QT>
-void row_dot(const uint8_t* w, int64_t blocks, const RowView* xs, int64_t rows, float* out) {
+void row_dot(const uint8_t* w, int64_t blocks, const float* x, int64_t k,
+             const std::vector<float>* sums, int64_t rows, float* out) {
   constexpr int64_t stride = QT == kQ4_0 ? 18 : (QT == kQ4_1 ? 20 : 34);
-  constexpr int64_t data = QT == kQ4_1 ? 4 : 2;  // bytes before the values
 #ifdef DEEPINFER_AVX2
   __m256 acc[kMaxRows];
   for (int64_t m = 0; m < rows; ++m) acc[m] = _mm256_setzero_ps();
 #endif
-  float extra[kMaxRows] = {0.f};  // the offset/minimum terms, one scalar per block
+  float extra[kMaxRows] = {0.f};
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* block = w + b * stride;
     const float d = half_to_float(block);
-    // Q4_0's -8 and Q4_1's minimum multiply the block's sum of x.
     const float offset = QT == kQ4_1 ? half_to_float(block + 2) : (QT == kQ4_0 ? -8.f * d : 0.f);
 #ifdef DEEPINFER_AVX2
-    const __m256i wv = QT == kQ8_0
-        ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + data))
-        : nibbles(block + data);
+    __m256 v[4];
+    expand<QT>(block, v);
+    const __m256 dv = _mm256_set1_ps(d);
 #endif
     for (int64_t m = 0; m < rows; ++m) {
-      const float dx = xs[m].scale[b];
-      const int8_t* xq = xs[m].q + b * kBlock;
+      const float* xb = x + m * k + b * kBlock;
 #ifdef DEEPINFER_AVX2
-      const __m256 dot = QT == kQ8_0 ? dot_s8_s8(wv, xq) : dot_u8_s8(wv, xq);
-      acc[m] = _mm256_fmadd_ps(dot, _mm256_set1_ps(d * dx), acc[m]);
+      __m256 t = _mm256_mul_ps(v[0], _mm256_loadu_ps(xb));
+      t = _mm256_fmadd_ps(v[1], _mm256_loadu_ps(xb + 8), t);
+      t = _mm256_fmadd_ps(v[2], _mm256_loadu_ps(xb + 16), t);
+      t = _mm256_fmadd_ps(v[3], _mm256_loadu_ps(xb + 24), t);
+      acc[m] = _mm256_fmadd_ps(t, dv, acc[m]);
 #else
-      extra[m] += d * dx * static_cast<float>(dot_scalar(QT, block, xq));
+      extra[m] += d * dot_scalar<QT>(block, xb);
 #endif
-      if (QT != kQ8_0) extra[m] += offset * xs[m].sum[b];
+      if (QT != kQ8_0) extra[m] += offset * sums[m][b];
     }
   }
   for (int64_t m = 0; m < rows; ++m) {
@@ -189,51 +167,53 @@ void row_dot(const uint8_t* w, int64_t blocks, const RowView* xs, int64_t rows, 
 }
 
 #ifdef DEEPINFER_AVX2
-// One block's contribution for a single row of x, added to an accumulator pair: the vector
-// of integer dots scaled by d * dx, and the scalar offset term.
-template <int64_t QT>
-inline void block_dot1(const uint8_t* block, const RowView& x, int64_t b, __m256& acc,
-                       float& extra) {
-  constexpr int64_t data = QT == kQ4_1 ? 4 : 2;
-  const float d = half_to_float(block);
-  const int8_t* xq = x.q + b * kBlock;
-  const __m256 dot = QT == kQ8_0
-      ? dot_s8_s8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + data)), xq)
-      : dot_u8_s8(nibbles(block + data), xq);
-  acc = _mm256_fmadd_ps(dot, _mm256_set1_ps(d * x.scale[b]), acc);
-  if (QT == kQ4_1) extra += half_to_float(block + 2) * x.sum[b];
-  if (QT == kQ4_0) extra -= 8.f * d * x.sum[b];
-}
-
 // row_dot for one row of x (decode at batch 1): four blocks in flight, each with its own
-// accumulators, so the loop is not held to one FMA latency per block.
+// accumulator, so the loop is not held to one FMA chain per block.
 template <int64_t QT>
-float row_dot1(const uint8_t* w, int64_t blocks, const RowView& x) {
+float row_dot1(const uint8_t* w, int64_t blocks, const float* x, const float* sums) {
   constexpr int64_t stride = QT == kQ4_0 ? 18 : (QT == kQ4_1 ? 20 : 34);
   __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
                    _mm256_setzero_ps()};
   float extra[4] = {0.f, 0.f, 0.f, 0.f};
+  auto one = [&](int64_t b, int u) {
+    const uint8_t* block = w + b * stride;
+    const float d = half_to_float(block);
+    __m256 v[4];
+    expand<QT>(block, v);
+    const float* xb = x + b * kBlock;
+    __m256 t = _mm256_mul_ps(v[0], _mm256_loadu_ps(xb));
+    t = _mm256_fmadd_ps(v[1], _mm256_loadu_ps(xb + 8), t);
+    t = _mm256_fmadd_ps(v[2], _mm256_loadu_ps(xb + 16), t);
+    t = _mm256_fmadd_ps(v[3], _mm256_loadu_ps(xb + 24), t);
+    acc[u] = _mm256_fmadd_ps(t, _mm256_set1_ps(d), acc[u]);
+    if (QT == kQ4_1) extra[u] += half_to_float(block + 2) * sums[b];
+    if (QT == kQ4_0) extra[u] -= 8.f * d * sums[b];
+  };
   int64_t b = 0;
   for (; b + 4 <= blocks; b += 4) {
-    for (int u = 0; u < 4; ++u) block_dot1<QT>(w + (b + u) * stride, x, b + u, acc[u], extra[u]);
+    for (int u = 0; u < 4; ++u) one(b + u, u);
   }
-  for (; b < blocks; ++b) block_dot1<QT>(w + b * stride, x, b, acc[0], extra[0]);
+  for (; b < blocks; ++b) one(b, 0);
   const __m256 sum = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
   return hsum(sum) + (extra[0] + extra[1]) + (extra[2] + extra[3]);
 }
 #endif
 
 template <int64_t QT>
-void gemv_rows(const uint8_t* w, int64_t row_stride, int64_t n, int64_t blocks,
-               const RowView* xs, int64_t rows, float* y) {
+void gemv_rows(const uint8_t* w, int64_t row_stride, int64_t n, int64_t blocks, const float* x,
+               int64_t k, const std::vector<float>* sums, int64_t rows, float* y) {
   at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
 #ifdef DEEPINFER_AVX2
     if (rows == 1) {
-      for (int64_t r = begin; r < end; ++r) y[r] = row_dot1<QT>(w + r * row_stride, blocks, xs[0]);
+      for (int64_t r = begin; r < end; ++r) {
+        y[r] = row_dot1<QT>(w + r * row_stride, blocks, x, sums[0].data());
+      }
       return;
     }
 #endif
-    for (int64_t r = begin; r < end; ++r) row_dot<QT>(w + r * row_stride, blocks, xs, rows, y + r * rows);
+    for (int64_t r = begin; r < end; ++r) {
+      row_dot<QT>(w + r * row_stride, blocks, x, k, sums, rows, y + r * rows);
+    }
   });
 }
 
@@ -254,22 +234,17 @@ torch::Tensor gemv(const torch::Tensor& x, const torch::Tensor& w, int64_t qtype
   TORCH_CHECK(rows <= kMaxRows, "gemv takes at most ", kMaxRows, " rows, got ", rows);
   check_weight(w, qtype, k);
   const torch::Tensor xc = x.contiguous();
-  std::vector<QuantizedRow> quantized;
-  std::vector<RowView> xs;
-  quantized.reserve(rows);  // RowView points into these: no reallocation
-  for (int64_t m = 0; m < rows; ++m) {
-    quantized.push_back(quantize_row(xc.data_ptr<float>() + m * k, blocks));
-    const QuantizedRow& row = quantized.back();
-    xs.push_back({row.q.data(), row.scale.data(), row.sum.data()});
-  }
+  const float* xp = xc.data_ptr<float>();
+  std::vector<std::vector<float>> sums;
+  for (int64_t m = 0; m < rows; ++m) sums.push_back(block_sums(xp + m * k, blocks));
   torch::Tensor y = torch::empty({n, rows}, x.options());
   const uint8_t* wp = w.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
   const int64_t row_stride = w.size(1);
   switch (qtype) {
-    case kQ4_0: gemv_rows<kQ4_0>(wp, row_stride, n, blocks, xs.data(), rows, yp); break;
-    case kQ4_1: gemv_rows<kQ4_1>(wp, row_stride, n, blocks, xs.data(), rows, yp); break;
-    default: gemv_rows<kQ8_0>(wp, row_stride, n, blocks, xs.data(), rows, yp); break;
+    case kQ4_0: gemv_rows<kQ4_0>(wp, row_stride, n, blocks, xp, k, sums.data(), rows, yp); break;
+    case kQ4_1: gemv_rows<kQ4_1>(wp, row_stride, n, blocks, xp, k, sums.data(), rows, yp); break;
+    default: gemv_rows<kQ8_0>(wp, row_stride, n, blocks, xp, k, sums.data(), rows, yp); break;
   }
   return y.t().contiguous();
 }

@@ -35,10 +35,10 @@ def extension():
     from torch.utils.cpp_extension import load
 
     kind, flags = _vector_flags()
-    build = os.path.join(cache_dir(), "extensions", f"cpu_kernels1-torch{torch.__version__}-{kind}")
+    build = os.path.join(cache_dir(), "extensions", f"cpu_kernels2-torch{torch.__version__}-{kind}")
     os.makedirs(build, exist_ok=True)
     try:
-        return load(name="deepinfer_cpu_kernels1", sources=_SOURCES, build_directory=build,
+        return load(name="deepinfer_cpu_kernels2", sources=_SOURCES, build_directory=build,
                     extra_cflags=["-O3", *flags])
     except (OSError, RuntimeError) as exc:
         raise RuntimeError(f"could not build the CPU backend's kernels ({exc}); they need a C++ "

@@ -18,6 +18,7 @@ import torch
 
 from deepinfer.backends.cuda.kernels.fp8_gemm import (
     FP8_MAX,
+    GEMV_AUTO_M,
     GEMV_MAX_M,
     Fp8GemmConfig,
     Fp8GemvConfig,
@@ -39,8 +40,8 @@ GPU_SHAPES = [(1000, 1800), (6144, 4096)] if ON_GPU else []
 # K 128 and 384 at 128); BLOCK_N 128 and 64 against N 64 and 100 (few programs: the
 # interpreter's time goes by the program; on a GPU, tiles that fit in registers). GEMM: 3 x 2
 # and 1 x 4 tiles at M 33 (grouped order, wrapped rows and columns).
-GEMV_CONFIGS = ([Fp8GemvConfig(16, 1, 4), Fp8GemvConfig(8, 2, 4)] if ON_GPU
-                else [Fp8GemvConfig(128, 1, 4), Fp8GemvConfig(64, 2, 4)])
+GEMV_CONFIGS = ([Fp8GemvConfig(16, 1, 4), Fp8GemvConfig(8, 2, 4, scale_each=False)] if ON_GPU
+                else [Fp8GemvConfig(128, 1, 4), Fp8GemvConfig(64, 2, 4, scale_each=False)])
 GEMM_CONFIGS = [Fp8GemmConfig(16, 64, 4, 1), Fp8GemmConfig(64, 32, 4, 2)]
 pytestmark = pytest.mark.usefixtures("gpu_bf16_rounding")
 
@@ -50,7 +51,8 @@ def _cases(ms: list[int]) -> list[tuple]:
     both over the m's); on a GPU every pairing, and the larger shapes too."""
     dtypes = (torch.float32, torch.bfloat16)
     if ON_GPU:
-        return list(itertools.product(ms, SHAPES + GPU_SHAPES, dtypes))
+        return [(m, *shape, dtype)
+                for m, shape, dtype in itertools.product(ms, SHAPES + GPU_SHAPES, dtypes)]
     return [(m, *shape, dtype) for (m, shape), dtype
             in zip(itertools.product(ms, SHAPES), itertools.cycle(dtypes))]
 
@@ -117,8 +119,11 @@ def _poisoned(m: int, n: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.T
 
 
 def _check_result(out, wide, ref, tol) -> None:
+    """Every element written, nothing past the columns, and (tol not None) elementwise close."""
     assert not out.isnan().any(), "an output element was never written"
     assert wide[:, out.shape[1]:].isnan().all(), "written past the output's columns"
+    if tol is None:
+        return
     rel = ((out.float() - ref).norm() / ref.norm()).item()
     torch.testing.assert_close(out.float(), ref, rtol=tol, atol=tol,
                                msg=lambda m: f"{m}\nrelative error {rel:.3g}")
@@ -172,16 +177,22 @@ def test_gemm_equals_reference(m: int, n: int, k: int, dtype: torch.dtype) -> No
     x, wq, w_scale, bias = _problem(g, m, n, k, dtype)
     exact = _w8a8_reference(x, wq, w_scale, bias)
     ref = fp8_linear_reference(x.float(), wq, w_scale, bias.float())
-    # Hopper's fp8 tensor cores sum a 128-wide dot in about 14 bits (DeepSeek-V3's report), so
-    # float32 is held to 2e-3 on a GPU; the interpreter's dot is float32 throughout.
-    tol = (2e-3 if ON_GPU else 1e-5) if dtype == torch.float32 else 1e-2
+    # Hopper's fp8 tensor cores sum a 128-wide dot in about 14 bits (DeepSeek-V3's report): on
+    # a GPU the result is held to 1% in norm (0.3% measured on the H200); the interpreter's dot
+    # is float32 throughout, held elementwise.
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
     for config, b in zip(_configs(GEMM_CONFIGS, m, n), (bias, None, bias)):
         out, wide = _poisoned(m, n, dtype)
         assert fp8_gemm(x, wq, w_scale, b, config, out=out) is out
         # Against the same arithmetic (activations quantized): summation order and the output
         # rounding only. Against the unquantized x: fp8's 2^-4 per activation, averaged.
         shift = 0.0 if b is not None else bias.float()
-        _check_result(out, wide, exact - shift, tol)
+        if ON_GPU:  # the tensor cores' error is relative to the sums, not to each output
+            _check_result(out, wide, exact - shift, None)
+            rel = ((out.float() - (exact - shift)).norm() / (exact - shift).norm()).item()
+            assert rel < 1e-2, f"relative error to the same arithmetic {rel:.3g}"
+        else:
+            _check_result(out, wide, exact - shift, tol)
         rel = ((out.float() - (ref - shift)).norm() / (ref - shift).norm()).item()
         assert rel < 4e-2, f"relative error to the float32 reference {rel:.3g}"
 
@@ -189,9 +200,10 @@ def test_gemm_equals_reference(m: int, n: int, k: int, dtype: torch.dtype) -> No
 def test_fp8_linear_picks_the_path_by_m() -> None:
     g = torch.Generator().manual_seed(5)
     x, wq, w_scale, bias = _problem(g, GEMV_MAX_M + 1, 16, 200, torch.float32)
-    small, large = x[:3], x
+    small, large = x[:GEMV_AUTO_M], x[:GEMV_AUTO_M + 2]
     assert torch.equal(fp8_linear(small, wq, w_scale, bias), fp8_gemv(small, wq, w_scale, bias))
     assert torch.equal(fp8_linear(large, wq, w_scale, bias), fp8_gemm(large, wq, w_scale, bias))
+    large = x
     forced = fp8_linear(small, wq, w_scale, bias, path="gemm")
     assert torch.equal(forced, fp8_gemm(small, wq, w_scale, bias))
     with pytest.raises(ValueError, match="at most"):

@@ -38,7 +38,10 @@ GROUP = 128  # columns per scale group: DeepSeek's block width
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 EPS = 1e-10  # floor of a group's absolute max, so an all-zero group gets a finite scale
 _GROUP, _FP8_MAX, _EPS = tl.constexpr(GROUP), tl.constexpr(FP8_MAX), tl.constexpr(EPS)
-GEMV_MAX_M = 8  # the largest M fp8_linear sends to the weight-only GEMV
+GEMV_MAX_M = 8  # the largest M the weight-only GEMV takes
+# The largest M fp8_linear sends to the GEMV by itself: on the H200 the GEMM beats the
+# several-row GEMV from M = 2 on (qkv at M = 2: 17 vs 70 us; bench_fp8.json).
+GEMV_AUTO_M = 1
 _GROUP_M = tl.constexpr(8)  # GEMM row tiles that sweep the N tiles together (L2 reuse of W)
 
 
@@ -47,6 +50,7 @@ class Fp8GemvConfig:
     block_n: int  # weight rows per program
     groups: int  # 128-column groups per chunk (BLOCK_K = 128 * groups), a power of two
     num_warps: int
+    scale_each: bool = True  # one row of x: scale every weight (see _gemv_row_kernel)
 
 
 @dataclass(frozen=True)
@@ -62,7 +66,13 @@ def gemv_config_for(n: int, k: int, m: int = 1) -> Fp8GemvConfig:
     elements per tile (the fp8 tile is half the bytes). With more rows of x the K step
     narrows, so the [rows, BLOCK_N, BLOCK_K] products stay in registers, while BLOCK_N stays:
     every program reads its chunk of x, rows * BLOCK_K values, beside BLOCK_N * BLOCK_K weights.
-    Not swept for fp8 yet (bench_fp8 --sweep)."""
+    One row of x (_gemv_row_kernel): from bench_fp8 --sweep on the H200 (qkv 6144 x 4096:
+    9.1 us, 2.8 TB/s; gate_up 28672 x 4096: 30.6 us, 3.9 TB/s); down_proj's long rows are
+    not swept."""
+    if m == 1:
+        block_n, groups = (8, 8) if n < 16384 and k < 8192 else (16, 4 if k < 8192 else 8)
+        return Fp8GemvConfig(block_n, min(groups, triton.next_power_of_2(triton.cdiv(k, GROUP))),
+                             4, scale_each=False)
     if n * k < 16_000_000:  # small weights: more programs
         block_n, block_k, warps = 4, 1024, 8 if n <= k else 4
     elif k >= 8192:  # down_proj: long rows, few of them
@@ -182,6 +192,54 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, sx, sw, ss, sy,
              mask=(m < M)[:, None] & (n < N)[None, :])
 
 
+@triton.jit
+def _gemv_row_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, N, K, sw, ss,
+                     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr,
+                     GROUPS: tl.constexpr, SCALE_EACH: tl.constexpr, PDL: tl.constexpr):
+    """One row of x (batch-1 decode) in 2-D tiles, as gemv.py: BLOCK_N weight rows a program,
+    BLOCK_K = GROUPS * 128 columns a step. SCALE_EACH: each weight times its group's scale
+    into a [BLOCK_N, BLOCK_K] accumulator, reduced once at the end (gemv.py's loop); else
+    each step's products summed per group, then scaled, into [BLOCK_N, GROUPS]."""
+    BLOCK_K: tl.constexpr = GROUPS * _GROUP
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = tl.arange(0, BLOCK_K)
+    g = tl.arange(0, GROUPS)
+    n_ok = (n < N)[:, None]
+    w_ptrs = w_ptr + n.to(tl.int64)[:, None] * sw + cols[None, :]
+    s_ptrs = s_ptr + n.to(tl.int64)[:, None] * ss + g[None, :]
+    if SCALE_EACH:
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_N, GROUPS], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            w = tl.load(w_ptrs, mask=n_ok, other=0.0)
+            s = tl.load(s_ptrs, mask=n_ok, other=0.0)
+        else:
+            w = tl.load(w_ptrs, mask=n_ok & (cols < K - k0)[None, :], other=0.0)
+            s = tl.load(s_ptrs, mask=n_ok & (g < tl.cdiv(K - k0, _GROUP))[None, :], other=0.0)
+        if PDL:
+            if k0 == 0:  # weights first, then wait for the kernel ahead (gemv.py)
+                gdc_wait()
+        if EVEN_K:
+            x = tl.load(x_ptr + k0 + cols)
+        else:
+            x = tl.load(x_ptr + k0 + cols, mask=cols < K - k0, other=0.0)
+        prod = w.to(tl.float32) * x.to(tl.float32)[None, :]
+        if SCALE_EACH:
+            each = tl.reshape(tl.broadcast_to(s[:, :, None], (BLOCK_N, GROUPS, _GROUP)),
+                              (BLOCK_N, BLOCK_K))
+            acc += prod * each
+        else:
+            acc += tl.sum(tl.reshape(prod, (BLOCK_N, GROUPS, _GROUP)), axis=2) * s
+        w_ptrs += BLOCK_K
+        s_ptrs += GROUPS
+    y = tl.sum(acc, axis=1)
+    if HAS_BIAS:
+        y += tl.load(b_ptr + n, mask=n < N, other=0.0).to(tl.float32)
+    tl.store(y_ptr + n, y.to(y_ptr.dtype.element_ty), mask=n < N)
+
+
 def fp8_gemv(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
              bias: torch.Tensor | None = None, config: Fp8GemvConfig | None = None,
              out: torch.Tensor | None = None) -> torch.Tensor:
@@ -194,6 +252,14 @@ def fp8_gemv(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
     if m == 0:
         return out
     cfg = config or gemv_config_for(n, k, m)
+    if m == 1 and x.stride(1) == 1 and out.stride(1) == 1:
+        _gemv_row_kernel[(triton.cdiv(n, cfg.block_n),)](
+            x, wq, w_scale, bias if bias is not None else w_scale, out, n, k, wq.stride(0),
+            w_scale.stride(0), HAS_BIAS=bias is not None,
+            EVEN_K=k % (cfg.groups * GROUP) == 0, BLOCK_N=cfg.block_n, GROUPS=cfg.groups,
+            SCALE_EACH=cfg.scale_each, num_warps=cfg.num_warps, num_stages=1,
+            **launch_kwargs(x.device))
+        return out
     _gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
         x, wq, w_scale, bias if bias is not None else w_scale, out, m, n, k, x.stride(0),
         wq.stride(0), w_scale.stride(0), out.stride(0), HAS_BIAS=bias is not None,
@@ -308,9 +374,9 @@ def fp8_linear(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
     """x [M, K] (bf16, fp16 or fp32) @ (wq * w_scale).T (+ bias [N]) -> [M, N] in x's dtype.
     wq: float8_e4m3fn [N, K]; w_scale: float32 [N, ceil(K/128)], row n's scale for columns
     [128 j, 128 (j + 1)) at [n, j]. path: "gemv" (weight-only, M <= GEMV_MAX_M, graph-safe) or
-    "gemm" (w8a8); by default the GEMV up to GEMV_MAX_M rows, the GEMM above."""
+    "gemm" (w8a8); by default the GEMV up to GEMV_AUTO_M rows, the GEMM above."""
     if path is None:
-        path = "gemv" if x.shape[0] <= GEMV_MAX_M else "gemm"
+        path = "gemv" if x.shape[0] <= GEMV_AUTO_M else "gemm"
     if path == "gemv":
         return fp8_gemv(x, wq, w_scale, bias, out=out)
     if path == "gemm":
