@@ -95,13 +95,16 @@ def _problem(g: torch.Generator, m: int, n: int, k: int, dtype: torch.dtype):
 
 def _quantize_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """vLLM's per_token_group_quant_fp8 in torch: scale = max(|x|, 1e-10) / 448 per token and
-    128 columns, q = clamp(x / scale, -448, 448)."""
+    128 columns, q = clamp(x / scale, -448, 448). The divisions in float64, rounded once to
+    float32: IEEE division as the kernel's div_rn (torch on CUDA divides by a scalar through
+    its reciprocal, an ulp off)."""
     m, k = x.shape
-    padded = torch.zeros(m, -(-k // 128) * 128, device=x.device)
-    padded[:, :k] = x.float()
+    padded = torch.zeros(m, -(-k // 128) * 128, device=x.device, dtype=torch.float64)
+    padded[:, :k] = x.double()
     groups = padded.view(m, -1, 128)
-    scales = groups.abs().amax(dim=2).clamp(min=1e-10) / FP8_MAX
-    q = (groups / scales[:, :, None]).clamp(-FP8_MAX, FP8_MAX).view(m, -1)[:, :k]
+    scales = (groups.abs().amax(dim=2).clamp(min=1e-10) / FP8_MAX).float()
+    q = (groups / scales.double()[:, :, None]).float()
+    q = q.clamp(-FP8_MAX, FP8_MAX).view(m, -1)[:, :k]
     return q.to(torch.float8_e4m3fn), scales
 
 
