@@ -7,4 +7,4 @@ python3 -m pip install -q --disable-pip-version-check "torch==2.13.0"
 python3 -m pip install -q --disable-pip-version-check -e ".[test]" ./examples/plugin
 # Two workers, a test file each at a time: most of the suite waits on spawned servers and rank
 # processes or runs Triton's single-threaded interpreter, so the two cores overlap them.
-python3 -m pytest -q -n 2 --dist loadfile tests
+python3 -m pytest -q -n 2 --dist loadfile --durations=25 tests

@@ -157,8 +157,9 @@ def test_streams_match_transformers(hf_names, iters, dtype):
     for step, (want, have) in enumerate(zip(expected, got)):
         want = want.flatten(0, 1)
         assert have.dtype == want.dtype == dtype and have.shape == want.shape
-        if dtype == torch.float32:
-            torch.testing.assert_close(have, want, rtol=1e-6, atol=1e-6, msg=f"step {step}")
+        if dtype == torch.float32:  # the CPU backend's one-call RMSNorm sums in another
+            # order than torch's: float32 rounding at the streams' scale (~8), 1.5e-6 seen
+            torch.testing.assert_close(have, want, rtol=1e-6, atol=1e-5, msg=f"step {step}")
         else:  # the same ops in the same order: at most one bf16 rounding apart
             torch.testing.assert_close(have.float(), want.float(), rtol=2 ** -7, atol=1e-5,
                                        msg=f"step {step}")

@@ -8,15 +8,13 @@ import pytest
 import torch
 import transformers
 
-from deepinfer.backends.cpu.accelerator import CPUAccelerator
-from deepinfer.core.batch import GroupBatch, ModelBatch
-from deepinfer.core.config import ModelSpec
 from deepinfer.core.sampling import SamplingParams
 from deepinfer.llm import LLM
 from deepinfer.models.quant.tensors import FP8BlockTensor, RowScaledFP8
 from deepinfer.models.weights import checkpoint_kinds, iter_checkpoint
 from deepinfer.testing.conformance import MIN_MARGIN
 from tests.checkpoints import make_checkpoint, write_fp8_checkpoint
+from tests.models.test_moe_parity import _prefill_logits
 
 # 16 x 16 blocks: several per matrix of these tiny models, so every block has its own scale.
 BLOCK = (16, 16)
@@ -34,20 +32,6 @@ def fp8_pair(tmp_path_factory):
                                                 BLOCK)
         return made[family]
     return get
-
-
-def _prefill_logits(path: str, prompt: list[int], block_size: int = 16) -> torch.Tensor:
-    acc = CPUAccelerator()
-    acc.init_device()
-    acc.load_model(ModelSpec(path, dtype="float32"))
-    pages = -(-len(prompt) // block_size)
-    table = list(range(1, pages + 1))
-    acc.allocate_kv_cache(pages + 1, block_size)
-    n = len(prompt)
-    slots = [table[p // block_size] * block_size + p % block_size for p in range(n)]
-    batch = ModelBatch(prompt, list(range(n)), [n], [n], (GroupBatch([table], slots),),
-                       block_size, [0], [])
-    return acc.forward_logits(batch, all_tokens=True)
 
 
 def _reference(path: str) -> transformers.PreTrainedModel:
