@@ -99,8 +99,10 @@ def server_rss(folder: str, prompt: list[int], args) -> dict:
     import httpx
     import psutil
 
+    import tempfile
+
     port = free_port()
-    log_path = os.path.join(args.out, "cpu_gguf_server.log")
+    log_path = os.path.join(tempfile.mkdtemp(prefix="cpu-gguf-"), "server.log")
     proc = start_server([sys.executable, "-m", "deepinfer.serve.cli", "--model", folder,
                          "--port", str(port)], log_path)
     try:
