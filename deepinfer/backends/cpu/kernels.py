@@ -7,12 +7,14 @@ The extension is compiled once per machine kind and torch version into the deepi
 from __future__ import annotations
 
 import functools
+import logging
 import os
 
 import torch
 
 from deepinfer.core.config import cache_dir
 
+log = logging.getLogger(__name__)
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _SOURCES = [os.path.join(_HERE, f) for f in ("bindings.cpp", "gguf_kernels.cpp", "fused_ops.cpp")]
 # The GGUF block types the kernels run (models/quant kinds).
@@ -37,6 +39,8 @@ def extension():
     kind, flags = _vector_flags()
     build = os.path.join(cache_dir(), "extensions", f"cpu_kernels2-torch{torch.__version__}-{kind}")
     os.makedirs(build, exist_ok=True)
+    if not any(name.endswith(".so") for name in os.listdir(build)):
+        log.info("building the CPU backend's C++ kernels once into %s (about a minute)", build)
     try:
         return load(name="deepinfer_cpu_kernels2", sources=_SOURCES, build_directory=build,
                     extra_cflags=["-O3", *flags])
