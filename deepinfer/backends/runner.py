@@ -81,7 +81,6 @@ class TorchRunner:
         self.packed = plan_packed(model, {} if dummy else source.kinds(), model.checkpoint_target,
                                   self.ops.packed_kinds, spec.quantization)
         apply_plan(model, self.packed)
-        self.ops.load_packed_kernels(set(self.packed.values()))
         model = model.to_empty(device=self.device)
         cast_unpacked(model, self.dtype)
         _restore_float32(model)

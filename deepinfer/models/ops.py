@@ -107,10 +107,6 @@ class ModelOps(ABC):
             return self.packed_linear(x, weight, bias)
         return F.linear(x, weight, bias)
 
-    def load_packed_kernels(self, kinds: set[str]) -> None:
-        """Build or load the kernels of these packed kinds now, at load, not in the first
-        step (a first build can take a minute)."""
-
     def packed_linear(self, x: torch.Tensor, weight: PackedWeight,
                       bias: torch.Tensor | None = None) -> torch.Tensor:
         """x @ a quantized weight (one of packed_kinds), in x.dtype; the reference

@@ -65,6 +65,15 @@ def _scale_name(name: str, index: dict[str, tuple[str, str]]) -> str | None:
     return next((name + s for s in _SCALE_SUFFIXES if name + s in index), None)
 
 
+def _get(f, file: str, index: dict[str, tuple[str, str]], name: str) -> torch.Tensor:
+    """A tensor from the open file, or from the one its index names (a scale saved in
+    another shard than its weight)."""
+    if index[name][0] == file:
+        return f.get_tensor(name)
+    with safe_open(index[name][0], framework="pt") as g:
+        return g.get_tensor(name)
+
+
 def checkpoint_kinds(path: str) -> dict[str, str]:
     """Every checkpoint tensor (scales folded into their weights) -> "fp8" or "float"."""
     index = _index(path)
@@ -85,8 +94,8 @@ def iter_checkpoint(path: str, fp8_block: tuple[int, int] = (128, 128)
                 if scale is None:
                     yield name, f.get_tensor(name)
                     continue
-                with safe_open(index[scale][0], framework="pt") as g:
-                    yield name, FP8BlockTensor(f.get_tensor(name), g.get_tensor(scale), fp8_block)
+                yield name, FP8BlockTensor(f.get_tensor(name), _get(f, file, index, scale),
+                                           fp8_block)
 
 
 def load_mapped(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],

@@ -7,6 +7,8 @@ allocates the buffers and the loader fills them with load_rows.
 """
 from __future__ import annotations
 
+from abc import ABCMeta, abstractmethod
+
 import torch
 from torch import nn
 
@@ -15,7 +17,7 @@ from deepinfer.models.quant.tensors import GGUFTensor, QuantizedTensor, RowScale
 _GGUF_BLOCK = {2: (32, 18), 3: (32, 20), 8: (32, 34)}  # Q4_0, Q4_1, Q8_0: (values, bytes)
 
 
-class PackedWeight(nn.Module):
+class PackedWeight(nn.Module, metaclass=ABCMeta):
     """A linear weight [N, K] kept quantized; `kind` names the format ("gguf:Q4_1", "fp8")."""
 
     kind: str
@@ -24,24 +26,22 @@ class PackedWeight(nn.Module):
         super().__init__()
         self.shape = torch.Size(shape)
 
+    @abstractmethod
     def load_rows(self, tensor: torch.Tensor | QuantizedTensor,
                   rows: tuple[int, int] | None) -> None:
-        raise NotImplementedError
+        """Rows [start, end) of the weight (all of it for None) from a checkpoint tensor."""
 
+    @abstractmethod
     def dequantize(self) -> torch.Tensor:
         """float32 [N, K] (the reference; backends without a kernel for the format)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
         """float32 rows [T, K] (an embedding table kept packed)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def init_dummy(self, generator: torch.Generator, std: float) -> None:
         """Random weights for load_format="dummy" (benchmarks of a model shape)."""
-        raise NotImplementedError(f"no random {self.kind} weights")
-
-    def packed_bytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self.buffers())
 
     def extra_repr(self) -> str:
         return f"{self.kind}, shape={tuple(self.shape)}"
@@ -68,6 +68,11 @@ class GGUFWeight(PackedWeight):
 
     def dequantize(self) -> torch.Tensor:
         return GGUFTensor(self.blocks.cpu(), self.qtype, tuple(self.shape)).dequantize()
+
+    def init_dummy(self, generator: torch.Generator, std: float) -> None:
+        # Only a checkpoint's own blocks are kept packed: with load_format="dummy" there is
+        # no checkpoint, so plan_packed never makes a GGUFWeight.
+        raise ValueError("GGUF blocks come from a .gguf file; load_format='dummy' makes none")
 
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
         rows = self.blocks.index_select(0, ids.reshape(-1)).cpu()
