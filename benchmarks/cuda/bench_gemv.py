@@ -8,7 +8,10 @@
    are timed as a CUDA graph of 16 calls over distinct weight copies, so the L2 (50 MB) holds
    none of them, as in a decode step.
 3. The projections of all 32 layers as a decode step runs them (norm and SiLU kernels between
-   them), with cuBLAS and with the GEMV, each with programmatic dependent launch off and on.
+   them), with cuBLAS and with the GEMV, each with programmatic dependent launch off and on,
+   and with the GEMV's preload before that wait cut to one tile (DEEPINFER_CUDA_GEMV_PRELOAD=0).
+4. --moe-chain: Qwen3-30B-A3B's decode layers without attention (norm, qkv, o, norm, router,
+   top-k, the 8 experts' GEMVs), preload on and off.
 """
 from __future__ import annotations
 
@@ -23,6 +26,8 @@ import torch.nn.functional as F
 
 from deepinfer.backends.cuda.kernels.activation import silu_and_mul
 from deepinfer.backends.cuda.kernels.gemv import GemvConfig, config_for, gemv
+from deepinfer.backends.cuda.kernels.moe_gemv import moe_gemv
+from deepinfer.backends.cuda.kernels.moe_router import softmax_topk
 from deepinfer.backends.cuda.kernels.norm import add_rms_norm
 
 HIDDEN, FFN, Q, KV, VOCAB, LAYERS = 4096, 14336, 4096, 1024, 128256, 32
@@ -123,15 +128,67 @@ def chain() -> dict:
         return run
 
     out = {"weight_bytes": weight_bytes}
-    for name, project in (("cublas", F.linear), ("gemv", gemv)):
-        for pdl in ("0", "1"):
-            os.environ["DEEPINFER_CUDA_PDL"] = pdl  # read at every launch (kernels/pdl.py)
-            ms = _graph_ms(step(project))
-            key = f"{name}_pdl" if pdl == "1" else name
-            out[key] = {"ms": ms, "gbs": weight_bytes / ms / 1e6}
-            print(f"32-layer projections + norms, {key:10s} {ms:7.3f} ms "
-                  f"{out[key]['gbs']:5.0f} GB/s of weights", flush=True)
-    os.environ.pop("DEEPINFER_CUDA_PDL")
+    variants = [("cublas", F.linear, "0", "1"), ("cublas_pdl", F.linear, "1", "1"),
+                ("gemv", gemv, "0", "1"), ("gemv_pdl_one_tile", gemv, "1", "0"),
+                ("gemv_pdl", gemv, "1", "1")]
+    for key, project, pdl, preload in variants:
+        out[key] = _timed_variant(step(project), weight_bytes, pdl, preload,
+                                  f"32-layer projections + norms, {key:17s}")
+    return out
+
+
+def _timed_variant(run, weight_bytes: int, pdl: str, preload: str, label: str) -> dict:
+    # Both switches are read at every launch (kernels/pdl.py, gemv.preload_cols).
+    os.environ.update(DEEPINFER_CUDA_PDL=pdl, DEEPINFER_CUDA_GEMV_PRELOAD=preload)
+    try:
+        ms = _graph_ms(run)
+    finally:
+        os.environ.pop("DEEPINFER_CUDA_PDL")
+        os.environ.pop("DEEPINFER_CUDA_GEMV_PRELOAD")
+    row = {"ms": ms, "gbs": weight_bytes / ms / 1e6}
+    print(f"{label} {ms:7.3f} ms {row['gbs']:5.0f} GB/s of weights", flush=True)
+    return row
+
+
+MOE_LAYERS, EXPERTS, TOP_K, MOE_FFN = 16, 128, 8, 768
+
+
+def _moe_layers() -> list[dict]:
+    g = torch.Generator(device="cuda").manual_seed(0)
+
+    def w(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, device="cuda", dtype=torch.bfloat16, generator=g) / 45.0
+
+    (qkv_n, h), (o_n, q) = MOE_SHAPES["qkv"], MOE_SHAPES["o"]
+    return [dict(qkv=w(qkv_n, h), o=w(o_n, q), router=w(EXPERTS, h),
+                 w13=w(EXPERTS, 2 * MOE_FFN, h), w2=w(EXPERTS, h, MOE_FFN),
+                 n=torch.ones(h, device="cuda", dtype=torch.bfloat16))
+            for _ in range(MOE_LAYERS)]
+
+
+def moe_chain() -> dict:
+    """Qwen3-30B-A3B decode layers without attention, as the engine runs them at batch 1."""
+    layers = _moe_layers()
+    h, q = MOE_SHAPES["o"]
+    hidden0 = torch.randn(1, h, device="cuda", dtype=torch.bfloat16)
+    per_layer = (MOE_SHAPES["qkv"][0] * h + h * q + EXPERTS * h + TOP_K * 3 * MOE_FFN * h) * 2
+
+    def run():
+        hidden, residual = hidden0, hidden0.clone()
+        for lw in layers:
+            x, residual = add_rms_norm(hidden, residual, lw["n"], EPS)
+            hidden = gemv(gemv(x, lw["qkv"])[:, :q].contiguous(), lw["o"])
+            x, residual = add_rms_norm(hidden, residual, lw["n"], EPS)
+            weights, ids = softmax_topk(gemv(x, lw["router"]), TOP_K, True)
+            hidden = moe_gemv(x, lw["w13"], lw["w2"], weights, ids)
+
+    total = per_layer * MOE_LAYERS
+    out = {"layers": MOE_LAYERS, "active_bytes": total}
+    for key, pdl, preload in (("gemv", "0", "1"), ("gemv_pdl_one_tile", "1", "0"),
+                              ("gemv_pdl", "1", "1")):
+        out[key] = _timed_variant(run, total, pdl, preload,
+                                  f"{MOE_LAYERS} Qwen3-30B-A3B layers w/o attention, {key:17s}")
+        out[key]["us_per_layer"] = out[key]["ms"] * 1e3 / MOE_LAYERS
     return out
 
 
@@ -158,7 +215,16 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="a quarter of the config sweep")
     parser.add_argument("--moe-shapes", action="store_true",
                         help="only the sweep, at Qwen3-30B-A3B's shapes")
+    parser.add_argument("--moe-chain", action="store_true",
+                        help="only Qwen3-30B-A3B's layers without attention, preload on/off")
     args = parser.parse_args()
+    if args.moe_chain:
+        report = {"gpu": torch.cuda.get_device_name(), "moe_chain": moe_chain(),
+                  "chain": chain()}
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(report, f, indent=2)
+        return
     if args.moe_shapes:
         report = {"gpu": torch.cuda.get_device_name(), "sweep": sweep(args.quick, MOE_SHAPES)}
         if args.out:

@@ -48,6 +48,16 @@ wanted fp8 && step fp8_engine python3 benchmarks/cuda/engine_bench.py --out "$ou
     --quick --quantization fp8
 wanted fp8 && step fp8_engine_bf16 python3 benchmarks/cuda/engine_bench.py --out "$out/bf16" \
     --skip-hf --quick
+wanted gemv_preload && step gemv_tests python3 -m pytest -q -p no:cacheprovider \
+    tests/backends/cuda/test_gemv_kernels.py tests/backends/cuda/test_fused_moe.py
+wanted gemv_preload && step gemv_chain python3 benchmarks/cuda/bench_gemv.py --moe-chain \
+    --out "$out/gemv_preload.json"
+# The engine at batch 1 with the GEMV's preload cut to one tile and whole (separate processes:
+# the switch is read when the decode graphs are captured).
+for run in 1a 0a 1b 0b; do
+    wanted preload_engine && step "moe_engine_preload$run" env DEEPINFER_CUDA_GEMV_PRELOAD="${run:0:1}" \
+        python3 benchmarks/cuda/moe_engine_bench.py --skip-hf --quick --out "$out/preload$run"
+done
 wanted profile_steps && step profile_steps python3 benchmarks/cuda/profile_steps.py --out "$out"
 wanted profile_unfused && DEEPINFER_CUDA_GEMV=0 step profile_unfused \
     python3 benchmarks/cuda/profile_steps.py --out "$out" --batches 1 --tag unfused

@@ -8,10 +8,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deepinfer.backends.cuda.kernels.gemv import GemvConfig, config_for, gemv
+from deepinfer.backends.cuda.kernels.gemv import (PRELOAD_PER_THREAD, GemvConfig, config_for,
+                                                  gemv, preload_cols)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-CONFIGS = [GemvConfig(16, 64, 4), GemvConfig(8, 32, 2)]
+# The whole row read before the wait; a preload of two tiles, then tiles; one tile, then tiles.
+CONFIGS = [GemvConfig(16, 64, 4), GemvConfig(8, 32, 2, first_k=64),
+           GemvConfig(8, 32, 2, first_k=32)]
 pytestmark = pytest.mark.usefixtures("gpu_bf16_rounding")
 
 
@@ -48,6 +51,24 @@ def test_configs_cover_the_llama3_shapes() -> None:
     for n, k in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)):
         cfg = config_for(n, k)
         assert cfg.block_n * cfg.block_k <= 16384 and k % cfg.block_k == 0
+
+
+def test_preload_is_a_power_of_two_within_the_thread_budget(monkeypatch) -> None:
+    for n, k in ((5120, 2048), (2048, 4096), (128, 2048), (6144, 4096), (28672, 4096),
+                 (4096, 14336), (8, 200)):
+        cfg = config_for(n, k)
+        first = preload_cols(cfg, k)
+        assert first & (first - 1) == 0 and first >= cfg.block_k
+        assert first == cfg.block_k or (
+            first <= triton_next_pow2(k)
+            and first * cfg.block_n <= PRELOAD_PER_THREAD * 32 * cfg.num_warps)
+    assert preload_cols(config_for(5120, 2048), 2048) == 2048  # Qwen3-30B-A3B's qkv: all of it
+    monkeypatch.setenv("DEEPINFER_CUDA_GEMV_PRELOAD", "0")
+    assert preload_cols(config_for(5120, 2048), 2048) == config_for(5120, 2048).block_k
+
+
+def triton_next_pow2(k: int) -> int:
+    return 1 << (k - 1).bit_length()
 
 
 def test_rejects_batches_and_bad_shapes() -> None:

@@ -5,13 +5,16 @@ over the memory bandwidth. cuBLAS's GEMV-shaped kernels reach 2.5-4.2 TB/s on an
 Llama-3-8B shapes, lowest on the small square ones; this kernel reaches 3.3-4.4 TB/s (see
 bench_gemv). Each program reads BLOCK_N weight rows in BLOCK_K chunks, multiplies them by the
 matching chunk of x and accumulates a float32 [BLOCK_N, BLOCK_K] tile, reduced once at the
-end. Launched with PDL (pdl.py) it starts reading weights before the kernel ahead finishes.
+end. Launched with PDL (pdl.py) it starts reading weights before the kernel ahead finishes:
+the first FIRST_K columns of its rows (the whole row where it fits in 64 values a thread), so
+at the 2048-wide shapes a program has its weights in flight before its input exists.
 
 Fusing the RMSNorm or SiLU-and-mul before a projection into this loop was measured too: it
 saved their ~2 us launches but slowed the GEMV by as much, so they stay separate kernels.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +31,23 @@ class GemvConfig:
     block_k: int
     num_warps: int
     num_stages: int = 1  # loads feeding no dot are not pipelined: 1 and 3 time the same
+    first_k: int = 0  # columns read before the wait on the kernel ahead; 0: preload_cols()
+
+
+# Weight values a thread may hold while it waits for the kernel ahead (registers: 32 of them
+# as packed bf16, then 64 as float32 for the first product).
+PRELOAD_PER_THREAD = 64
+
+
+def preload_cols(cfg: GemvConfig, k: int) -> int:
+    """FIRST_K: a power of two of at least block_k columns, at most the (padded) row, within
+    PRELOAD_PER_THREAD values a thread. DEEPINFER_CUDA_GEMV_PRELOAD=0: block_k (one tile)."""
+    if cfg.first_k:
+        return cfg.first_k
+    if os.environ.get("DEEPINFER_CUDA_GEMV_PRELOAD", "1") == "0":
+        return cfg.block_k
+    budget = PRELOAD_PER_THREAD * 32 * cfg.num_warps // cfg.block_n
+    return max(cfg.block_k, min(triton.next_power_of_2(k), triton.next_power_of_2(budget + 1) // 2))
 
 
 def config_for(n: int, k: int) -> GemvConfig:
@@ -48,21 +68,23 @@ def config_for(n: int, k: int) -> GemvConfig:
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, sw_n, HAS_BIAS: tl.constexpr,
                  EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 PDL: tl.constexpr):
+                 FIRST_K: tl.constexpr, PDL: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows[:, None] < N
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * sw_n
-    cols = tl.arange(0, BLOCK_K)
-    # The weights are written by no kernel: the first tile is requested before the wait on the
-    # kernel ahead (PDL), so the stream of weight bytes starts while that kernel finishes.
-    w = tl.load(w_rows + cols[None, :], mask=row_ok & (cols[None, :] < K), other=0.0)
+    # The weights are written by no kernel: the first FIRST_K columns are requested before the
+    # wait on the kernel ahead (PDL), so the stream of weight bytes starts while it finishes.
+    first = tl.arange(0, FIRST_K)
+    w = tl.load(w_rows + first[None, :], mask=row_ok & (first[None, :] < K), other=0.0)
     if PDL:
         gdc_wait()
-    x = tl.load(x_ptr + cols, mask=cols < K, other=0.0)
-    acc = w.to(tl.float32) * x.to(tl.float32)[None, :]
-    # One tile in flight per program; many programs per SM keep the memory busy. (Double
+    x = tl.load(x_ptr + first, mask=first < K, other=0.0)
+    y = tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
+    # Then one tile in flight per program; many programs per SM keep the memory busy. (Double
     # buffering here cost registers, hence programs, and ran 3-12% slower on an H200.)
-    for k0 in range(BLOCK_K, K, BLOCK_K):
+    cols = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in range(FIRST_K, K, BLOCK_K):
         c = k0 + cols
         if EVEN_K:  # no column mask: full-width vector loads
             w = tl.load(w_rows + c[None, :], mask=row_ok, other=0.0)
@@ -71,7 +93,7 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, sw_n, HAS_BIAS: tl.constexpr,
             w = tl.load(w_rows + c[None, :], mask=row_ok & (c[None, :] < K), other=0.0)
             x = tl.load(x_ptr + c, mask=c < K, other=0.0)
         acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
-    y = tl.sum(acc, axis=1)
+    y += tl.sum(acc, axis=1)
     if HAS_BIAS:
         y += tl.load(b_ptr + rows, mask=rows < N, other=0.0).to(tl.float32)
     tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=rows < N)
@@ -98,6 +120,6 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     _gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
         x, weight, bias if bias is not None else weight, y, n, k, weight.stride(0),
         HAS_BIAS=bias is not None, EVEN_K=k % cfg.block_k == 0, BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k,
+        BLOCK_K=cfg.block_k, FIRST_K=preload_cols(cfg, k),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_kwargs(x.device))
     return y
