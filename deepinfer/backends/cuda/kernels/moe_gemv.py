@@ -16,8 +16,11 @@ align and the sum are pure latency. Here:
 
 DeepSeek-V4's swiglu_limit clamps gate and up before the product (a constexpr, None for the
 other models). Routes with slot -1 (served by another rank) or out of range are skipped. Both
-kernels launch with PDL (pdl.py): the slot ids come from the router, so no weight is read
-before the wait.
+kernels launch with PDL (pdl.py). The gate-up kernel reads no weight before its wait: its slot
+ids come from the kernel ahead. It lets the down kernel launch only after that wait, so when
+the down kernel runs, every kernel before the gate-up one has completed: it reads the slots,
+the routing weights and its first weight tile before its own wait, while the gate-up kernel
+finishes (H200, Qwen3-30B-A3B decode: see bench_gemv --moe-chain).
 Grid sizes depend on T, k and the shapes only: CUDA-graph safe.
 """
 from __future__ import annotations
@@ -94,9 +97,9 @@ def _gate_up_gemv_kernel(x_ptr, w_ptr, slots_ptr, h_ptr, F, H, S, sx, sw_e, sw_n
                          EVEN_K: tl.constexpr, PDL: tl.constexpr, LIMIT: tl.constexpr = None):
     """h[route, rows] = silu(x[t] . gate rows) * (x[t] . up rows) of the route's expert
     (gate and up clamped first under a LIMIT)."""
-    if PDL:  # let the next kernel launch now; wait for the one ahead (see pdl.py)
-        gdc_launch_dependents()
+    if PDL:  # wait for the one ahead (see pdl.py), then let the down kernel launch
         gdc_wait()
+        gdc_launch_dependents()
     route = tl.program_id(0)
     slot = _slot_of(slots_ptr, route, S)
     if slot < 0:
@@ -128,11 +131,13 @@ def _down_gemv_kernel(h_ptr, w_ptr, slots_ptr, weights_ptr, y_ptr, H, F, S, sh, 
     """y[t, rows] = sum over the token's routes j of weight_j * (h[t*k + j] . w2[slot_j] rows)."""
     if PDL:
         gdc_launch_dependents()
-        gdc_wait()
     t = tl.program_id(0).to(tl.int64)
     rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     j = tl.arange(0, BLOCK_R)  # the token's routes, padded to a power of two
     route = t * TOP_K + j
+    # Before the wait: slots and weights come from kernels ahead of the gate-up kernel, which
+    # let this one launch only once it had passed its own wait (see the module docstring);
+    # so the first tile of every route's rows is in flight while the gate-up kernel finishes.
     slot = tl.load(slots_ptr + route, mask=j < TOP_K, other=-1)
     here = (slot >= 0) & (slot < S)
     weight = tl.load(weights_ptr + route, mask=here, other=0.0)
@@ -141,8 +146,12 @@ def _down_gemv_kernel(h_ptr, w_ptr, slots_ptr, weights_ptr, y_ptr, H, F, S, sh, 
     h_rows = h_ptr + route[:, None, None] * sh
     row_ok = here[:, None, None] & (rows[None, :, None] < H)
     cols = tl.arange(0, BLOCK_K)[None, None, :]
-    acc = tl.zeros([BLOCK_R, BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, F, BLOCK_K):
+    w0 = tl.load(w_rows + cols, mask=row_ok & (cols < F), other=0.0)
+    if PDL:
+        gdc_wait()
+    h0 = tl.load(h_rows + cols, mask=here[:, None, None] & (cols < F), other=0.0)
+    acc = w0.to(tl.float32) * h0.to(tl.float32)
+    for k0 in range(BLOCK_K, F, BLOCK_K):
         c = k0 + cols
         mask = row_ok if EVEN_K else row_ok & (c < F)
         h = tl.load(h_rows + c, mask=here[:, None, None] & (c < F), other=0.0).to(tl.float32)
