@@ -75,11 +75,11 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, sw_n, HAS_BIAS: tl.constexpr,
     # The weights are written by no kernel: the first FIRST_K columns are requested before the
     # wait on the kernel ahead (PDL), so the stream of weight bytes starts while it finishes.
     first = tl.arange(0, FIRST_K)
-    w = tl.load(w_rows + first[None, :], mask=row_ok & (first[None, :] < K), other=0.0)
+    w0 = tl.load(w_rows + first[None, :], mask=row_ok & (first[None, :] < K), other=0.0)
     if PDL:
         gdc_wait()
-    x = tl.load(x_ptr + first, mask=first < K, other=0.0)
-    y = tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
+    x0 = tl.load(x_ptr + first, mask=first < K, other=0.0)
+    y = tl.sum(w0.to(tl.float32) * x0.to(tl.float32)[None, :], axis=1)
     # Then one tile in flight per program; many programs per SM keep the memory busy. (Double
     # buffering here cost registers, hence programs, and ran 3-12% slower on an H200.)
     cols = tl.arange(0, BLOCK_K)
