@@ -1,18 +1,21 @@
 // The CPU backend's extension: GGUF matmuls (gguf_kernels.cpp) and fused decode ops
 // (fused_ops.cpp).
-#include <torch/extension.h>
+// pybind11 and torch's tensor casters only, not <torch/extension.h> (all of libtorch's C++ API):
+// the build's time is mostly headers.
+#include <ATen/core/Tensor.h>
+#include <torch/csrc/utils/pybind.h>
 
-torch::Tensor gemv(const torch::Tensor& x, const torch::Tensor& w, int64_t qtype);
-torch::Tensor dequantize(const torch::Tensor& w, int64_t qtype, int64_t k);
-torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps);
-std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(const torch::Tensor& x,
-                                                      const torch::Tensor& residual,
-                                                      const torch::Tensor& w, double eps);
-void rotary(torch::Tensor q, torch::Tensor k, const torch::Tensor& positions,
-            const torch::Tensor& cos, const torch::Tensor& sin);
-torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache,
-                               const torch::Tensor& v_cache, const torch::Tensor& slots,
-                               const torch::Tensor& lens, double scale);
+at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, int64_t qtype);
+at::Tensor dequantize(const at::Tensor& w, int64_t qtype, int64_t k);
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps);
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x,
+                                                const at::Tensor& residual,
+                                                const at::Tensor& w, double eps);
+void rotary(at::Tensor q, at::Tensor k, const at::Tensor& positions,
+            const at::Tensor& cos, const at::Tensor& sin);
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
+                            const at::Tensor& v_cache, const at::Tensor& slots,
+                            const at::Tensor& lens, double scale);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemv", &gemv, "x [M<=16, K] float32 @ GGUF weight.T");

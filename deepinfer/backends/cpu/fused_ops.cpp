@@ -3,8 +3,14 @@
 // At batch 1 a small model's step is mostly per-op overhead (a 135M llama layer is ~80 torch
 // calls), so the norms, the rotary embedding and the paged decode attention run here as single
 // calls. Each computes what the torch reference in ops.py / attention.py computes, in float32.
-#include <torch/extension.h>
+// ATen's tensor and the few ops used here, not <torch/extension.h>: that header (all of
+// libtorch's C++ API and the Python bindings) is most of the build's time; only bindings.cpp
+// needs the bindings.
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/add.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 
 #include <algorithm>
 #include <cmath>
@@ -12,8 +18,8 @@
 
 namespace {
 
-void check_f32(const torch::Tensor& t, const char* name) {
-  TORCH_CHECK(t.dtype() == torch::kFloat32 && t.is_contiguous(), name,
+void check_f32(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.dtype() == at::kFloat && t.is_contiguous(), name,
               " must be a contiguous float32 tensor");
 }
 
@@ -33,29 +39,29 @@ void norm_rows(const float* x, const float* w, float eps, int64_t rows, int64_t 
 
 }  // namespace
 
-torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps) {
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
   check_f32(x, "x");
   check_f32(w, "weight");
   const int64_t h = x.size(-1);
-  torch::Tensor out = torch::empty_like(x);
+  at::Tensor out = at::empty_like(x);
   norm_rows(x.data_ptr<float>(), w.data_ptr<float>(), static_cast<float>(eps), x.numel() / h, h,
             out.data_ptr<float>());
   return out;
 }
 
 // (rms_norm(x + residual), x + residual)
-std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(const torch::Tensor& x,
-                                                      const torch::Tensor& residual,
-                                                      const torch::Tensor& w, double eps) {
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x,
+                                                const at::Tensor& residual,
+                                                const at::Tensor& w, double eps) {
   check_f32(x, "x");
   check_f32(residual, "residual");
-  torch::Tensor summed = x + residual;
+  at::Tensor summed = at::add(x, residual);
   return {rms_norm(summed, w, eps), summed};
 }
 
 // NeoX rotary in place on x [T, H, D] over its first R dims: the two halves of those dims
 // rotate as (a, b) -> (a cos - b sin, b cos + a sin), with cos/sin rows [R] per position.
-void rotate(torch::Tensor& x, const int64_t* positions, const float* cos, const float* sin,
+void rotate(at::Tensor& x, const int64_t* positions, const float* cos, const float* sin,
             int64_t rot) {
   const int64_t t = x.size(0), heads = x.size(1), d = x.size(2), half = rot / 2;
   float* p = x.data_ptr<float>();
@@ -73,14 +79,14 @@ void rotate(torch::Tensor& x, const int64_t* positions, const float* cos, const 
   }
 }
 
-void rotary(torch::Tensor q, torch::Tensor k, const torch::Tensor& positions,
-            const torch::Tensor& cos, const torch::Tensor& sin) {
+void rotary(at::Tensor q, at::Tensor k, const at::Tensor& positions,
+            const at::Tensor& cos, const at::Tensor& sin) {
   check_f32(q, "q");
   check_f32(k, "k");
   check_f32(cos, "cos");
   check_f32(sin, "sin");
-  TORCH_CHECK(positions.dtype() == torch::kInt64, "positions must be int64");
-  const torch::Tensor pos = positions.contiguous();
+  TORCH_CHECK(positions.dtype() == at::kLong, "positions must be int64");
+  const at::Tensor pos = positions.contiguous();
   const int64_t rot = cos.size(1);
   rotate(q, pos.data_ptr<int64_t>(), cos.data_ptr<float>(), sin.data_ptr<float>(), rot);
   rotate(k, pos.data_ptr<int64_t>(), cos.data_ptr<float>(), sin.data_ptr<float>(), rot);
@@ -89,19 +95,19 @@ void rotary(torch::Tensor q, torch::Tensor k, const torch::Tensor& positions,
 // One query per sequence over its keys in the paged cache: q [B, Hq, D], caches [S, Hk, D] and
 // [S, Hk, Dv], slots [B, L] (the first lens[b] are sequence b's visible keys, in order).
 // Softmax(q . k * scale) . v per query head, the query heads of a KV head sharing its keys.
-torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache,
-                               const torch::Tensor& v_cache, const torch::Tensor& slots,
-                               const torch::Tensor& lens, double scale) {
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
+                            const at::Tensor& v_cache, const at::Tensor& slots,
+                            const at::Tensor& lens, double scale) {
   check_f32(q, "q");
   check_f32(k_cache, "k_cache");
   check_f32(v_cache, "v_cache");
-  TORCH_CHECK(slots.dtype() == torch::kInt64 && lens.dtype() == torch::kInt64,
+  TORCH_CHECK(slots.dtype() == at::kLong && lens.dtype() == at::kLong,
               "slots and lens must be int64");
   const int64_t batch = q.size(0), hq = q.size(1), d = q.size(2);
   const int64_t hk = k_cache.size(1), dv = v_cache.size(2), width = slots.size(1);
   const int64_t group = hq / hk;
-  const torch::Tensor sl = slots.contiguous(), ln = lens.contiguous();
-  torch::Tensor out = torch::empty({batch, hq, dv}, q.options());
+  const at::Tensor sl = slots.contiguous(), ln = lens.contiguous();
+  at::Tensor out = at::empty({batch, hq, dv}, q.options());
   const float* qp = q.data_ptr<float>();
   const float* kp = k_cache.data_ptr<float>();
   const float* vp = v_cache.data_ptr<float>();

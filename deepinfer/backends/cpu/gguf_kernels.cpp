@@ -10,8 +10,12 @@
 // instead rounds x to int8 per block, which moved the default model's first answer token).
 // Each weight byte is read once for all rows of x. Prefill (many rows) is compute-bound:
 // dequantize() writes float32 rows for a BLAS GEMM instead.
-#include <torch/extension.h>
+// ATen's tensor and the few ops used here, not <torch/extension.h>: that header (all of
+// libtorch's C++ API and the Python bindings) is most of the build's time; only bindings.cpp
+// needs the bindings.
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 
 #include <cmath>
 #include <cstdint>
@@ -217,8 +221,8 @@ void gemv_rows(const uint8_t* w, int64_t row_stride, int64_t n, int64_t blocks, 
   });
 }
 
-void check_weight(const torch::Tensor& w, int64_t qtype, int64_t k) {
-  TORCH_CHECK(w.dtype() == torch::kUInt8 && w.dim() == 2 && w.is_contiguous(),
+void check_weight(const at::Tensor& w, int64_t qtype, int64_t k) {
+  TORCH_CHECK(w.dtype() == at::kByte && w.dim() == 2 && w.is_contiguous(),
               "GGUF weight must be a contiguous uint8 [N, row_bytes] tensor");
   TORCH_CHECK(k % kBlock == 0, "GGUF rows hold whole 32-column blocks; K=", k);
   TORCH_CHECK(w.size(1) == k / kBlock * block_bytes(qtype), "row bytes ", w.size(1),
@@ -228,16 +232,16 @@ void check_weight(const torch::Tensor& w, int64_t qtype, int64_t k) {
 }  // namespace
 
 // y [M, N] = x [M, K] @ W.T for M <= 16, x float32; W's blocks as stored in the file.
-torch::Tensor gemv(const torch::Tensor& x, const torch::Tensor& w, int64_t qtype) {
-  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2, "x must be float32 [M, K]");
+at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, int64_t qtype) {
+  TORCH_CHECK(x.dtype() == at::kFloat && x.dim() == 2, "x must be float32 [M, K]");
   const int64_t rows = x.size(0), k = x.size(1), n = w.size(0), blocks = k / kBlock;
   TORCH_CHECK(rows <= kMaxRows, "gemv takes at most ", kMaxRows, " rows, got ", rows);
   check_weight(w, qtype, k);
-  const torch::Tensor xc = x.contiguous();
+  const at::Tensor xc = x.contiguous();
   const float* xp = xc.data_ptr<float>();
   std::vector<std::vector<float>> sums;
   for (int64_t m = 0; m < rows; ++m) sums.push_back(block_sums(xp + m * k, blocks));
-  torch::Tensor y = torch::empty({n, rows}, x.options());
+  at::Tensor y = at::empty({n, rows}, x.options());
   const uint8_t* wp = w.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
   const int64_t row_stride = w.size(1);
@@ -250,10 +254,10 @@ torch::Tensor gemv(const torch::Tensor& x, const torch::Tensor& w, int64_t qtype
 }
 
 // The float32 weight [N, K] (for a GEMM over many rows, or an embedding lookup).
-torch::Tensor dequantize(const torch::Tensor& w, int64_t qtype, int64_t k) {
+at::Tensor dequantize(const at::Tensor& w, int64_t qtype, int64_t k) {
   check_weight(w, qtype, k);
   const int64_t n = w.size(0), blocks = k / kBlock, stride = block_bytes(qtype);
-  torch::Tensor out = torch::empty({n, k}, torch::dtype(torch::kFloat32));
+  at::Tensor out = at::empty({n, k}, at::dtype(at::kFloat));
   const uint8_t* wp = w.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
