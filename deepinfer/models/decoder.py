@@ -11,6 +11,7 @@ from torch import nn
 
 from deepinfer.models.ops import ModelOps
 from deepinfer.models.rope import rope_cos_sin
+from deepinfer.models.weights import Embedding
 
 
 class DecoderLayer(nn.Module):
@@ -67,7 +68,7 @@ class DecoderStack(nn.Module):
                  layers: list[DecoderLayer]) -> None:
         super().__init__()
         self.config, self.ops, self.max_model_len, self.eps = config, ops, max_model_len, eps
-        self.embed_tokens = nn.Embedding(vocab_size, hidden_size)
+        self.embed_tokens = Embedding(vocab_size, hidden_size)
         self.layers = nn.ModuleList(layers)
         self.norm = nn.Parameter(torch.ones(hidden_size))
         self.lm_head = None if tie_word_embeddings else nn.Linear(hidden_size, vocab_size,

@@ -24,6 +24,7 @@ from torch import nn
 from deepinfer.models.decoder import DecoderLayer
 from deepinfer.models.moe.runtime import ExpertRuntime
 from deepinfer.models.ops import ModelOps
+from deepinfer.models.weights import Embedding
 
 # checkpoint name inside the MTP layer -> our parameter (the rest belongs to the block)
 MTP_NAMES = {"enorm.weight": "enorm", "hnorm.weight": "hnorm",
@@ -37,7 +38,7 @@ class DeepseekMTP(nn.Module):
                  ops: ModelOps, moe: ExpertRuntime | None) -> None:
         super().__init__()
         self.ops, self.eps, self.moe = ops, eps, moe
-        self.embed_tokens = nn.Embedding(vocab_size, hidden_size)
+        self.embed_tokens = Embedding(vocab_size, hidden_size)
         self.enorm = nn.Parameter(torch.ones(hidden_size))
         self.hnorm = nn.Parameter(torch.ones(hidden_size))
         self.eh_proj = nn.Linear(2 * hidden_size, hidden_size, bias=False)

@@ -37,6 +37,16 @@ Target = tuple[str, tuple[int, int] | SlotRows | None]
 Mapper = Callable[[str], Target | list[Target] | None]
 
 
+class Embedding(nn.Embedding):
+    """nn.Embedding without the random init: models are built on the meta device and their
+    weights then come from the checkpoint (or init_dummy_weights). On the meta device that
+    init is normal_, whose reference implementation imports torch._dynamo: seconds of every
+    process start (each rank, and the API process that reads a checkpoint's KV spec)."""
+
+    def reset_parameters(self) -> None:
+        pass
+
+
 # The names an FP8 weight's block scales go by: DeepSeek's, and compressed-tensors'.
 _SCALE_SUFFIXES = ("_scale_inv", "_scale")
 

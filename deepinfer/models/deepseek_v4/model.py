@@ -43,7 +43,7 @@ from deepinfer.models.deepseek_v4.moe_names import moe_tensors
 from deepinfer.models.moe.configs import deepseek_v4_moe, moe_runtime
 from deepinfer.models.moe.layer import MoEBlock
 from deepinfer.models.ops import ModelOps
-from deepinfer.models.weights import Target, load_mapped
+from deepinfer.models.weights import Embedding, Target, load_mapped
 
 PAGE_MULTIPLE = 128
 
@@ -83,7 +83,7 @@ class DeepseekV4ForCausalLM(nn.Module):
         num_layers = config.num_hidden_layers
         moe = deepseek_v4_moe(config)
         self.moe = moe_runtime(moe[0], (True,) * num_layers, ops)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
             V4DecoderLayer(config, i, ops, MoEBlock(moe[i], i, ops, self.moe), place)
             for i, place in enumerate(placements(config)))
