@@ -169,7 +169,6 @@ async def serve(args: argparse.Namespace, model_dir: str, listener: socket.socke
     import time
 
     import uvicorn
-    from transformers import AutoTokenizer
 
     from deepinfer.serve.app import ServerState, create_app
     from deepinfer.serve.engine_client import EngineClient
@@ -181,6 +180,9 @@ async def serve(args: argparse.Namespace, model_dir: str, listener: socket.socke
     name = args.served_model_name or os.path.basename(os.path.normpath(args.model or model_dir))
     client = EngineClient(engine_config(args, model_dir), args.dp, routing=args.routing,
                           health=rank_health(args))
+    # The tokenizer loads and probes its backends (seconds) while the ranks start (longer):
+    # this process only waits on them meanwhile.
+    loading = asyncio.ensure_future(asyncio.to_thread(load_tokenizers, args, model_dir))
     try:
         ready = await client.start()
         log.info("%d rank(s) ready on %s: %d KV blocks of %d tokens, context %d", len(ready),
@@ -189,9 +191,8 @@ async def serve(args: argparse.Namespace, model_dir: str, listener: socket.socke
         if ready[0].hicache_pages:
             log.info("HiCache: %d host pages of %d tokens per rank", ready[0].hicache_pages,
                      ready[0].block_size)
-        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        tokenizer, prompt_tokenizer = await loading
         metrics = ServerMetrics(name)
-        prompt_tokenizer = build_prompt_tokenizer(args, tokenizer)
         metrics.registry.register(TokenizerCollector(prompt_tokenizer, name))
         metrics.registry.register(RankCollector(client.ranks, client.router, name))
         metrics.registry.register(MoECollector(client.ranks, name))
@@ -207,13 +208,31 @@ async def serve(args: argparse.Namespace, model_dir: str, listener: socket.socke
         # the `finally` below can stop the ranks (orphaned ranks, leaked IPC folder).
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, _swallow_signal)
-        try:
-            await uvicorn.Server(config).serve(sockets=[listener])
-        finally:
-            prompt_tokenizer.close()
+        await uvicorn.Server(config).serve(sockets=[listener])
     finally:
         listener.close()
         await client.shutdown()
+        await _close_tokenizers(loading)
+
+
+async def _close_tokenizers(loading: asyncio.Future) -> None:
+    """Close the prompt tokenizer; a load the ranks' failure left running is waited out
+    first. A load that failed has nothing to close (its error, or the ranks', is raised)."""
+    if loading.done() and (loading.cancelled() or loading.exception() is not None):
+        return
+    try:
+        _, prompt_tokenizer = await loading
+    except Exception:  # noqa: BLE001 - the error already being raised is the one to report
+        return
+    prompt_tokenizer.close()
+
+
+def load_tokenizers(args: argparse.Namespace, model_dir: str) -> tuple[Any, Any]:
+    """The checkpoint's HF tokenizer and the prompt tokenizer chosen against it."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    return tokenizer, build_prompt_tokenizer(args, tokenizer)
 
 
 def _swallow_signal(signum: int, frame: object) -> None:
