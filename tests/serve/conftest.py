@@ -5,8 +5,10 @@ ports, waited on through /health (bounded), and stopped with SIGTERM at the end 
 Stopping checks that the server exits cleanly and that every process it started (the rank
 processes, multiprocessing's resource tracker) is gone too, so nothing leaks.
 
-Three servers exist, each only started when a collected test needs it; all the needed ones are
-launched together at the first request so their (CPU-bound) start-ups overlap:
+These servers exist, each started only when a test module that needs it first runs, together
+with the module's other servers so that their (CPU-bound) start-ups overlap; once started, a
+server serves the later modules of the session too. Under pytest-xdist every worker has its own
+session: a worker starts only the servers its own modules need.
 
 * `tiny`: a random-weight 2-layer llama with the SmolLM2 tokenizer and chat template, block size
   16 and only 64 KV blocks (so leaked blocks would soon starve it). Before it is stopped the
@@ -289,9 +291,11 @@ def make_tiny_chat_checkpoint(path: str) -> str:
 
 # ---- fixtures --------------------------------------------------------------------------------
 class ServerPool:
-    def __init__(self, log_dir: str) -> None:
+    def __init__(self, log_dir: str, tmp_path_factory) -> None:
         self.log_dir = log_dir
+        self.tmp_path_factory = tmp_path_factory
         self.servers: dict[str, ServerProcess] = {}
+        self._tiny_ckpt: str | None = None
 
     def launch(self, name: str, args: list[str], model_name: str,
                api_key: str | None = None) -> None:
@@ -299,6 +303,36 @@ class ServerPool:
                                model_name, api_key)
         self.servers[name] = server
         server.start()
+
+    def launch_wanted(self, wanted: set[str]) -> None:
+        """Start every server in `wanted` that is not started yet, all at once."""
+        wanted = wanted - set(self.servers)
+        if "smol" in wanted:  # needs no checkpoint: start it first
+            self.launch("smol", ["--block-size", "16", "--num-kv-blocks", "256",
+                                 "--max-num-seqs", "4"], "SmolLM2-135M-Instruct")
+        if not wanted & {"tiny", "auth", "dp2"}:
+            return
+        common = ["--model", self._tiny_checkpoint(), "--block-size", str(TINY_BLOCK_SIZE),
+                  "--max-num-seqs", "8", "--max-num-batched-tokens", "512",
+                  "--dtype", "float32", "--max-request-body-mb", "1"]
+        if "tiny" in wanted:
+            self.launch("tiny", common + ["--num-kv-blocks", str(TINY_NUM_KV_BLOCKS),
+                                          "--served-model-name", "tiny-chat"], "tiny-chat")
+        if "dp2" in wanted:  # as tiny, with two ranks: dp=2 must answer as dp=1 does,
+            # also when the ranks step in lockstep over a torch.distributed group (--ep)
+            self.launch("dp2", common + ["--num-kv-blocks", str(TINY_NUM_KV_BLOCKS),
+                                         "--served-model-name", "tiny-chat", "--dp", "2",
+                                         "--ep"], "tiny-chat")
+        if "auth" in wanted:
+            self.launch("auth", common + ["--num-kv-blocks", "32",
+                                          "--served-model-name", "tiny-auth"], "tiny-auth",
+                        api_key=API_KEY)
+
+    def _tiny_checkpoint(self) -> str:
+        if self._tiny_ckpt is None:
+            self._tiny_ckpt = make_tiny_chat_checkpoint(
+                str(self.tmp_path_factory.mktemp("tiny-chat")))
+        return self._tiny_ckpt
 
     def get(self, name: str) -> ServerProcess:
         server = self.servers[name]
@@ -322,31 +356,9 @@ class ServerPool:
 
 
 @pytest.fixture(scope="session")
-def server_pool(request, tmp_path_factory):
-    wanted = {SERVER_FIXTURES[f] for item in request.session.items
-              for f in getattr(item, "fixturenames", ()) if f in SERVER_FIXTURES}
-    pool = ServerPool(str(tmp_path_factory.mktemp("serve-logs")))
+def server_pool(tmp_path_factory):
+    pool = ServerPool(str(tmp_path_factory.mktemp("serve-logs")), tmp_path_factory)
     try:
-        if "smol" in wanted:  # needs no checkpoint: start it first
-            pool.launch("smol", ["--block-size", "16", "--num-kv-blocks", "256",
-                                 "--max-num-seqs", "4"], "SmolLM2-135M-Instruct")
-        if wanted & {"tiny", "auth", "dp2"}:
-            ckpt = make_tiny_chat_checkpoint(str(tmp_path_factory.mktemp("tiny-chat")))
-            common = ["--model", ckpt, "--block-size", str(TINY_BLOCK_SIZE),
-                      "--max-num-seqs", "8", "--max-num-batched-tokens", "512",
-                      "--dtype", "float32", "--max-request-body-mb", "1"]
-            if "tiny" in wanted:
-                pool.launch("tiny", common + ["--num-kv-blocks", str(TINY_NUM_KV_BLOCKS),
-                                              "--served-model-name", "tiny-chat"], "tiny-chat")
-            if "dp2" in wanted:  # as tiny, with two ranks: dp=2 must answer as dp=1 does,
-                # also when the ranks step in lockstep over a torch.distributed group (--ep)
-                pool.launch("dp2", common + ["--num-kv-blocks", str(TINY_NUM_KV_BLOCKS),
-                                             "--served-model-name", "tiny-chat", "--dp", "2",
-                                             "--ep"], "tiny-chat")
-            if "auth" in wanted:
-                pool.launch("auth", common + ["--num-kv-blocks", "32",
-                                              "--served-model-name", "tiny-auth"], "tiny-auth",
-                            api_key=API_KEY)
         yield pool
     finally:
         problems = pool.stop_all()
@@ -354,24 +366,35 @@ def server_pool(request, tmp_path_factory):
             pytest.fail("\n".join(problems), pytrace=False)
 
 
-@pytest.fixture(scope="session")
-def tiny_server(server_pool) -> ServerProcess:
-    return server_pool.get("tiny")
+@pytest.fixture(scope="module")
+def module_servers(request, server_pool) -> ServerPool:
+    """The pool, with every server this module's tests need launched."""
+    here = [item for item in request.session.items
+            if getattr(item, "module", None) is request.module]
+    server_pool.launch_wanted({SERVER_FIXTURES[f] for item in here
+                               for f in getattr(item, "fixturenames", ())
+                               if f in SERVER_FIXTURES})
+    return server_pool
 
 
-@pytest.fixture(scope="session")
-def auth_server(server_pool) -> ServerProcess:
-    return server_pool.get("auth")
+@pytest.fixture(scope="module")
+def tiny_server(module_servers) -> ServerProcess:
+    return module_servers.get("tiny")
 
 
-@pytest.fixture(scope="session")
-def smol_server(server_pool) -> ServerProcess:
-    return server_pool.get("smol")
+@pytest.fixture(scope="module")
+def auth_server(module_servers) -> ServerProcess:
+    return module_servers.get("auth")
 
 
-@pytest.fixture(scope="session")
-def dp2_server(server_pool) -> ServerProcess:
-    return server_pool.get("dp2")
+@pytest.fixture(scope="module")
+def smol_server(module_servers) -> ServerProcess:
+    return module_servers.get("smol")
+
+
+@pytest.fixture(scope="module")
+def dp2_server(module_servers) -> ServerProcess:
+    return module_servers.get("dp2")
 
 
 def openai_client(server: ServerProcess, api_key: str = "unused", **kwargs):
@@ -381,17 +404,17 @@ def openai_client(server: ServerProcess, api_key: str = "unused", **kwargs):
                          timeout=kwargs.pop("timeout", 120.0), **kwargs)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def client(tiny_server):
     return openai_client(tiny_server)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def smol_client(smol_server):
     return openai_client(smol_server)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def http(tiny_server):
     with httpx.Client(base_url=tiny_server.url, timeout=120.0) as c:
         yield c
