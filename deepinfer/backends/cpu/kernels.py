@@ -40,7 +40,7 @@ def extension():
     build = os.path.join(cache_dir(), "extensions", f"cpu_kernels2-torch{torch.__version__}-{kind}")
     os.makedirs(build, exist_ok=True)
     if not any(name.endswith(".so") for name in os.listdir(build)):
-        log.info("building the CPU backend's C++ kernels once into %s (about a minute)", build)
+        log.info("building the CPU backend's C++ kernels once into %s (about 30 s)", build)
     try:
         return load(name="deepinfer_cpu_kernels2", sources=_SOURCES, build_directory=build,
                     extra_cflags=["-O3", *flags])
