@@ -39,9 +39,36 @@ def test_kernels_equal_the_dequantized_weight(qtype, k):
     assert torch.equal(extension().dequantize(w.blocks, w.qtype, k), reference)
     for m in (1, 5, MAX_GEMV_ROWS + 4):  # the GEMV at batch 1, several rows, the GEMM
         x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
-        y, expected = gguf_linear(x, w.blocks, w.qtype, k), x @ reference.T
-        # The dequantized weight's products in float32: summation order only.
+        y = gguf_linear(x, w.blocks, w.qtype, k)
+        # More rows multiply x as it is: the dequantized weight's products in float32,
+        # summation order only. Batch 1 multiplies x rounded to int16 per 32-column block by
+        # the block's centred values, and x as it is by Q4_1's offset.
+        expected = x @ reference.T
+        if m == 1:
+            x16, offsets = _int16_blocks(x), _q4_1_offsets(w)
+            expected = x16 @ reference.T + (x - x16) @ offsets.T
         torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-4)
+        torch.testing.assert_close(y, x @ reference.T, rtol=1e-4, atol=2e-3)
+
+
+def _int16_blocks(x: torch.Tensor) -> torch.Tensor:
+    """x as the batch-1 GEMV sees it: per 32 columns, scale * round(x / scale) with
+    scale = max|x| / 32767."""
+    blocks = x.view(x.shape[0], -1, 32)
+    scale = blocks.abs().amax(-1, keepdim=True) / 32767
+    return (torch.round(blocks / scale) * scale).view_as(x)
+
+
+def _q4_1_offsets(w: GGUFTensor) -> torch.Tensor:
+    """[N, K]: each Q4_1 block's m + 8d (w = d * (q - 8) + m + 8d) at its 32 columns; zeros
+    for the types whose values are centred already."""
+    n, k = w.shape
+    if w.qtype != GGMLQuantizationType.Q4_1:
+        return torch.zeros(n, k)
+    blocks = w.blocks.numpy().reshape(n, k // 32, 20)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+    return torch.from_numpy(np.repeat(m + 8 * d, 32, axis=1))
 
 
 def test_tiny_gguf_is_served_packed(tmp_path, tokenizer):  # noqa: F811

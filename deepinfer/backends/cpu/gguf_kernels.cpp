@@ -4,10 +4,12 @@
 // Q4_1: {fp16 d; fp16 m; 16 bytes} (w = d*q + m), Q8_0: {fp16 d; int8 q[32]} (w = d*q). In a
 // 4-bit block, byte j holds element j in its low nibble and element j + 16 in its high one.
 //
-// Decode (a few rows of x) is bound by the weight bytes: gemv() expands each block's values to
-// float32 in registers and multiplies them by x as it is, in float32, so its products are the
-// dequantized weight's (greedy decoding follows the float32 path through near-ties; llama.cpp
-// instead rounds x to int8 per block, which moved the default model's first answer token).
+// Decode (a few rows of x) is bound by the weight bytes. At batch 1, gemv() rounds x to int16
+// per block and runs integer multiply-adds over the blocks' values (row_dot1); with more rows
+// it expands each block's values to float32 in registers and multiplies them by x as it is,
+// so its products are the dequantized weight's. Either way greedy decoding follows the float32
+// path through near-ties (llama.cpp instead rounds x to int8 per block, which moved the
+// default model's first answer token).
 // Each weight byte is read once for all rows of x. Prefill (many rows) is compute-bound:
 // dequantize() writes float32 rows for a BLAS GEMM instead.
 // ATen's tensor and the few ops used here, not <torch/extension.h>: that header (all of
@@ -171,10 +173,53 @@ void row_dot(const uint8_t* w, int64_t blocks, const float* x, int64_t k,
 }
 
 #ifdef DEEPINFER_AVX2
-// row_dot for one row of x (decode at batch 1): four blocks in flight, each with its own
-// accumulator, so the loop is not held to one FMA chain per block.
+// One row of x (decode at batch 1) rounded to int16 per 32-column block: x ~= scale * q with
+// scale = max|x| / 32767, a relative error ~1e-5 of the block's largest value (llama.cpp's
+// int8 rounding is 128 times coarser, and moved the default model's first answer token).
+struct Int16Row {
+  std::vector<int16_t> q;
+  std::vector<float> scale;
+};
+
+Int16Row round_to_int16(const float* x, int64_t blocks) {
+  Int16Row row{std::vector<int16_t>(blocks * kBlock), std::vector<float>(blocks)};
+  for (int64_t b = 0; b < blocks; ++b) {
+    const float* xb = x + b * kBlock;
+    float amax = 0.f;
+    for (int i = 0; i < kBlock; ++i) amax = std::fmax(amax, std::fabs(xb[i]));
+    row.scale[b] = amax / 32767.f;
+    const float inv = amax > 0.f ? 32767.f / amax : 0.f;
+    for (int i = 0; i < kBlock; ++i) {
+      row.q[b * kBlock + i] = static_cast<int16_t>(std::nearbyint(xb[i] * inv));
+    }
+  }
+  return row;
+}
+
+// The block's 32 integer values as two vectors of 16 int16 (elements 0..15, 16..31); 4-bit
+// values centred (q - 8), so the products stay small and Q4_0 needs no offset term.
 template <int64_t QT>
-float row_dot1(const uint8_t* w, int64_t blocks, const float* x, const float* sums) {
+inline void expand_i16(const uint8_t* block, __m256i& lo, __m256i& hi) {
+  if (QT == kQ8_0) {
+    lo = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 2)));
+    hi = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 18)));
+    return;
+  }
+  const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(
+      block + (QT == kQ4_1 ? 4 : 2)));
+  const __m128i mask = _mm_set1_epi8(0x0f);
+  const __m256i eight = _mm256_set1_epi16(8);
+  lo = _mm256_sub_epi16(_mm256_cvtepu8_epi16(_mm_and_si128(packed, mask)), eight);
+  hi = _mm256_sub_epi16(_mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(packed, 4), mask)),
+                        eight);
+}
+
+// row_dot for one row of x: integer multiply-adds (vpmaddwd, 16 products an instruction) over
+// the int16 row, one float scale per block; four blocks in flight, each with its own
+// accumulator. Q4_1's w = d*q + m = d*(q - 8) + (m + 8d): the offset multiplies the block's
+// float32 sum of x.
+template <int64_t QT>
+float row_dot1(const uint8_t* w, int64_t blocks, const Int16Row& x, const float* sums) {
   constexpr int64_t stride = QT == kQ4_0 ? 18 : (QT == kQ4_1 ? 20 : 34);
   __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
                    _mm256_setzero_ps()};
@@ -182,16 +227,13 @@ float row_dot1(const uint8_t* w, int64_t blocks, const float* x, const float* su
   auto one = [&](int64_t b, int u) {
     const uint8_t* block = w + b * stride;
     const float d = half_to_float(block);
-    __m256 v[4];
-    expand<QT>(block, v);
-    const float* xb = x + b * kBlock;
-    __m256 t = _mm256_mul_ps(v[0], _mm256_loadu_ps(xb));
-    t = _mm256_fmadd_ps(v[1], _mm256_loadu_ps(xb + 8), t);
-    t = _mm256_fmadd_ps(v[2], _mm256_loadu_ps(xb + 16), t);
-    t = _mm256_fmadd_ps(v[3], _mm256_loadu_ps(xb + 24), t);
-    acc[u] = _mm256_fmadd_ps(t, _mm256_set1_ps(d), acc[u]);
-    if (QT == kQ4_1) extra[u] += half_to_float(block + 2) * sums[b];
-    if (QT == kQ4_0) extra[u] -= 8.f * d * sums[b];
+    __m256i lo, hi;
+    expand_i16<QT>(block, lo, hi);
+    const __m256i* xb = reinterpret_cast<const __m256i*>(x.q.data() + b * kBlock);
+    const __m256i p = _mm256_add_epi32(_mm256_madd_epi16(lo, _mm256_loadu_si256(xb)),
+                                       _mm256_madd_epi16(hi, _mm256_loadu_si256(xb + 1)));
+    acc[u] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d * x.scale[b]), acc[u]);
+    if (QT == kQ4_1) extra[u] += (half_to_float(block + 2) + 8.f * d) * sums[b];
   };
   int64_t b = 0;
   for (; b + 4 <= blocks; b += 4) {
@@ -206,15 +248,18 @@ float row_dot1(const uint8_t* w, int64_t blocks, const float* x, const float* su
 template <int64_t QT>
 void gemv_rows(const uint8_t* w, int64_t row_stride, int64_t n, int64_t blocks, const float* x,
                int64_t k, const std::vector<float>* sums, int64_t rows, float* y) {
-  at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
 #ifdef DEEPINFER_AVX2
-    if (rows == 1) {
+  if (rows == 1) {
+    const Int16Row xq = round_to_int16(x, blocks);
+    at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) {
-        y[r] = row_dot1<QT>(w + r * row_stride, blocks, x, sums[0].data());
+        y[r] = row_dot1<QT>(w + r * row_stride, blocks, xq, sums[0].data());
       }
-      return;
-    }
+    });
+    return;
+  }
 #endif
+  at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       row_dot<QT>(w + r * row_stride, blocks, x, k, sums, rows, y + r * rows);
     }
