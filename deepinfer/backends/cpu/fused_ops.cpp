@@ -16,7 +16,40 @@
 #include <cmath>
 #include <vector>
 
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define DEEPINFER_AVX2_FMA 1
+#endif
+
 namespace {
+
+// a . b over n floats. A scalar loop is one dependent add a product (the compiler keeps the
+// order, so it does not vectorize it): four 8-wide FMA chains instead, ~10x faster at the
+// head sizes of decode attention.
+float dot(const float* a, const float* b, int64_t n) {
+  int64_t i = 0;
+  float s = 0.f;
+#ifdef DEEPINFER_AVX2_FMA
+  __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
+                   _mm256_setzero_ps()};
+  for (; i + 32 <= n; i += 32) {
+    for (int u = 0; u < 4; ++u) {
+      acc[u] = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8 * u), _mm256_loadu_ps(b + i + 8 * u),
+                               acc[u]);
+    }
+  }
+  for (; i + 8 <= n; i += 8) {
+    acc[0] = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc[0]);
+  }
+  const __m256 v = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
+  __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_add_ss(h, _mm_movehdup_ps(h));
+  s = _mm_cvtss_f32(h);
+#endif
+  for (; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
 
 void check_f32(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.dtype() == at::kFloat && t.is_contiguous(), name,
@@ -122,9 +155,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
       float top = -INFINITY;
       for (int64_t j = 0; j < n; ++j) {
         const float* kv = kp + (sp[b * width + j] * hk + kvh) * d;
-        float s = 0.f;
-        for (int64_t i = 0; i < d; ++i) s += qv[i] * kv[i];
-        score[j] = s * static_cast<float>(scale);
+        score[j] = dot(qv, kv, d) * static_cast<float>(scale);
         top = std::max(top, score[j]);
       }
       float total = 0.f;
