@@ -57,7 +57,8 @@ def test_logprobs_match_a_dense_forward(llm, smollm2_dir):
         logp = model(torch.tensor([ids])).logits[0].log_softmax(-1)
     for k, item in enumerate(out.outputs[0].logprobs):
         row = logp[len(out.prompt_token_ids) - 1 + k]
-        assert item.logprob == pytest.approx(row[item.token_id].item(), abs=1e-4)
+        # The GGUF blocks' batch-1 GEMV rounds x to int16 per 32 columns: ~2e-4 here.
+        assert item.logprob == pytest.approx(row[item.token_id].item(), abs=1e-3)
         assert [t for t, _ in item.top] == row.topk(2).indices.tolist()
 
 
