@@ -175,7 +175,7 @@ void row_dot(const uint8_t* w, int64_t blocks, const float* x, int64_t k,
 #ifdef DEEPINFER_AVX2
 // One row of x (decode at batch 1) rounded to int16 per 32-column block: x ~= scale * q with
 // scale = max|x| / 32767, a relative error ~1e-5 of the block's largest value (llama.cpp's
-// int8 rounding is 128 times coarser, and moved the default model's first answer token).
+// int8 rounding is ~256 times coarser, and moved the default model's first answer token).
 struct Int16Row {
   std::vector<int16_t> q;
   std::vector<float> scale;
