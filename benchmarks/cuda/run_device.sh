@@ -7,6 +7,7 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 out="${OUT:-benchmarks/results/cuda}"
 mkdir -p "$out"
+out="$(cd "$out" && pwd)"  # absolute: some steps run from another tree
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export DEEPINFER_CACHE_DIR="${DEEPINFER_CACHE_DIR:-/tmp/deepinfer-cache}"
 steps=("$@")
@@ -57,6 +58,20 @@ wanted gemv_preload && step gemv_chain python3 benchmarks/cuda/bench_gemv.py --m
 for run in 1a 0a 1b 0b; do
     wanted preload_engine && step "moe_engine_preload$run" env DEEPINFER_CUDA_GEMV_PRELOAD="${run:0:1}" \
         python3 benchmarks/cuda/moe_engine_bench.py --skip-hf --quick --out "$out/preload$run"
+done
+# Decode graphs that take their ids from the step in flight and end with the argmax: kernels
+# compiled, greedy == transformers, then the engine before (an older tree, AB_BASELINE=DIR, e.g.
+# `git archive COMMIT | tar -x -C DIR`) and after, alternately in one lease.
+wanted graph_sampling && step graph_kernel_tests python3 -m pytest -q -p no:cacheprovider \
+    tests/backends/cuda/test_decode_graph_kernels.py tests/backends/cuda/test_gemv_kernels.py
+wanted graph_sampling && step graph_check_greedy python3 benchmarks/cuda/check_engine.py \
+    --out "$out" --skip-conformance --families llama qwen3_moe
+baseline() { (cd "$AB_BASELINE" && PYTHONPATH="$PWD" "$@"); }
+for run in ${AB_RUNS:-1 2}; do
+    wanted moe_ab && step "moe_engine_base$run" baseline python3 \
+        benchmarks/cuda/moe_engine_bench.py --skip-hf --quick --out "$out/base$run"
+    wanted moe_ab && step "moe_engine_new$run" python3 benchmarks/cuda/moe_engine_bench.py \
+        --skip-hf --quick --out "$out/new$run"
 done
 wanted profile_steps && step profile_steps python3 benchmarks/cuda/profile_steps.py --out "$out"
 wanted profile_unfused && DEEPINFER_CUDA_GEMV=0 step profile_unfused \

@@ -56,7 +56,7 @@ class Sampler:
             raise ValueError(f"logits {tuple(logits.shape)} do not match {len(rows)} rows")
         if not rows:
             return SamplerOutput(token_ids=[], logprobs=[])
-        if all(_is_plain_greedy(row) for row in rows):
+        if all_plain_greedy(rows):
             # argmax is unchanged by an exact upcast, so skip the float32 copy entirely.
             return SamplerOutput(argmax_rows(logits).tolist(), [None] * len(rows))
         tokens, logprobs = self._sample(logits, rows)
@@ -67,7 +67,7 @@ class Sampler:
         for rows that ask for no logprobs (async scheduling reads them a step later)."""
         if logits.shape[0] != len(rows) or any(r.params.logprobs is not None for r in rows):
             raise ValueError("sample_tokens takes one row per logits row and no logprobs")
-        if all(_is_plain_greedy(row) for row in rows):
+        if all_plain_greedy(rows):
             return argmax_rows(logits)
         return self._sample(logits, rows)[0]
 
@@ -94,6 +94,12 @@ class Sampler:
         if raw_logprobs is not None:
             _fill_logprobs(logprobs, raw_logprobs, tokens, rows, logprob_rows)
         return tokens, logprobs
+
+
+def all_plain_greedy(rows: Sequence[SamplingRow]) -> bool:
+    """Whether every row's token is its logits' argmax, with nothing else asked (no
+    penalties, logprobs, banned tokens or grammar): a backend's own argmax then serves."""
+    return all(_is_plain_greedy(row) for row in rows)
 
 
 def _is_plain_greedy(row: SamplingRow) -> bool:

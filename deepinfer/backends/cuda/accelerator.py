@@ -31,6 +31,7 @@ from deepinfer.core.accelerator import (Accelerator, Capabilities, HostPoolLayou
                                         ModelInfo, ParallelContext)
 from deepinfer.core.batch import GroupBatch, ModelBatch, SamplerOutput, SamplingRow
 from deepinfer.core.config import CacheConfig, EngineConfig, ModelSpec, cpu_threads
+from deepinfer.core.sampler import all_plain_greedy
 from deepinfer.core.sampling import SamplingParams
 from deepinfer.core.transfer import tensor_on, to_device
 
@@ -212,21 +213,29 @@ class CUDAAccelerator(Accelerator):
         fill_from_last_step(inputs.input_ids, batch.from_last_step)
         return inputs
 
-    @torch.inference_mode()
     def forward_logits(self, batch: ModelBatch, all_tokens: bool = False) -> torch.Tensor:
         """float32 logits of each sampled sequence's last token (or of every token)."""
+        return self._step_logits(batch, all_tokens)[0]
+
+    @torch.inference_mode()
+    def _step_logits(self, batch: ModelBatch, all_tokens: bool = False
+                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """forward_logits', and the greedy ids of those rows where a decode graph computed
+        them (None otherwise)."""
         graphable = not all_tokens and self.graphs is not None and self.graphs.can_run(batch)
         padded, graphable = self._agree(batch, graphable)
         if graphable:
             bucket = self.graphs.bucket_for(padded)
             self._set_step(bucket, batch)
-            return sampled_rows(self.graphs.run(batch, bucket), batch)
+            logits, greedy = self.graphs.run(batch, bucket)
+            rows = sampled_rows(logits, batch)
+            return rows, (greedy if rows is logits else None)
         self._set_step(padded, batch)
         inputs = self._eager_inputs(batch)
         hidden = self._forward(inputs)
         if all_tokens:
-            return self.runner.logits(hidden)
-        return self.runner.logits(hidden[inputs.logits_index])
+            return self.runner.logits(hidden), None
+        return self.runner.logits(hidden[inputs.logits_index]), None
 
     def _agree(self, batch: ModelBatch, graphable: bool) -> tuple[int, bool]:
         """MoE under expert parallel: every rank runs the same exchange size, and all replay a
@@ -243,7 +252,9 @@ class CUDAAccelerator(Accelerator):
         if batch.spec is not None:  # eager: a verify step's queries are 1 + k tokens long
             with torch.inference_mode():
                 return self.speculator.execute(batch)
-        logits = self.forward_logits(batch)
+        logits, greedy = self._step_logits(batch)
+        if greedy is not None and all_plain_greedy(batch.sampling):
+            return SamplerOutput(greedy.tolist(), [None] * len(batch.sampling))
         with torch.inference_mode():
             return self.runner.sample(logits, batch.sampling)
 
@@ -252,12 +263,13 @@ class CUDAAccelerator(Accelerator):
         return self._eager_inputs(batch).meta
 
     def launch(self, batch: ModelBatch) -> DeviceTokens:
-        logits = self.forward_logits(batch)
+        logits, tokens = self._step_logits(batch)
         if self.host_tokens is None and self.on_gpu:
             self.host_tokens = HostTokenBuffers(self.max_num_seqs)
         with torch.inference_mode():
-            return DeviceTokens(self.runner.sample_tokens(logits, batch.sampling),
-                                self.host_tokens)
+            if tokens is None or not all_plain_greedy(batch.sampling):
+                tokens = self.runner.sample_tokens(logits, batch.sampling)
+            return DeviceTokens(tokens, self.host_tokens)
 
     def expert_load(self):
         return self.runner.expert_load()

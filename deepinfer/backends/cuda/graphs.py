@@ -4,7 +4,10 @@ A decode step of a 32-layer model is ~300 small kernels; launched one by one fro
 launch gaps, not the memory traffic, set the step time at small batches. Each bucket's graph
 reads its inputs from the first B rows of one static int64 buffer (step_inputs' row layout),
 unpacks them on the device, runs the model and the LM head, and leaves float32 logits in a
-static output. Prefill and mixed steps stay eager.
+static output and each row's argmax in one static id buffer that every bucket shares. A greedy
+step needs nothing more; and a row whose input id the step in flight sampled (async
+scheduling) reads it from that buffer inside the graph, so a greedy decode step launches no
+kernel outside its graph. Prefill and mixed steps stay eager.
 """
 from __future__ import annotations
 
@@ -14,10 +17,10 @@ from typing import Callable
 
 import torch
 
+from deepinfer.backends.cuda.kernels.argmax import argmax_rows
 from deepinfer.backends.cuda.step_inputs import DECODE_COLS, StepInputs, decode_inputs, \
     fill_decode_rows
-from deepinfer.backends.step_future import fill_from_last_step
-from deepinfer.core.batch import ModelBatch
+from deepinfer.core.batch import InputsFromLastStep, ModelBatch
 
 # Buckets as in vLLM/SGLang: every size up to 8, then steps of 8 then 16, so padding wastes
 # little while the number of graphs (capture time, memory) stays small.
@@ -48,8 +51,10 @@ class DecodeGraphs:
         # since with async scheduling a step's rows are written while the step ahead (whose
         # copy may not have run yet) is still queued.
         self.host_rows = [torch.zeros((self.buckets[-1], width), dtype=torch.int64,
-                                      pin_memory=True) for _ in range(2)]
+                                      pin_memory=device.type == "cuda") for _ in range(2)]
         self.turn = 0
+        # The last replay's argmax per row; the next replay's rows may take their ids from it.
+        self.tokens = torch.zeros(self.buckets[-1], dtype=torch.int64, device=device)
         self.graphs: dict[int, _Graph] = {}
 
     @property
@@ -71,30 +76,47 @@ class DecodeGraphs:
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for batch in sorted(self.buckets, reverse=True):
-                rows = self.rows[:batch]
-                splits = self.split_policy(batch)
-                forward(decode_inputs(rows, splits), batch)  # warm-up: compiles the kernels
+                self.record(forward, batch)  # warm-up: compiles the kernels
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool, stream=stream):
-                    logits = forward(decode_inputs(rows, splits), batch)
+                    logits = self.record(forward, batch)
                 self.graphs[batch] = _Graph(graph, logits)
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
 
+    def record(self, forward: Forward, batch: int) -> torch.Tensor:
+        """What a bucket's graph runs: unpack the rows, forward, argmax into self.tokens
+        (ids are read from it first, in the unpack)."""
+        inputs = decode_inputs(self.rows[:batch], self.tokens, self.split_policy(batch))
+        logits = forward(inputs, batch)
+        argmax_rows(logits, out=self.tokens[:batch])
+        return logits
+
     def bucket_for(self, num_seqs: int) -> int:
         return self.buckets[bisect.bisect_left(self.buckets, num_seqs)]
 
-    def run(self, batch: ModelBatch, bucket: int | None = None) -> torch.Tensor:
-        """Logits [num_seqs, vocab] of a decode-only batch, replayed at its bucket (or a larger
-        one: expert-parallel ranks replay the same bucket)."""
+    def run(self, batch: ModelBatch, bucket: int | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logits [num_seqs, vocab] of a decode-only batch and each row's argmax [num_seqs]
+        (valid until the next replay), replayed at its bucket (or a larger one: expert-parallel
+        ranks replay the same bucket)."""
         n = batch.num_seqs
         bucket = self.bucket_for(n) if bucket is None else bucket
         self.turn ^= 1
         staging = self.host_rows[self.turn][:bucket]
         fill_decode_rows(staging.numpy(), batch)
         self.rows[:bucket].copy_(staging, non_blocking=True)
-        fill_from_last_step(self.rows[:, 0], batch.from_last_step)
+        self._take_last_step(batch.from_last_step)
         entry = self.graphs[bucket]
         entry.graph.replay()
-        return entry.logits[:n]
+        return entry.logits[:n], self.tokens[:n]
+
+    def _take_last_step(self, last: InputsFromLastStep | None) -> None:
+        """Where the step in flight's ids are not a replay's own argmax (the sampler's, or an
+        eager step's), copy them into self.tokens, in stream order, for the rows to index."""
+        if last is None:
+            return
+        sampled = last.source.tokens
+        if sampled.data_ptr() != self.tokens.data_ptr():
+            self.tokens[:sampled.numel()].copy_(sampled)
 

@@ -13,10 +13,13 @@ from typing import Any
 import numpy as np
 import torch
 
+from deepinfer.backends.cuda.kernels.decode_rows import unpack_decode_rows
 from deepinfer.core.batch import ModelBatch
 
-# Decode row layout: token id, position, KV slot, sequence length, then the block table.
-DECODE_COLS = 4
+# Decode row layout: token id, position, KV slot, sequence length, the row of the step in flight
+# whose sampled id is this row's token id (-1: the id column holds it), then the block table.
+SRC_COL = 4
+DECODE_COLS = 5
 
 
 @dataclass
@@ -47,6 +50,10 @@ def fill_decode_rows(rows: np.ndarray, batch: ModelBatch) -> None:
     rows[:n, 1] = batch.positions
     rows[:n, 2] = batch.slot_mapping
     rows[:n, 3] = batch.seq_lens
+    rows[:n, SRC_COL] = -1
+    if batch.from_last_step is not None:
+        last = batch.from_last_step
+        rows[last.token_indices, SRC_COL] = last.rows
     rows[:n, DECODE_COLS:] = 0
     for i, table in enumerate(batch.block_tables):
         used = -(-batch.seq_lens[i] // batch.block_size)
@@ -55,16 +62,17 @@ def fill_decode_rows(rows: np.ndarray, batch: ModelBatch) -> None:
     rows[n:, :] = 0
     rows[n:, 2] = -1
     rows[n:, 3] = 1
+    rows[n:, SRC_COL] = -1
 
 
-def decode_inputs(rows: torch.Tensor, num_splits: int) -> StepInputs:
-    """Device views of packed decode rows (inside a captured graph these are its inputs)."""
-    # Columns of the row buffer are strided views; the kernels index them as flat arrays.
-    meta = AttentionMeta(
-        slot_mapping=rows[:, 2].contiguous(), block_tables=rows[:, DECODE_COLS:].to(torch.int32),
-        seq_lens=rows[:, 3].to(torch.int32), query_starts=None, max_query_len=1,
-        decode=True, num_splits=num_splits)
-    return StepInputs(rows[:, 0].contiguous(), rows[:, 1].contiguous(), meta, None)
+def decode_inputs(rows: torch.Tensor, last_tokens: torch.Tensor, num_splits: int) -> StepInputs:
+    """The model's inputs from packed decode rows, token ids from last_tokens (the ids the step
+    in flight sampled) where a row's SRC_COL says so; inside a captured graph, its inputs."""
+    ids, positions, slots, seq_lens, tables = unpack_decode_rows(rows, last_tokens,
+                                                                 DECODE_COLS, SRC_COL)
+    meta = AttentionMeta(slot_mapping=slots, block_tables=tables, seq_lens=seq_lens,
+                         query_starts=None, max_query_len=1, decode=True, num_splits=num_splits)
+    return StepInputs(ids, positions, meta, None)
 
 
 def pack_batch(batch: ModelBatch) -> tuple[np.ndarray, int]:

@@ -115,12 +115,11 @@ def test_one_token_steps_run_the_gemv(tmp_path, monkeypatch):
 
 
 def test_decode_rows_equal_eager_inputs(tmp_path):
-    """The row buffer a decode graph reads (strided columns, padded rows) gives the same logits
-    as the eager path's packed inputs."""
-    import numpy as np
-
-    from deepinfer.backends.cuda.step_inputs import DECODE_COLS, decode_inputs, \
-        fill_decode_rows
+    """What a decode graph records (the row buffer unpacked with the ids of the step in flight,
+    padded rows, the argmax at the end) gives the eager path's logits and their argmax."""
+    from deepinfer.backends.cuda.graphs import DecodeGraphs
+    from deepinfer.backends.cuda.step_inputs import fill_decode_rows
+    from deepinfer.core.batch import InputsFromLastStep
     from deepinfer.testing.conformance import BLOCK_SIZE, BlockPool, Chunk, Seq, build_batch
     from tests.checkpoints import make_checkpoint
 
@@ -135,12 +134,19 @@ def test_decode_rows_equal_eager_inputs(tmp_path):
         s.computed, s.outputs = len(s.prompt), [7]
     batch = build_batch([Chunk(s) for s in seqs])
     eager = acc.forward_logits(batch)
-    rows = np.zeros((4, DECODE_COLS + 8), dtype=np.int64)  # two padding rows
-    fill_decode_rows(rows, batch)
+    graphs = DecodeGraphs(4, 8, torch.device("cpu"), lambda b: 2)  # two padding rows
+    graphs.tokens[:3] = torch.tensor([5, 7, 9])  # the step in flight sampled 7 for seq 1
+    in_flight = InputsFromLastStep(token_indices=[1], rows=[1], source=None)
+    batch_ids = list(batch.input_ids)
+    pending = dataclasses.replace(batch, input_ids=[batch_ids[0], 0], from_last_step=in_flight)
+    rows = graphs.host_rows[0].numpy()
+    fill_decode_rows(rows, pending)
+    graphs.rows.copy_(graphs.host_rows[0])
     with torch.inference_mode():
-        hidden = acc._forward(decode_inputs(torch.from_numpy(rows), num_splits=2))
-        from_rows = acc.model.compute_logits(hidden)[:2]
+        forward = lambda inputs, n: acc.model.compute_logits(acc._forward(inputs))  # noqa: E731
+        from_rows = graphs.record(forward, 4)[:2]
     torch.testing.assert_close(from_rows, eager, rtol=1e-5, atol=1e-5)
+    assert graphs.tokens[:2].tolist() == eager.argmax(dim=-1).tolist()
     acc.shutdown()
 
 
