@@ -66,7 +66,7 @@ wanted graph_sampling && step graph_kernel_tests python3 -m pytest -q -p no:cach
     tests/backends/cuda/test_decode_graph_kernels.py tests/backends/cuda/test_gemv_kernels.py
 wanted graph_sampling && step graph_check_greedy python3 benchmarks/cuda/check_engine.py \
     --out "$out" --skip-conformance --families llama qwen3_moe
-baseline() { (cd "$AB_BASELINE" && PYTHONPATH="$PWD" "$@"); }
+baseline() { (cd "$AB_BASELINE" && PYTHONPATH="$PWD:$PYTHONPATH" "$@"); }
 for run in ${AB_RUNS:-1 2}; do
     wanted moe_ab && step "moe_engine_base$run" baseline python3 \
         benchmarks/cuda/moe_engine_bench.py --skip-hf --quick --out "$out/base$run"
