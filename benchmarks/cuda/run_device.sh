@@ -73,16 +73,6 @@ for run in ${AB_RUNS:-1 2}; do
     wanted moe_ab && step "moe_engine_new$run" python3 benchmarks/cuda/moe_engine_bench.py \
         --skip-hf --quick --out "$out/new$run"
 done
-# The GEMV letting the kernel behind it launch as it starts (1) or as it exits (0), separate
-# processes alternately (the switch is read when the decode graphs are captured).
-for run in 0a 1a 0b 1b; do
-    wanted gemv_early && step "moe_engine_early$run" env DEEPINFER_CUDA_GEMV_EARLY="${run:0:1}" \
-        python3 benchmarks/cuda/moe_engine_bench.py --skip-hf --quick --out "$out/early$run"
-done
-for run in 0 1; do
-    wanted gemv_early_llama && step "engine_early$run" env DEEPINFER_CUDA_GEMV_EARLY="$run" \
-        python3 benchmarks/cuda/engine_bench.py --skip-hf --quick --out "$out/llama_early$run"
-done
 wanted profile_steps && step profile_steps python3 benchmarks/cuda/profile_steps.py --out "$out"
 wanted profile_unfused && DEEPINFER_CUDA_GEMV=0 step profile_unfused \
     python3 benchmarks/cuda/profile_steps.py --out "$out" --batches 1 --tag unfused

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+from triton.language.extra.cuda import gdc_wait
 
 from deepinfer.backends.cuda.kernels.pdl import launch_kwargs
 
@@ -65,20 +65,10 @@ def config_for(n: int, k: int) -> GemvConfig:
     return GemvConfig(8, 512, 4)  # qkv [6144 x 4096]
 
 
-def early_launch() -> bool:
-    """Whether the GEMV lets the kernel behind it launch as it starts (DEEPINFER_CUDA_GEMV_EARLY
-    =0: as it exits, the default before it was measured)."""
-    return os.environ.get("DEEPINFER_CUDA_GEMV_EARLY", "1") != "0"
-
-
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, sw_n, HAS_BIAS: tl.constexpr,
                  EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 FIRST_K: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr = False):
-    if PDL and EARLY:
-        # The kernel behind may launch now (it waits for this one before it reads what this
-        # one writes): its launch, and a GEMV's weight preload, overlap this one's tail.
-        gdc_launch_dependents()
+                 FIRST_K: tl.constexpr, PDL: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows[:, None] < N
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * sw_n
@@ -130,6 +120,6 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     _gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
         x, weight, bias if bias is not None else weight, y, n, k, weight.stride(0),
         HAS_BIAS=bias is not None, EVEN_K=k % cfg.block_k == 0, BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k, FIRST_K=preload_cols(cfg, k), EARLY=early_launch(),
+        BLOCK_K=cfg.block_k, FIRST_K=preload_cols(cfg, k),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_kwargs(x.device))
     return y
