@@ -46,6 +46,19 @@ def random_prompts(count: int, length: int, vocab_size: int, seed: int = 0) -> l
     return [[rng.randrange(100, vocab_size) for _ in range(length)] for _ in range(count)]
 
 
+def save_word_tokenizer(path: str, vocab_size: int, eos_token_id: int) -> None:
+    """A word-level tokenizer over ids t0..t{vocab_size-1} into `path` (no hub here), so that a
+    server can stream text for a config-only model (--load-format dummy)."""
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tokenizer = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)},
+                                           unk_token="t0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="t0",
+                                         eos_token=f"t{eos_token_id}").save_pretrained(path)
+
+
 # ---- a deepinfer-serve subprocess ----------------------------------------------------------------
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on right now."""

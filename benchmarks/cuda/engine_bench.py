@@ -24,7 +24,9 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+from common import save_word_tokenizer  # noqa: E402
 from deepinfer.backends.cuda.timing import cuda_times_ms  # noqa: E402
 from deepinfer.core.config import CacheConfig, EngineConfig, ModelSpec, SchedulerConfig  # noqa: E402
 from deepinfer.core.engine import Engine  # noqa: E402
@@ -36,10 +38,12 @@ LLAMA3_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32
                  tie_word_embeddings=False, bos_token_id=128000, eos_token_id=128001)
 
 
-def write_config(path: str, layers: int) -> str:
+def write_config(path: str, layers: int, max_len: int = LLAMA3_8B["max_position_embeddings"]
+                 ) -> str:
     import transformers
 
-    config = transformers.LlamaConfig(**{**LLAMA3_8B, "num_hidden_layers": layers})
+    config = transformers.LlamaConfig(**{**LLAMA3_8B, "num_hidden_layers": layers,
+                                         "max_position_embeddings": max_len})
     config.torch_dtype = "bfloat16"
     config.save_pretrained(path)
     return path
@@ -183,7 +187,17 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer requests and tokens")
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--quantization", default="auto", choices=("auto", "fp8"))
+    parser.add_argument("--write-model", metavar="DIR",
+                        help="only write the config and a word-level tokenizer to DIR (a model "
+                             "for deepinfer-serve --load-format dummy) and print DIR")
+    parser.add_argument("--max-len", type=int, default=LLAMA3_8B["max_position_embeddings"],
+                        help="max_position_embeddings of --write-model's config")
     args = parser.parse_args()
+    if args.write_model:
+        write_config(args.write_model, args.layers, args.max_len)
+        save_word_tokenizer(args.write_model, LLAMA3_8B["vocab_size"], LLAMA3_8B["eos_token_id"])
+        print(args.write_model)
+        return
     os.makedirs(args.out, exist_ok=True)
     result: dict = {"model": {**LLAMA3_8B, "num_hidden_layers": args.layers}}
     result["ceilings"] = ceilings()

@@ -32,8 +32,8 @@ sys.path.insert(0, os.path.join(HERE, "..", ".."))
 sys.path.insert(0, os.path.join(HERE, ".."))
 sys.path.insert(0, HERE)
 
-from common import (free_port, percentile, pyplot, start_server, stop_server,  # noqa: E402
-                    wait_healthy)
+from common import (free_port, percentile, pyplot, save_word_tokenizer,  # noqa: E402
+                    start_server, stop_server, wait_healthy)
 from moe_engine_bench import QWEN3_30B_A3B, write_config  # noqa: E402
 
 PROMPT, OUTPUT = 512, 128
@@ -42,15 +42,8 @@ HOT_FRACTION, HOT_SHARE = 0.1, 0.5
 
 def model_dir(path: str, layers: int) -> str:
     """The config plus a word-level tokenizer over the whole vocabulary (no hub here)."""
-    import transformers
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
     write_config(path, layers)
-    vocab = {f"t{i}": i for i in range(QWEN3_30B_A3B["vocab_size"])}
-    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
-    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="t0",
-                                         eos_token="t151645").save_pretrained(path)
+    save_word_tokenizer(path, QWEN3_30B_A3B["vocab_size"], 151645)
     return path
 
 

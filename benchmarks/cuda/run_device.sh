@@ -73,6 +73,21 @@ for run in ${AB_RUNS:-1 2}; do
     wanted moe_ab && step "moe_engine_new$run" python3 benchmarks/cuda/moe_engine_bench.py \
         --skip-hf --quick --out "$out/new$run"
 done
+# A 32K-token prompt through the server on the Llama-3-8B shape: cold, device hit and host-tier
+# hit TTFT, then device hits under py-spy (server and ranks).
+if wanted hit_ttft; then
+    llama=$(python3 benchmarks/cuda/engine_bench.py --write-model /tmp/llama3-8b --max-len 40960 \
+        | tail -n 1)
+    hits=(benchmarks/hit_ttft.py --tokens 32768 --vocab 128000)
+    serve=(--model "$llama" --accelerator nvidia --dtype bfloat16 --load-format dummy
+           --max-model-len 36864 --block-size 128 --num-kv-blocks 300 --hicache-size-gb 12
+           --max-num-batched-tokens 8192 --tokenizer-backend hf --generation-config none
+           --served-model-name m)
+    step hit_ttft python3 "${hits[@]}" --profile-hits 10 --out "$out/hit_ttft" -- "${serve[@]}"
+    # The same server from an older tree (AB_BASELINE=DIR) under this client, where one is given.
+    [ -n "${AB_BASELINE:-}" ] && step hit_ttft_base baseline python3 "$PWD/${hits[0]}" \
+        "${hits[@]:1}" --out "$out/hit_ttft_base" -- "${serve[@]}"
+fi
 wanted profile_steps && step profile_steps python3 benchmarks/cuda/profile_steps.py --out "$out"
 wanted profile_unfused && DEEPINFER_CUDA_GEMV=0 step profile_unfused \
     python3 benchmarks/cuda/profile_steps.py --out "$out" --batches 1 --tag unfused

@@ -14,6 +14,9 @@ Count = Annotated[int, Field(ge=0, le=INT32_MAX)]  # token counts and ids: int32
 Seed = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
 
 
+_SCALARS = {int, float, bool, type(None)}  # what json.loads makes besides str, list, dict
+
+
 def check_json_value(value: Any) -> None:
     """Refuse what JSON can carry but text cannot: lone surrogates (\\ud800 escapes) in any
     string, and nesting past MAX_NESTING. Iterative, so no depth can exhaust the stack."""
@@ -33,6 +36,12 @@ def check_json_value(value: Any) -> None:
                          for k, v in item.items())
             stack.extend((k, f"a key in {where}", depth + 1) for k in item)
         elif isinstance(item, list):
+            if set(map(type, item)) <= _SCALARS:
+                # Token ids: nothing to check past the depth, and no Python per element (a
+                # label per id cost 27 ms on a 32K-id prompt).
+                if item and depth + 1 > MAX_NESTING:
+                    raise ValueError(f"the body nests deeper than {MAX_NESTING} levels")
+                continue
             stack.extend((v, f"{where}.{i}", depth + 1) for i, v in enumerate(item))
 
 
@@ -207,7 +216,9 @@ class ChatCompletionRequest(_Request):
 
 
 class CompletionRequest(_Request):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    # Token ids first: smart-mode unions try members in order, and list[str] first cost 9 ms of
+    # failed matches on a 32K-id prompt (list[int] first: 0.7 ms); a match is the same either way.
+    prompt: list[int] | str | list[str] | list[list[int]]
     max_tokens: Count | None = 16
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)

@@ -1,0 +1,176 @@
+"""TTFT of a long token-id prompt through deepinfer-serve: cold, device prefix-cache hit and
+HiCache host-tier hit.
+
+For each repeat, prompt A (random ids) is sent with the caches off (cold), then with them on
+(prefilled and stored), then again (a device hit), then a second prompt B of the same length
+pushes A's pages out of a device pool sized for one prompt, and A once more is a host-tier hit.
+Every request streams one token; TTFT is the client's time to that token, and each hit is
+reported as a share of cold (a hit still prefills at least the prompt's last page).
+
+    python benchmarks/hit_ttft.py --tokens 32768 -- --model DIR --load-format dummy \\
+        --dtype bfloat16 --hicache-size-gb 12 --num-kv-blocks 300
+(everything after `--` goes to deepinfer-serve). Writes hit_ttft.json and hit_ttft.png.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+import httpx
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from common import (free_port, log, percentile, pyplot, random_prompts, start_server,  # noqa: E402
+                    stop_server, wait_healthy, write_json)
+from serve_overhead import summarize_collapsed  # noqa: E402
+
+ARMS = ("cold", "device_hit", "host_hit")
+
+
+def first_token(client: httpx.Client, model: str, ids: list[int], prefix_cache: bool
+                ) -> tuple[float, int]:
+    """(seconds to the first streamed token, cached prompt tokens) of one request."""
+    body = {"model": model, "prompt": ids, "max_tokens": 1, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}, "prefix_cache": prefix_cache,
+            "ignore_eos": True}
+    ttft, cached, start = None, 0, time.perf_counter()
+    with client.stream("POST", "/v1/completions", json=body) as response:
+        response.raise_for_status()
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[len("data: "):])
+            if "error" in chunk:
+                raise RuntimeError(chunk["error"].get("message"))
+            if chunk.get("choices") and ttft is None:
+                ttft = time.perf_counter() - start
+            if chunk.get("usage"):
+                cached = (chunk["usage"].get("prompt_tokens_details") or {}).get(
+                    "cached_tokens", 0)
+    if ttft is None:
+        raise RuntimeError("the stream ended without a token")
+    return ttft, cached
+
+
+def repeat(client: httpx.Client, model: str, a: list[int], b: list[int]) -> dict:
+    out = {}
+    out["cold"] = first_token(client, model, a, prefix_cache=False)
+    first_token(client, model, a, prefix_cache=True)  # prefilled and stored
+    out["device_hit"] = first_token(client, model, a, prefix_cache=True)
+    first_token(client, model, b, prefix_cache=True)  # A's pages leave the device pool
+    out["host_hit"] = first_token(client, model, a, prefix_cache=True)
+    return {arm: {"ttft_s": t, "cached_tokens": c} for arm, (t, c) in out.items()}
+
+
+def profile_hits(client: httpx.Client, model: str, ids: list[int], pid: int, count: int
+                 ) -> dict:
+    """py-spy over the server and its ranks while `count` device hits of `ids` run back to
+    back: where the host time of a hit goes (stacks of both processes, by frame)."""
+    spy = shutil.which("py-spy")
+    if spy is None:
+        return {"error": "py-spy not found (pip install py-spy)"}
+    raw = os.path.join(tempfile.mkdtemp(), "hits.txt")
+    proc = subprocess.Popen([spy, "record", "--pid", str(pid), "--subprocesses", "--rate", "500",
+                             "--format", "raw", "--nonblocking", "--output", raw],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    time.sleep(1.0)  # let py-spy attach
+    t0 = time.perf_counter()
+    ttfts = [first_token(client, model, ids, prefix_cache=True)[0] for _ in range(count)]
+    wall = time.perf_counter() - t0
+    proc.send_signal(2)  # SIGINT: py-spy writes what it has and exits
+    _, err = proc.communicate(timeout=60)
+    try:
+        summary = summarize_collapsed(raw, top=40)
+    except (OSError, ValueError) as exc:
+        summary = {"error": f"{exc}; py-spy: {err.decode(errors='replace')[-500:]}"}
+    summary.update(hits=count, wall_s=wall, ttft_p50_s=percentile(ttfts, 50), rate_hz=500)
+    return summary
+
+
+def summarize(runs: list[dict], tokens: int) -> dict:
+    summary = {}
+    for arm in ARMS:
+        times = [r[arm]["ttft_s"] for r in runs]
+        summary[arm] = {"ttft_p50_s": percentile(times, 50), "ttft_min_s": min(times),
+                        "cached_tokens": [r[arm]["cached_tokens"] for r in runs]}
+    cold = summary["cold"]["ttft_p50_s"]
+    for arm in ("device_hit", "host_hit"):
+        summary[arm]["share_of_cold"] = summary[arm]["ttft_p50_s"] / cold
+    summary["tokens"] = tokens
+    return summary
+
+
+def plot(result: dict, path: str) -> None:
+    plt = pyplot()
+    s = result["summary"]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    values = [s[arm]["ttft_p50_s"] * 1e3 for arm in ARMS]
+    ax.bar(ARMS, values, color=["#999999", "#1f77b4", "#ff7f0e"])
+    for i, v in enumerate(values):
+        ax.annotate(f"{v:.0f} ms", (i, v), ha="center", va="bottom")
+    ax.set_ylabel("TTFT p50 (ms)")
+    ax.set_title(f"{s['tokens']}-token prompt through deepinfer-serve")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tokens", type=int, default=32768)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--vocab", type=int, default=32000, help="ids are drawn below this")
+    p.add_argument("--out", default=os.path.join(HERE, "results"))
+    p.add_argument("--health-timeout", type=float, default=600.0)
+    p.add_argument("--profile-hits", type=int, default=0,
+                   help="then this many device hits under py-spy (server and ranks)")
+    p.add_argument("server_args", nargs=argparse.REMAINDER,
+                   help="-- then deepinfer-serve's arguments")
+    args = p.parse_args(argv)
+    server_args = [a for a in args.server_args if a != "--"]
+    os.makedirs(args.out, exist_ok=True)
+    port = free_port()
+    log_path = os.path.join(args.out, "hit_ttft_server.log")
+    server = start_server([sys.executable, "-m", "deepinfer.serve.cli", "--port", str(port),
+                           *server_args], log_path)
+    base = f"http://127.0.0.1:{port}"
+    runs, profile = [], None
+    try:
+        wait_healthy(server, base, log_path, args.health_timeout)
+        with httpx.Client(base_url=base, timeout=600.0) as client:
+            model = client.get("/v1/models").json()["data"][0]["id"]
+            warm = random_prompts(1, 1024, args.vocab, seed=999)[0]
+            first_token(client, model, warm, prefix_cache=False)  # compile, warm the path
+            for r in range(args.repeats):
+                a, b = random_prompts(2, args.tokens, args.vocab, seed=r)
+                runs.append(repeat(client, model, a, b))
+                log(f"repeat {r}: " + ", ".join(f"{k} {v['ttft_s'] * 1e3:.0f} ms "
+                                               f"({v['cached_tokens']} cached)"
+                                               for k, v in runs[-1].items()))
+            if args.profile_hits:
+                profile = profile_hits(client, model, a, server.pid, args.profile_hits)
+    finally:
+        stop_server(server)
+    result = {"server_args": server_args, "runs": runs,
+              "summary": summarize(runs, args.tokens), "profile_device_hits": profile}
+    write_json(os.path.join(args.out, "hit_ttft.json"), result)
+    plot(result, os.path.join(args.out, "hit_ttft.png"))
+    for arm in ARMS:
+        s = result["summary"][arm]
+        share = f", {s['share_of_cold']:.1%} of cold" if "share_of_cold" in s else ""
+        print(f"{arm:11s} TTFT p50 {s['ttft_p50_s'] * 1e3:8.1f} ms{share}; cached "
+              f"{s['cached_tokens']}")
+    if profile and "top_inclusive_pct" in profile:
+        print(f"py-spy over {profile['hits']} device hits ({profile['samples']} samples):")
+        for frame, pct in profile["top_inclusive_pct"]:
+            print(f"  {pct:5.1f}% {frame}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
