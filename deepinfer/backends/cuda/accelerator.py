@@ -13,7 +13,6 @@ sequence on the host's schedule, which a decode graph cannot hold, so no graph i
 """
 from __future__ import annotations
 
-import functools
 import importlib.util
 import logging
 import os
@@ -56,7 +55,6 @@ class CUDAAccelerator(Accelerator):
         self.info: ModelInfo | None = None
         self.graphs: DecodeGraphs | None = None
         self.host_pool = None
-        self.stores = None  # a StoreStream: HiCache stores off the engine stream
         self.host_tokens: HostTokenBuffers | None = None  # launch()'s readback, on a GPU
         self.speculator: MTPSpeculator | None = None  # built with the runner
         self.num_sms = 8  # split-K sizing; the device's count once init_device ran on a GPU
@@ -224,8 +222,6 @@ class CUDAAccelerator(Accelerator):
                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """forward_logits', and the greedy ids of those rows where a decode graph computed
         them (None otherwise)."""
-        if self.stores is not None:
-            self.stores.before_step(batch)
         graphable = not all_tokens and self.graphs is not None and self.graphs.can_run(batch)
         padded, graphable = self._agree(batch, graphable)
         if graphable:
@@ -254,8 +250,6 @@ class CUDAAccelerator(Accelerator):
 
     def execute(self, batch: ModelBatch) -> SamplerOutput:
         if batch.spec is not None:  # eager: a verify step's queries are 1 + k tokens long
-            if self.stores is not None:
-                self.stores.before_step(batch)
             with torch.inference_mode():
                 return self.speculator.execute(batch)
         logits, greedy = self._step_logits(batch)
@@ -292,15 +286,11 @@ class CUDAAccelerator(Accelerator):
             raise RuntimeError("the host page pool needs a CUDA device")
         from deepinfer.backends.cuda.host_pool import CUDAHostPool
         from deepinfer.backends.cuda.page_copy import DeviceChunks
-        from deepinfer.backends.cuda.store_stream import StoreStream
 
         pairs = self.cache.chunk_tensors()
         chunks = DeviceChunks.prepare([t for _, t in pairs], [c.group for c, _ in pairs],
                                       self.cache.num_blocks)
         self.host_pool = CUDAHostPool.allocate(num_pages, chunks)
-        # Multi-group models (sliding windows, DeepSeek-V4) keep their stores on the engine's
-        # stream: which blocks a step of theirs writes is the model's business.
-        self.stores = None if self.grouped else StoreStream(self.device)
         # State slots are bookkeeping only, as on the CPU backend: the one model with state
         # (DeepSeek-V4) keeps it in its pages (KVSpec.state_in_pages), so HiCache asks for none
         # and never calls copy_state.
@@ -312,14 +302,7 @@ class CUDAAccelerator(Accelerator):
             raise RuntimeError("allocate_host_pool was not called")
         # A null block in device_blocks[g][i] leaves group g of page i alone
         # (host_copy_skips_null): sliding-window models' freed pages.
-        copy = functools.partial(self.host_pool.copy, host_pages, device_blocks, to_device)
-        if self.stores is None:
-            return copy()
-        blocks = [b for row in device_blocks for b in row]
-        if to_device:  # a load writes its blocks: after any store still reading them
-            self.stores.before_writes(blocks)
-            return copy()
-        return self.stores.store(copy, blocks)
+        return self.host_pool.copy(host_pages, device_blocks, to_device)
 
     def memory_stats(self) -> MemoryStats:
         total = torch.cuda.mem_get_info(self.device)[1] if self.on_gpu else 0
@@ -335,7 +318,7 @@ class CUDAAccelerator(Accelerator):
         self.graphs = None
         if self.runner is not None:
             self.runner.shutdown()
-        self.host_pool = self.stores = None
+        self.host_pool = None
         if self.on_gpu:
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()

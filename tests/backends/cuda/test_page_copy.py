@@ -699,36 +699,3 @@ def test_host_tier_serves_a_sliding_window_model_on_the_gpu(tmp_path):
     stats = check_host_tier(path, Recording, vocab=250)
     assert stats.host_hit_tokens > 0 and stats.stored_pages > 0
     assert True in null_copies  # loads that left the null block alone
-
-
-@needs_cuda
-def test_stores_run_beside_the_engine_stream_and_writes_wait_for_them():
-    """A store held back on its stream (a sleep first) does not hold up the engine's stream,
-    unless the engine writes a block the store reads: that write waits, so the host page gets
-    the block as it was when the store was queued."""
-    from deepinfer.backends.cuda.host_pool import CUDAHostPool
-    from deepinfer.backends.cuda.store_stream import StoreStream
-
-    chunks, _, _ = _setup("llama", seed=9)
-    pool = CUDAHostPool.allocate(2, chunks)
-    stores = StoreStream(chunks.device)
-    block = chunks.tensors[0][5]  # the store's block (one chunk of it)
-    before = block.clone()
-
-    def slow_store():
-        torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU clock
-        return pool.copy([0], [[5]], to_device=False)
-
-    handle = stores.store(slow_store, [5])
-    other = torch.cuda.Event()
-    stores.before_writes([2])  # another block: no wait
-    chunks.tensors[0][2].fill_(7)
-    other.record()
-    other.synchronize()
-    assert not handle.done(), "a write to another block waited for the store"
-    stores.before_writes([5, 1])
-    block.fill_(9)  # would reach the block before the held-back store reads it
-    torch.cuda.synchronize()
-    stored = CUDAHostPool(pool.pages, chunks, pool.copier)
-    stored.copy([0], [[4]], to_device=True).wait()  # the host page back into block 4
-    assert torch.equal(chunks.tensors[0][4], before) and not torch.equal(before, block)
