@@ -83,3 +83,26 @@ def test_queue_keeps_arrival_order_under_the_reserve(tmp_path):
                     and rid not in started]
         assert computed["long"] > 0  # never starved by newcomers
     assert started == ["q0", "q1", "q2"]
+
+
+def test_prompt_ids_are_checked_and_taken_as_ints(tmp_path):
+    """Ids out of the vocabulary are refused (naming them); ids of other int types (numpy's,
+    bools) serve as the plain ints they equal."""
+    import numpy as np
+    import pytest
+
+    engine = _engine(tmp_path)
+    vocab = engine.model.vocab_size
+    for bad, named in (([1, vocab, 2], f"[{vocab}]"), ([-1, 3], "[-1]")):
+        with pytest.raises(ValueError, match=f"out of range .*: \\{named}"):
+            engine.add_request("bad", bad, GREEDY)
+    prompt = _prompt(9, 3)
+    engine.add_request("plain", prompt, GREEDY)
+    engine.add_request("numpy", np.array(prompt, dtype=np.int64), GREEDY)
+    engine.add_request("bools", [True, False, *prompt[2:]], GREEDY)
+    outs = {}
+    while engine.has_unfinished_requests():
+        outs.update({o.request_id: o for o in engine.step() if o.finished})
+    assert outs["numpy"].token_ids == outs["plain"].token_ids == reference(prompt, 40)
+    assert outs["bools"].prompt_token_ids == [1, 0, *prompt[2:]]
+    assert all(type(t) is int for t in outs["numpy"].prompt_token_ids)
