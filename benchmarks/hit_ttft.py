@@ -114,6 +114,10 @@ def plot(result: dict, path: str) -> None:
     ax.bar(ARMS, values, color=["#999999", "#1f77b4", "#ff7f0e"])
     for i, v in enumerate(values):
         ax.annotate(f"{v:.0f} ms", (i, v), ha="center", va="bottom")
+    # The targets: a device hit within 40 ms, a host-tier hit within 10% of cold.
+    for i, target in ((1, 40.0), (2, 0.1 * values[0])):
+        ax.hlines(target, i - 0.4, i + 0.4, colors="k", linestyles="dashed")
+        ax.annotate("target", (i + 0.4, target), ha="right", va="bottom", fontsize=8)
     ax.set_ylabel("TTFT p50 (ms)")
     ax.set_title(f"{s['tokens']}-token prompt through deepinfer-serve")
     fig.tight_layout()
