@@ -14,7 +14,6 @@ reported as a share of cold (a hit still prefills at least the prompt's last pag
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import subprocess
@@ -26,9 +25,12 @@ import httpx
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+sys.path.insert(1, os.path.dirname(HERE))  # this tree's client, whichever server is measured
 from common import (free_port, log, percentile, pyplot, random_prompts, start_server,  # noqa: E402
                     stop_server, wait_healthy, write_json)
 from serve_overhead import summarize_collapsed  # noqa: E402
+
+from deepinfer.serve.check_prefix_cache import run_arm  # noqa: E402
 
 ARMS = ("cold", "device_hit", "host_hit")
 
@@ -36,26 +38,10 @@ ARMS = ("cold", "device_hit", "host_hit")
 def first_token(client: httpx.Client, model: str, ids: list[int], prefix_cache: bool
                 ) -> tuple[float, int]:
     """(seconds to the first streamed token, cached prompt tokens) of one request."""
-    body = {"model": model, "prompt": ids, "max_tokens": 1, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}, "prefix_cache": prefix_cache,
-            "ignore_eos": True}
-    ttft, cached, start = None, 0, time.perf_counter()
-    with client.stream("POST", "/v1/completions", json=body) as response:
-        response.raise_for_status()
-        for line in response.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[len("data: "):])
-            if "error" in chunk:
-                raise RuntimeError(chunk["error"].get("message"))
-            if chunk.get("choices") and ttft is None:
-                ttft = time.perf_counter() - start
-            if chunk.get("usage"):
-                cached = (chunk["usage"].get("prompt_tokens_details") or {}).get(
-                    "cached_tokens", 0)
-    if ttft is None:
+    arm = run_arm(client, model, ids, 1, prefix_cache, logprobs=None, ignore_eos=True)
+    if arm.ttft != arm.ttft:  # NaN: no token came
         raise RuntimeError("the stream ended without a token")
-    return ttft, cached
+    return arm.ttft, arm.cached_tokens
 
 
 def repeat(client: httpx.Client, model: str, a: list[int], b: list[int]) -> dict:

@@ -41,10 +41,13 @@ class Arm:
 
 
 def run_arm(client: httpx.Client, model: str, prompt_ids: list[int], max_tokens: int,
-            prefix_cache: bool) -> Arm:
+            prefix_cache: bool, logprobs: int | None = 0, **extra) -> Arm:
+    """One streamed greedy request (logprobs None: none asked; `extra`: more body fields)."""
     body = {"model": model, "prompt": prompt_ids, "max_tokens": max_tokens, "temperature": 0,
-            "logprobs": 0, "stream": True, "stream_options": {"include_usage": True},
-            "prefix_cache": prefix_cache}
+            "stream": True, "stream_options": {"include_usage": True},
+            "prefix_cache": prefix_cache, **extra}
+    if logprobs is not None:
+        body["logprobs"] = logprobs
     arm, start = Arm(), time.perf_counter()
     with client.stream("POST", "/v1/completions", json=body) as response:
         response.raise_for_status()
