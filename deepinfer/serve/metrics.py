@@ -145,8 +145,9 @@ class ServerMetrics:
         self.generation_tokens.labels(m).inc(output_tokens)
         if ttft is not None:
             self.ttft.labels(m).observe(ttft)
+        itl = self.itl.labels(m)  # once: labels() takes a lock and builds a key each call
         for gap in itls:
-            self.itl.labels(m).observe(gap)
+            itl.observe(gap)
         self.e2e.labels(m).observe(e2e)
 
     def render(self) -> bytes:
