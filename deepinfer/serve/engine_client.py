@@ -348,10 +348,12 @@ class EngineClient:
             self._queues[request_id] = queue
             self._owner[request_id] = rank
             await self._send(rank, AddRequest(request_id, prompt_token_ids, params, prefix_cache))
+            held = None
             while finished < params.n:
-                item = await queue.get()
+                item = held if held is not None else await queue.get()
                 if isinstance(item, Exception):
                     raise item
+                item, held = coalesce(item, queue)
                 finished += item.finished
                 yield item
         finally:
@@ -421,6 +423,19 @@ class EngineClient:
             queue = self._queues.get(error.request_id)
             if queue is not None:
                 queue.put_nowait(EngineRequestError(error.message, error.status))
+
+
+def coalesce(delta: TokenDelta, queue: asyncio.Queue) -> tuple[TokenDelta, object | None]:
+    """`delta` joined with the deltas of the same sample queued right behind it, and the first
+    queued item that is not one of them (None if none). Under load the API falls behind the
+    ranks' steps; a stream then gets the steps it missed as one delta, one SSE write, instead
+    of a write each."""
+    while not delta.finished and not queue.empty():
+        later = queue.get_nowait()
+        if not isinstance(later, TokenDelta) or later.index != delta.index:
+            return delta, later
+        delta = delta.then(later)
+    return delta, None
 
 
 def rank_envs(accelerator: str | None, num_ranks: int,

@@ -4,6 +4,7 @@ Only what changed crosses the wire: a request once, then per step the new tokens
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from deepinfer.core.batch import TokenLogprobs
@@ -49,6 +50,12 @@ class TokenDelta:
     logprobs: list[TokenLogprobs]
     num_prompt_tokens: int
     num_cached_tokens: int
+
+    def then(self, later: "TokenDelta") -> "TokenDelta":
+        """This delta and the next one of the same sample as one delta."""
+        return dataclasses.replace(later, new_token_ids=self.new_token_ids + later.new_token_ids,
+                                   new_text=self.new_text + later.new_text,
+                                   logprobs=self.logprobs + later.logprobs)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,49 @@
+"""Deltas of one sample queued behind each other reach the stream as one delta (one SSE write),
+equal to them in order; other samples' deltas and errors are kept for the next read."""
+from __future__ import annotations
+
+import asyncio
+
+from deepinfer.core.batch import TokenLogprobs
+from deepinfer.serve.engine_client import coalesce
+from deepinfer.serve.ipc import TokenDelta
+
+
+def delta(index: int, ids: list[int], text: str, finished: bool = False) -> TokenDelta:
+    return TokenDelta("r", index, ids, text, finished, "length" if finished else None, None,
+                      [TokenLogprobs(t, -0.5, 1) for t in ids], 7, 3 + len(ids))
+
+
+def queue_of(*items) -> asyncio.Queue:
+    queue: asyncio.Queue = asyncio.Queue()
+    for item in items:
+        queue.put_nowait(item)
+    return queue
+
+
+def test_queued_deltas_of_a_sample_join_in_order() -> None:
+    queue = queue_of(delta(0, [2], "b"), delta(0, [3, 4], "cd", finished=True))
+    joined, held = coalesce(delta(0, [1], "a"), queue)
+    assert held is None and queue.empty()
+    assert joined.new_token_ids == [1, 2, 3, 4] and joined.new_text == "abcd"
+    assert [lp.token_id for lp in joined.logprobs] == [1, 2, 3, 4]
+    assert joined.finished and joined.finish_reason == "length" and joined.num_cached_tokens == 5
+
+
+def test_another_sample_or_an_error_is_held_for_the_next_read() -> None:
+    error = RuntimeError("rank died")
+    queue = queue_of(delta(0, [2], "b"), delta(1, [9], "z"), delta(0, [3], "c"), error)
+    joined, held = coalesce(delta(0, [1], "a"), queue)
+    assert joined.new_token_ids == [1, 2] and held.index == 1
+    joined, held = coalesce(held, queue)
+    assert joined.new_token_ids == [9] and held.new_token_ids == [3]
+    joined, held = coalesce(held, queue)
+    assert joined.new_token_ids == [3] and held is error
+
+
+def test_nothing_joins_past_a_finished_delta_or_an_empty_queue() -> None:
+    done = delta(0, [1], "a", finished=True)
+    queue = queue_of(delta(1, [5], "e"))
+    assert coalesce(done, queue) == (done, None) and queue.qsize() == 1
+    alone = delta(1, [5], "e")
+    assert coalesce(alone, asyncio.Queue()) == (alone, None)
