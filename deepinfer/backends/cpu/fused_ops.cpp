@@ -23,6 +23,9 @@
 
 namespace {
 
+// Multiply-adds a parallel_for chunk should hold before a second thread is worth waking.
+constexpr int64_t kParallelWork = 1 << 20;
+
 // a . b over n floats. A scalar loop is one dependent add a product (the compiler keeps the
 // order, so it does not vectorize it): four 8-wide FMA chains instead, ~10x faster at the
 // head sizes of decode attention.
@@ -147,25 +150,42 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
   const int64_t* sp = sl.data_ptr<int64_t>();
   const int64_t* lp = ln.data_ptr<int64_t>();
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, batch * hq, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> score(width);
-    for (int64_t bh = begin; bh < end; ++bh) {
-      const int64_t b = bh / hq, h = bh % hq, kvh = h / group, n = lp[b];
-      const float* qv = qp + bh * d;
-      float top = -INFINITY;
+  // One work item a (sequence, KV head): its query heads (h = kvh * group + g) read each K
+  // and V row once between them. Each head's arithmetic is in the same order as one head at a
+  // time, so the result is the same to the bit. Items run on one thread until they hold
+  // enough work to pay for waking the others (a one-token step of a small model: 35 us on one
+  // thread, 51 on two).
+  const int64_t item_work = std::max<int64_t>(1, group * width * (d + dv));
+  const int64_t grain = std::max<int64_t>(1, kParallelWork / item_work);
+  at::parallel_for(0, batch * hk, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> score(group * width), top(group), total(group);
+    for (int64_t bk = begin; bk < end; ++bk) {
+      const int64_t b = bk / hk, kvh = bk % hk, n = lp[b];
+      const float* q0 = qp + (b * hq + kvh * group) * d;
+      float* o0 = op + (b * hq + kvh * group) * dv;
+      std::fill(top.begin(), top.end(), -INFINITY);
       for (int64_t j = 0; j < n; ++j) {
         const float* kv = kp + (sp[b * width + j] * hk + kvh) * d;
-        score[j] = dot(qv, kv, d) * static_cast<float>(scale);
-        top = std::max(top, score[j]);
+        for (int64_t g = 0; g < group; ++g) {
+          float& s = score[g * width + j];
+          s = dot(q0 + g * d, kv, d) * static_cast<float>(scale);
+          top[g] = std::max(top[g], s);
+        }
       }
-      float total = 0.f;
-      for (int64_t j = 0; j < n; ++j) total += (score[j] = std::exp(score[j] - top));
-      float* o = op + bh * dv;
-      std::fill(o, o + dv, 0.f);
+      for (int64_t g = 0; g < group; ++g) {
+        float sum = 0.f;
+        float* sg = score.data() + g * width;
+        for (int64_t j = 0; j < n; ++j) sum += (sg[j] = std::exp(sg[j] - top[g]));
+        total[g] = sum;
+      }
+      std::fill(o0, o0 + group * dv, 0.f);
       for (int64_t j = 0; j < n; ++j) {
         const float* vv = vp + (sp[b * width + j] * hk + kvh) * dv;
-        const float p = score[j] / total;
-        for (int64_t i = 0; i < dv; ++i) o[i] += p * vv[i];
+        for (int64_t g = 0; g < group; ++g) {
+          const float p = score[g * width + j] / total[g];
+          float* o = o0 + g * dv;
+          for (int64_t i = 0; i < dv; ++i) o[i] += p * vv[i];
+        }
       }
     }
   });
