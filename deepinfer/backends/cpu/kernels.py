@@ -37,13 +37,15 @@ def extension():
     from torch.utils.cpp_extension import load
 
     kind, flags = _vector_flags()
-    build = os.path.join(cache_dir(), "extensions", f"cpu_kernels2-torch{torch.__version__}-{kind}")
+    build = os.path.join(cache_dir(), "extensions", f"cpu_kernels3-torch{torch.__version__}-{kind}")
     os.makedirs(build, exist_ok=True)
     if not any(name.endswith(".so") for name in os.listdir(build)):
         log.info("building the CPU backend's C++ kernels once into %s (about 30 s)", build)
     try:
-        return load(name="deepinfer_cpu_kernels2", sources=_SOURCES, build_directory=build,
-                    extra_cflags=["-O3", *flags])
+        # -fopenmp: ATen's parallel_for is OpenMP pragmas inlined into this code; without
+        # the flag they compile away and every kernel runs on one thread.
+        return load(name="deepinfer_cpu_kernels3", sources=_SOURCES, build_directory=build,
+                    extra_cflags=["-O3", "-fopenmp", *flags], extra_ldflags=["-fopenmp"])
     except (OSError, RuntimeError) as exc:
         raise RuntimeError(f"could not build the CPU backend's kernels ({exc}); they need a C++ "
                            f"compiler and ninja. --quantization none serves the dequantized "
