@@ -39,6 +39,20 @@ def percentile(values: list[float], q: float) -> float | None:
     return s[lo] + (s[hi] - s[lo]) * (pos - lo)
 
 
+def exposed_by_name(spans: list[tuple[float, float, str]]) -> dict[str, float]:
+    """Per name, the time its intervals (start, end, name) add to the union of all of them,
+    taken in start order: what each kernel adds to a step's critical path. Under PDL a kernel
+    starts while the one ahead runs and waits for it, so its own duration overstates it; the
+    part of it past every earlier kernel's end is what the step pays. The values sum to the
+    union's length (the time anything ran)."""
+    out: dict[str, float] = {}
+    end = float("-inf")
+    for lo, hi, name in sorted(spans):
+        out[name] = out.get(name, 0.0) + max(0.0, hi - max(lo, end))
+        end = max(end, hi)
+    return out
+
+
 def random_prompts(count: int, length: int, vocab_size: int, seed: int = 0) -> list[list[int]]:
     """`count` prompts of `length` uniform random ids; ids below 100 (SmolLM2's special tokens)
     are skipped, and every prompt differs, so nothing is shared between them."""

@@ -2,7 +2,9 @@
 total device time over a few graph-replayed steps (torch.profiler), and the step's wall time.
 
 Three runs: CUDA graphs as served; graphs with PDL off (pdl.py), whose kernel times do not
-include the wait on the kernel ahead, so they are each kernel's own; and eager. The served run
+include the wait on the kernel ahead, so they are each kernel's own; and eager. Each run also
+gives the time each kernel adds to the step past every earlier kernel's end (`exposed_top`):
+with PDL a kernel's duration includes its wait, and this is the part the step pays for. The served run
 also profiles the host (cProfile over the same steps): what the engine's Python does while the
 GPU waits for the next step.
 
@@ -23,8 +25,10 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", ".."))
+sys.path.insert(0, os.path.join(HERE, ".."))
 sys.path.insert(0, HERE)
 
+from common import exposed_by_name  # noqa: E402
 from engine_bench import random_prompts  # noqa: E402
 from moe_engine_bench import QWEN3_30B_A3B, write_config  # noqa: E402
 
@@ -64,7 +68,10 @@ def profile(path: str, eager: bool, pdl: bool = True) -> dict:
     rows.sort(key=lambda r: -r["us_per_step"])
     host = host_profile(engine) if not eager and pdl else []
     replay = replay_times(engine) if not eager else {}
-    busy = busy_us(prof) / STEPS
+    exposed = exposed_us(prof)
+    busy = sum(exposed.values()) / STEPS
+    exposed_top = [{"name": name, "us_per_step": us / STEPS}
+                   for name, us in sorted(exposed.items(), key=lambda kv: -kv[1])[:25]]
     engine.shutdown()
     del engine, prof
     gc.collect()  # the next run loads the model again: free this one's weights and cache first
@@ -72,6 +79,7 @@ def profile(path: str, eager: bool, pdl: bool = True) -> dict:
     return {"step_ms": wall * 1e3, "gpu_busy_us_per_step": busy,
             "kernels_per_step": sum(r["calls_per_step"] for r in rows),
             "device_us_per_step": sum(r["us_per_step"] for r in rows), "top": rows[:40],
+            "exposed_top": exposed_top,
             "host_top": host, "replay": replay}
 
 
@@ -90,16 +98,13 @@ def replay_times(engine: Engine, n: int = 50) -> dict:
     return {"launch_host_us": (t1 - t0) / n * 1e6, "forward_us": (t2 - t0) / n * 1e6}
 
 
-def busy_us(prof: torch.profiler.profile) -> float:
-    """Time at least one kernel or copy ran (the union of their intervals): the step time less
-    this is the GPU waiting for the host."""
-    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
-                   if e.device_type == torch.autograd.DeviceType.CUDA)
-    busy, end = 0.0, float("-inf")
-    for lo, hi in spans:
-        busy += max(0.0, hi - max(lo, end))
-        end = max(end, hi)
-    return busy
+def exposed_us(prof: torch.profiler.profile) -> dict[str, float]:
+    """Per kernel (or copy) name, the device time it adds to the union of all intervals
+    (common.exposed_by_name): their sum is the time the GPU was busy, and the step time less
+    that is the GPU waiting for the host."""
+    return exposed_by_name([(e.time_range.start, e.time_range.end, e.name[:90])
+                            for e in prof.events()
+                            if e.device_type == torch.autograd.DeviceType.CUDA])
 
 
 def host_profile(engine: Engine, top: int = 30) -> list[dict]:
@@ -142,6 +147,9 @@ def main() -> None:
               f"per step; replay {r['replay']}")
         for row in r["top"][:25]:
             print(f"{row['us_per_step']:9.1f} us {row['calls_per_step']:6.0f}x  {row['name']}")
+        print("time each kernel adds to the step (past every earlier kernel's end):")
+        for row in r["exposed_top"]:
+            print(f"{row['us_per_step']:9.1f} us  {row['name']}")
         for row in r["host_top"]:
             print(f"host {row['cum_us_per_step']:9.1f} us cum {row['own_us_per_step']:8.1f} own "
                   f"{row['calls_per_step']:6.1f}x  {row['function']}")
