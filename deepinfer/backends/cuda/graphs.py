@@ -17,7 +17,7 @@ from typing import Callable
 
 import torch
 
-from deepinfer.backends.cuda.kernels.argmax import argmax_rows
+from deepinfer.backends.cuda.kernels.argmax import greedy_ids
 from deepinfer.backends.cuda.step_inputs import DECODE_COLS, StepInputs, decode_inputs, \
     fill_decode_rows
 from deepinfer.core.batch import InputsFromLastStep, ModelBatch
@@ -89,7 +89,7 @@ class DecodeGraphs:
         (ids are read from it first, in the unpack)."""
         inputs = decode_inputs(self.rows[:batch], self.tokens, self.split_policy(batch))
         logits = forward(inputs, batch)
-        argmax_rows(logits, out=self.tokens[:batch])
+        greedy_ids(logits, out=self.tokens[:batch])
         return logits
 
     def bucket_for(self, num_seqs: int) -> int:

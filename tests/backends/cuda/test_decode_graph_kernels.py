@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from deepinfer.backends.cuda.kernels.argmax import BLOCK, argmax_rows
+from deepinfer.backends.cuda.kernels.argmax import BLOCK, greedy_ids
 from deepinfer.backends.cuda.step_inputs import DECODE_COLS, SRC_COL, decode_inputs, \
     fill_decode_rows
 from deepinfer.core.batch import GroupBatch, InputsFromLastStep, ModelBatch
@@ -23,7 +23,7 @@ def test_argmax_equals_torch(rows: int, vocab: int) -> None:
     g = torch.Generator().manual_seed(rows * vocab)
     logits = torch.randn(rows, vocab, generator=g).to(DEVICE)
     out = torch.full((rows,), -7, dtype=torch.int64, device=DEVICE)
-    assert torch.equal(argmax_rows(logits, out=out), logits.argmax(dim=-1))
+    assert torch.equal(greedy_ids(logits, out=out), logits.argmax(dim=-1))
 
 
 def test_argmax_ties_go_to_the_first_index() -> None:
@@ -36,16 +36,16 @@ def test_argmax_ties_go_to_the_first_index() -> None:
     logits[2, [7, 3 * BLOCK + 4]] = -1.0  # maxima of zero everywhere else: index 0
     logits[3] = -3.0
     logits = logits.to(DEVICE)
-    got = argmax_rows(logits)
+    got = greedy_ids(logits)
     assert got.tolist() == [BLOCK + 3, BLOCK, 0, 0] == logits.argmax(dim=-1).tolist()
 
 
 def test_argmax_takes_strided_rows_and_refuses_bad_out() -> None:
     wide = torch.randn(3, 400).to(DEVICE)
     logits = wide[:, :300]
-    assert torch.equal(argmax_rows(logits), logits.argmax(dim=-1))
+    assert torch.equal(greedy_ids(logits), logits.argmax(dim=-1))
     with pytest.raises(ValueError, match="int64"):
-        argmax_rows(logits, out=torch.empty(3, dtype=torch.int32, device=DEVICE))
+        greedy_ids(logits, out=torch.empty(3, dtype=torch.int32, device=DEVICE))
 
 
 def _decode_batch(from_last: InputsFromLastStep | None) -> ModelBatch:

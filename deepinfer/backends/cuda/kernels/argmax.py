@@ -51,7 +51,7 @@ def _merge_kernel(vals_ptr, idx_ptr, out_ptr, parts, BLOCK_P: tl.constexpr, PDL:
     tl.store(out_ptr + row, first.to(tl.int64))
 
 
-def argmax_rows(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+def greedy_ids(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """logits [B, V] (float, contiguous last dim) -> int64 [B]: each row's first maximal index
     (into out, a contiguous int64 [B], if given)."""
     if logits.dim() != 2 or logits.stride(1) != 1:
