@@ -6,8 +6,9 @@ float32 path) against llama.cpp (llama-cpp-python) on the same file and cores, i
 llama.cpp runs in a virtual environment of its own (`--llama-venv`, made and filled with
 `pip install llama-cpp-python==VERSION` on first use, which builds it from source), so nothing
 of it enters DeepInfer's. Both get the same prompt token ids; decode is greedy, 128 tokens, one
-sequence; prefill is the whole prompt in one step. The server's resident memory is the API
-process plus its rank process, after it has served the same request. Writes
+sequence; prefill is the whole prompt in one step. The server's memory is the API process
+plus its rank process, after it has served the same request: the sum of their RSS, and of their
+PSS (each page shared between them counted once). Writes
 results/cpu_gguf.json and .png.
 """
 from __future__ import annotations
@@ -112,7 +113,12 @@ def server_rss(folder: str, prompt: list[int], args) -> dict:
         body = {"model": model, "prompt": prompt, "max_tokens": args.max_tokens, "temperature": 0}
         httpx.post(f"{base}/v1/completions", json=body, timeout=600).raise_for_status()
         tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
-        return {"rss": sum(p.memory_info().rss for p in tree), "processes": len(tree)}
+        # RSS counts a page in every process that maps it: the API and rank processes share
+        # torch's libraries (~150 MB). PSS splits each shared page between its processes, so
+        # their sum is the memory the server holds.
+        full = [p.memory_full_info() for p in tree]
+        return {"rss": sum(m.rss for m in full), "pss": sum(m.pss for m in full),
+                "processes": len(tree)}
     finally:
         stop_server(proc)
 
@@ -149,9 +155,9 @@ def plot(result: dict, path: str) -> None:
         bars = ax.bar([name for name, _ in runs], values, color=["#999", "#1f77b4", "#aec7e8"])
         ax.bar_label(bars, fmt="%.1f")
         ax.set_title(title)
-    rss = result.get("server_rss_mb")
+    rss, pss = result.get("server_rss_mb"), result.get("server_pss_mb")
     fig.suptitle(f"SmolLM2-135M Q4_1 GGUF, {result['threads']} threads"
-                 + (f"; DeepInfer server RSS {rss:.0f} MB" if rss else ""))
+                 + (f"; DeepInfer server RSS {rss:.0f} MB, PSS {pss:.0f} MB" if rss else ""))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -190,6 +196,7 @@ def main() -> None:
         log("deepinfer-serve resident memory ...")
         served = server_rss(folder, prompt, args)
         result["server_rss_mb"] = served["rss"] / 1e6
+        result["server_pss_mb"] = served["pss"] / 1e6
     write_json(os.path.join(args.out, "cpu_gguf.json"), result)
     plot(result, os.path.join(args.out, "cpu_gguf.png"))
     for name in ("llama_cpp", "deepinfer_gguf", "deepinfer_fp32"):
@@ -197,7 +204,8 @@ def main() -> None:
         print(f"{name:15s} decode {run['decode_tok_s']:7.1f} tok/s  prefill "
               f"{run['prefill_tok_s']:7.1f} tok/s")
     print(json.dumps({k: result[k] for k in ("ratios", "tokens_vs_llama_cpp", "tokens_vs_fp32")
-                      + (("server_rss_mb",) if "server_rss_mb" in result else ())}, indent=1))
+                      + (("server_rss_mb", "server_pss_mb") if "server_rss_mb" in result
+                         else ())}, indent=1))
 
 
 if __name__ == "__main__":

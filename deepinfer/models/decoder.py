@@ -50,9 +50,8 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        ops = self.ops
-        gate_up = ops.linear(x, self.gate_up_proj.weight, self.gate_up_proj.bias)
-        return ops.linear(ops.silu_and_mul(gate_up), self.down_proj.weight, self.down_proj.bias)
+        gate_up, down = self.gate_up_proj, self.down_proj
+        return self.ops.gated_mlp(x, gate_up.weight, down.weight, gate_up.bias, down.bias)
 
     def fused_rows(self, shard: int) -> tuple[int, int]:
         f = self.intermediate_size

@@ -114,6 +114,14 @@ class ModelOps(ABC):
         w = weight.dequantize().to(device=x.device, dtype=x.dtype)
         return F.linear(x, w, bias)
 
+    def gated_mlp(self, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+                  gate_up_bias: torch.Tensor | None = None,
+                  down_bias: torch.Tensor | None = None) -> torch.Tensor:
+        """down(silu(gate) * up), gate and up one fused projection [2F, K]: the dense MLP of
+        llama and DeepSeek."""
+        hidden = self.silu_and_mul(self.linear(x, gate_up, gate_up_bias))
+        return self.linear(hidden, down, down_bias)
+
     def rotary_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                          layer: int, meta: Any, qk_norm: QKNorm | None = None

@@ -32,7 +32,7 @@ def _blocks(n: int, k: int, qtype: GGMLQuantizationType, seed: int = 0) -> GGUFT
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
-@pytest.mark.parametrize("k", [96, 576])
+@pytest.mark.parametrize("k", [96, 160, 576, 1536])  # tails of 3, 1, 2 and 0 blocks
 def test_kernels_equal_the_dequantized_weight(qtype, k):
     w = _blocks(40, k, qtype)
     reference = w.dequantize()
@@ -117,6 +117,19 @@ def test_default_model_packed_answers_as_float32():
     assert "Paris" in answers[0].text
 
 
+@pytest.mark.parametrize("rows", [1, 3])
+def test_gguf_mlp_is_its_three_calls(rows):
+    """One call for a decode step's gated MLP: the same ops in the same order as gemv, silu
+    times up, gemv (to the bit), on a Q4_1 gate|up and a Q8_0 down."""
+    gate_up = _blocks(2 * 64, 96, GGMLQuantizationType.Q4_1)
+    down = _blocks(96, 64, GGMLQuantizationType.Q8_0, seed=1)
+    x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(rows))
+    h = gguf_linear(x, gate_up.blocks, gate_up.qtype, 96)
+    expected = gguf_linear(F.silu(h[:, :64]) * h[:, 64:], down.blocks, down.qtype, 64)
+    got = extension().gguf_mlp(x, gate_up.blocks, gate_up.qtype, down.blocks, down.qtype)
+    assert torch.equal(got, expected)
+
+
 def test_fused_ops_equal_the_torch_references():
     kernels, g = extension(), torch.Generator().manual_seed(0)
     x, r, w = (torch.randn(3, 96, generator=g) for _ in range(3))
@@ -137,7 +150,14 @@ def test_fused_ops_equal_the_torch_references():
     k_cache, v_cache = torch.randn(64, 2, 32, generator=g), torch.randn(64, 2, 32, generator=g)
     slots = torch.tensor([[9, 2, 40, 7, 0, 0, 0, 0, 0], [1, 3, 5, 8, 13, 21, 34, 55, 60]])
     lens, q = torch.tensor([4, 9]), torch.randn(2, 6, 32, generator=g)
-    out = kernels.decode_attention(q, k_cache, v_cache, slots, lens, 32 ** -0.5)
+    # The step's k/v (strided rows of a fused qkv) go to their last slots first.
+    kv = torch.randn(2, 5, 2, 32, generator=g)[:, 1:3]
+    new = torch.tensor([7, 60])
+    expected_k = k_cache.index_copy(0, new, kv[:, 0])
+    expected_v = v_cache.index_copy(0, new, kv[:, 1])
+    out = kernels.decode_attention(q, kv[:, 0], kv[:, 1], k_cache, v_cache, new, slots, lens,
+                                   32 ** -0.5)
+    assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
     for b in range(2):
         keys, values = (c[slots[b, :lens[b]]].transpose(0, 1) for c in (k_cache, v_cache))
         ref = F.scaled_dot_product_attention(q[b].view(2, 3, 32), keys, values)

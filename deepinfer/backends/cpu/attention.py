@@ -13,9 +13,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from deepinfer.backends.cpu.kernels import fusable
 from deepinfer.core.batch import GroupBatch, ModelBatch
 from deepinfer.core.kv.spec import KVSpec
 
+Rotary = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (positions, cos, sin)
 
 @dataclass
 class GroupMeta:
@@ -95,19 +97,25 @@ class CPUPagedAttention:
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: CPUAttentionMeta, layer: int,
-                scale: float | None = None) -> torch.Tensor:
+                scale: float | None = None, rotary: Rotary | None = None) -> torch.Tensor:
+        """rotary: (positions, cos, sin) to rotate q and k with first, in place (the C++
+        kernels, which take q and k whole then)."""
         g = meta.groups[meta.group_of[layer]]
+        if g.decode_slots is not None and fusable(self.kernels, k_cache, v_cache) and \
+                q.dtype == k.dtype == v.dtype == torch.float32:
+            scale = q.shape[-1] ** -0.5 if scale is None else scale
+            if rotary is not None:
+                return self.kernels.rotary_decode_attention(
+                    q, k, v, *rotary, k_cache, v_cache, g.slot_mapping, g.decode_slots,
+                    g.decode_lens, scale)
+            return self.kernels.decode_attention(q.contiguous(), k, v, k_cache, v_cache,
+                                                 g.slot_mapping, g.decode_slots,
+                                                 g.decode_lens, scale)
+        if rotary is not None:
+            self.kernels.rotary(q, k, *rotary)
         k_cache.index_copy_(0, g.slot_mapping, k)
         v_cache.index_copy_(0, g.slot_mapping, v)
-        if g.decode_slots is not None and self._fused(q, k_cache, v_cache):
-            scale = q.shape[-1] ** -0.5 if scale is None else scale
-            return self.kernels.decode_attention(q.contiguous(), k_cache, v_cache,
-                                                 g.decode_slots, g.decode_lens, scale)
         return _attend(q, k, v, k_cache, v_cache, g, meta, scale)
-
-    def _fused(self, *tensors: torch.Tensor) -> bool:
-        return self.kernels is not None and all(
-            t.dtype == torch.float32 and t.is_contiguous() for t in tensors)
 
     def latent(self, q: torch.Tensor, latent: torch.Tensor, cache: torch.Tensor,
                meta: CPUAttentionMeta, layer: int, value_dim: int, scale: float) -> torch.Tensor:

@@ -7,21 +7,32 @@
 
 at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, int64_t qtype);
 at::Tensor dequantize(const at::Tensor& w, int64_t qtype, int64_t k);
+at::Tensor gguf_mlp(const at::Tensor& x, const at::Tensor& gate_up, int64_t gate_up_type,
+                    const at::Tensor& down, int64_t down_type);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps);
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x,
                                                 const at::Tensor& residual,
                                                 const at::Tensor& w, double eps);
 void rotary(at::Tensor q, at::Tensor k, const at::Tensor& positions,
             const at::Tensor& cos, const at::Tensor& sin);
-at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
-                            const at::Tensor& v_cache, const at::Tensor& slots,
-                            const at::Tensor& lens, double scale);
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                            at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& new_slots,
+                            const at::Tensor& slots, const at::Tensor& lens, double scale);
+
+at::Tensor rotary_decode_attention(at::Tensor q, at::Tensor k, const at::Tensor& v,
+                                   const at::Tensor& positions, const at::Tensor& cos,
+                                   const at::Tensor& sin, at::Tensor k_cache, at::Tensor v_cache,
+                                   const at::Tensor& new_slots, const at::Tensor& slots,
+                                   const at::Tensor& lens, double scale);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemv", &gemv, "x [M<=16, K] float32 @ GGUF weight.T");
   m.def("dequantize", &dequantize, "GGUF weight -> float32 [N, K]");
+  m.def("gguf_mlp", &gguf_mlp, "down(silu(gate) * up) over GGUF weights, x [M<=16, K]");
   m.def("rms_norm", &rms_norm, "RMSNorm of float32 rows");
   m.def("add_rms_norm", &add_rms_norm, "(rms_norm(x + residual), x + residual)");
   m.def("rotary", &rotary, "NeoX rotary of q and k in place");
-  m.def("decode_attention", &decode_attention, "one query per sequence over paged K/V");
+  m.def("decode_attention", &decode_attention, "the step's K/V into the cache, then one query per sequence over it");
+  m.def("rotary_decode_attention", &rotary_decode_attention,
+        "rotary of q and k in place, then decode_attention");
 }

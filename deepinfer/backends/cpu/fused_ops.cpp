@@ -139,17 +139,52 @@ void rotary(at::Tensor q, at::Tensor k, const at::Tensor& positions,
   rotate(k, pos.data_ptr<int64_t>(), cos.data_ptr<float>(), sin.data_ptr<float>(), rot);
 }
 
+namespace {
+
+// The step's k [B, Hk, D] and v [B, Hk, Dv] into their cache rows new_slots[b] (as
+// index_copy_ along dim 0). k and v may be rows of the fused qkv output: each row b must be
+// contiguous, the rows may be apart.
+bool rows_contiguous(const at::Tensor& t) {
+  return t.dtype() == at::kFloat && t.dim() == 3 && t.stride(2) == 1 && t.stride(1) == t.size(2);
+}
+
+void store_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
+              const at::Tensor& new_slots) {
+  TORCH_CHECK(rows_contiguous(k) && rows_contiguous(v),
+              "k and v must be float32 [B, Hk, D] with each row contiguous");
+  TORCH_CHECK(new_slots.dtype() == at::kLong && new_slots.numel() == k.size(0) &&
+                  v.size(0) == k.size(0),
+              "new_slots must be int64 with one slot per row of k and v");
+  const int64_t krow = k_cache.numel() / k_cache.size(0), vrow = v_cache.numel() / v_cache.size(0);
+  TORCH_CHECK(k.size(1) * k.size(2) == krow && v.size(1) * v.size(2) == vrow,
+              "k and v rows must match the cache rows");
+  const at::Tensor slots = new_slots.contiguous();
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  for (int64_t b = 0; b < k.size(0); ++b) {
+    TORCH_CHECK(sp[b] >= 0 && sp[b] < k_cache.size(0), "slot ", sp[b], " outside the cache");
+    std::copy_n(k.data_ptr<float>() + b * k.stride(0), krow,
+                k_cache.data_ptr<float>() + sp[b] * krow);
+    std::copy_n(v.data_ptr<float>() + b * v.stride(0), vrow,
+                v_cache.data_ptr<float>() + sp[b] * vrow);
+  }
+}
+
+}  // namespace
+
 // One query per sequence over its keys in the paged cache: q [B, Hq, D], caches [S, Hk, D] and
 // [S, Hk, Dv], slots [B, L] (the first lens[b] are sequence b's visible keys, in order).
 // Softmax(q . k * scale) . v per query head, the query heads of a KV head sharing its keys.
-at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
-                            const at::Tensor& v_cache, const at::Tensor& slots,
-                            const at::Tensor& lens, double scale) {
+// The step's own k and v are written to their rows new_slots first (one call instead of two
+// index_copy_ a layer: at batch 1 the calls, not the bytes, are the cost).
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                            at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& new_slots,
+                            const at::Tensor& slots, const at::Tensor& lens, double scale) {
   check_f32(q, "q");
   check_f32(k_cache, "k_cache");
   check_f32(v_cache, "v_cache");
   TORCH_CHECK(slots.dtype() == at::kLong && lens.dtype() == at::kLong,
               "slots and lens must be int64");
+  store_kv(k, v, k_cache, v_cache, new_slots);
   const int64_t batch = q.size(0), hq = q.size(1), d = q.size(2);
   const int64_t hk = k_cache.size(1), dv = v_cache.size(2), width = slots.size(1);
   const int64_t group = hq / hk;
@@ -210,4 +245,15 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
     }
   });
   return out;
+}
+
+// rotary() of q and k in place, then decode_attention(): one call for a decode layer's
+// attention where q and k are whole tensors (batch 1).
+at::Tensor rotary_decode_attention(at::Tensor q, at::Tensor k, const at::Tensor& v,
+                                   const at::Tensor& positions, const at::Tensor& cos,
+                                   const at::Tensor& sin, at::Tensor k_cache, at::Tensor v_cache,
+                                   const at::Tensor& new_slots, const at::Tensor& slots,
+                                   const at::Tensor& lens, double scale) {
+  rotary(q, k, positions, cos, sin);
+  return decode_attention(q, k, v, k_cache, v_cache, new_slots, slots, lens, scale);
 }

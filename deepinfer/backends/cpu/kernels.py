@@ -52,6 +52,18 @@ def extension():
                            f"weights instead") from exc
 
 
+def fusable(kernels, *tensors: torch.Tensor) -> bool:
+    """Whether the C++ kernels (None where they did not build) take these tensors: float32
+    and contiguous. A plain loop, not all() over a generator: at batch 1 this runs several
+    times a layer."""
+    if kernels is None:
+        return False
+    for t in tensors:
+        if t.dtype != torch.float32 or not t.is_contiguous():
+            return False
+    return True
+
+
 def gguf_linear(x: torch.Tensor, blocks: torch.Tensor, qtype: int, in_features: int
                 ) -> torch.Tensor:
     """x [T, K] @ W.T for W [N, K] held as GGUF blocks [N, row_bytes]; float32 out."""

@@ -9,7 +9,8 @@ from typing import Any
 import torch
 
 from deepinfer.backends.cpu.attention import CPUPagedAttention
-from deepinfer.backends.cpu.kernels import GGUF_KINDS, MAX_GEMV_ROWS, extension, gguf_linear
+from deepinfer.backends.cpu.kernels import (GGUF_KINDS, MAX_GEMV_ROWS, extension, fusable,
+                                            gguf_linear)
 from deepinfer.backends.paged_cache import PagedCache
 from deepinfer.models.ops import ModelOps, QKNorm
 from deepinfer.models.quant.packed import GGUFWeight, PackedWeight
@@ -50,8 +51,7 @@ class CPUOps(ModelOps):
         self.packed_kinds = GGUF_KINDS if self.kernels is not None else ()
 
     def _fused(self, *tensors: torch.Tensor) -> bool:
-        return self.kernels is not None and all(
-            t.dtype == torch.float32 and t.is_contiguous() for t in tensors)
+        return fusable(self.kernels, *tensors)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         if self._fused(x, weight):
@@ -71,8 +71,9 @@ class CPUOps(ModelOps):
                          ) -> torch.Tensor:
         if qk_norm is not None or not self._fused(q, k, cos, sin):
             return super().rotary_attention(q, k, v, positions, cos, sin, layer, meta, qk_norm)
-        self.kernels.rotary(q, k, positions, cos, sin)  # in place, as the seam allows
-        return self.attention(q, k, v, layer, meta)
+        k_cache, v_cache = self.cache.layer(layer)  # rotated in place, as the seam allows
+        return self.paged.forward(q, k, v, k_cache, v_cache, meta, layer,
+                                  rotary=(positions, cos, sin))
 
     def rotary(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
                cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -90,6 +91,16 @@ class CPUOps(ModelOps):
             y = gguf_linear(x.reshape(-1, x.shape[-1]), weight.blocks, weight.qtype,
                             weight.shape[1]).to(x.dtype).view(*x.shape[:-1], weight.shape[0])
         return y if bias is None else y + bias
+
+    def gated_mlp(self, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+                  gate_up_bias: torch.Tensor | None = None,
+                  down_bias: torch.Tensor | None = None) -> torch.Tensor:
+        if gate_up_bias is None and down_bias is None and isinstance(gate_up, GGUFWeight) and \
+                isinstance(down, GGUFWeight) and x.dim() == 2 and x.shape[0] <= MAX_GEMV_ROWS \
+                and self._fused(x):  # a decode step: one call for the three
+            return self.kernels.gguf_mlp(x, gate_up.blocks, gate_up.qtype, down.blocks,
+                                         down.qtype)
+        return super().gated_mlp(x, gate_up, down, gate_up_bias, down_bias)
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = x.chunk(2, dim=-1)
