@@ -3,6 +3,8 @@ float32 path) against llama.cpp (llama-cpp-python) on the same file and cores, i
 
     python benchmarks/cpu_gguf.py [--gguf FILE.gguf] [--threads 2]
 
+The two sides take turns, `--rounds` timed runs each, and each side's median is reported
+(this shared machine's speed moves by tens of percent from one minute to the next).
 llama.cpp runs in a virtual environment of its own (`--llama-venv`, made and filled with
 `pip install llama-cpp-python==VERSION` on first use, which builds it from source), so nothing
 of it enters DeepInfer's. Both get the same prompt token ids; decode is greedy, 128 tokens, one
@@ -74,25 +76,51 @@ def _rates(result: dict, prompt_len: int, max_tokens: int) -> dict:
     return result
 
 
-def run_deepinfer(folder: str, prompt: list[int], quantization: str, args) -> dict:
-    """Greedy decode and prefill through LLM, as a user runs it (the engine's own step loop)."""
-    from deepinfer import LLM, SamplingParams
+class DeepInferRun:
+    """Greedy decode and prefill through LLM, as a user runs it (the engine's own step loop);
+    the model loaded and warmed once, timed as often as asked."""
 
-    llm = LLM(model=folder, quantization=quantization)
-    first = SamplingParams(temperature=0, max_tokens=1)
-    full = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
-    llm.generate([prompt], full, prefix_cache=False)  # warm-up
-    t0 = time.perf_counter()
-    llm.generate([prompt], first, prefix_cache=False)
-    t1 = time.perf_counter()
-    out = llm.generate([prompt], full, prefix_cache=False)
-    t2 = time.perf_counter()
-    prefill = t1 - t0
-    # decode: the full run less its prefill and first token, over the tokens after the first
-    result = {"prefill_s": prefill, "decode_s": (t2 - t1 - prefill) * args.max_tokens
-              / (args.max_tokens - 1), "tokens": list(out[0].outputs[0].token_ids)}
-    llm.engine.shutdown()
-    return _rates(result, len(prompt), args.max_tokens)
+    def __init__(self, folder: str, quantization: str, prompt: list[int], args) -> None:
+        from deepinfer import LLM, SamplingParams
+
+        self.llm, self.prompt, self.max_tokens = LLM(model=folder, quantization=quantization), \
+            prompt, args.max_tokens
+        self.first = SamplingParams(temperature=0, max_tokens=1)
+        self.full = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+        self.llm.generate([prompt], self.full, prefix_cache=False)  # warm-up
+
+    def __call__(self) -> dict:
+        t0 = time.perf_counter()
+        self.llm.generate([self.prompt], self.first, prefix_cache=False)
+        t1 = time.perf_counter()
+        out = self.llm.generate([self.prompt], self.full, prefix_cache=False)
+        t2 = time.perf_counter()
+        prefill = t1 - t0
+        # decode: the full run less its prefill and first token, over the tokens after it
+        result = {"prefill_s": prefill, "decode_s": (t2 - t1 - prefill) * self.max_tokens
+                  / (self.max_tokens - 1), "tokens": list(out[0].outputs[0].token_ids)}
+        return _rates(result, len(self.prompt), self.max_tokens)
+
+    def close(self) -> None:
+        self.llm.engine.shutdown()
+
+
+def interleaved(peer, ours, rounds: int) -> tuple[dict, dict]:
+    """Each side timed `rounds` times, taking turns, so that a slow spell of a shared machine
+    falls on both; each side's median run (by decode rate) with every run's rates."""
+    runs: tuple[list, list] = ([], [])
+    for _ in range(rounds):
+        for side, run in zip(runs, (peer, ours)):
+            side.append(run())
+    return tuple(_median_run(side) for side in runs)
+
+
+def _median_run(runs: list[dict]) -> dict:
+    ordered = sorted(runs, key=lambda r: r["decode_tok_s"])
+    median = dict(ordered[len(ordered) // 2])
+    median["prefill_tok_s"] = sorted(r["prefill_tok_s"] for r in runs)[len(runs) // 2]
+    median["runs"] = [{k: r[k] for k in ("decode_tok_s", "prefill_tok_s")} for r in runs]
+    return median
 
 
 def server_rss(folder: str, prompt: list[int], args) -> dict:
@@ -171,6 +199,8 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--llama-venv", default=os.path.expanduser(
         "~/.cache/deepinfer/bench/llama-cpp-venv"))
+    parser.add_argument("--rounds", type=int, default=5,
+                        help="timed runs of each side, taking turns (medians are reported)")
     parser.add_argument("--skip-server", action="store_true")
     parser.add_argument("--out", default=RESULTS_DIR)
     args = parser.parse_args()
@@ -179,13 +209,18 @@ def main() -> None:
     folder, gguf = (os.path.dirname(args.gguf), args.gguf) if args.gguf else default_gguf()
     prompt = prompt_ids(folder, args.prompt_tokens)
     result = {"environment": machine_environment(), "threads": args.threads,
-              "prompt_tokens": len(prompt), "max_tokens": args.max_tokens, "gguf": gguf}
-    log("llama.cpp ...")
-    result["llama_cpp"] = run_llama_cpp(llama_python(args.llama_venv), gguf, prompt, args)
-    log("DeepInfer, GGUF blocks ...")
-    result["deepinfer_gguf"] = run_deepinfer(folder, prompt, "auto", args)
+              "prompt_tokens": len(prompt), "max_tokens": args.max_tokens, "gguf": gguf,
+              "rounds": args.rounds}
+    python = llama_python(args.llama_venv)
+    log(f"llama.cpp and DeepInfer's GGUF blocks, {args.rounds} rounds taking turns ...")
+    ours = DeepInferRun(folder, "auto", prompt, args)
+    result["llama_cpp"], result["deepinfer_gguf"] = interleaved(
+        lambda: run_llama_cpp(python, gguf, prompt, args), ours, args.rounds)
+    ours.close()
     log("DeepInfer, dequantized float32 ...")
-    result["deepinfer_fp32"] = run_deepinfer(folder, prompt, "none", args)
+    fp32 = DeepInferRun(folder, "none", prompt, args)
+    result["deepinfer_fp32"] = fp32()
+    fp32.close()
     ours, peer, fp32 = result["deepinfer_gguf"], result["llama_cpp"], result["deepinfer_fp32"]
     result["ratios"] = {"decode_vs_llama_cpp": ours["decode_tok_s"] / peer["decode_tok_s"],
                         "prefill_vs_llama_cpp": ours["prefill_tok_s"] / peer["prefill_tok_s"]}
