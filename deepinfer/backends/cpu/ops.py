@@ -71,7 +71,10 @@ class CPUOps(ModelOps):
                          ) -> torch.Tensor:
         if qk_norm is not None or not self._fused(q, k, cos, sin):
             return super().rotary_attention(q, k, v, positions, cos, sin, layer, meta, qk_norm)
-        k_cache, v_cache = self.cache.layer(layer)  # rotated in place, as the seam allows
+        if type(self).attention is not CPUOps.attention:  # a subclass attends its own way
+            self.kernels.rotary(q, k, positions, cos, sin)  # in place, as the seam allows
+            return self.attention(q, k, v, layer, meta)
+        k_cache, v_cache = self.cache.layer(layer)  # rotated in the attention call
         return self.paged.forward(q, k, v, k_cache, v_cache, meta, layer,
                                   rotary=(positions, cos, sin))
 
