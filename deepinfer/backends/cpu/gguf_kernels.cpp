@@ -215,34 +215,61 @@ inline void expand_i16(const uint8_t* block, __m256i& lo, __m256i& hi) {
   hi = _mm256_sub_epi16(_mm256_srli_epi16(bytes, 4), eight);
 }
 
+// The fp16 in the low half of each 32-bit lane, as 8 floats.
+inline __m256 low_halves(__m256i words) {
+  const __m256i pick = _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, -1, -1, -1, -1, -1, -1, -1, -1,
+                                        0, 1, 4, 5, 8, 9, 12, 13, -1, -1, -1, -1, -1, -1, -1, -1);
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(words, pick), 0x08);
+  return _mm256_cvtph_ps(_mm256_castsi256_si128(packed));
+}
+
 // row_dot for one row of x: integer multiply-adds (vpmaddwd, 16 products an instruction) over
 // the int16 row, one float scale per block; four blocks in flight, each with its own
 // accumulator. Q4_1's w = d*q + m = d*(q - 8) + (m + 8d): the offset multiplies the block's
-// float32 sum of x.
+// float32 sum of x. Eight blocks at a time, their fp16 d (and m) are read by one gather and
+// converted, scaled and (Q4_1's offset) multiplied by their sums as vectors: one per block,
+// these scalar conversions were as many instructions as the block's integer dot.
 template <int64_t QT>
 float row_dot1(const uint8_t* w, int64_t blocks, const Int16Row& x, const float* sums) {
-  constexpr int64_t stride = QT == kQ4_0 ? 18 : (QT == kQ4_1 ? 20 : 34);
+  constexpr int stride = QT == kQ4_0 ? 18 : (QT == kQ4_1 ? 20 : 34);
   __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
                    _mm256_setzero_ps()};
-  float extra[4] = {0.f, 0.f, 0.f, 0.f};
-  auto one = [&](int64_t b, int u) {
+  __m256 offsets = _mm256_setzero_ps();  // Q4_1: sum over blocks of (m + 8d) * sum(x_block)
+  float tail_offsets = 0.f;
+  auto dot = [&](int64_t b, int u, float scale) {
     const uint8_t* block = w + b * stride;
-    const float d = half_to_float(block);
     __m256i lo, hi;
     expand_i16<QT>(block, lo, hi);
     const __m256i* xb = reinterpret_cast<const __m256i*>(x.q.data() + b * kBlock);
     const __m256i p = _mm256_add_epi32(_mm256_madd_epi16(lo, _mm256_loadu_si256(xb)),
                                        _mm256_madd_epi16(hi, _mm256_loadu_si256(xb + 1)));
-    acc[u] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d * x.scale[b]), acc[u]);
-    if (QT == kQ4_1) extra[u] += (half_to_float(block + 2) + 8.f * d) * sums[b];
+    acc[u] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(scale), acc[u]);
   };
+  const __m256i at = _mm256_setr_epi32(0, stride, 2 * stride, 3 * stride, 4 * stride,
+                                       5 * stride, 6 * stride, 7 * stride);
+  alignas(32) float scales[8];
   int64_t b = 0;
-  for (; b + 4 <= blocks; b += 4) {
-    for (int u = 0; u < 4; ++u) one(b + u, u);
+  for (; b + 8 <= blocks; b += 8) {
+    // Each block's first 4 bytes: d, and Q4_1's m after it.
+    const __m256i words = _mm256_i32gather_epi32(reinterpret_cast<const int*>(w + b * stride),
+                                                  at, 1);
+    const __m256 d = low_halves(words);
+    _mm256_store_ps(scales, _mm256_mul_ps(d, _mm256_loadu_ps(x.scale.data() + b)));
+    if (QT == kQ4_1) {
+      const __m256 m = low_halves(_mm256_srli_epi32(words, 16));
+      offsets = _mm256_fmadd_ps(_mm256_fmadd_ps(_mm256_set1_ps(8.f), d, m),
+                                _mm256_loadu_ps(sums + b), offsets);
+    }
+    for (int i = 0; i < 8; ++i) dot(b + i, i & 3, scales[i]);
   }
-  for (; b < blocks; ++b) one(b, 0);
+  for (; b < blocks; ++b) {
+    const uint8_t* block = w + b * stride;
+    const float d = half_to_float(block);
+    dot(b, 0, d * x.scale[b]);
+    if (QT == kQ4_1) tail_offsets += (half_to_float(block + 2) + 8.f * d) * sums[b];
+  }
   const __m256 sum = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
-  return hsum(sum) + (extra[0] + extra[1]) + (extra[2] + extra[3]);
+  return hsum(sum) + (hsum(offsets) + tail_offsets);
 }
 #endif
 
