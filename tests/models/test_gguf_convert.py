@@ -6,7 +6,7 @@ import math
 import os
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import gguf
 import numpy as np
@@ -64,14 +64,16 @@ def for_arch(tok: Tokenizer, arch: str) -> Tokenizer:
 
 
 def tiny_model(arch: str, vocab_size: int, tied: bool,
-               rope_scaling: dict[str, Any] | None = None) -> PreTrainedModel:
+               rope_scaling: dict[str, Any] | None = None, **dims: int) -> PreTrainedModel:
+    """dims overrides the widths (hidden_size, intermediate_size, head_dim)."""
     config_class = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}[arch]
+    widths = dict(hidden_size=64, intermediate_size=128, head_dim=16) | dims
     config = config_class(
-        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5,
-        max_position_embeddings=16384, rope_theta=10000.0,
+        vocab_size=vocab_size, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, rms_norm_eps=1e-5, max_position_embeddings=16384,
+        rope_theta=10000.0,
         rope_scaling=dict(rope_scaling) if rope_scaling else None,  # transformers edits it in place
-        tie_word_embeddings=tied, bos_token_id=1, eos_token_id=2)
+        tie_word_embeddings=tied, bos_token_id=1, eos_token_id=2, **widths)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config).eval()
     with torch.no_grad():  # norms start at 1 and biases at 0: make them tell their names apart
@@ -113,7 +115,11 @@ def gguf_name(hf_name: str) -> str:
 
 
 def write_gguf(path: Path, model: PreTrainedModel, tok: Tokenizer,
-               qtype: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.F32) -> None:
+               qtype: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.F32,
+               encode: Callable[[str, np.ndarray], tuple[np.ndarray, Any]] | None = None
+               ) -> None:
+    """encode(name, weight) -> (blocks, type) writes 2-D weights as given blocks instead of
+    gguf-py's quantization to qtype (for the k-quants, which gguf-py cannot quantize)."""
     cfg = model.config
     arch = cfg.model_type
     writer = gguf.GGUFWriter(str(path), arch)
@@ -153,7 +159,10 @@ def write_gguf(path: Path, model: PreTrainedModel, tok: Tokenizer,
             data = llamacpp_permute(data, cfg.num_attention_heads)
         elif arch == "llama" and ".k_proj." in name:
             data = llamacpp_permute(data, cfg.num_key_value_heads)
-        if qtype != gguf.GGMLQuantizationType.F32 and data.ndim == 2:  # llama.cpp keeps norms F32
+        if encode is not None and data.ndim == 2:
+            blocks, kind = encode(name, data)
+            writer.add_tensor(gguf_name(name), blocks, raw_dtype=kind)
+        elif qtype != gguf.GGMLQuantizationType.F32 and data.ndim == 2:  # norms stay F32
             writer.add_tensor(gguf_name(name), gguf.quants.quantize(data, qtype), raw_dtype=qtype)
         else:
             writer.add_tensor(gguf_name(name), data)

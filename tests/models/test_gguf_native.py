@@ -51,6 +51,36 @@ def test_kernels_equal_the_dequantized_weight(qtype, k):
         torch.testing.assert_close(y, x @ reference.T, rtol=1e-4, atol=2e-3)
 
 
+def _k_quant_blocks(n: int, k: int, qtype: GGMLQuantizationType, seed: int = 0,
+                    scale: float = 0.02) -> GGUFTensor:
+    """Random k-quant super-blocks (gguf-py has no k-quant quantizer): random quants, scales
+    and mins, with fp16 super-block scales up to `scale`."""
+    rng = np.random.default_rng(seed)
+    nbytes = {GGMLQuantizationType.Q4_K: 144, GGMLQuantizationType.Q6_K: 210}[qtype]
+    blocks = rng.integers(0, 256, (n, k // 256, nbytes), dtype=np.uint8)
+    scales = rng.uniform(scale / 20, scale, (n, k // 256, 2)).astype(np.float16).view(np.uint8)
+    if qtype == GGMLQuantizationType.Q4_K:
+        blocks[..., 0:4] = scales.reshape(n, k // 256, 4)  # d, dmin
+    else:
+        blocks[..., 208:210] = scales.reshape(n, k // 256, 4)[..., :2]  # d
+    return GGUFTensor(torch.from_numpy(blocks.reshape(n, -1)), int(qtype), (n, k))
+
+
+@pytest.mark.parametrize("qtype", [GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K],
+                         ids=lambda t: t.name)
+def test_k_quant_kernels_equal_gguf_py(qtype):
+    """Q4_K and Q6_K (a Q4_K_M file's two types): the kernels' dequantization is gguf-py's
+    (up to a fused multiply-add), and the GEMV, at 1 and several rows, multiplies x by it."""
+    w = _k_quant_blocks(24, 512, qtype)
+    reference = w.dequantize()
+    torch.testing.assert_close(extension().dequantize(w.blocks, w.qtype, 512), reference,
+                               rtol=1e-6, atol=1e-6)
+    for m in (1, 5, MAX_GEMV_ROWS + 4):
+        x = torch.randn(m, 512, generator=torch.Generator().manual_seed(m))
+        torch.testing.assert_close(gguf_linear(x, w.blocks, w.qtype, 512), x @ reference.T,
+                                   rtol=1e-5, atol=1e-4)
+
+
 def _int16_blocks(x: torch.Tensor) -> torch.Tensor:
     """x as the batch-1 GEMV sees it: per 32 columns, scale * round(x / scale) with
     scale = max|x| / 32767."""
@@ -97,6 +127,55 @@ def test_tiny_gguf_is_served_packed(tmp_path, tokenizer):  # noqa: F811
     with torch.no_grad():
         logits = reference(torch.tensor([ids + plain])).logits[0, len(ids) - 1:-1]
     assert logits.argmax(-1).tolist() == plain
+
+
+def _q4_k_centred(n: int, k: int, seed: int, d: float) -> np.ndarray:
+    """Q4_K super-blocks whose values centre on 0 (random bytes would all lean positive, and
+    a model of them answers one token whatever it is asked): sub-block scales 1..8, each min
+    7.5 times its scale, dmin = d; the 6-bit pairs packed into the 12 bytes as ggml does."""
+    rng = np.random.default_rng(seed)
+    sb = k // 256
+    sc = rng.integers(1, 9, (n, sb, 8)).astype(np.uint8)
+    m = np.round(7.5 * sc).astype(np.uint8)
+    packed = np.zeros((n, sb, 12), np.uint8)
+    packed[..., 0:4] = sc[..., :4] | ((sc[..., 4:] >> 4) << 6)
+    packed[..., 4:8] = m[..., :4] | ((m[..., 4:] >> 4) << 6)
+    packed[..., 8:12] = (sc[..., 4:] & 0xF) | ((m[..., 4:] & 0xF) << 4)
+    halves = np.full((n, sb, 2), d, np.float16).view(np.uint8).reshape(n, sb, 4)
+    quants = rng.integers(0, 256, (n, sb, 128), dtype=np.uint8)
+    return np.concatenate([halves, packed, quants], axis=-1).reshape(n, -1)
+
+
+def test_k_quant_gguf_is_served_packed(tmp_path, tokenizer):  # noqa: F811
+    """A Q4_K_M-style file (Q4_K, its down projections Q6_K) keeps its super-blocks packed
+    and answers as its dequantized float32 path and transformers on that folder."""
+    original = tiny_model("llama", tokenizer.get_vocab_size(), tied=True, hidden_size=256,
+                          intermediate_size=512, head_dim=64)
+    names = iter(range(1000))
+
+    def encode(name: str, data: np.ndarray):
+        if "down_proj" in name:
+            q6 = _k_quant_blocks(*data.shape, GGMLQuantizationType.Q6_K, next(names), 0.0005)
+            return q6.blocks.numpy(), GGMLQuantizationType.Q6_K
+        return _q4_k_centred(*data.shape, next(names), 0.003), GGMLQuantizationType.Q4_K
+
+    write_gguf(tmp_path / "tiny.gguf", original, tokenizer, encode=encode)
+    folder = convert_gguf(str(tmp_path / "tiny.gguf"), str(tmp_path / "out"), progress=False)
+    ids = tokenizer.encode(TEXT).ids[:12]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    packed = LLM(folder, accelerator="cpu", kv_cache_memory_gb=0.05, block_size=16)
+    kinds = [m.kind for m in packed.engine.accelerator.runner.model.modules()
+             if isinstance(m, GGUFWeight)]
+    assert sorted(kinds) == ["gguf:Q4_K"] * 7 + ["gguf:Q6_K"] * 2
+    ours = packed.generate([ids], params)[0].outputs[0].token_ids
+    floats = LLM(folder, accelerator="cpu", kv_cache_memory_gb=0.05, block_size=16,
+                 quantization="none")
+    assert floats.generate([ids], params)[0].outputs[0].token_ids == ours
+    assert len(set(ours)) > 4  # a model that answers, not one token over and over
+    reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = reference(torch.tensor([ids + ours])).logits[0, len(ids) - 1:-1]
+    assert logits.argmax(-1).tolist() == ours
 
 
 def test_default_model_packed_answers_as_float32():

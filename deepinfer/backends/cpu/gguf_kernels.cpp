@@ -1,6 +1,7 @@
 // GGUF block-quantized matmuls on the CPU, over the blocks exactly as a .gguf file stores them.
 //
-// A weight [N, K] is N rows of K/32 blocks. Q4_0: {fp16 d; 16 bytes of nibbles} (w = d*(q-8)),
+// A weight [N, K] is N rows of K/32 blocks (the k-quants, K/256 super-blocks: gguf_kquants.cpp).
+// Q4_0: {fp16 d; 16 bytes of nibbles} (w = d*(q-8)),
 // Q4_1: {fp16 d; fp16 m; 16 bytes} (w = d*q + m), Q8_0: {fp16 d; int8 q[32]} (w = d*q). In a
 // 4-bit block, byte j holds element j in its low nibble and element j + 16 in its high one.
 //
@@ -25,52 +26,31 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__AVX2__) && defined(__F16C__)
-#include <immintrin.h>
-#define DEEPINFER_AVX2 1
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#include "gguf_blocks.h"
+
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(DEEPINFER_AVX2)
 #define DEEPINFER_VNNI 1  // 256-bit vpdpwssd (EVEX), and 32 vector registers
-#endif
 #endif
 
 namespace {
 
+using namespace deepinfer_gguf;
+
 constexpr int kBlock = 32;
 constexpr int kMaxRows = 16;  // rows of x one gemv() call takes (decode batches)
-
-enum QType : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8 };  // GGMLQuantizationType values
 
 int64_t block_bytes(int64_t qtype) {
   switch (qtype) {
     case kQ4_0: return 18;
     case kQ4_1: return 20;
     case kQ8_0: return 34;
+    case kQ4_K: return 144;
+    case kQ6_K: return 210;
   }
   TORCH_CHECK(false, "unsupported GGUF block type ", qtype);
 }
 
-inline float half_to_float(const uint8_t* p) {
-  uint16_t h;
-  std::memcpy(&h, p, 2);
-#ifdef DEEPINFER_AVX2
-  return _cvtsh_ss(h);
-#else
-  const uint32_t sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
-  float value;
-  if (exp == 0) {
-    value = std::ldexp(static_cast<float>(man), -24);
-  } else if (exp == 31) {
-    value = man ? NAN : INFINITY;
-  } else {
-    value = std::ldexp(static_cast<float>(man | 0x400), static_cast<int>(exp) - 25);
-  }
-  uint32_t bits;
-  std::memcpy(&bits, &value, 4);
-  bits |= sign;
-  std::memcpy(&value, &bits, 4);
-  return value;
-#endif
-}
+int64_t block_values(int64_t qtype) { return is_k_quant(qtype) ? kSuperBlock : kBlock; }
 
 // Per row of x, the sum of each 32-column block: Q4_0's -8 and Q4_1's minimum multiply it.
 std::vector<float> block_sums(const float* x, int64_t blocks) {
@@ -311,8 +291,9 @@ void gemv_rows(const uint8_t* w, int64_t row_stride, int64_t n, int64_t blocks, 
 void check_weight(const at::Tensor& w, int64_t qtype, int64_t k) {
   TORCH_CHECK(w.dtype() == at::kByte && w.dim() == 2 && w.is_contiguous(),
               "GGUF weight must be a contiguous uint8 [N, row_bytes] tensor");
-  TORCH_CHECK(k % kBlock == 0, "GGUF rows hold whole 32-column blocks; K=", k);
-  TORCH_CHECK(w.size(1) == k / kBlock * block_bytes(qtype), "row bytes ", w.size(1),
+  const int64_t values = block_values(qtype);
+  TORCH_CHECK(k % values == 0, "GGUF rows hold whole ", values, "-column blocks; K=", k);
+  TORCH_CHECK(w.size(1) == k / values * block_bytes(qtype), "row bytes ", w.size(1),
               " do not match K=", k, " of type ", qtype);
 }
 
@@ -326,6 +307,12 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, int64_t qtype) {
   check_weight(w, qtype, k);
   const at::Tensor xc = x.contiguous();
   const float* xp = xc.data_ptr<float>();
+  if (is_k_quant(qtype)) {
+    at::Tensor y = at::empty({rows, n}, x.options());
+    k_quant_gemv(w.data_ptr<uint8_t>(), w.size(1), n, k / kSuperBlock, xp, k, rows, qtype,
+                 y.data_ptr<float>());
+    return y;
+  }
   std::vector<std::vector<float>> sums;
   for (int64_t m = 0; m < rows; ++m) sums.push_back(block_sums(xp + m * k, blocks));
   at::Tensor y = at::empty({n, rows}, x.options());
@@ -345,6 +332,11 @@ at::Tensor dequantize(const at::Tensor& w, int64_t qtype, int64_t k) {
   check_weight(w, qtype, k);
   const int64_t n = w.size(0), blocks = k / kBlock, stride = block_bytes(qtype);
   at::Tensor out = at::empty({n, k}, at::dtype(at::kFloat));
+  if (is_k_quant(qtype)) {
+    k_quant_dequantize(w.data_ptr<uint8_t>(), w.size(1), n, k / kSuperBlock, qtype,
+                       out.data_ptr<float>());
+    return out;
+  }
   const uint8_t* wp = w.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {

@@ -1,0 +1,53 @@
+// What the GGUF block kernels share: the block types they take and the fp16 their scales are
+// stored in; the k-quants' entry points (gguf_kquants.cpp).
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX2__) && defined(__F16C__)
+#include <immintrin.h>
+#define DEEPINFER_AVX2 1
+#endif
+
+namespace deepinfer_gguf {
+
+enum QType : int64_t {  // GGMLQuantizationType values
+  kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12, kQ6_K = 14
+};
+constexpr int kSuperBlock = 256;  // values in a k-quant super-block
+
+inline bool is_k_quant(int64_t qtype) { return qtype == kQ4_K || qtype == kQ6_K; }
+
+inline float half_to_float(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+#ifdef DEEPINFER_AVX2
+  return _cvtsh_ss(h);
+#else
+  const uint32_t sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
+  float value;
+  if (exp == 0) {
+    value = std::ldexp(static_cast<float>(man), -24);
+  } else if (exp == 31) {
+    value = man ? NAN : INFINITY;
+  } else {
+    value = std::ldexp(static_cast<float>(man | 0x400), static_cast<int>(exp) - 25);
+  }
+  uint32_t bits;
+  std::memcpy(&bits, &value, 4);
+  bits |= sign;
+  std::memcpy(&value, &bits, 4);
+  return value;
+#endif
+}
+
+// y [rows, n] = x [rows, k] @ W.T for W's n rows of `blocks` k-quant super-blocks.
+void k_quant_gemv(const uint8_t* w, int64_t row_stride, int64_t n, int64_t blocks,
+                  const float* x, int64_t k, int64_t rows, int64_t qtype, float* y);
+// The float32 weight [n, blocks * 256].
+void k_quant_dequantize(const uint8_t* w, int64_t row_stride, int64_t n, int64_t blocks,
+                        int64_t qtype, float* out);
+
+}  // namespace deepinfer_gguf

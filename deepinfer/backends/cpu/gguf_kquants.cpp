@@ -1,0 +1,133 @@
+// GGUF k-quants on the CPU, over the super-blocks as the file stores them (ggml's layouts):
+//
+// Q4_K, 144 bytes a 256 values: {fp16 d; fp16 dmin; 12 bytes of eight 6-bit scales and eight
+//   6-bit mins; 128 bytes of nibbles}. Sub-block j of 32: w = d*sc_j*q - dmin*m_j; each 32
+//   bytes of nibbles hold two sub-blocks (low nibbles, then high ones).
+// Q6_K, 210 bytes a 256 values: {128 bytes of low nibbles; 64 bytes of 2-bit highs; 16 int8
+//   scales; fp16 d}. Sub-block of 16: w = d*sc*(q - 32).
+//
+// Q4_K_M files (the common llama.cpp choice) are Q4_K with some tensors in Q6_K. The GEMV
+// expands each super-block of a weight row to float32 once, in L1, and dots it with every row
+// of x: the products are the dequantized weight's, as the Q4_0/Q4_1/Q8_0 kernels' several-row
+// path (gguf_kernels.cpp), so greedy decoding follows the float32 path.
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+
+#include "gguf_blocks.h"
+
+namespace deepinfer_gguf {
+namespace {
+
+// Q4_K's scale and min of sub-block j (ggml's get_scale_min_k4).
+inline void q4k_scale_min(int j, const uint8_t* q, float* sc, float* m) {
+  if (j < 4) {
+    *sc = q[j] & 63;
+    *m = q[j + 4] & 63;
+  } else {
+    *sc = (q[j + 4] & 0xf) | ((q[j - 4] >> 6) << 4);
+    *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+  }
+}
+
+void expand_q4_k(const uint8_t* block, float* y) {
+  const float d = half_to_float(block), dmin = half_to_float(block + 2);
+  const uint8_t* scales = block + 4;
+  const uint8_t* q = block + 16;
+  for (int j = 0; j < kSuperBlock; j += 64, q += 32) {
+    float sc, m;
+    q4k_scale_min(j / 32, scales, &sc, &m);
+    const float d1 = d * sc, m1 = dmin * m;
+    q4k_scale_min(j / 32 + 1, scales, &sc, &m);
+    const float d2 = d * sc, m2 = dmin * m;
+    for (int l = 0; l < 32; ++l) y[j + l] = d1 * (q[l] & 0xf) - m1;
+    for (int l = 0; l < 32; ++l) y[j + 32 + l] = d2 * (q[l] >> 4) - m2;
+  }
+}
+
+void expand_q6_k(const uint8_t* block, float* y) {
+  const uint8_t* ql = block;
+  const uint8_t* qh = block + 128;
+  const int8_t* sc = reinterpret_cast<const int8_t*>(block + 192);
+  const float d = half_to_float(block + 208);
+  for (int n = 0; n < kSuperBlock; n += 128, ql += 64, qh += 32, sc += 8) {
+    for (int half = 0; half < 2; ++half) {  // 16 values a scale: loops the compiler vectorizes
+      const float s1 = d * sc[half], s2 = d * sc[half + 2], s3 = d * sc[half + 4],
+                  s4 = d * sc[half + 6];
+      for (int l = 16 * half; l < 16 * half + 16; ++l) {
+        y[n + l] = s1 * static_cast<float>(((ql[l] & 0xf) | ((qh[l] & 3) << 4)) - 32);
+        y[n + l + 32] =
+            s2 * static_cast<float>(((ql[l + 32] & 0xf) | (((qh[l] >> 2) & 3) << 4)) - 32);
+        y[n + l + 64] = s3 * static_cast<float>(((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32);
+        y[n + l + 96] =
+            s4 * static_cast<float>(((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32);
+      }
+    }
+  }
+}
+
+inline void expand(int64_t qtype, const uint8_t* block, float* y) {
+  if (qtype == kQ4_K) {
+    expand_q4_k(block, y);
+  } else {
+    expand_q6_k(block, y);
+  }
+}
+
+int64_t super_block_bytes(int64_t qtype) { return qtype == kQ4_K ? 144 : 210; }
+
+// a . b over one super-block: four 8-wide FMA chains.
+float dot256(const float* a, const float* b) {
+#ifdef DEEPINFER_AVX2
+  __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
+                   _mm256_setzero_ps()};
+  for (int i = 0; i < kSuperBlock; i += 32) {
+    for (int u = 0; u < 4; ++u) {
+      acc[u] = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8 * u), _mm256_loadu_ps(b + i + 8 * u),
+                               acc[u]);
+    }
+  }
+  const __m256 v = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
+  __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_add_ss(h, _mm_movehdup_ps(h));
+  return _mm_cvtss_f32(h);
+#else
+  float s = 0.f;
+  for (int i = 0; i < kSuperBlock; ++i) s += a[i] * b[i];
+  return s;
+#endif
+}
+
+}  // namespace
+
+void k_quant_gemv(const uint8_t* w, int64_t row_stride, int64_t n, int64_t blocks,
+                  const float* x, int64_t k, int64_t rows, int64_t qtype, float* y) {
+  const int64_t stride = super_block_bytes(qtype);
+  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+    alignas(32) float values[kSuperBlock];
+    float sums[16];
+    for (int64_t r = begin; r < end; ++r) {
+      std::fill(sums, sums + rows, 0.f);
+      for (int64_t b = 0; b < blocks; ++b) {
+        expand(qtype, w + r * row_stride + b * stride, values);
+        for (int64_t m = 0; m < rows; ++m) sums[m] += dot256(values, x + m * k + b * kSuperBlock);
+      }
+      for (int64_t m = 0; m < rows; ++m) y[m * n + r] = sums[m];
+    }
+  });
+}
+
+void k_quant_dequantize(const uint8_t* w, int64_t row_stride, int64_t n, int64_t blocks,
+                        int64_t qtype, float* out) {
+  const int64_t stride = super_block_bytes(qtype);
+  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      for (int64_t b = 0; b < blocks; ++b) {
+        expand(qtype, w + r * row_stride + b * stride, out + (r * blocks + b) * kSuperBlock);
+      }
+    }
+  });
+}
+
+}  // namespace deepinfer_gguf
