@@ -8,6 +8,7 @@ elsewhere); later starts load the build.
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
 
@@ -54,13 +55,21 @@ def _cpu_flags() -> set[str]:
     return set()
 
 
+def _header_digest() -> str:
+    """torch's load() rebuilds when a source changes, not a header: a header's change makes a
+    build folder of its own."""
+    with open(os.path.join(_HERE, "gguf_blocks.h"), "rb") as f:
+        return hashlib.sha1(f.read()).hexdigest()[:10]
+
+
 @functools.lru_cache(maxsize=None)
 def extension():
     """The compiled module (bindings.cpp lists its functions)."""
     from torch.utils.cpp_extension import load
 
     kind, flags = _vector_flags()
-    build = os.path.join(cache_dir(), "extensions", f"cpu_kernels3-torch{torch.__version__}-{kind}")
+    build = os.path.join(cache_dir(), "extensions",
+                         f"cpu_kernels3-torch{torch.__version__}-{kind}-{_header_digest()}")
     os.makedirs(build, exist_ok=True)
     if not any(name.endswith(".so") for name in os.listdir(build)):
         log.info("building the CPU backend's C++ kernels once into %s (about 30 s)", build)
