@@ -77,8 +77,26 @@ def test_k_quant_kernels_equal_gguf_py(qtype):
                                rtol=1e-6, atol=1e-6)
     for m in (1, 5, MAX_GEMV_ROWS + 4):
         x = torch.randn(m, 512, generator=torch.Generator().manual_seed(m))
-        torch.testing.assert_close(gguf_linear(x, w.blocks, w.qtype, 512), x @ reference.T,
+        expected = x @ reference.T
+        if m == 1 and qtype == GGMLQuantizationType.Q4_K:
+            # Batch 1 as Q4_1's: x rounded to int16 per 32 columns times the values, and x as
+            # it is times each sub-block's minimum.
+            x16 = _int16_blocks(x)
+            expected = x16 @ reference.T - (x - x16) @ _q4_k_minimums(w).T
+        torch.testing.assert_close(gguf_linear(x, w.blocks, w.qtype, 512), expected,
                                    rtol=1e-5, atol=1e-4)
+
+
+def _q4_k_minimums(w: GGUFTensor) -> torch.Tensor:
+    """[N, K]: each Q4_K sub-block's dmin * m at its 32 columns (ggml's get_scale_min_k4)."""
+    n, k = w.shape
+    blocks = w.blocks.numpy().reshape(n, k // 256, 144)
+    dmin = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+    q = blocks[..., 4:16].astype(np.int32)
+    mins = np.concatenate([q[..., 4:8] & 63, (q[..., 8:12] >> 4) | ((q[..., 4:8] >> 6) << 4)],
+                          axis=-1)
+    minimums = (dmin[..., None] * mins).astype(np.float32).reshape(n, -1)
+    return torch.from_numpy(np.repeat(minimums, 32, axis=1))
 
 
 def _int16_blocks(x: torch.Tensor) -> torch.Tensor:

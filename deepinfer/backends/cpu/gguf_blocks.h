@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #if defined(__AVX2__) && defined(__F16C__)
 #include <immintrin.h>
@@ -16,6 +17,7 @@ namespace deepinfer_gguf {
 enum QType : int64_t {  // GGMLQuantizationType values
   kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12, kQ6_K = 14
 };
+constexpr int kBlock = 32;        // values in a Q4_0/Q4_1/Q8_0 block, and in x's int16 blocks
 constexpr int kSuperBlock = 256;  // values in a k-quant super-block
 
 inline bool is_k_quant(int64_t qtype) { return qtype == kQ4_K || qtype == kQ6_K; }
@@ -42,6 +44,18 @@ inline float half_to_float(const uint8_t* p) {
   return value;
 #endif
 }
+
+// Per row of x, the sum of each 32-column block (what a block's offset or minimum multiplies).
+std::vector<float> block_sums(const float* x, int64_t blocks);
+
+// One row of x (decode at batch 1) rounded to int16 per 32-column block: x ~= scale * q with
+// scale = max|x| / 32767, a relative error ~1e-5 of the block's largest value (llama.cpp's
+// int8 rounding is ~256 times coarser, and moved the default model's first answer token).
+struct Int16Row {
+  std::vector<int16_t> q;
+  std::vector<float> scale;
+};
+Int16Row round_to_int16(const float* x, int64_t blocks);
 
 // y [rows, n] = x [rows, k] @ W.T for W's n rows of `blocks` k-quant super-blocks.
 void k_quant_gemv(const uint8_t* w, int64_t row_stride, int64_t n, int64_t blocks,

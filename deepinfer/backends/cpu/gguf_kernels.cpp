@@ -32,11 +32,40 @@
 #define DEEPINFER_VNNI 1  // 256-bit vpdpwssd (EVEX), and 32 vector registers
 #endif
 
+namespace deepinfer_gguf {
+
+// Per row of x, the sum of each 32-column block: Q4_0's -8 and Q4_1's minimum multiply it.
+std::vector<float> block_sums(const float* x, int64_t blocks) {
+  std::vector<float> sums(blocks);
+  for (int64_t b = 0; b < blocks; ++b) {
+    float s = 0.f;
+    for (int i = 0; i < kBlock; ++i) s += x[b * kBlock + i];
+    sums[b] = s;
+  }
+  return sums;
+}
+
+Int16Row round_to_int16(const float* x, int64_t blocks) {
+  Int16Row row{std::vector<int16_t>(blocks * kBlock), std::vector<float>(blocks)};
+  for (int64_t b = 0; b < blocks; ++b) {
+    const float* xb = x + b * kBlock;
+    float amax = 0.f;
+    for (int i = 0; i < kBlock; ++i) amax = std::fmax(amax, std::fabs(xb[i]));
+    row.scale[b] = amax / 32767.f;
+    const float inv = amax > 0.f ? 32767.f / amax : 0.f;
+    for (int i = 0; i < kBlock; ++i) {
+      row.q[b * kBlock + i] = static_cast<int16_t>(std::nearbyint(xb[i] * inv));
+    }
+  }
+  return row;
+}
+
+}  // namespace deepinfer_gguf
+
 namespace {
 
 using namespace deepinfer_gguf;
 
-constexpr int kBlock = 32;
 constexpr int kMaxRows = 16;  // rows of x one gemv() call takes (decode batches)
 
 int64_t block_bytes(int64_t qtype) {
@@ -51,17 +80,6 @@ int64_t block_bytes(int64_t qtype) {
 }
 
 int64_t block_values(int64_t qtype) { return is_k_quant(qtype) ? kSuperBlock : kBlock; }
-
-// Per row of x, the sum of each 32-column block: Q4_0's -8 and Q4_1's minimum multiply it.
-std::vector<float> block_sums(const float* x, int64_t blocks) {
-  std::vector<float> sums(blocks);
-  for (int64_t b = 0; b < blocks; ++b) {
-    float s = 0.f;
-    for (int i = 0; i < kBlock; ++i) s += x[b * kBlock + i];
-    sums[b] = s;
-  }
-  return sums;
-}
 
 #ifdef DEEPINFER_AVX2
 inline float hsum(__m256 v) {
@@ -157,29 +175,6 @@ void row_dot(const uint8_t* w, int64_t blocks, const float* x, int64_t k,
 }
 
 #ifdef DEEPINFER_AVX2
-// One row of x (decode at batch 1) rounded to int16 per 32-column block: x ~= scale * q with
-// scale = max|x| / 32767, a relative error ~1e-5 of the block's largest value (llama.cpp's
-// int8 rounding is ~256 times coarser, and moved the default model's first answer token).
-struct Int16Row {
-  std::vector<int16_t> q;
-  std::vector<float> scale;
-};
-
-Int16Row round_to_int16(const float* x, int64_t blocks) {
-  Int16Row row{std::vector<int16_t>(blocks * kBlock), std::vector<float>(blocks)};
-  for (int64_t b = 0; b < blocks; ++b) {
-    const float* xb = x + b * kBlock;
-    float amax = 0.f;
-    for (int i = 0; i < kBlock; ++i) amax = std::fmax(amax, std::fabs(xb[i]));
-    row.scale[b] = amax / 32767.f;
-    const float inv = amax > 0.f ? 32767.f / amax : 0.f;
-    for (int i = 0; i < kBlock; ++i) {
-      row.q[b * kBlock + i] = static_cast<int16_t>(std::nearbyint(xb[i] * inv));
-    }
-  }
-  return row;
-}
-
 // The block's 32 integer values as two vectors of 16 int16 (elements 0..15, 16..31); 4-bit
 // values centred (q - 8), so the products stay small and Q4_0 needs no offset term.
 template <int64_t QT>

@@ -9,7 +9,8 @@
 // Q4_K_M files (the common llama.cpp choice) are Q4_K with some tensors in Q6_K. The GEMV
 // expands each super-block of a weight row to float32 once, in L1, and dots it with every row
 // of x: the products are the dequantized weight's, as the Q4_0/Q4_1/Q8_0 kernels' several-row
-// path (gguf_kernels.cpp), so greedy decoding follows the float32 path.
+// path (gguf_kernels.cpp). At batch 1, Q4_K runs as Q4_1 does there: x rounded to int16 per
+// 32 columns, integer multiply-adds over the nibbles.
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -99,11 +100,72 @@ float dot256(const float* a, const float* b) {
 #endif
 }
 
+#ifdef DEEPINFER_AVX2
+inline __m128i load16(const uint8_t* p) {
+  return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+}
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// One Q4_K row against one row of x, as the Q4_1 GEMV does it at batch 1 (gguf_kernels.cpp):
+// x rounded to int16 per 32 columns, integer multiply-adds over each sub-block's nibbles,
+// times d*sc and x's scale, less dmin*m times the sub-block's float sum of x. Each 32 bytes
+// of nibbles hold sub-blocks 2c (low nibbles) and 2c+1 (high ones).
+float q4_k_row_dot1(const uint8_t* w, int64_t blocks, const Int16Row& x, const float* sums) {
+  const __m256i mask = _mm256_set1_epi16(0x0f);
+  __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+  float mins = 0.f;
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* block = w + b * 144;
+    const float d = half_to_float(block), dmin = half_to_float(block + 2);
+    const uint8_t* q = block + 16;
+    for (int c = 0; c < 4; ++c, q += 32) {
+      const int64_t j = b * 8 + 2 * c;  // x's 32-column block under the low nibbles
+      float sc0, m0, sc1, m1;
+      q4k_scale_min(2 * c, block + 4, &sc0, &m0);
+      q4k_scale_min(2 * c + 1, block + 4, &sc1, &m1);
+      const __m256i w0 = _mm256_cvtepu8_epi16(load16(q));
+      const __m256i w1 = _mm256_cvtepu8_epi16(load16(q + 16));
+      const __m256i* x0 = reinterpret_cast<const __m256i*>(x.q.data() + j * kBlock);
+      const __m256i lo = _mm256_add_epi32(
+          _mm256_madd_epi16(_mm256_and_si256(w0, mask), _mm256_loadu_si256(x0)),
+          _mm256_madd_epi16(_mm256_and_si256(w1, mask), _mm256_loadu_si256(x0 + 1)));
+      const __m256i hi = _mm256_add_epi32(
+          _mm256_madd_epi16(_mm256_srli_epi16(w0, 4), _mm256_loadu_si256(x0 + 2)),
+          _mm256_madd_epi16(_mm256_srli_epi16(w1, 4), _mm256_loadu_si256(x0 + 3)));
+      acc[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo), _mm256_set1_ps(d * sc0 * x.scale[j]),
+                               acc[0]);
+      acc[1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi),
+                               _mm256_set1_ps(d * sc1 * x.scale[j + 1]), acc[1]);
+      mins += dmin * m0 * sums[j] + dmin * m1 * sums[j + 1];
+    }
+  }
+  return hsum(_mm256_add_ps(acc[0], acc[1])) - mins;
+}
+#endif
+
 }  // namespace
 
 void k_quant_gemv(const uint8_t* w, int64_t row_stride, int64_t n, int64_t blocks,
                   const float* x, int64_t k, int64_t rows, int64_t qtype, float* y) {
   const int64_t stride = super_block_bytes(qtype);
+#ifdef DEEPINFER_AVX2
+  if (rows == 1 && qtype == kQ4_K) {
+    const Int16Row xq = round_to_int16(x, k / kBlock);
+    const std::vector<float> sums = block_sums(x, k / kBlock);
+    at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        y[r] = q4_k_row_dot1(w + r * row_stride, blocks, xq, sums.data());
+      }
+    });
+    return;
+  }
+#endif
   at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
     alignas(32) float values[kSuperBlock];
     float sums[16];
