@@ -9,8 +9,8 @@
 // Q4_K_M files (the common llama.cpp choice) are Q4_K with some tensors in Q6_K. The GEMV
 // expands each super-block of a weight row to float32 once, in L1, and dots it with every row
 // of x: the products are the dequantized weight's, as the Q4_0/Q4_1/Q8_0 kernels' several-row
-// path (gguf_kernels.cpp). At batch 1, Q4_K runs as Q4_1 does there: x rounded to int16 per
-// 32 columns, integer multiply-adds over the nibbles.
+// path (gguf_kernels.cpp). At batch 1 both run as Q4_1 does there: x rounded to int16 per
+// 32 columns, integer multiply-adds over the values.
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -147,6 +147,60 @@ float q4_k_row_dot1(const uint8_t* w, int64_t blocks, const Int16Row& x, const f
   }
   return hsum(_mm256_add_ps(acc[0], acc[1])) - mins;
 }
+
+// One Q6_K row against one row of x at batch 1: x in int16 per 32 columns, integer
+// multiply-adds over the centred 6-bit values (q - 32), one float scale per 16 values
+// (d * sc * x's scale). In each half of a super-block, byte l of the low nibbles and of the
+// high 2 bits builds values l, l+32, l+64, l+96 (expand_q6_k's order).
+float q6_k_row_dot1(const uint8_t* w, int64_t blocks, const Int16Row& x) {
+  const __m256i low4 = _mm256_set1_epi8(0x0f), low2 = _mm256_set1_epi8(0x03);
+  const __m256i offset = _mm256_set1_epi8(32);
+  __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* block = w + b * 210;
+    const int8_t* sc = reinterpret_cast<const int8_t*>(block + 192);
+    const float d = half_to_float(block + 208);
+    for (int half = 0; half < 2; ++half) {
+      const uint8_t* ql = block + 64 * half;
+      const __m256i ql0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql));
+      const __m256i ql1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 32));
+      const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 128 +
+                                                                              32 * half));
+      const __m256i values[4] = {  // the 32 values of x blocks 0..3 of this half, minus 32
+          _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(ql0, low4),
+                                          _mm256_slli_epi16(_mm256_and_si256(qh, low2), 4)),
+                          offset),
+          _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(ql1, low4),
+                                          _mm256_slli_epi16(_mm256_and_si256(
+                                              _mm256_srli_epi16(qh, 2), low2), 4)),
+                          offset),
+          _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), low4),
+                                          _mm256_slli_epi16(_mm256_and_si256(
+                                              _mm256_srli_epi16(qh, 4), low2), 4)),
+                          offset),
+          _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), low4),
+                                          _mm256_slli_epi16(_mm256_and_si256(
+                                              _mm256_srli_epi16(qh, 6), low2), 4)),
+                          offset)};
+      for (int i = 0; i < 4; ++i) {
+        const int64_t j = b * 8 + half * 4 + i;  // x's 32-column block
+        const __m256i* xb = reinterpret_cast<const __m256i*>(x.q.data() + j * kBlock);
+        const __m256i first = _mm256_madd_epi16(
+            _mm256_cvtepi8_epi16(_mm256_castsi256_si128(values[i])), _mm256_loadu_si256(xb));
+        const __m256i second = _mm256_madd_epi16(
+            _mm256_cvtepi8_epi16(_mm256_extracti128_si256(values[i], 1)),
+            _mm256_loadu_si256(xb + 1));
+        const float scale = d * x.scale[j];
+        const int s = 8 * half + 2 * i;  // the scales of values 0..15 and 16..31
+        acc[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(first), _mm256_set1_ps(scale * sc[s]),
+                                 acc[0]);
+        acc[1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(second),
+                                 _mm256_set1_ps(scale * sc[s + 1]), acc[1]);
+      }
+    }
+  }
+  return hsum(_mm256_add_ps(acc[0], acc[1]));
+}
 #endif
 
 }  // namespace
@@ -155,12 +209,14 @@ void k_quant_gemv(const uint8_t* w, int64_t row_stride, int64_t n, int64_t block
                   const float* x, int64_t k, int64_t rows, int64_t qtype, float* y) {
   const int64_t stride = super_block_bytes(qtype);
 #ifdef DEEPINFER_AVX2
-  if (rows == 1 && qtype == kQ4_K) {
+  if (rows == 1) {
     const Int16Row xq = round_to_int16(x, k / kBlock);
     const std::vector<float> sums = block_sums(x, k / kBlock);
     at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) {
-        y[r] = q4_k_row_dot1(w + r * row_stride, blocks, xq, sums.data());
+        const uint8_t* row = w + r * row_stride;
+        y[r] = qtype == kQ4_K ? q4_k_row_dot1(row, blocks, xq, sums.data())
+                              : q6_k_row_dot1(row, blocks, xq);
       }
     });
     return;
