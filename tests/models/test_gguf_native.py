@@ -56,20 +56,21 @@ def _k_quant_blocks(n: int, k: int, qtype: GGMLQuantizationType, seed: int = 0,
     """Random k-quant super-blocks (gguf-py has no k-quant quantizer): random quants, scales
     and mins, with fp16 super-block scales up to `scale`."""
     rng = np.random.default_rng(seed)
-    nbytes = {GGMLQuantizationType.Q4_K: 144, GGMLQuantizationType.Q6_K: 210}[qtype]
+    nbytes = {GGMLQuantizationType.Q4_K: 144, GGMLQuantizationType.Q5_K: 176,
+              GGMLQuantizationType.Q6_K: 210}[qtype]
     blocks = rng.integers(0, 256, (n, k // 256, nbytes), dtype=np.uint8)
     scales = rng.uniform(scale / 20, scale, (n, k // 256, 2)).astype(np.float16).view(np.uint8)
-    if qtype == GGMLQuantizationType.Q4_K:
+    if qtype != GGMLQuantizationType.Q6_K:
         blocks[..., 0:4] = scales.reshape(n, k // 256, 4)  # d, dmin
     else:
         blocks[..., 208:210] = scales.reshape(n, k // 256, 4)[..., :2]  # d
     return GGUFTensor(torch.from_numpy(blocks.reshape(n, -1)), int(qtype), (n, k))
 
 
-@pytest.mark.parametrize("qtype", [GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K],
-                         ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K,
+                                   GGMLQuantizationType.Q6_K], ids=lambda t: t.name)
 def test_k_quant_kernels_equal_gguf_py(qtype):
-    """Q4_K and Q6_K (a Q4_K_M file's two types): the kernels' dequantization is gguf-py's
+    """Q4_K, Q5_K and Q6_K (Q4_K_M and Q5_K_M files): the kernels' dequantization is gguf-py's
     (up to a fused multiply-add), and the GEMV, at 1 and several rows, multiplies x by it."""
     w = _k_quant_blocks(24, 512, qtype)
     reference = w.dequantize()
@@ -80,19 +81,20 @@ def test_k_quant_kernels_equal_gguf_py(qtype):
         expected = x @ reference.T
         if m == 1:
             # Batch 1 as Q4_1's: x rounded to int16 per 32 columns times the values (Q6_K's
-            # are centred), and x as it is times each Q4_K sub-block's minimum.
+            # are centred), and x as it is times each Q4_K / Q5_K sub-block's minimum.
             x16 = _int16_blocks(x)
             expected = x16 @ reference.T
-            if qtype == GGMLQuantizationType.Q4_K:
-                expected = expected - (x - x16) @ _q4_k_minimums(w).T
+            if qtype != GGMLQuantizationType.Q6_K:
+                expected = expected - (x - x16) @ _k_quant_minimums(w).T
         torch.testing.assert_close(gguf_linear(x, w.blocks, w.qtype, 512), expected,
                                    rtol=1e-5, atol=1e-4)
 
 
-def _q4_k_minimums(w: GGUFTensor) -> torch.Tensor:
-    """[N, K]: each Q4_K sub-block's dmin * m at its 32 columns (ggml's get_scale_min_k4)."""
+def _k_quant_minimums(w: GGUFTensor) -> torch.Tensor:
+    """[N, K]: each Q4_K / Q5_K sub-block's dmin * m at its 32 columns (ggml's
+    get_scale_min_k4)."""
     n, k = w.shape
-    blocks = w.blocks.numpy().reshape(n, k // 256, 144)
+    blocks = w.blocks.numpy().reshape(n, k // 256, -1)
     dmin = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
     q = blocks[..., 4:16].astype(np.int32)
     mins = np.concatenate([q[..., 4:8] & 63, (q[..., 8:12] >> 4) | ((q[..., 4:8] >> 6) << 4)],

@@ -74,6 +74,7 @@ int64_t block_bytes(int64_t qtype) {
     case kQ4_1: return 20;
     case kQ8_0: return 34;
     case kQ4_K: return 144;
+    case kQ5_K: return 176;
     case kQ6_K: return 210;
   }
   TORCH_CHECK(false, "unsupported GGUF block type ", qtype);

@@ -3,10 +3,12 @@
 // Q4_K, 144 bytes a 256 values: {fp16 d; fp16 dmin; 12 bytes of eight 6-bit scales and eight
 //   6-bit mins; 128 bytes of nibbles}. Sub-block j of 32: w = d*sc_j*q - dmin*m_j; each 32
 //   bytes of nibbles hold two sub-blocks (low nibbles, then high ones).
+// Q5_K, 176 bytes a 256 values: Q4_K's with 32 bytes of fifth bits before the nibbles.
 // Q6_K, 210 bytes a 256 values: {128 bytes of low nibbles; 64 bytes of 2-bit highs; 16 int8
 //   scales; fp16 d}. Sub-block of 16: w = d*sc*(q - 32).
 //
-// Q4_K_M files (the common llama.cpp choice) are Q4_K with some tensors in Q6_K. The GEMV
+// Q4_K_M and Q5_K_M files (the common llama.cpp choices) are Q4_K or Q5_K with some tensors in
+// Q6_K. The GEMV
 // expands each super-block of a weight row to float32 once, in L1, and dots it with every row
 // of x: the products are the dequantized weight's, as the Q4_0/Q4_1/Q8_0 kernels' several-row
 // path (gguf_kernels.cpp). At batch 1 both run as Q4_1 does there: x rounded to int16 per
@@ -46,6 +48,28 @@ void expand_q4_k(const uint8_t* block, float* y) {
   }
 }
 
+// Q5_K: Q4_K's layout with a fifth bit per value, 32 bytes of them after the scales (bit 2c
+// of byte l for value l of sub-block 2c, bit 2c+1 for sub-block 2c+1).
+void expand_q5_k(const uint8_t* block, float* y) {
+  const float d = half_to_float(block), dmin = half_to_float(block + 2);
+  const uint8_t* scales = block + 4;
+  const uint8_t* qh = block + 16;
+  const uint8_t* q = block + 48;
+  for (int c = 0; c < 4; ++c, q += 32) {
+    float sc, m;
+    q4k_scale_min(2 * c, scales, &sc, &m);
+    const float d1 = d * sc, m1 = dmin * m;
+    q4k_scale_min(2 * c + 1, scales, &sc, &m);
+    const float d2 = d * sc, m2 = dmin * m;
+    for (int l = 0; l < 32; ++l) {
+      y[64 * c + l] = d1 * ((q[l] & 0xf) + (((qh[l] >> (2 * c)) & 1) << 4)) - m1;
+    }
+    for (int l = 0; l < 32; ++l) {
+      y[64 * c + 32 + l] = d2 * ((q[l] >> 4) + (((qh[l] >> (2 * c + 1)) & 1) << 4)) - m2;
+    }
+  }
+}
+
 void expand_q6_k(const uint8_t* block, float* y) {
   const uint8_t* ql = block;
   const uint8_t* qh = block + 128;
@@ -70,12 +94,16 @@ void expand_q6_k(const uint8_t* block, float* y) {
 inline void expand(int64_t qtype, const uint8_t* block, float* y) {
   if (qtype == kQ4_K) {
     expand_q4_k(block, y);
+  } else if (qtype == kQ5_K) {
+    expand_q5_k(block, y);
   } else {
     expand_q6_k(block, y);
   }
 }
 
-int64_t super_block_bytes(int64_t qtype) { return qtype == kQ4_K ? 144 : 210; }
+int64_t super_block_bytes(int64_t qtype) {
+  return qtype == kQ4_K ? 144 : (qtype == kQ5_K ? 176 : 210);
+}
 
 // a . b over one super-block: four 8-wide FMA chains.
 float dot256(const float* a, const float* b) {
@@ -116,14 +144,17 @@ inline float hsum(__m256 v) {
 // x rounded to int16 per 32 columns, integer multiply-adds over each sub-block's nibbles,
 // times d*sc and x's scale, less dmin*m times the sub-block's float sum of x. Each 32 bytes
 // of nibbles hold sub-blocks 2c (low nibbles) and 2c+1 (high ones).
-float q4_k_row_dot1(const uint8_t* w, int64_t blocks, const Int16Row& x, const float* sums) {
-  const __m256i mask = _mm256_set1_epi16(0x0f);
+// Q5_K likewise, each value's fifth bit (16) added from its high-bit byte.
+template <int64_t QT>
+float q4_5_k_row_dot1(const uint8_t* w, int64_t blocks, const Int16Row& x, const float* sums) {
+  constexpr int64_t stride = QT == kQ4_K ? 144 : 176, quants = QT == kQ4_K ? 16 : 48;
+  const __m256i mask = _mm256_set1_epi16(0x0f), one = _mm256_set1_epi16(1);
   __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
   float mins = 0.f;
   for (int64_t b = 0; b < blocks; ++b) {
-    const uint8_t* block = w + b * 144;
+    const uint8_t* block = w + b * stride;
     const float d = half_to_float(block), dmin = half_to_float(block + 2);
-    const uint8_t* q = block + 16;
+    const uint8_t* q = block + quants;
     for (int c = 0; c < 4; ++c, q += 32) {
       const int64_t j = b * 8 + 2 * c;  // x's 32-column block under the low nibbles
       float sc0, m0, sc1, m1;
@@ -131,13 +162,25 @@ float q4_k_row_dot1(const uint8_t* w, int64_t blocks, const Int16Row& x, const f
       q4k_scale_min(2 * c + 1, block + 4, &sc1, &m1);
       const __m256i w0 = _mm256_cvtepu8_epi16(load16(q));
       const __m256i w1 = _mm256_cvtepu8_epi16(load16(q + 16));
+      __m256i lo0 = _mm256_and_si256(w0, mask), lo1 = _mm256_and_si256(w1, mask);
+      __m256i hi0 = _mm256_srli_epi16(w0, 4), hi1 = _mm256_srli_epi16(w1, 4);
+      if (QT == kQ5_K) {
+        const __m256i h0 = _mm256_cvtepu8_epi16(load16(block + 16));
+        const __m256i h1 = _mm256_cvtepu8_epi16(load16(block + 32));
+        const __m128i shift = _mm_cvtsi32_si128(2 * c), next = _mm_cvtsi32_si128(2 * c + 1);
+        auto bit = [&](__m256i h, __m128i s) {
+          return _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(h, s), one), 4);
+        };
+        lo0 = _mm256_add_epi16(lo0, bit(h0, shift));
+        lo1 = _mm256_add_epi16(lo1, bit(h1, shift));
+        hi0 = _mm256_add_epi16(hi0, bit(h0, next));
+        hi1 = _mm256_add_epi16(hi1, bit(h1, next));
+      }
       const __m256i* x0 = reinterpret_cast<const __m256i*>(x.q.data() + j * kBlock);
-      const __m256i lo = _mm256_add_epi32(
-          _mm256_madd_epi16(_mm256_and_si256(w0, mask), _mm256_loadu_si256(x0)),
-          _mm256_madd_epi16(_mm256_and_si256(w1, mask), _mm256_loadu_si256(x0 + 1)));
-      const __m256i hi = _mm256_add_epi32(
-          _mm256_madd_epi16(_mm256_srli_epi16(w0, 4), _mm256_loadu_si256(x0 + 2)),
-          _mm256_madd_epi16(_mm256_srli_epi16(w1, 4), _mm256_loadu_si256(x0 + 3)));
+      const __m256i lo = _mm256_add_epi32(_mm256_madd_epi16(lo0, _mm256_loadu_si256(x0)),
+                                          _mm256_madd_epi16(lo1, _mm256_loadu_si256(x0 + 1)));
+      const __m256i hi = _mm256_add_epi32(_mm256_madd_epi16(hi0, _mm256_loadu_si256(x0 + 2)),
+                                          _mm256_madd_epi16(hi1, _mm256_loadu_si256(x0 + 3)));
       acc[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo), _mm256_set1_ps(d * sc0 * x.scale[j]),
                                acc[0]);
       acc[1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi),
@@ -215,8 +258,9 @@ void k_quant_gemv(const uint8_t* w, int64_t row_stride, int64_t n, int64_t block
     at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) {
         const uint8_t* row = w + r * row_stride;
-        y[r] = qtype == kQ4_K ? q4_k_row_dot1(row, blocks, xq, sums.data())
-                              : q6_k_row_dot1(row, blocks, xq);
+        y[r] = qtype == kQ4_K   ? q4_5_k_row_dot1<kQ4_K>(row, blocks, xq, sums.data())
+               : qtype == kQ5_K ? q4_5_k_row_dot1<kQ5_K>(row, blocks, xq, sums.data())
+                                : q6_k_row_dot1(row, blocks, xq);
       }
     });
     return;

@@ -20,7 +20,7 @@ from deepinfer.models.quant.packed import (FP8Weight, GGUFWeight, PackedEmbeddin
 from deepinfer.models.weights import Mapper
 
 _GGUF_TYPES = {"gguf:Q4_0": 2, "gguf:Q4_1": 3, "gguf:Q8_0": 8, "gguf:Q4_K": 12,
-               "gguf:Q6_K": 14}
+               "gguf:Q5_K": 13, "gguf:Q6_K": 14}
 
 
 def plan_packed(model: nn.Module, kinds: Mapping[str, str], mapper: Mapper,
