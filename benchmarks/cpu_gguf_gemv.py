@@ -7,9 +7,8 @@ rows of x.
 Each weight is one of many copies (more bytes than the last-level cache), taken in turn, so
 every call streams its blocks from memory as a decode step does. The ceiling is the weight's
 bytes over the machine's read rate (a float32 sum over a 400 MB tensor, same threads).
-Q4_0/Q4_1/Q5_K/Q8_0 blocks come from gguf-py's quantizer where it has one; the k-quants from
-random super-blocks (gguf-py cannot quantize them; the kernels' time does not depend on the
-values). Writes results/cpu_gguf_gemv.json and .png.
+Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 blocks come from gguf-py's quantizer; the k-quants from random
+super-blocks (gguf-py cannot quantize them; the kernels' time does not depend on the values). Writes results/cpu_gguf_gemv.json and .png.
 """
 from __future__ import annotations
 
@@ -25,7 +24,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from common import RESULTS_DIR, log, machine_environment, pyplot, write_json  # noqa: E402
 
-TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 K_QUANT_BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
 CACHE_BYTES = 256 << 20  # the copies of one weight span at least this much
 

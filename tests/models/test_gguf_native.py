@@ -23,7 +23,8 @@ from deepinfer.models.quant.packed import GGUFWeight
 from deepinfer.models.quant.tensors import GGUFTensor
 from tests.models.test_gguf_convert import TEXT, tiny_model, tokenizer, write_gguf  # noqa: F401
 
-TYPES = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0)
+TYPES = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q5_0,
+         GGMLQuantizationType.Q5_1, GGMLQuantizationType.Q8_0)
 
 
 def _blocks(n: int, k: int, qtype: GGMLQuantizationType, seed: int = 0) -> GGUFTensor:
@@ -112,15 +113,16 @@ def _int16_blocks(x: torch.Tensor) -> torch.Tensor:
 
 
 def _q4_1_offsets(w: GGUFTensor) -> torch.Tensor:
-    """[N, K]: each Q4_1 block's m + 8d (w = d * (q - 8) + m + 8d) at its 32 columns; zeros
-    for the types whose values are centred already."""
+    """[N, K]: each Q4_1 (Q5_1) block's m + 8d (m + 16d; w = d * (q - centre) + m + centre * d)
+    at its 32 columns; zeros for the types whose values are centred already."""
     n, k = w.shape
-    if w.qtype != GGMLQuantizationType.Q4_1:
+    centre = {GGMLQuantizationType.Q4_1: 8, GGMLQuantizationType.Q5_1: 16}.get(w.qtype)
+    if centre is None:
         return torch.zeros(n, k)
-    blocks = w.blocks.numpy().reshape(n, k // 32, 20)
+    blocks = w.blocks.numpy().reshape(n, k // 32, -1)
     d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
     m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
-    return torch.from_numpy(np.repeat(m + 8 * d, 32, axis=1))
+    return torch.from_numpy(np.repeat(m + centre * d, 32, axis=1))
 
 
 def test_tiny_gguf_is_served_packed(tmp_path, tokenizer):  # noqa: F811

@@ -15,7 +15,7 @@
 namespace deepinfer_gguf {
 
 enum QType : int64_t {  // GGMLQuantizationType values
-  kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14
+  kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14
 };
 constexpr int kBlock = 32;        // values in a Q4_0/Q4_1/Q8_0 block, and in x's int16 blocks
 constexpr int kSuperBlock = 256;  // values in a k-quant super-block

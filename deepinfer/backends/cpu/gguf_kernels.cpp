@@ -72,6 +72,8 @@ int64_t block_bytes(int64_t qtype) {
   switch (qtype) {
     case kQ4_0: return 18;
     case kQ4_1: return 20;
+    case kQ5_0: return 22;
+    case kQ5_1: return 24;
     case kQ8_0: return 34;
     case kQ4_K: return 144;
     case kQ5_K: return 176;
@@ -82,12 +84,47 @@ int64_t block_bytes(int64_t qtype) {
 
 int64_t block_values(int64_t qtype) { return is_k_quant(qtype) ? kSuperBlock : kBlock; }
 
+// The 32-value types at compile time: bytes a block, where its nibbles start, whether it has
+// a minimum (Q4_1, Q5_1: w = d*q + m) and a fifth bit per value (Q5_0, Q5_1: 4 bytes of them
+// after the scales, bit i for value i), and the value its integers centre on.
+template <int64_t QT>
+constexpr int64_t stride_of() {
+  return QT == kQ4_0 ? 18 : QT == kQ4_1 ? 20 : QT == kQ5_0 ? 22 : QT == kQ5_1 ? 24 : 34;
+}
+template <int64_t QT>
+constexpr int64_t nibbles_at() {
+  return QT == kQ4_0 ? 2 : QT == kQ4_1 ? 4 : QT == kQ5_0 ? 6 : 8;
+}
+template <int64_t QT>
+constexpr bool has_min() { return QT == kQ4_1 || QT == kQ5_1; }
+template <int64_t QT>
+constexpr bool has_fifth_bit() { return QT == kQ5_0 || QT == kQ5_1; }
+template <int64_t QT>
+constexpr int centre_of() { return has_fifth_bit<QT>() ? 16 : 8; }
+
+// The fifth bits of a Q5 block's 32 values as 0 or 16 (scalar path).
+inline int fifth_bit(const uint8_t* qh, int i) { return ((qh[i / 8] >> (i % 8)) & 1) << 4; }
+
 #ifdef DEEPINFER_AVX2
 inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
+}
+
+// A Q5 block's 32 fifth bits (4 bytes, bit i for value i) as bytes 0 or 16, byte i for value
+// i: each byte of the word broadcast to 8 lanes, one bit tested a lane (as ggml's
+// bytes_from_bits_32).
+inline __m256i fifth_bits(const uint8_t* qh) {
+  uint32_t bits;
+  std::memcpy(&bits, qh, 4);
+  const __m256i spread = _mm256_shuffle_epi8(
+      _mm256_set1_epi32(static_cast<int>(bits)),
+      _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0));
+  const __m256i set = _mm256_cmpeq_epi8(
+      _mm256_or_si256(spread, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe)), _mm256_set1_epi8(-1));
+  return _mm256_and_si256(set, _mm256_set1_epi8(16));
 }
 
 inline __m256 widen_u8(__m128i bytes) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes)); }
@@ -106,10 +143,15 @@ inline void expand(const uint8_t* block, __m256 v[4]) {
     return;
   }
   const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(
-      block + (QT == kQ4_1 ? 4 : 2)));
+      block + nibbles_at<QT>()));
   const __m128i mask = _mm_set1_epi8(0x0f);
-  const __m128i lo = _mm_and_si128(packed, mask);                     // elements 0..15
-  const __m128i hi = _mm_and_si128(_mm_srli_epi16(packed, 4), mask);  // elements 16..31
+  __m128i lo = _mm_and_si128(packed, mask);                     // elements 0..15
+  __m128i hi = _mm_and_si128(_mm_srli_epi16(packed, 4), mask);  // elements 16..31
+  if (has_fifth_bit<QT>()) {
+    const __m256i bits = fifth_bits(block + nibbles_at<QT>() - 4);
+    lo = _mm_or_si128(lo, _mm256_castsi256_si128(bits));
+    hi = _mm_or_si128(hi, _mm256_extracti128_si256(bits, 1));
+  }
   v[0] = widen_u8(lo);
   v[1] = widen_u8(_mm_srli_si128(lo, 8));
   v[2] = widen_u8(hi);
@@ -126,8 +168,15 @@ float dot_scalar(const uint8_t* block, const float* x) {
     for (int i = 0; i < kBlock; ++i) acc += q[i] * x[i];
     return acc;
   }
-  const uint8_t* qs = block + (QT == kQ4_1 ? 4 : 2);
-  for (int j = 0; j < 16; ++j) acc += (qs[j] & 0x0f) * x[j] + (qs[j] >> 4) * x[j + 16];
+  const uint8_t* qs = block + nibbles_at<QT>();
+  for (int j = 0; j < 16; ++j) {
+    int lo = qs[j] & 0x0f, hi = qs[j] >> 4;
+    if (has_fifth_bit<QT>()) {
+      lo += fifth_bit(qs - 4, j);
+      hi += fifth_bit(qs - 4, j + 16);
+    }
+    acc += lo * x[j] + hi * x[j + 16];
+  }
   return acc;
 }
 
@@ -137,7 +186,7 @@ float dot_scalar(const uint8_t* block, const float* x) {
 template <int64_t QT>
 void row_dot(const uint8_t* w, int64_t blocks, const float* x, int64_t k,
              const std::vector<float>* sums, int64_t rows, float* out) {
-  constexpr int64_t stride = QT == kQ4_0 ? 18 : (QT == kQ4_1 ? 20 : 34);
+  constexpr int64_t stride = stride_of<QT>();
 #ifdef DEEPINFER_AVX2
   __m256 acc[kMaxRows];
   for (int64_t m = 0; m < rows; ++m) acc[m] = _mm256_setzero_ps();
@@ -146,7 +195,9 @@ void row_dot(const uint8_t* w, int64_t blocks, const float* x, int64_t k,
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* block = w + b * stride;
     const float d = half_to_float(block);
-    const float offset = QT == kQ4_1 ? half_to_float(block + 2) : (QT == kQ4_0 ? -8.f * d : 0.f);
+    const float offset = has_min<QT>() ? half_to_float(block + 2)
+                         : QT == kQ8_0     ? 0.f
+                                           : -static_cast<float>(centre_of<QT>()) * d;
 #ifdef DEEPINFER_AVX2
     __m256 v[4];
     expand<QT>(block, v);
@@ -188,10 +239,15 @@ inline void expand_i16(const uint8_t* block, __m256i& lo, __m256i& hi) {
   // Each byte widened to an int16 lane first: its low nibble is then lane & 15 and its high
   // one lane >> 4, with no mask for the shift (four instructions where bytes took seven).
   const __m256i bytes = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(
-      block + (QT == kQ4_1 ? 4 : 2))));
-  const __m256i eight = _mm256_set1_epi16(8);
-  lo = _mm256_sub_epi16(_mm256_and_si256(bytes, _mm256_set1_epi16(0x0f)), eight);
-  hi = _mm256_sub_epi16(_mm256_srli_epi16(bytes, 4), eight);
+      block + nibbles_at<QT>())));
+  const __m256i centre = _mm256_set1_epi16(centre_of<QT>());
+  lo = _mm256_sub_epi16(_mm256_and_si256(bytes, _mm256_set1_epi16(0x0f)), centre);
+  hi = _mm256_sub_epi16(_mm256_srli_epi16(bytes, 4), centre);
+  if (has_fifth_bit<QT>()) {
+    const __m256i bits = fifth_bits(block + nibbles_at<QT>() - 4);
+    lo = _mm256_add_epi16(lo, _mm256_cvtepu8_epi16(_mm256_castsi256_si128(bits)));
+    hi = _mm256_add_epi16(hi, _mm256_cvtepu8_epi16(_mm256_extracti128_si256(bits, 1)));
+  }
 }
 
 // The block's 32 products as 8 int32 lanes (lane i: values 2i, 2i+1, 16+2i, 17+2i): VNNI's
@@ -222,7 +278,7 @@ inline __m256 low_halves(__m256i words) {
 // these scalar conversions were as many instructions as the block's integer dot.
 template <int64_t QT>
 float row_dot1(const uint8_t* w, int64_t blocks, const Int16Row& x, const float* sums) {
-  constexpr int stride = QT == kQ4_0 ? 18 : (QT == kQ4_1 ? 20 : 34);
+  constexpr int stride = stride_of<QT>();
   __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
                    _mm256_setzero_ps()};
   __m256 offsets = _mm256_setzero_ps();  // Q4_1: sum over blocks of (m + 8d) * sum(x_block)
@@ -245,9 +301,9 @@ float row_dot1(const uint8_t* w, int64_t blocks, const Int16Row& x, const float*
                                                   at, 1);
     const __m256 d = low_halves(words);
     _mm256_store_ps(scales, _mm256_mul_ps(d, _mm256_loadu_ps(x.scale.data() + b)));
-    if (QT == kQ4_1) {
+    if (has_min<QT>()) {
       const __m256 m = low_halves(_mm256_srli_epi32(words, 16));
-      offsets = _mm256_fmadd_ps(_mm256_fmadd_ps(_mm256_set1_ps(8.f), d, m),
+      offsets = _mm256_fmadd_ps(_mm256_fmadd_ps(_mm256_set1_ps(centre_of<QT>()), d, m),
                                 _mm256_loadu_ps(sums + b), offsets);
     }
     for (int i = 0; i < 8; ++i) dot(b + i, i & 3, scales[i]);
@@ -256,7 +312,10 @@ float row_dot1(const uint8_t* w, int64_t blocks, const Int16Row& x, const float*
     const uint8_t* block = w + b * stride;
     const float d = half_to_float(block);
     dot(b, 0, d * x.scale[b]);
-    if (QT == kQ4_1) tail_offsets += (half_to_float(block + 2) + 8.f * d) * sums[b];
+    if (has_min<QT>()) {
+      tail_offsets += (half_to_float(block + 2) + static_cast<float>(centre_of<QT>()) * d) *
+                      sums[b];
+    }
   }
   const __m256 sum = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
   return hsum(sum) + (hsum(offsets) + tail_offsets);
@@ -318,6 +377,8 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, int64_t qtype) {
   switch (qtype) {
     case kQ4_0: gemv_rows<kQ4_0>(wp, row_stride, n, blocks, xp, k, sums.data(), rows, yp); break;
     case kQ4_1: gemv_rows<kQ4_1>(wp, row_stride, n, blocks, xp, k, sums.data(), rows, yp); break;
+    case kQ5_0: gemv_rows<kQ5_0>(wp, row_stride, n, blocks, xp, k, sums.data(), rows, yp); break;
+    case kQ5_1: gemv_rows<kQ5_1>(wp, row_stride, n, blocks, xp, k, sums.data(), rows, yp); break;
     default: gemv_rows<kQ8_0>(wp, row_stride, n, blocks, xp, k, sums.data(), rows, yp); break;
   }
   return y.t().contiguous();
@@ -344,6 +405,16 @@ at::Tensor dequantize(const at::Tensor& w, int64_t qtype, int64_t k) {
         if (qtype == kQ8_0) {
           const int8_t* q = reinterpret_cast<const int8_t*>(block + 2);
           for (int i = 0; i < kBlock; ++i) o[i] = d * q[i];
+          continue;
+        }
+        if (qtype == kQ5_0 || qtype == kQ5_1) {  // gguf-py's order: d * (q - 16), d * q + m
+          const uint8_t* qs = block + (qtype == kQ5_0 ? 6 : 8);
+          const float m_w = qtype == kQ5_1 ? half_to_float(block + 2) : 0.f;
+          const int centre = qtype == kQ5_0 ? 16 : 0;
+          for (int j = 0; j < 16; ++j) {
+            o[j] = d * ((qs[j] & 0x0f) + fifth_bit(qs - 4, j) - centre) + m_w;
+            o[j + 16] = d * ((qs[j] >> 4) + fifth_bit(qs - 4, j + 16) - centre) + m_w;
+          }
           continue;
         }
         const float m_w = qtype == kQ4_1 ? half_to_float(block + 2) : -8.f * d;

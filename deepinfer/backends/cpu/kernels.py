@@ -21,8 +21,8 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 _SOURCES = [os.path.join(_HERE, f)
             for f in ("bindings.cpp", "gguf_kernels.cpp", "gguf_kquants.cpp", "fused_ops.cpp")]
 # The GGUF block types the kernels run (models/quant kinds).
-GGUF_KINDS = ("gguf:Q4_0", "gguf:Q4_1", "gguf:Q8_0", "gguf:Q4_K", "gguf:Q5_K",
-              "gguf:Q6_K")
+GGUF_KINDS = ("gguf:Q4_0", "gguf:Q4_1", "gguf:Q5_0", "gguf:Q5_1", "gguf:Q8_0", "gguf:Q4_K",
+              "gguf:Q5_K", "gguf:Q6_K")
 # Rows of x the integer-dot GEMV takes in one call (kMaxRows in the source); a step with more
 # tokens dequantizes the weight and runs a float32 GEMM instead.
 MAX_GEMV_ROWS = 16

@@ -40,8 +40,8 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 class CPUOps(ModelOps):
-    """ModelOps over torch; attention goes to the paged KV cache; GGUF Q4_0/Q4_1/Q8_0 weights
-    and the k-quants Q4_K/Q5_K/Q6_K stay packed (gguf_kernels.cpp, gguf_kquants.cpp)."""
+    """ModelOps over torch; attention goes to the paged KV cache; GGUF Q4_0/Q4_1/Q5_0/Q5_1/Q8_0
+    weights and the k-quants Q4_K/Q5_K/Q6_K stay packed (gguf_kernels.cpp, gguf_kquants.cpp)."""
 
     def __init__(self, cache: PagedCache) -> None:
         self.cache = cache

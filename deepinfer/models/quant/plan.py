@@ -19,8 +19,8 @@ from deepinfer.models.quant.packed import (FP8Weight, GGUFWeight, PackedEmbeddin
                                            PackedWeight)
 from deepinfer.models.weights import Mapper
 
-_GGUF_TYPES = {"gguf:Q4_0": 2, "gguf:Q4_1": 3, "gguf:Q8_0": 8, "gguf:Q4_K": 12,
-               "gguf:Q5_K": 13, "gguf:Q6_K": 14}
+_GGUF_TYPES = {"gguf:Q4_0": 2, "gguf:Q4_1": 3, "gguf:Q5_0": 6, "gguf:Q5_1": 7, "gguf:Q8_0": 8,
+               "gguf:Q4_K": 12, "gguf:Q5_K": 13, "gguf:Q6_K": 14}
 
 
 def plan_packed(model: nn.Module, kinds: Mapping[str, str], mapper: Mapper,
