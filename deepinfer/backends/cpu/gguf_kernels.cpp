@@ -343,6 +343,43 @@ void gemv_rows(const uint8_t* w, int64_t row_stride, int64_t n, int64_t blocks, 
   });
 }
 
+// Value i of a 32-value block as the integer its scale multiplies (scalar builds).
+template <int64_t QT>
+int block_value(const uint8_t* block, int i) {
+  if (QT == kQ8_0) return reinterpret_cast<const int8_t*>(block + 2)[i];
+  const uint8_t* qs = block + nibbles_at<QT>();
+  const int nibble = i < 16 ? qs[i] & 0x0f : qs[i - 16] >> 4;
+  return has_fifth_bit<QT>() ? nibble + fifth_bit(qs - 4, i) : nibble;
+}
+
+// Rows [begin, end) of 32-value blocks as float32: d * value + offset, the values expanded as
+// the several-row GEMV expands them. Each product is exact in float32 (an fp16 scale times an
+// integer of at most 8 bits), so every weight is the one rounding gguf-py's is.
+template <int64_t QT>
+void dequantize_rows(const uint8_t* w, int64_t row_bytes, int64_t begin, int64_t end,
+                     int64_t blocks, float* out) {
+  for (int64_t r = begin; r < end; ++r) {
+    for (int64_t b = 0; b < blocks; ++b) {
+      const uint8_t* block = w + r * row_bytes + b * stride_of<QT>();
+      float* o = out + (r * blocks + b) * kBlock;
+      const float d = half_to_float(block);
+      const float offset = has_min<QT>() ? half_to_float(block + 2)
+                           : QT == kQ8_0     ? 0.f
+                                             : -static_cast<float>(centre_of<QT>()) * d;
+#ifdef DEEPINFER_AVX2
+      __m256 v[4];
+      expand<QT>(block, v);
+      for (int i = 0; i < 4; ++i) {
+        _mm256_storeu_ps(o + 8 * i, _mm256_add_ps(_mm256_mul_ps(v[i], _mm256_set1_ps(d)),
+                                                  _mm256_set1_ps(offset)));
+      }
+#else
+      for (int i = 0; i < kBlock; ++i) o[i] = d * block_value<QT>(block, i) + offset;
+#endif
+    }
+  }
+}
+
 void check_weight(const at::Tensor& w, int64_t qtype, int64_t k) {
   TORCH_CHECK(w.dtype() == at::kByte && w.dim() == 2 && w.is_contiguous(),
               "GGUF weight must be a contiguous uint8 [N, row_bytes] tensor");
@@ -387,7 +424,7 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, int64_t qtype) {
 // The float32 weight [N, K] (for a GEMM over many rows, or an embedding lookup).
 at::Tensor dequantize(const at::Tensor& w, int64_t qtype, int64_t k) {
   check_weight(w, qtype, k);
-  const int64_t n = w.size(0), blocks = k / kBlock, stride = block_bytes(qtype);
+  const int64_t n = w.size(0), blocks = k / kBlock;
   at::Tensor out = at::empty({n, k}, at::dtype(at::kFloat));
   if (is_k_quant(qtype)) {
     k_quant_dequantize(w.data_ptr<uint8_t>(), w.size(1), n, k / kSuperBlock, qtype,
@@ -396,34 +433,14 @@ at::Tensor dequantize(const at::Tensor& w, int64_t qtype, int64_t k) {
   }
   const uint8_t* wp = w.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
+  const int64_t row_bytes = w.size(1);
   at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      for (int64_t b = 0; b < blocks; ++b) {
-        const uint8_t* block = wp + r * w.size(1) + b * stride;
-        float* o = op + r * k + b * kBlock;
-        const float d = half_to_float(block);
-        if (qtype == kQ8_0) {
-          const int8_t* q = reinterpret_cast<const int8_t*>(block + 2);
-          for (int i = 0; i < kBlock; ++i) o[i] = d * q[i];
-          continue;
-        }
-        if (qtype == kQ5_0 || qtype == kQ5_1) {  // gguf-py's order: d * (q - 16), d * q + m
-          const uint8_t* qs = block + (qtype == kQ5_0 ? 6 : 8);
-          const float m_w = qtype == kQ5_1 ? half_to_float(block + 2) : 0.f;
-          const int centre = qtype == kQ5_0 ? 16 : 0;
-          for (int j = 0; j < 16; ++j) {
-            o[j] = d * ((qs[j] & 0x0f) + fifth_bit(qs - 4, j) - centre) + m_w;
-            o[j + 16] = d * ((qs[j] >> 4) + fifth_bit(qs - 4, j + 16) - centre) + m_w;
-          }
-          continue;
-        }
-        const float m_w = qtype == kQ4_1 ? half_to_float(block + 2) : -8.f * d;
-        const uint8_t* qs = block + (qtype == kQ4_1 ? 4 : 2);
-        for (int j = 0; j < 16; ++j) {
-          o[j] = d * (qs[j] & 0x0f) + m_w;
-          o[j + 16] = d * (qs[j] >> 4) + m_w;
-        }
-      }
+    switch (qtype) {
+      case kQ4_0: dequantize_rows<kQ4_0>(wp, row_bytes, begin, end, blocks, op); break;
+      case kQ4_1: dequantize_rows<kQ4_1>(wp, row_bytes, begin, end, blocks, op); break;
+      case kQ5_0: dequantize_rows<kQ5_0>(wp, row_bytes, begin, end, blocks, op); break;
+      case kQ5_1: dequantize_rows<kQ5_1>(wp, row_bytes, begin, end, blocks, op); break;
+      default: dequantize_rows<kQ8_0>(wp, row_bytes, begin, end, blocks, op); break;
     }
   });
   return out;
