@@ -70,25 +70,61 @@ void expand_q5_k(const uint8_t* block, float* y) {
   }
 }
 
+#ifdef DEEPINFER_AVX2
+// Half `half` of a Q6_K super-block (values 128*half ...) as 4 vectors of 32 int8 values minus
+// 32: vector i holds values 32i .. 32i+31 of the half, each from byte l of the low nibbles
+// (ql[l] or ql[l + 32], low or high nibble) and 2 bits of qh[l].
+inline void q6_k_values(const uint8_t* block, int half, __m256i values[4]) {
+  const __m256i low4 = _mm256_set1_epi8(0x0f), low2 = _mm256_set1_epi8(0x03);
+  const __m256i offset = _mm256_set1_epi8(32);
+  const uint8_t* ql = block + 64 * half;
+  const __m256i ql0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql));
+  const __m256i ql1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 32));
+  const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 128 +
+                                                                          32 * half));
+  const __m256i low[4] = {ql0, ql1, _mm256_srli_epi16(ql0, 4), _mm256_srli_epi16(ql1, 4)};
+  for (int i = 0; i < 4; ++i) {
+    const __m256i high = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * i), low2);
+    values[i] = _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(low[i], low4),
+                                                _mm256_slli_epi16(high, 4)),
+                                offset);
+  }
+}
+#endif
+
 void expand_q6_k(const uint8_t* block, float* y) {
-  const uint8_t* ql = block;
-  const uint8_t* qh = block + 128;
+  // (d * sc) * value in that order, as ggml and gguf-py compute it.
   const int8_t* sc = reinterpret_cast<const int8_t*>(block + 192);
   const float d = half_to_float(block + 208);
-  for (int n = 0; n < kSuperBlock; n += 128, ql += 64, qh += 32, sc += 8) {
-    for (int half = 0; half < 2; ++half) {  // 16 values a scale: loops the compiler vectorizes
-      const float s1 = d * sc[half], s2 = d * sc[half + 2], s3 = d * sc[half + 4],
-                  s4 = d * sc[half + 6];
-      for (int l = 16 * half; l < 16 * half + 16; ++l) {
-        y[n + l] = s1 * static_cast<float>(((ql[l] & 0xf) | ((qh[l] & 3) << 4)) - 32);
-        y[n + l + 32] =
-            s2 * static_cast<float>(((ql[l + 32] & 0xf) | (((qh[l] >> 2) & 3) << 4)) - 32);
-        y[n + l + 64] = s3 * static_cast<float>(((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32);
-        y[n + l + 96] =
-            s4 * static_cast<float>(((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32);
+#ifdef DEEPINFER_AVX2
+  for (int half = 0; half < 2; ++half) {
+    __m256i values[4];
+    q6_k_values(block, half, values);
+    for (int i = 0; i < 4; ++i) {
+      for (int g = 0; g < 4; ++g) {  // 8 values at a time; 16 share a scale
+        const __m128i part = g < 2 ? _mm256_castsi256_si128(values[i])
+                                   : _mm256_extracti128_si256(values[i], 1);
+        const __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+            (g & 1) ? _mm_srli_si128(part, 8) : part));
+        const float scale = d * sc[8 * half + 2 * i + g / 2];
+        _mm256_storeu_ps(y + 128 * half + 32 * i + 8 * g,
+                         _mm256_mul_ps(_mm256_set1_ps(scale), v));
       }
     }
   }
+#else
+  const uint8_t* ql = block;
+  const uint8_t* qh = block + 128;
+  for (int n = 0; n < kSuperBlock; n += 128, ql += 64, qh += 32, sc += 8) {
+    for (int l = 0; l < 32; ++l) {
+      const int is = l / 16;
+      y[n + l] = d * sc[is] * (((ql[l] & 0xf) | ((qh[l] & 3) << 4)) - 32);
+      y[n + l + 32] = d * sc[is + 2] * (((ql[l + 32] & 0xf) | (((qh[l] >> 2) & 3) << 4)) - 32);
+      y[n + l + 64] = d * sc[is + 4] * (((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32);
+      y[n + l + 96] = d * sc[is + 6] * (((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32);
+    }
+  }
+#endif
 }
 
 inline void expand(int64_t qtype, const uint8_t* block, float* y) {
@@ -196,35 +232,14 @@ float q4_5_k_row_dot1(const uint8_t* w, int64_t blocks, const Int16Row& x, const
 // (d * sc * x's scale). In each half of a super-block, byte l of the low nibbles and of the
 // high 2 bits builds values l, l+32, l+64, l+96 (expand_q6_k's order).
 float q6_k_row_dot1(const uint8_t* w, int64_t blocks, const Int16Row& x) {
-  const __m256i low4 = _mm256_set1_epi8(0x0f), low2 = _mm256_set1_epi8(0x03);
-  const __m256i offset = _mm256_set1_epi8(32);
   __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* block = w + b * 210;
     const int8_t* sc = reinterpret_cast<const int8_t*>(block + 192);
     const float d = half_to_float(block + 208);
     for (int half = 0; half < 2; ++half) {
-      const uint8_t* ql = block + 64 * half;
-      const __m256i ql0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql));
-      const __m256i ql1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 32));
-      const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 128 +
-                                                                              32 * half));
-      const __m256i values[4] = {  // the 32 values of x blocks 0..3 of this half, minus 32
-          _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(ql0, low4),
-                                          _mm256_slli_epi16(_mm256_and_si256(qh, low2), 4)),
-                          offset),
-          _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(ql1, low4),
-                                          _mm256_slli_epi16(_mm256_and_si256(
-                                              _mm256_srli_epi16(qh, 2), low2), 4)),
-                          offset),
-          _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), low4),
-                                          _mm256_slli_epi16(_mm256_and_si256(
-                                              _mm256_srli_epi16(qh, 4), low2), 4)),
-                          offset),
-          _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), low4),
-                                          _mm256_slli_epi16(_mm256_and_si256(
-                                              _mm256_srli_epi16(qh, 6), low2), 4)),
-                          offset)};
+      __m256i values[4];
+      q6_k_values(block, half, values);
       for (int i = 0; i < 4; ++i) {
         const int64_t j = b * 8 + half * 4 + i;  // x's 32-column block
         const __m256i* xb = reinterpret_cast<const __m256i*>(x.q.data() + j * kBlock);
