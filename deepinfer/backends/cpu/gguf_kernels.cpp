@@ -102,6 +102,14 @@ constexpr bool has_fifth_bit() { return QT == kQ5_0 || QT == kQ5_1; }
 template <int64_t QT>
 constexpr int centre_of() { return has_fifth_bit<QT>() ? 16 : 8; }
 
+// What d times a block's raw values (uncentred, as expand gives them) is offset by: the
+// minimum m (Q4_1, Q5_1), -8d or -16d (Q4_0, Q5_0), nothing for Q8_0's signed values.
+template <int64_t QT>
+float raw_offset(const uint8_t* block, float d) {
+  if (has_min<QT>()) return half_to_float(block + 2);
+  return QT == kQ8_0 ? 0.f : -static_cast<float>(centre_of<QT>()) * d;
+}
+
 // The fifth bits of a Q5 block's 32 values as 0 or 16 (scalar path).
 inline int fifth_bit(const uint8_t* qh, int i) { return ((qh[i / 8] >> (i % 8)) & 1) << 4; }
 
@@ -195,9 +203,7 @@ void row_dot(const uint8_t* w, int64_t blocks, const float* x, int64_t k,
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* block = w + b * stride;
     const float d = half_to_float(block);
-    const float offset = has_min<QT>() ? half_to_float(block + 2)
-                         : QT == kQ8_0     ? 0.f
-                                           : -static_cast<float>(centre_of<QT>()) * d;
+    const float offset = raw_offset<QT>(block, d);
 #ifdef DEEPINFER_AVX2
     __m256 v[4];
     expand<QT>(block, v);
@@ -363,9 +369,7 @@ void dequantize_rows(const uint8_t* w, int64_t row_bytes, int64_t begin, int64_t
       const uint8_t* block = w + r * row_bytes + b * stride_of<QT>();
       float* o = out + (r * blocks + b) * kBlock;
       const float d = half_to_float(block);
-      const float offset = has_min<QT>() ? half_to_float(block + 2)
-                           : QT == kQ8_0     ? 0.f
-                                             : -static_cast<float>(centre_of<QT>()) * d;
+      const float offset = raw_offset<QT>(block, d);
 #ifdef DEEPINFER_AVX2
       __m256 v[4];
       expand<QT>(block, v);
