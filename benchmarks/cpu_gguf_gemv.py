@@ -8,7 +8,8 @@ Each weight is one of many copies (more bytes than the last-level cache), taken 
 every call streams its blocks from memory as a decode step does. The ceiling is the weight's
 bytes over the machine's read rate (a float32 sum over a 400 MB tensor, same threads).
 Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 blocks come from gguf-py's quantizer; the k-quants from random
-super-blocks (gguf-py cannot quantize them; the kernels' time does not depend on the values). Writes results/cpu_gguf_gemv.json and .png.
+super-blocks (gguf-py cannot quantize them; the kernels' time does not depend on the values).
+Writes results/cpu_gguf_gemv.json and .png.
 """
 from __future__ import annotations
 

@@ -32,7 +32,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm of float32 rows");
   m.def("add_rms_norm", &add_rms_norm, "(rms_norm(x + residual), x + residual)");
   m.def("rotary", &rotary, "NeoX rotary of q and k in place");
-  m.def("decode_attention", &decode_attention, "the step's K/V into the cache, then one query per sequence over it");
+  m.def("decode_attention", &decode_attention,
+        "the step's K/V into the cache, then one query per sequence over it");
   m.def("rotary_decode_attention", &rotary_decode_attention,
         "rotary of q and k in place, then decode_attention");
 }

@@ -24,6 +24,31 @@ inline bool is_k_quant(int64_t qtype) {
   return qtype == kQ4_K || qtype == kQ5_K || qtype == kQ6_K;
 }
 
+// Bytes a block (a k-quant's: a super-block) of the type takes; 0 for a type not taken here.
+constexpr int64_t block_bytes(int64_t qtype) {
+  switch (qtype) {
+    case kQ4_0: return 18;
+    case kQ4_1: return 20;
+    case kQ5_0: return 22;
+    case kQ5_1: return 24;
+    case kQ8_0: return 34;
+    case kQ4_K: return 144;
+    case kQ5_K: return 176;
+    case kQ6_K: return 210;
+    default: return 0;
+  }
+}
+
+#ifdef DEEPINFER_AVX2
+// The sum of v's 8 lanes.
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+#endif
+
 inline float half_to_float(const uint8_t* p) {
   uint16_t h;
   std::memcpy(&h, p, 2);

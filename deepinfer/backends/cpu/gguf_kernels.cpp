@@ -68,29 +68,11 @@ using namespace deepinfer_gguf;
 
 constexpr int kMaxRows = 16;  // rows of x one gemv() call takes (decode batches)
 
-int64_t block_bytes(int64_t qtype) {
-  switch (qtype) {
-    case kQ4_0: return 18;
-    case kQ4_1: return 20;
-    case kQ5_0: return 22;
-    case kQ5_1: return 24;
-    case kQ8_0: return 34;
-    case kQ4_K: return 144;
-    case kQ5_K: return 176;
-    case kQ6_K: return 210;
-  }
-  TORCH_CHECK(false, "unsupported GGUF block type ", qtype);
-}
-
 int64_t block_values(int64_t qtype) { return is_k_quant(qtype) ? kSuperBlock : kBlock; }
 
-// The 32-value types at compile time: bytes a block, where its nibbles start, whether it has
-// a minimum (Q4_1, Q5_1: w = d*q + m) and a fifth bit per value (Q5_0, Q5_1: 4 bytes of them
-// after the scales, bit i for value i), and the value its integers centre on.
-template <int64_t QT>
-constexpr int64_t stride_of() {
-  return QT == kQ4_0 ? 18 : QT == kQ4_1 ? 20 : QT == kQ5_0 ? 22 : QT == kQ5_1 ? 24 : 34;
-}
+// The 32-value types at compile time: where its nibbles start, whether it has a minimum
+// (Q4_1, Q5_1: w = d*q + m) and a fifth bit per value (Q5_0, Q5_1: 4 bytes of them after the
+// scales, bit i for value i), and the value its integers centre on.
 template <int64_t QT>
 constexpr int64_t nibbles_at() {
   return QT == kQ4_0 ? 2 : QT == kQ4_1 ? 4 : QT == kQ5_0 ? 6 : 8;
@@ -114,13 +96,6 @@ float raw_offset(const uint8_t* block, float d) {
 inline int fifth_bit(const uint8_t* qh, int i) { return ((qh[i / 8] >> (i % 8)) & 1) << 4; }
 
 #ifdef DEEPINFER_AVX2
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
 // A Q5 block's 32 fifth bits (4 bytes, bit i for value i) as bytes 0 or 16, byte i for value
 // i: each byte of the word broadcast to 8 lanes, one bit tested a lane (as ggml's
 // bytes_from_bits_32).
@@ -194,7 +169,7 @@ float dot_scalar(const uint8_t* block, const float* x) {
 template <int64_t QT>
 void row_dot(const uint8_t* w, int64_t blocks, const float* x, int64_t k,
              const std::vector<float>* sums, int64_t rows, float* out) {
-  constexpr int64_t stride = stride_of<QT>();
+  constexpr int64_t stride = block_bytes(QT);
 #ifdef DEEPINFER_AVX2
   __m256 acc[kMaxRows];
   for (int64_t m = 0; m < rows; ++m) acc[m] = _mm256_setzero_ps();
@@ -284,7 +259,7 @@ inline __m256 low_halves(__m256i words) {
 // these scalar conversions were as many instructions as the block's integer dot.
 template <int64_t QT>
 float row_dot1(const uint8_t* w, int64_t blocks, const Int16Row& x, const float* sums) {
-  constexpr int stride = stride_of<QT>();
+  constexpr int stride = block_bytes(QT);
   __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
                    _mm256_setzero_ps()};
   __m256 offsets = _mm256_setzero_ps();  // Q4_1: sum over blocks of (m + 8d) * sum(x_block)
@@ -366,7 +341,7 @@ void dequantize_rows(const uint8_t* w, int64_t row_bytes, int64_t begin, int64_t
                      int64_t blocks, float* out) {
   for (int64_t r = begin; r < end; ++r) {
     for (int64_t b = 0; b < blocks; ++b) {
-      const uint8_t* block = w + r * row_bytes + b * stride_of<QT>();
+      const uint8_t* block = w + r * row_bytes + b * block_bytes(QT);
       float* o = out + (r * blocks + b) * kBlock;
       const float d = half_to_float(block);
       const float offset = raw_offset<QT>(block, d);
@@ -387,6 +362,7 @@ void dequantize_rows(const uint8_t* w, int64_t row_bytes, int64_t begin, int64_t
 void check_weight(const at::Tensor& w, int64_t qtype, int64_t k) {
   TORCH_CHECK(w.dtype() == at::kByte && w.dim() == 2 && w.is_contiguous(),
               "GGUF weight must be a contiguous uint8 [N, row_bytes] tensor");
+  TORCH_CHECK(block_bytes(qtype) > 0, "unsupported GGUF block type ", qtype);
   const int64_t values = block_values(qtype);
   TORCH_CHECK(k % values == 0, "GGUF rows hold whole ", values, "-column blocks; K=", k);
   TORCH_CHECK(w.size(1) == k / values * block_bytes(qtype), "row bytes ", w.size(1),

@@ -137,9 +137,6 @@ inline void expand(int64_t qtype, const uint8_t* block, float* y) {
   }
 }
 
-int64_t super_block_bytes(int64_t qtype) {
-  return qtype == kQ4_K ? 144 : (qtype == kQ5_K ? 176 : 210);
-}
 
 // a . b over one super-block: four 8-wide FMA chains.
 float dot256(const float* a, const float* b) {
@@ -152,11 +149,7 @@ float dot256(const float* a, const float* b) {
                                acc[u]);
     }
   }
-  const __m256 v = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
-  __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-  h = _mm_add_ss(h, _mm_movehdup_ps(h));
-  return _mm_cvtss_f32(h);
+  return hsum(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
 #else
   float s = 0.f;
   for (int i = 0; i < kSuperBlock; ++i) s += a[i] * b[i];
@@ -169,13 +162,6 @@ inline __m128i load16(const uint8_t* p) {
   return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
 }
 
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
 // One Q4_K row against one row of x, as the Q4_1 GEMV does it at batch 1 (gguf_kernels.cpp):
 // x rounded to int16 per 32 columns, integer multiply-adds over each sub-block's nibbles,
 // times d*sc and x's scale, less dmin*m times the sub-block's float sum of x. Each 32 bytes
@@ -183,7 +169,7 @@ inline float hsum(__m256 v) {
 // Q5_K likewise, each value's fifth bit (16) added from its high-bit byte.
 template <int64_t QT>
 float q4_5_k_row_dot1(const uint8_t* w, int64_t blocks, const Int16Row& x, const float* sums) {
-  constexpr int64_t stride = QT == kQ4_K ? 144 : 176, quants = QT == kQ4_K ? 16 : 48;
+  constexpr int64_t stride = block_bytes(QT), quants = QT == kQ4_K ? 16 : 48;
   const __m256i mask = _mm256_set1_epi16(0x0f), one = _mm256_set1_epi16(1);
   __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
   float mins = 0.f;
@@ -234,7 +220,7 @@ float q4_5_k_row_dot1(const uint8_t* w, int64_t blocks, const Int16Row& x, const
 float q6_k_row_dot1(const uint8_t* w, int64_t blocks, const Int16Row& x) {
   __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
   for (int64_t b = 0; b < blocks; ++b) {
-    const uint8_t* block = w + b * 210;
+    const uint8_t* block = w + b * block_bytes(kQ6_K);
     const int8_t* sc = reinterpret_cast<const int8_t*>(block + 192);
     const float d = half_to_float(block + 208);
     for (int half = 0; half < 2; ++half) {
@@ -265,7 +251,7 @@ float q6_k_row_dot1(const uint8_t* w, int64_t blocks, const Int16Row& x) {
 
 void k_quant_gemv(const uint8_t* w, int64_t row_stride, int64_t n, int64_t blocks,
                   const float* x, int64_t k, int64_t rows, int64_t qtype, float* y) {
-  const int64_t stride = super_block_bytes(qtype);
+  const int64_t stride = block_bytes(qtype);
 #ifdef DEEPINFER_AVX2
   if (rows == 1) {
     const Int16Row xq = round_to_int16(x, k / kBlock);
@@ -297,7 +283,7 @@ void k_quant_gemv(const uint8_t* w, int64_t row_stride, int64_t n, int64_t block
 
 void k_quant_dequantize(const uint8_t* w, int64_t row_stride, int64_t n, int64_t blocks,
                         int64_t qtype, float* out) {
-  const int64_t stride = super_block_bytes(qtype);
+  const int64_t stride = block_bytes(qtype);
   at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       for (int64_t b = 0; b < blocks; ++b) {

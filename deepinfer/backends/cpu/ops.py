@@ -50,17 +50,14 @@ class CPUOps(ModelOps):
         # GGUF blocks stay packed only where their kernels built.
         self.packed_kinds = GGUF_KINDS if self.kernels is not None else ()
 
-    def _fused(self, *tensors: torch.Tensor) -> bool:
-        return fusable(self.kernels, *tensors)
-
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        if self._fused(x, weight):
+        if fusable(self.kernels, x, weight):
             return self.kernels.rms_norm(x, weight, eps)
         return rms_norm(x, weight, eps)
 
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._fused(x, residual, weight):
+        if fusable(self.kernels, x, residual, weight):
             return self.kernels.add_rms_norm(x, residual, weight, eps)
         summed = x + residual
         return rms_norm(summed, weight, eps), summed
@@ -69,7 +66,7 @@ class CPUOps(ModelOps):
                          positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                          layer: int, meta: Any, qk_norm: QKNorm | None = None
                          ) -> torch.Tensor:
-        if qk_norm is not None or not self._fused(q, k, cos, sin):
+        if qk_norm is not None or not fusable(self.kernels, q, k, cos, sin):
             return super().rotary_attention(q, k, v, positions, cos, sin, layer, meta, qk_norm)
         if type(self).attention is not CPUOps.attention:  # a subclass attends its own way
             self.kernels.rotary(q, k, positions, cos, sin)  # in place, as the seam allows
@@ -88,7 +85,7 @@ class CPUOps(ModelOps):
                       bias: torch.Tensor | None = None) -> torch.Tensor:
         if not isinstance(weight, GGUFWeight) or self.kernels is None:
             return super().packed_linear(x, weight, bias)
-        if x.dim() == 2 and x.shape[0] <= MAX_GEMV_ROWS and self._fused(x):
+        if x.dim() == 2 and x.shape[0] <= MAX_GEMV_ROWS and fusable(self.kernels, x):
             y = self.kernels.gemv(x, weight.blocks, weight.qtype)  # decode: the common call
         else:
             y = gguf_linear(x.reshape(-1, x.shape[-1]), weight.blocks, weight.qtype,
@@ -100,7 +97,7 @@ class CPUOps(ModelOps):
                   down_bias: torch.Tensor | None = None) -> torch.Tensor:
         if gate_up_bias is None and down_bias is None and isinstance(gate_up, GGUFWeight) and \
                 isinstance(down, GGUFWeight) and x.dim() == 2 and x.shape[0] <= MAX_GEMV_ROWS \
-                and self._fused(x):  # a decode step: one call for the three
+                and fusable(self.kernels, x):  # a decode step: one call for the three
             return self.kernels.gguf_mlp(x, gate_up.blocks, gate_up.qtype, down.blocks,
                                          down.qtype)
         return super().gated_mlp(x, gate_up, down, gate_up_bias, down_bias)

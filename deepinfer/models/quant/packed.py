@@ -10,16 +10,11 @@ from __future__ import annotations
 from abc import ABCMeta, abstractmethod
 
 import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from torch import nn
 
 from deepinfer.models.quant.tensors import GGUFTensor, QuantizedTensor, RowScaledFP8
 
-# (values, bytes) of a block: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, and the k-quants Q4_K, Q5_K, Q6_K
-# (super-blocks)
-_GGUF_BLOCK = {2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 8: (32, 34),
-               12: (256, 144), 13: (256, 176), 14: (256, 210)}
-_GGUF_NAMES = {2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 12: "Q4_K", 13: "Q5_K",
-               14: "Q6_K"}
 
 
 class PackedWeight(nn.Module, metaclass=ABCMeta):
@@ -58,9 +53,10 @@ class GGUFWeight(PackedWeight):
 
     def __init__(self, shape: tuple[int, int], qtype: int) -> None:
         super().__init__(shape)
-        values, nbytes = _GGUF_BLOCK[qtype]
+        kind = GGMLQuantizationType(qtype)
+        values, nbytes = GGML_QUANT_SIZES[kind]
         self.qtype = qtype
-        self.kind = f"gguf:{_GGUF_NAMES[qtype]}"
+        self.kind = f"gguf:{kind.name}"
         self.register_buffer("blocks", torch.empty(shape[0], shape[1] // values * nbytes,
                                                    dtype=torch.uint8))
 

@@ -12,16 +12,13 @@ from collections import defaultdict
 from typing import Callable, Iterable, Mapping
 
 import torch
+from gguf import GGMLQuantizationType
 from torch import nn
 
 from deepinfer.core.config import QUANTIZATION_MODES
 from deepinfer.models.quant.packed import (FP8Weight, GGUFWeight, PackedEmbedding,
                                            PackedWeight)
 from deepinfer.models.weights import Mapper
-
-_GGUF_TYPES = {"gguf:Q4_0": 2, "gguf:Q4_1": 3, "gguf:Q5_0": 6, "gguf:Q5_1": 7, "gguf:Q8_0": 8,
-               "gguf:Q4_K": 12, "gguf:Q5_K": 13, "gguf:Q6_K": 14}
-
 
 def plan_packed(model: nn.Module, kinds: Mapping[str, str], mapper: Mapper,
                 runs: Iterable[str], mode: str = "auto") -> dict[str, str]:
@@ -80,8 +77,8 @@ def apply_plan(model: nn.Module, plan: Mapping[str, str],
 def packed_weight(kind: str, shape: tuple[int, int]) -> PackedWeight:
     if kind == "fp8":
         return FP8Weight(shape)
-    if kind in _GGUF_TYPES:
-        return GGUFWeight(shape, _GGUF_TYPES[kind])
+    if kind.startswith("gguf:"):  # a type the backend's packed_kinds lists
+        return GGUFWeight(shape, int(GGMLQuantizationType[kind.removeprefix("gguf:")]))
     raise ValueError(f"no packed weight for {kind!r}")
 
 
