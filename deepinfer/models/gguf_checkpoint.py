@@ -14,7 +14,8 @@ from typing import Iterable, Iterator
 import torch
 from gguf import GGMLQuantizationType
 
-from deepinfer.models.gguf_convert import GGUF_FILE, GGUF_INDEX_FILE, indexed_plan
+from deepinfer.models.gguf_convert import indexed_plan
+from deepinfer.models.gguf_folder import GGUF_FILE, GGUF_INDEX_FILE
 from deepinfer.models.quant.tensors import GGUFTensor
 
 

@@ -10,7 +10,6 @@ import math
 import os
 import shutil
 import tempfile
-from pathlib import Path
 from types import MappingProxyType
 from typing import Any, BinaryIO
 
@@ -20,18 +19,10 @@ from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor
 from gguf.quants import dequantize
 from tqdm import tqdm
 
-from deepinfer.core.config import cache_dir
+from deepinfer.models.gguf_folder import (FORMAT_VERSION, GGUF_FILE, GGUF_INDEX_FILE,
+                                          MARKER_FILE, converted_dir, is_converted)
 from deepinfer.models.quant.tensors import GGUFTensor
 
-# Written last inside the temp folder; its presence means the folder is complete.
-MARKER_FILE = "deepinfer-conversion.json"
-# The source file, kept in the folder: backends that run its quantized blocks natively load
-# the weights from it (gguf_checkpoint.py) instead of the dequantized safetensors.
-GGUF_FILE = "model.gguf"
-# Where each planned tensor lies in it: reading that is instant, where GGUFReader parses every
-# metadata field (the whole vocabulary) first.
-GGUF_INDEX_FILE = "gguf_tensors.json"
-FORMAT_VERSION = 1
 
 # GGUF architecture -> (HF model_type, HF architecture class).
 _ARCHITECTURES = MappingProxyType({
@@ -75,18 +66,13 @@ def keep_source(gguf_path: str, out_dir: str, plan: list[_PlannedTensor] | None 
     os.replace(f"{index}.{os.getpid()}", index)
 
 
-def is_converted(out_dir: str) -> bool:
-    return os.path.isfile(os.path.join(out_dir, MARKER_FILE))
-
-
 def convert_gguf(gguf_path: str, out_dir: str | None = None, progress: bool = True) -> str:
     """Convert `gguf_path` into an HF folder (config, safetensors, tokenizer) and return its path.
 
     Returns at once when `out_dir` already holds a complete conversion. The folder is built in a
     temp sibling and renamed into place, so a crash never leaves a half-written checkpoint.
     """
-    if out_dir is None:
-        out_dir = os.path.join(cache_dir(), "models", Path(gguf_path).stem)
+    out_dir = out_dir or converted_dir(gguf_path)
     if is_converted(out_dir):
         return out_dir
     if os.path.isdir(out_dir) and os.listdir(out_dir):

@@ -177,7 +177,10 @@ async def serve(args: argparse.Namespace, model_dir: str, listener: socket.socke
     from deepinfer.serve.moe_metrics import MoECollector
     from deepinfer.serve.tokenizer_metrics import TokenizerCollector
 
+    from deepinfer.serve.tokenizer.hf import import_transformers
+
     name = args.served_model_name or os.path.basename(os.path.normpath(args.model or model_dir))
+    import_transformers()  # torch-free, before the tokenizer's thread and the ranks start
     client = EngineClient(engine_config(args, model_dir), args.dp, routing=args.routing,
                           health=rank_health(args))
     # The tokenizer loads and probes its backends (seconds) while the ranks start (longer):
@@ -281,10 +284,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         print_plugins(registry)
         return 0
-    from deepinfer.llm import resolve_model_path
+    from deepinfer.models.default_model import resolve_model_path
 
     try:
-        check_args(args, registry)
+        check_args(args)
         listener = bind_listener(args.host, args.port)
     except PreflightError as exc:
         print(f"deepinfer-serve: error: {exc}", file=sys.stderr)

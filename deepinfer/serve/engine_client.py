@@ -31,7 +31,7 @@ from deepinfer.core.config import EngineConfig, accelerator_from_env
 from deepinfer.serve.router import Route, Router
 from deepinfer.core.sampling import SamplingParams
 from deepinfer.models.registry import has_experts
-from deepinfer.serve.engine_proc import RankSpec, run_rank
+from deepinfer.serve.rank_entry import RankSpec, run_rank
 from deepinfer.serve.ipc import (AbortRequest, AddRequest, Control, ControlReply, EngineStats,
                                  ExpertStats, Failed, Heartbeat, Ready, StepResult, TokenDelta)
 from deepinfer.serve.rank_health import RankHealthConfig, RankState, Verdict, judge

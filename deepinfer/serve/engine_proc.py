@@ -12,12 +12,10 @@ import sys
 import threading
 import time
 import traceback
-from dataclasses import dataclass, field
 
 import zmq
 
 from deepinfer.core.accelerator import ParallelContext
-from deepinfer.core.config import EngineConfig
 from deepinfer.core.engine import Engine
 from deepinfer.core.outputs import RequestOutput
 from deepinfer.serve.ipc import (AbortRequest, AddRequest, Control, ControlReply, EngineStats,
@@ -25,24 +23,11 @@ from deepinfer.serve.ipc import (AbortRequest, AddRequest, Control, ControlReply
                                  StepResult, TokenDelta)
 from deepinfer.serve.lockstep import (Lockstep, RebalanceTimer, init_rank_group,
                                       shutdown_group)
+from deepinfer.serve.rank_entry import RankSpec
 
 log = logging.getLogger("deepinfer.rank")
 IDLE_POLL_MS = 200  # how often an idle rank checks that its parent is alive
 EXPERT_STATS_EVERY_S = 1.0  # expert load is L x E numbers: reported at most this often
-
-
-@dataclass(frozen=True)
-class RankSpec:
-    rank: int
-    world_size: int
-    config: EngineConfig
-    input_addr: str  # the API process PUSHes requests here
-    output_addr: str  # the rank PUSHes results here
-    heartbeat_interval_s: float = 0.5
-    log_level: str = "INFO"
-    # Set before anything else in the rank (the backend's AcceleratorInfo.rank_env): e.g. the
-    # NeuronCores this rank owns, which its runtime reads once, when the backend starts it.
-    env: dict[str, str] = field(default_factory=dict)
 
 
 class StepClock:
@@ -99,8 +84,7 @@ class ExpertReporter:
 
 
 def run_rank(spec: RankSpec) -> None:
-    """Entry point of a rank process (multiprocessing spawn target)."""
-    os.environ.update(spec.env)
+    """The rank process's life, once rank_entry.run_rank has set its environment."""
     # The API process decides when we stop: a Ctrl-C or a `server.sh stop` reaches the whole
     # process group, and the API process then drains and stops its ranks itself (a rank that
     # is orphaned exits on its own, see _loop).

@@ -5,13 +5,15 @@ from __future__ import annotations
 import argparse
 import os
 import socket
+import subprocess
+import sys
 
 
 class PreflightError(Exception):
     """A flag that cannot work; the message is the whole story."""
 
 
-def check_args(args: argparse.Namespace, registry) -> None:
+def check_args(args: argparse.Namespace) -> None:
     """Everything that can be known wrong from the flags alone."""
     from deepinfer.serve.cli import engine_config, rank_health, request_limits
 
@@ -29,7 +31,7 @@ def check_args(args: argparse.Namespace, registry) -> None:
         raise PreflightError(str(exc)) from exc
     check_model_path(args.model)
     check_experts(args)
-    check_accelerator(registry, args.accelerator)
+    check_accelerator(args.accelerator)
     check_rank_env(args)
 
 
@@ -78,14 +80,27 @@ def check_model_path(model: str | None) -> None:
         raise PreflightError(f"--model {model}: a file must be a .gguf checkpoint")
 
 
-def check_accelerator(registry, name: str | None) -> None:
-    """The backend the ranks will select, selected here first (a cheap probe)."""
-    from deepinfer.core.plugins import AcceleratorError, select_accelerator
+def check_accelerator(name: str | None) -> None:
+    """The backend the ranks will select, selected here first, in a short-lived process: the
+    backends import torch to probe their devices, and the API process serves without it."""
+    probe = subprocess.run([sys.executable, "-m", "deepinfer.serve.preflight", name or ""],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    if probe.returncode != 0:
+        lines = probe.stdout.strip().splitlines() or probe.stderr.strip().splitlines()
+        raise PreflightError(lines[0] if lines else f"the accelerator probe exited with "
+                             f"{probe.returncode}")
+
+
+def _probe(name: str) -> int:
+    """check_accelerator's process: the first line of the selection's error, exit status 1."""
+    from deepinfer.core.plugins import AcceleratorError, load_plugins, select_accelerator
 
     try:
-        select_accelerator(registry, name)
+        select_accelerator(load_plugins(), name or None)
     except (ValueError, AcceleratorError) as exc:
-        raise PreflightError(str(exc).splitlines()[0]) from exc
+        print(str(exc).splitlines()[0])
+        return 1
+    return 0
 
 
 def bind_listener(host: str, port: int) -> socket.socket:
@@ -106,3 +121,6 @@ def bind_listener(host: str, port: int) -> socket.socket:
     sock.set_inheritable(True)
     return sock
 
+
+if __name__ == "__main__":
+    sys.exit(_probe(sys.argv[1] if len(sys.argv) > 1 else ""))

@@ -165,3 +165,21 @@ def test_eplb_flags_that_cannot_work_are_one_line_errors(tmp_path, capsys, flags
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("deepinfer-serve: error:") and message in err and "\n" not in err
+
+
+@pytest.mark.parametrize("accelerator,message", [
+    ("tpu", "unknown accelerator 'tpu'"),
+    ("nvidia", "accelerator 'nvidia'"),  # not available (or failing to load) without a GPU
+])
+def test_an_accelerator_that_cannot_serve_is_a_one_line_error(capsys, accelerator, message):
+    """Probed in a short-lived process before anything starts (the API process stays free of
+    torch): the selection's error, one line, exit status 2."""
+    import torch
+
+    if accelerator == "nvidia" and torch.cuda.is_available():
+        pytest.skip("a GPU is here: nvidia can serve")
+    from deepinfer.serve.cli import main
+
+    assert main(["--port", "0", "--accelerator", accelerator]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("deepinfer-serve: error:") and message in err and "\n" not in err

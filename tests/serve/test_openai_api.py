@@ -522,6 +522,22 @@ def test_smol_capital_of_france(smol_client):
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == answer
 
 
+def _maps_torch(pid: int) -> bool:
+    with open(f"/proc/{pid}/maps") as f:
+        return "libtorch" in f.read()
+
+
+def test_smol_api_process_runs_without_torch(smol_server, smol_client):
+    """The API process tokenizes, renders chats and streams without torch (~200 MB resident):
+    only the ranks load it. (A first constrained request, later in this module, loads it for
+    xgrammar.) Checked before any such request to this server."""
+    r = smol_client.chat.completions.create(model=SMOL, max_tokens=4, messages=[
+        {"role": "user", "content": "Hello"}])
+    assert r.choices[0].message.content
+    assert not _maps_torch(smol_server.proc.pid)
+    assert any(_maps_torch(pid) for pid in smol_server.children)  # the rank
+
+
 def test_smol_tool_call(smol_client):
     """End to end through a real model: the named function's schema makes the call valid."""
     messages = [{"role": "user", "content": "What is the weather in Paris?"}]

@@ -12,7 +12,7 @@ import deepinfer.core.plugins as plugins
 from deepinfer.core.config import ENV_ACCELERATOR, EngineConfig, ModelSpec
 from deepinfer.core.plugins import AcceleratorInfo
 from deepinfer.serve.engine_client import rank_env_of, rank_envs
-from deepinfer.serve.engine_proc import RankSpec, run_rank
+from deepinfer.serve.rank_entry import RankSpec, run_rank
 from deepinfer.serve.ipc import Failed
 
 

@@ -1,0 +1,31 @@
+"""What the API process needs to start a rank: its spec and an entry point that imports the
+engine (and torch) only in the rank process, so the API process stays free of both."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from deepinfer.core.config import EngineConfig
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    rank: int
+    world_size: int
+    config: EngineConfig
+    input_addr: str  # the API process PUSHes requests here
+    output_addr: str  # the rank PUSHes results here
+    heartbeat_interval_s: float = 0.5
+    log_level: str = "INFO"
+    # Set before anything else in the rank (the backend's AcceleratorInfo.rank_env): e.g. the
+    # NeuronCores this rank owns, which its runtime reads once, when the backend starts it.
+    env: dict[str, str] = field(default_factory=dict)
+
+
+def run_rank(spec: RankSpec) -> None:
+    """Entry point of a rank process (multiprocessing spawn target): the rank's environment,
+    then the engine's modules."""
+    os.environ.update(spec.env)
+    from deepinfer.serve.engine_proc import run_rank as run
+
+    run(spec)
