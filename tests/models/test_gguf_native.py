@@ -267,6 +267,28 @@ def test_fused_ops_equal_the_torch_references():
         torch.testing.assert_close(out[b], ref.reshape(6, 32))
 
 
+def test_decode_attention_splits_keys_when_heads_leave_a_thread_idle():
+    """Batch 1 with 3 KV heads on 2 threads: each head's keys are split into ranges whose
+    partial softmaxes are merged (and on one thread they are not); both equal SDPA, for
+    sequence lengths that split evenly, unevenly and into ranges shorter than a part."""
+    kernels, g = extension(), torch.Generator().manual_seed(3)
+    k_cache, v_cache = torch.randn(512, 3, 64, generator=g), torch.randn(512, 3, 64, generator=g)
+    slots = torch.randperm(512, generator=g)[:300].view(1, -1)
+    threads = torch.get_num_threads()
+    try:
+        for n, num_threads in ((300, 2), (257, 2), (150, 2), (300, 1)):
+            torch.set_num_threads(num_threads)
+            q, kv = torch.randn(1, 9, 64, generator=g), torch.randn(1, 2, 3, 64, generator=g)
+            new = slots[:, n - 1]
+            out = kernels.decode_attention(q, kv[:, 0], kv[:, 1], k_cache, v_cache, new, slots,
+                                           torch.tensor([n]), 0.125)
+            keys, values = (c[slots[0, :n]].transpose(0, 1) for c in (k_cache, v_cache))
+            ref = F.scaled_dot_product_attention(q[0].view(3, 3, 64), keys, values, scale=0.125)
+            torch.testing.assert_close(out[0], ref.reshape(9, 64))
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_host_pools_take_memory_as_they_are_written():
     before = psutil.Process().memory_info().rss
     pool = zeros((1 << 26, 2), torch.float32, "cpu")  # 512 MiB

@@ -14,6 +14,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <numeric>
 #include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -52,6 +53,40 @@ float dot(const float* a, const float* b, int64_t n) {
 #endif
   for (; i < n; ++i) s += a[i] * b[i];
   return s;
+}
+
+// x[j] = exp(x[j] - top) for j < n, and their sum. std::exp is a call a score (most of a
+// decode attention's time at head size 64); 8 at a time here, by Cephes' expf polynomial
+// (relative error ~1e-7, as std::exp's order of rounding).
+float exp_shifted(float* x, int64_t n, float top) {
+  int64_t j = 0;
+  float sum = 0.f;
+#ifdef DEEPINFER_AVX2_FMA
+  const __m256 shift = _mm256_set1_ps(top), lo = _mm256_set1_ps(-87.3f);
+  const __m256 log2e = _mm256_set1_ps(1.44269504088896341f), half = _mm256_set1_ps(0.5f);
+  const __m256 c1 = _mm256_set1_ps(0.693359375f), c2 = _mm256_set1_ps(-2.12194440e-4f);
+  const float p[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                      4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+  __m256 total = _mm256_setzero_ps();
+  for (; j + 8 <= n; j += 8) {
+    __m256 v = _mm256_max_ps(_mm256_sub_ps(_mm256_loadu_ps(x + j), shift), lo);
+    const __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(v, log2e, half));
+    v = _mm256_fnmadd_ps(fx, c2, _mm256_fnmadd_ps(fx, c1, v));
+    __m256 y = _mm256_set1_ps(p[0]);
+    for (int i = 1; i < 6; ++i) y = _mm256_fmadd_ps(y, v, _mm256_set1_ps(p[i]));
+    y = _mm256_add_ps(_mm256_fmadd_ps(y, _mm256_mul_ps(v, v), v), _mm256_set1_ps(1.f));
+    const __m256i e = _mm256_slli_epi32(
+        _mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
+    y = _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+    _mm256_storeu_ps(x + j, y);
+    total = _mm256_add_ps(total, y);
+  }
+  __m128 h = _mm_add_ps(_mm256_castps256_ps128(total), _mm256_extractf128_ps(total, 1));
+  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  sum = _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+#endif
+  for (; j < n; ++j) sum += (x[j] = std::exp(x[j] - top));
+  return sum;
 }
 
 // Asks for the n floats at p ahead of their use. Decode attention reads one K and one V row a
@@ -169,6 +204,101 @@ void store_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at:
   }
 }
 
+// Work items of decode attention below this many keys are not split further.
+constexpr int64_t kMinKeysPerPart = 64;
+
+// Key ranges each (sequence, KV head) splits into: with fewer items than the threads can
+// share evenly (batch 1: SmolLM2's 3 KV heads on 2 threads left one thread idle a third of
+// the time), enough ranges for every thread to take the same number of them.
+int64_t key_parts(int64_t items, int64_t width) {
+  const int64_t threads = at::get_num_threads();
+  if (threads <= 1 || items % threads == 0 || items >= 4 * threads) return 1;
+  const int64_t even = threads / std::gcd(items, threads);  // items * even divides by threads
+  return std::max<int64_t>(1, std::min(even, width / kMinKeysPerPart));
+}
+
+struct AttentionRows {
+  const float* q;
+  const float* k_cache;
+  const float* v_cache;
+  const int64_t* slots;
+  const int64_t* lens;
+  int64_t hq, hk, d, dv, width;
+  float scale;
+};
+
+// Keys j0 <= j < j1 of sequence b for the query heads of KV head kvh: each head's score
+// maximum, sum of exp(score - maximum) and sum of exp(score - maximum) * v (into acc, group x
+// dv, overwritten).
+void attend_range(const AttentionRows& r, int64_t b, int64_t kvh, int64_t j0, int64_t j1,
+                  float* score, float* top, float* total, float* acc) {
+  const int64_t group = r.hq / r.hk, d = r.d, dv = r.dv, hk = r.hk;
+  const float* q0 = r.q + (b * r.hq + kvh * group) * d;
+  const int64_t* row = r.slots + b * r.width;
+  std::fill(top, top + group, -INFINITY);
+  for (int64_t j = j0; j < std::min(j1, j0 + kPrefetchKeys); ++j) {
+    prefetch(r.k_cache + (row[j] * hk + kvh) * d, d);
+  }
+  for (int64_t j = j0; j < j1; ++j) {
+    if (j + kPrefetchKeys < j1) prefetch(r.k_cache + (row[j + kPrefetchKeys] * hk + kvh) * d, d);
+    const float* kv = r.k_cache + (row[j] * hk + kvh) * d;
+    for (int64_t g = 0; g < group; ++g) {
+      float& s = score[g * r.width + j];
+      s = dot(q0 + g * d, kv, d) * r.scale;
+      top[g] = std::max(top[g], s);
+    }
+  }
+  for (int64_t g = 0; g < group; ++g) {
+    total[g] = exp_shifted(score + g * r.width + j0, j1 - j0, top[g]);
+  }
+  std::fill(acc, acc + group * dv, 0.f);
+  for (int64_t j = j0; j < std::min(j1, j0 + kPrefetchKeys); ++j) {
+    prefetch(r.v_cache + (row[j] * hk + kvh) * dv, dv);
+  }
+  for (int64_t j = j0; j < j1; ++j) {
+    if (j + kPrefetchKeys < j1) prefetch(r.v_cache + (row[j + kPrefetchKeys] * hk + kvh) * dv, dv);
+    const float* vv = r.v_cache + (row[j] * hk + kvh) * dv;
+    for (int64_t g = 0; g < group; ++g) {
+      const float p = score[g * r.width + j];
+      float* o = acc + g * dv;
+      for (int64_t i = 0; i < dv; ++i) o[i] += p * vv[i];
+    }
+  }
+}
+
+// acc (group x dv) divided by each head's sum of exponentials.
+void normalise(float* acc, const float* total, int64_t group, int64_t dv) {
+  for (int64_t g = 0; g < group; ++g) {
+    if (total[g] == 0.f) continue;  // no keys: zeros
+    const float inv = 1.f / total[g];
+    for (int64_t i = 0; i < dv; ++i) acc[g * dv + i] *= inv;
+  }
+}
+
+// The key ranges' partial softmaxes of each (item, query head) rescaled to their common
+// maximum and summed: out [items * group, dv] (items in (sequence, KV head) order, as the
+// heads of out).
+void merge_parts(const float* top, const float* total, const float* acc, int64_t items,
+                 int64_t parts, int64_t group, int64_t dv, float* out) {
+  for (int64_t it = 0; it < items; ++it) {
+    for (int64_t g = 0; g < group; ++g) {
+      float m = -INFINITY;
+      for (int64_t p = 0; p < parts; ++p) m = std::max(m, top[(it * parts + p) * group + g]);
+      float sum = 0.f;
+      float* o = out + (it * group + g) * dv;
+      std::fill(o, o + dv, 0.f);
+      for (int64_t p = 0; p < parts; ++p) {
+        const int64_t at = (it * parts + p) * group + g;
+        if (total[at] == 0.f) continue;  // an empty range
+        const float c = std::exp(top[at] - m);
+        sum += c * total[at];
+        for (int64_t i = 0; i < dv; ++i) o[i] += c * acc[at * dv + i];
+      }
+      for (int64_t i = 0; i < dv; ++i) o[i] /= sum;
+    }
+  }
+}
+
 }  // namespace
 
 // One query per sequence over its keys in the paged cache: q [B, Hq, D], caches [S, Hk, D] and
@@ -190,60 +320,35 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   const int64_t group = hq / hk;
   const at::Tensor sl = slots.contiguous(), ln = lens.contiguous();
   at::Tensor out = at::empty({batch, hq, dv}, q.options());
-  const float* qp = q.data_ptr<float>();
-  const float* kp = k_cache.data_ptr<float>();
-  const float* vp = v_cache.data_ptr<float>();
-  const int64_t* sp = sl.data_ptr<int64_t>();
-  const int64_t* lp = ln.data_ptr<int64_t>();
+  const int64_t items = batch * hk, parts = key_parts(items, width);
+  // Per (item, part, query head): the part's score maximum, its sum of exponentials and its
+  // output before normalisation, merged below.
+  std::vector<float> part_max(items * parts * group), part_sum(items * parts * group),
+      part_out(parts > 1 ? items * parts * group * dv : 0);
+  const AttentionRows rows{q.data_ptr<float>(), k_cache.data_ptr<float>(),
+                           v_cache.data_ptr<float>(), sl.data_ptr<int64_t>(),
+                           ln.data_ptr<int64_t>(), hq, hk, d, dv, width, static_cast<float>(scale)};
   float* op = out.data_ptr<float>();
-  // One work item a (sequence, KV head): its query heads (h = kvh * group + g) read each K
-  // and V row once between them. Each head's arithmetic is in the same order as one head at a
-  // time, so the result is the same to the bit. Only items too small to pay for waking a
-  // second thread stay on one (the rows come from memory: even 257 keys of SmolLM2 run in 44
-  // us on two threads against 57 on one).
-  const int64_t item_work = std::max<int64_t>(1, group * width * (d + dv));
+  // One work item a (sequence, KV head, key range): its query heads (h = kvh * group + g)
+  // read each K and V row once between them. Only items too small to pay for waking a second
+  // thread stay on one (the rows come from memory: even 257 keys of SmolLM2 run in 44 us on
+  // two threads against 57 on one).
+  const int64_t item_work = std::max<int64_t>(1, group * width / parts * (d + dv));
   const int64_t grain = std::max<int64_t>(1, kParallelWork / item_work);
-  at::parallel_for(0, batch * hk, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> score(group * width), top(group), total(group);
-    for (int64_t bk = begin; bk < end; ++bk) {
-      const int64_t b = bk / hk, kvh = bk % hk, n = lp[b];
-      const float* q0 = qp + (b * hq + kvh * group) * d;
-      float* o0 = op + (b * hq + kvh * group) * dv;
-      std::fill(top.begin(), top.end(), -INFINITY);
-      const int64_t* row = sp + b * width;
-      for (int64_t j = 0; j < std::min(n, kPrefetchKeys); ++j) {
-        prefetch(kp + (row[j] * hk + kvh) * d, d);
-      }
-      for (int64_t j = 0; j < n; ++j) {
-        if (j + kPrefetchKeys < n) prefetch(kp + (row[j + kPrefetchKeys] * hk + kvh) * d, d);
-        const float* kv = kp + (row[j] * hk + kvh) * d;
-        for (int64_t g = 0; g < group; ++g) {
-          float& s = score[g * width + j];
-          s = dot(q0 + g * d, kv, d) * static_cast<float>(scale);
-          top[g] = std::max(top[g], s);
-        }
-      }
-      for (int64_t g = 0; g < group; ++g) {
-        float sum = 0.f;
-        float* sg = score.data() + g * width;
-        for (int64_t j = 0; j < n; ++j) sum += (sg[j] = std::exp(sg[j] - top[g]));
-        total[g] = sum;
-      }
-      std::fill(o0, o0 + group * dv, 0.f);
-      for (int64_t j = 0; j < std::min(n, kPrefetchKeys); ++j) {
-        prefetch(vp + (row[j] * hk + kvh) * dv, dv);
-      }
-      for (int64_t j = 0; j < n; ++j) {
-        if (j + kPrefetchKeys < n) prefetch(vp + (row[j + kPrefetchKeys] * hk + kvh) * dv, dv);
-        const float* vv = vp + (row[j] * hk + kvh) * dv;
-        for (int64_t g = 0; g < group; ++g) {
-          const float p = score[g * width + j] / total[g];
-          float* o = o0 + g * dv;
-          for (int64_t i = 0; i < dv; ++i) o[i] += p * vv[i];
-        }
-      }
+  at::parallel_for(0, items * parts, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> score(group * width);
+    for (int64_t w = begin; w < end; ++w) {
+      const int64_t bk = w / parts, part = w % parts, b = bk / hk, kvh = bk % hk;
+      const int64_t n = rows.lens[b], j0 = n * part / parts, j1 = n * (part + 1) / parts;
+      float* acc = parts > 1 ? part_out.data() + w * group * dv : op + (b * hq + kvh * group) * dv;
+      attend_range(rows, b, kvh, j0, j1, score.data(), part_max.data() + w * group,
+                   part_sum.data() + w * group, acc);
+      if (parts == 1) normalise(acc, part_sum.data() + w * group, group, dv);
     }
   });
+  if (parts > 1) {
+    merge_parts(part_max.data(), part_sum.data(), part_out.data(), items, parts, group, dv, op);
+  }
   return out;
 }
 
