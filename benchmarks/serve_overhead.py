@@ -1,8 +1,9 @@
 """API-layer overhead: deepinfer-serve (HTTP + SSE + ZMQ rank process) vs the offline engine.
 
-Same model (the embedded SmolLM2-135M-Instruct, float32), same scheduler settings, same prompts
-(random token ids, different for every request, prefix cache off per request), greedy, EOS
-ignored, so both sides do exactly the same model work and the difference is the API layer.
+Same model (the embedded SmolLM2-135M-Instruct, float32, or --model), same scheduler settings,
+same prompts (random token ids, different for every request, prefix cache off per request),
+greedy, EOS ignored, so both sides do exactly the same model work and the difference is the
+API layer.
 
 For each concurrency level C a *wave* is C requests submitted at once:
 
@@ -206,8 +207,11 @@ class CpuMeter:
                 ranks += self._proc(child)
         t = self.psutil.cpu_times()
         busy = sum(t) - t.idle - getattr(t, "iowait", 0.0)
+        # This process and its client processes (the server is a child too, counted above).
+        clients = sum(self._proc(c) for c in self.me.children()
+                      if self.api is None or c.pid != self.api.pid)
         return {"api": self._proc(self.api) if self.api else 0.0, "rank": ranks,
-                "bench": self._proc(self.me), "system_busy": busy}
+                "bench": self._proc(self.me) + clients, "system_busy": busy}
 
     @staticmethod
     def delta(a: dict, b: dict) -> dict:
@@ -248,7 +252,10 @@ def start_server(model_dir: str, port: int, args: argparse.Namespace, log_path: 
            args.dtype, "--host", "127.0.0.1", "--port", str(port),
            "--max-num-seqs", str(args.max_num_seqs),
            "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-           "--kv-cache-memory-gb", str(args.kv_cache_memory_gb), "--log-level", "warning"]
+           "--kv-cache-memory-gb", str(args.kv_cache_memory_gb), "--load-format",
+           args.load_format, "--log-level", "warning"]
+    if args.num_kv_blocks:
+        cmd += ["--num-kv-blocks", str(args.num_kv_blocks)]
     return _start(cmd, log_path, {TRACE_ENV: trace_dir})
 
 
@@ -298,7 +305,10 @@ async def _openai_request(client, model: str, body: dict) -> tuple[float, list[f
 
 
 async def _server_wave_async(base: str, model: str, prompts: list[list[int]], output_len: int,
-                             client_kind: str) -> tuple[float, float, list[tuple]]:
+                             client_kind: str, start_at: float | None = None
+                             ) -> tuple[float, float, list[tuple]]:
+    """The prompts' streams, sent together (at perf_counter() == start_at, if given, so client
+    processes start as one wave: perf_counter is the machine's monotonic clock)."""
     import httpx
 
     n = len(prompts)
@@ -317,17 +327,43 @@ async def _server_wave_async(base: str, model: str, prompts: list[list[int]], ou
             coros = [_openai_request(oai, model, b) for b in bodies]
         else:
             coros = [_httpx_request(http, base, b) for b in bodies]
+        if start_at is not None:
+            await asyncio.sleep(max(0.0, start_at - time.perf_counter()))
         start = time.perf_counter()
         results = await asyncio.gather(*coros)
         end = time.perf_counter()
     return start, end, results
 
 
+def _client_part(base: str, model: str, prompts: list[list[int]], output_len: int,
+                 client_kind: str, start_at: float) -> tuple[float, float, list[tuple]]:
+    """One client process's share of a wave (a Pool worker)."""
+    return asyncio.run(_server_wave_async(base, model, prompts, output_len, client_kind,
+                                          start_at))
+
+
+def _send_wave(base: str, model: str, prompts: list[list[int]], output_len: int,
+               client_kind: str, pool) -> tuple[float, float, list[tuple]]:
+    """The wave from this process, or spread over the pool's client processes: at 256 streams
+    one Python client saturates its core and times itself, not the server."""
+    if pool is None:
+        return asyncio.run(_server_wave_async(base, model, prompts, output_len, client_kind))
+    procs = pool._processes
+    parts = [prompts[i::procs] for i in range(procs) if prompts[i::procs]]
+    start_at = time.perf_counter() + 2.0  # every process has connected by then
+    done = pool.starmap(_client_part, [(base, model, part, output_len, client_kind, start_at)
+                                       for part in parts])
+    results: list[tuple] = [None] * len(prompts)
+    for i, (_, _, part) in enumerate(done):
+        results[i::procs] = part
+    return min(d[0] for d in done), max(d[1] for d in done), results
+
+
 def server_wave(base: str, model: str, prompts: list[list[int]], output_len: int, level: int,
-                repeat: int, client_kind: str, meter: CpuMeter, trace_dir: str) -> Wave:
+                repeat: int, client_kind: str, meter: CpuMeter, trace_dir: str,
+                pool=None) -> Wave:
     load0, cpu0 = os.getloadavg()[0], meter.sample()
-    start, end, results = asyncio.run(
-        _server_wave_async(base, model, prompts, output_len, client_kind))
+    start, end, results = _send_wave(base, model, prompts, output_len, client_kind, pool)
     cpu = CpuMeter.delta(cpu0, meter.sample())
     t0s, times, usage, cids = (list(x) for x in zip(*results))
     streamed = [len(t) for t in times]
@@ -575,8 +611,9 @@ def plot(rows: list[dict], path: str, env: dict, sizes: Sizes) -> None:
         sub = "bar p50, whisker p99" if key else "median over waves"
         ax.set_title(f"{title} ({sub})", fontsize=10)
         ax.legend(fontsize=8, loc="upper left")
-    fig.suptitle(f"deepinfer-serve vs offline engine: SmolLM2-135M float32 on {env['logical_cores']}"
-                 f" CPU cores; {sizes.prompt_len} prompt / {sizes.output_len} output tokens per "
+    where = env.get("gpu") or f"{env['logical_cores']} CPU cores"
+    fig.suptitle(f"deepinfer-serve vs offline engine: {env['model']} {env.get('dtype', '')} on "
+                 f"{where}; {sizes.prompt_len} prompt / {sizes.output_len} output tokens per "
                  "request; label under value = server/offline\nother processes kept "
                  f"{statistics.median(r[s]['other_cores_busy'] for r in rows for s in ('offline', 'server') if s in r):.1f}"
                  " cores busy on average (noise)", fontsize=9)
@@ -585,14 +622,17 @@ def plot(rows: list[dict], path: str, env: dict, sizes: Sizes) -> None:
     plt.close(fig)
 
 
-def environment(model_dir: str, threads: int, client: str) -> dict:
+def environment(model_dir: str, threads: int, client: str, dtype: str) -> dict:
     import torch
 
     versions = module_versions(("fastapi", "uvicorn", "httpx", "openai", "zmq", "uvloop",
                                 "httptools"))
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
     return machine_environment() | {
         "torch_threads": threads, "torch": torch.__version__, "versions": versions,
-        "client": client, "model": "SmolLM2-135M-Instruct", "model_path": model_dir}
+        "client": client, "model": os.path.basename(os.path.normpath(model_dir)),
+        "model_path": model_dir, "dtype": dtype,
+        "accelerator": os.environ.get("DEEPINFER_ACCELERATOR", "auto"), "gpu": gpu}
 
 
 # ---- main ----------------------------------------------------------------------------------------
@@ -618,9 +658,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--kv-cache-memory-gb", type=float, default=1.0)
+    p.add_argument("--num-kv-blocks", type=int, default=None,
+                   help="a fixed KV pool for both engines (a GPU shared by the two: each "
+                        "would size its pool from what the other left)")
+    p.add_argument("--load-format", choices=("auto", "dummy"), default="auto",
+                   help="dummy: random weights of the checkpoint's shapes (a config-only folder "
+                        "on a GPU; the accelerator comes from DEEPINFER_ACCELERATOR)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads of the offline engine and of the server's rank "
                         "(DEEPINFER_CPU_THREADS; default: all cores but one)")
+    p.add_argument("--client-procs", type=int, default=1,
+                   help="client processes the server's streams are spread over (one Python "
+                        "client saturates its core at a few hundred streams)")
     p.add_argument("--port", type=int, default=0, help="0: a free port")
     p.add_argument("--profile", action="store_true",
                    help="py-spy the API process during one extra wave at the top level")
@@ -670,11 +719,17 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.perf_counter()
     trace_dir = tempfile.mkdtemp(prefix="serve-overhead-trace-")
     proc = start_server(model_dir, port, args, server_log, trace_dir)
+    pool = None
     try:
+        if args.client_procs > 1:
+            import multiprocessing
+
+            pool = multiprocessing.get_context("spawn").Pool(args.client_procs)
         from deepinfer import LLM
 
         # Loads while the server starts; both engines take the same scheduler settings.
         llm = LLM(model=model_dir, dtype=args.dtype, kv_cache_memory_gb=args.kv_cache_memory_gb,
+                  load_format=args.load_format, num_blocks=args.num_kv_blocks,
                   max_num_seqs=args.max_num_seqs,
                   max_num_batched_tokens=args.max_num_batched_tokens)
         vocab = llm.engine.model.vocab_size
@@ -689,7 +744,7 @@ def main(argv: list[str] | None = None) -> int:
         warm = random_prompts(4, sizes.prompt_len, vocab, seed=12345)
         offline_wave(llm, warm, min(8, sizes.output_len), 0, 0, meter)
         server_wave(base, name, warm, min(8, sizes.output_len), 0, 0, args.client, meter,
-                    trace_dir)
+                    trace_dir, pool)
         log(f"warmed up ({time.perf_counter() - t_start:.0f} s)")
 
         waves: list[Wave] = []
@@ -700,7 +755,7 @@ def main(argv: list[str] | None = None) -> int:
                                                          rep, meter)),
                         ("server", lambda: server_wave(base, name, prompts, sizes.output_len,
                                                        level, rep, args.client, meter,
-                                                       trace_dir))]
+                                                       trace_dir, pool))]
                 if rep % 2:
                     runs.reverse()  # alternate who goes first
                 for side, run in runs:
@@ -721,11 +776,13 @@ def main(argv: list[str] | None = None) -> int:
             log(f"profiling the API process for ~{est:.0f} s")
             profile = profile_api(proc.pid, est + 2, lambda: server_wave(
                 base, name, prompts, sizes.output_len, level, -1, args.client, meter,
-                trace_dir))
+                trace_dir, pool))
         elapsed = time.perf_counter() - t_start
-        env = environment(model_dir, threads, args.client)
+        env = environment(model_dir, threads, args.client, args.dtype)
         llm.engine.shutdown()
     finally:
+        if pool is not None:
+            pool.terminate()
         stop_server(proc)
         shutil.rmtree(trace_dir, ignore_errors=True)
 
@@ -739,6 +796,8 @@ def main(argv: list[str] | None = None) -> int:
         "settings": {"dtype": args.dtype, "max_num_seqs": args.max_num_seqs,
                      "max_num_batched_tokens": args.max_num_batched_tokens,
                      "kv_cache_memory_gb": args.kv_cache_memory_gb, "torch_threads": threads,
+                     "load_format": args.load_format, "num_kv_blocks": args.num_kv_blocks,
+                     "client_procs": args.client_procs,
                      "prefix_cache": "off per request (and every prompt differs)"},
         "elapsed_s": round(elapsed, 1),
         "method": {

@@ -88,6 +88,17 @@ if wanted hit_ttft; then
     [ -n "${AB_BASELINE:-}" ] && step hit_ttft_base baseline python3 "$PWD/${hits[0]}" \
         "${hits[@]:1}" --out "$out/hit_ttft_base" -- "${serve[@]}"
 fi
+# The Llama-3-8B shape through the server and offline, the same prompts in one process pair on
+# one GPU: 512-token random prompts, 128 output tokens, 1 / 64 / 256 streams.
+if wanted serve_overhead; then
+    llama=$(python3 benchmarks/cuda/engine_bench.py --write-model /tmp/llama3-8b --max-len 8192 \
+        | tail -n 1)
+    step serve_overhead env DEEPINFER_ACCELERATOR=nvidia python3 benchmarks/serve_overhead.py \
+        --model "$llama" --load-format dummy --dtype bfloat16 --levels 1,64,256 \
+        --repeats "${SERVE_REPEATS:-1}" --prompt-len 512 --output-len 128 --max-num-seqs 256 \
+        --max-num-batched-tokens 8192 --num-kv-blocks 2048 \
+        --client-procs "${SERVE_CLIENT_PROCS:-8}" --out "$out/serve_overhead"
+fi
 wanted profile_steps && step profile_steps python3 benchmarks/cuda/profile_steps.py --out "$out"
 wanted profile_unfused && DEEPINFER_CUDA_GEMV=0 step profile_unfused \
     python3 benchmarks/cuda/profile_steps.py --out "$out" --batches 1 --tag unfused
