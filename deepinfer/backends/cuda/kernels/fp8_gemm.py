@@ -67,10 +67,10 @@ def gemv_config_for(n: int, k: int, m: int = 1) -> Fp8GemvConfig:
     narrows, so the [rows, BLOCK_N, BLOCK_K] products stay in registers, while BLOCK_N stays:
     every program reads its chunk of x, rows * BLOCK_K values, beside BLOCK_N * BLOCK_K weights.
     One row of x (_gemv_row_kernel): from bench_fp8 --sweep on the H200 (qkv 6144 x 4096:
-    9.1 us, 2.8 TB/s; gate_up 28672 x 4096: 30.6 us, 3.9 TB/s); down_proj's long rows are
-    not swept."""
+    9.1 us, 2.8 TB/s; gate_up 28672 x 4096: 30.6 us, 3.9 TB/s; down 4096 x 14336: 18.5 us,
+    3.2 TB/s at 4 rows a program, 21.5 at 16)."""
     if m == 1:
-        block_n, groups = (8, 8) if n < 16384 and k < 8192 else (16, 4 if k < 8192 else 8)
+        block_n, groups = (4, 8) if k >= 8192 else (16, 4) if n >= 16384 else (8, 8)
         return Fp8GemvConfig(block_n, min(groups, triton.next_power_of_2(triton.cdiv(k, GROUP))),
                              4, scale_each=False)
     if n * k < 16_000_000:  # small weights: more programs
