@@ -175,9 +175,8 @@ async def serve(args: argparse.Namespace, model_dir: str, listener: socket.socke
     from deepinfer.serve.metrics import ServerMetrics
     from deepinfer.serve.rank_metrics import RankCollector
     from deepinfer.serve.moe_metrics import MoECollector
-    from deepinfer.serve.tokenizer_metrics import TokenizerCollector
-
     from deepinfer.serve.tokenizer.hf import import_transformers
+    from deepinfer.serve.tokenizer_metrics import TokenizerCollector
 
     name = args.served_model_name or os.path.basename(os.path.normpath(args.model or model_dir))
     import_transformers()  # torch-free, before the tokenizer's thread and the ranks start

@@ -85,10 +85,12 @@ def check_accelerator(name: str | None) -> None:
     backends import torch to probe their devices, and the API process serves without it."""
     probe = subprocess.run([sys.executable, "-m", "deepinfer.serve.preflight", name or ""],
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    if probe.returncode != 0:
-        lines = probe.stdout.strip().splitlines() or probe.stderr.strip().splitlines()
-        raise PreflightError(lines[0] if lines else f"the accelerator probe exited with "
-                             f"{probe.returncode}")
+    if probe.returncode == 0:
+        return
+    said, crashed = probe.stdout.strip().splitlines(), probe.stderr.strip().splitlines()
+    # The selection's own error line, else the last line of a traceback (the exception).
+    raise PreflightError(said[0] if said else crashed[-1] if crashed else
+                         f"the accelerator probe exited with {probe.returncode}")
 
 
 def _probe(name: str) -> int:
