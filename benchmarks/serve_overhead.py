@@ -44,6 +44,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)  # `common`, also when imported as __mp_main__ or run from elsewhere
@@ -342,17 +343,25 @@ def _client_part(base: str, model: str, prompts: list[list[int]], output_len: in
                                           start_at))
 
 
+@dataclass
+class ClientProcesses:
+    """A pool of `count` client processes (--client-procs) that a wave's streams are dealt to."""
+    pool: Any
+    count: int
+
+
 def _send_wave(base: str, model: str, prompts: list[list[int]], output_len: int,
-               client_kind: str, pool) -> tuple[float, float, list[tuple]]:
-    """The wave from this process, or spread over the pool's client processes: at 256 streams
-    one Python client saturates its core and times itself, not the server."""
-    if pool is None:
+               client_kind: str, clients: ClientProcesses | None
+               ) -> tuple[float, float, list[tuple]]:
+    """The wave from this process, or dealt to the client processes: at 256 streams one
+    Python client saturates its core and times itself, not the server."""
+    if clients is None:
         return asyncio.run(_server_wave_async(base, model, prompts, output_len, client_kind))
-    procs = pool._processes
+    procs = clients.count
     parts = [prompts[i::procs] for i in range(procs) if prompts[i::procs]]
     start_at = time.perf_counter() + 2.0  # every process has connected by then
-    done = pool.starmap(_client_part, [(base, model, part, output_len, client_kind, start_at)
-                                       for part in parts])
+    done = clients.pool.starmap(_client_part, [
+        (base, model, part, output_len, client_kind, start_at) for part in parts])
     results: list[tuple] = [None] * len(prompts)
     for i, (_, _, part) in enumerate(done):
         results[i::procs] = part
@@ -361,9 +370,9 @@ def _send_wave(base: str, model: str, prompts: list[list[int]], output_len: int,
 
 def server_wave(base: str, model: str, prompts: list[list[int]], output_len: int, level: int,
                 repeat: int, client_kind: str, meter: CpuMeter, trace_dir: str,
-                pool=None) -> Wave:
+                clients: ClientProcesses | None = None) -> Wave:
     load0, cpu0 = os.getloadavg()[0], meter.sample()
-    start, end, results = _send_wave(base, model, prompts, output_len, client_kind, pool)
+    start, end, results = _send_wave(base, model, prompts, output_len, client_kind, clients)
     cpu = CpuMeter.delta(cpu0, meter.sample())
     t0s, times, usage, cids = (list(x) for x in zip(*results))
     streamed = [len(t) for t in times]
@@ -719,12 +728,13 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.perf_counter()
     trace_dir = tempfile.mkdtemp(prefix="serve-overhead-trace-")
     proc = start_server(model_dir, port, args, server_log, trace_dir)
-    pool = None
+    clients = None
     try:
         if args.client_procs > 1:
             import multiprocessing
 
-            pool = multiprocessing.get_context("spawn").Pool(args.client_procs)
+            clients = ClientProcesses(
+                multiprocessing.get_context("spawn").Pool(args.client_procs), args.client_procs)
         from deepinfer import LLM
 
         # Loads while the server starts; both engines take the same scheduler settings.
@@ -744,7 +754,7 @@ def main(argv: list[str] | None = None) -> int:
         warm = random_prompts(4, sizes.prompt_len, vocab, seed=12345)
         offline_wave(llm, warm, min(8, sizes.output_len), 0, 0, meter)
         server_wave(base, name, warm, min(8, sizes.output_len), 0, 0, args.client, meter,
-                    trace_dir, pool)
+                    trace_dir, clients)
         log(f"warmed up ({time.perf_counter() - t_start:.0f} s)")
 
         waves: list[Wave] = []
@@ -755,7 +765,7 @@ def main(argv: list[str] | None = None) -> int:
                                                          rep, meter)),
                         ("server", lambda: server_wave(base, name, prompts, sizes.output_len,
                                                        level, rep, args.client, meter,
-                                                       trace_dir, pool))]
+                                                       trace_dir, clients))]
                 if rep % 2:
                     runs.reverse()  # alternate who goes first
                 for side, run in runs:
@@ -776,13 +786,13 @@ def main(argv: list[str] | None = None) -> int:
             log(f"profiling the API process for ~{est:.0f} s")
             profile = profile_api(proc.pid, est + 2, lambda: server_wave(
                 base, name, prompts, sizes.output_len, level, -1, args.client, meter,
-                trace_dir, pool))
+                trace_dir, clients))
         elapsed = time.perf_counter() - t_start
         env = environment(model_dir, threads, args.client, args.dtype)
         llm.engine.shutdown()
     finally:
-        if pool is not None:
-            pool.terminate()
+        if clients is not None:
+            clients.pool.terminate()
         stop_server(proc)
         shutil.rmtree(trace_dir, ignore_errors=True)
 
