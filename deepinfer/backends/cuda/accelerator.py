@@ -8,8 +8,9 @@ TRITON_INTERPRET=1 the same code runs on the CPU (no graphs), which is how CI ch
 backend end to end.
 
 Models with several KV groups or per-request state (DeepSeek-V4) get every group's tables and
-their state slots (group_inputs.py) and run eagerly: their compressors step sequence by
-sequence on the host's schedule, which a decode graph cannot hold, so no graph is captured.
+their state slots (group_inputs.py). Their prefill and mixed steps run eagerly (the compressors
+step sequence by sequence there); their decode steps replay graphs too when the model's decode
+reads no host list (`graph_decode`), with one extra state slot for the padding rows.
 """
 from __future__ import annotations
 
@@ -20,10 +21,10 @@ from typing import Sequence
 
 import torch
 
-from deepinfer.backends.cuda.graphs import DecodeGraphs
-from deepinfer.backends.cuda.group_inputs import grouped_inputs
+from deepinfer.backends.cuda.graphs import DecodeGraphs, RowLayout
+from deepinfer.backends.cuda.group_inputs import GroupedDecodeRows, grouped_inputs
 from deepinfer.backends.cuda.memory import GIB, kv_budget
-from deepinfer.backends.cuda.step_inputs import StepInputs, pack_batch, unpack_batch
+from deepinfer.backends.cuda.step_inputs import DecodeRows, StepInputs, pack_batch, unpack_batch
 from deepinfer.backends.runner import TorchRunner
 from deepinfer.backends.speculative import MTPSpeculator
 from deepinfer.backends.step_future import DeviceTokens, HostTokenBuffers, fill_from_last_step
@@ -140,8 +141,9 @@ class CUDAAccelerator(Accelerator):
         budget = kv_budget(self.device, cache.gpu_memory_utilization,
                            self._profile_peak(cache.block_size))
         log.info("%s", budget.describe())
-        # The engine allocates a state slot per running request beside the pages.
-        state = self.info.kv_spec.state_bytes * self.max_num_seqs
+        # The engine allocates a state slot per running request beside the pages (and the
+        # graphs' padding rows one more).
+        state = self.info.kv_spec.state_bytes * (self.max_num_seqs + 1)
         return self.runner.blocks_in(budget.kv_bytes - state, cache.block_size)
 
     def _profile_peak(self, block_size: int) -> int:
@@ -171,17 +173,37 @@ class CUDAAccelerator(Accelerator):
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int, num_state_slots: int = 0,
                           capture: bool = True) -> None:
-        self.runner.allocate(num_blocks, block_size, num_state_slots)
-        if capture and self.on_gpu and not self.enforce_eager and not self.grouped:
-            self._capture_graphs(block_size)
+        graphs = capture and self.on_gpu and not self.enforce_eager and self.graphable
+        # Graphs of a stateful model pad their batch with rows that own one more state slot.
+        extra = 1 if self.graphable and num_state_slots else 0
+        self.runner.allocate(num_blocks, block_size, num_state_slots + extra)
+        if graphs:
+            self.capture_graphs(block_size)
 
-    def _capture_graphs(self, block_size: int) -> None:
-        max_blocks = -(-self.max_model_len // block_size)
-        self.graphs = DecodeGraphs(self.max_num_seqs, max_blocks, self.device,
-                                   lambda batch: self._num_splits(batch, self.max_model_len))
+    @property
+    def graphable(self) -> bool:
+        """Decode steps can be captured: one KV group, or a model whose decode step reads
+        only device tensors (group_inputs.GroupedDecodeRows)."""
+        return not self.grouped or getattr(self.runner.model, "graph_decode", False)
+
+    def capture_graphs(self, block_size: int) -> None:
+        """Decode graphs for every batch bucket (without a GPU: recorded at each run, which
+        is how the tests run them)."""
+        self.graphs = DecodeGraphs(self.max_num_seqs, self._row_layout(block_size), self.device)
         with torch.inference_mode():
             self.graphs.capture(self._capture_forward)
         log.info("captured decode graphs for batch sizes %s", self.graphs.buckets)
+
+    def _row_layout(self, block_size: int) -> RowLayout:
+        max_blocks = -(-self.max_model_len // block_size)
+        if not self.grouped:
+            return DecodeRows(max_blocks, lambda batch: self._num_splits(batch,
+                                                                         self.max_model_len))
+        spec, state = self.info.kv_spec, self.cache.state
+        group_of = {layer: g.index for g in spec.groups for layer in g.layers}
+        null_slot = 0 if state is None else state.shape[0] - 1
+        return GroupedDecodeRows(spec.num_groups, max_blocks, group_of, self.max_model_len,
+                                 null_slot)
 
     # ---- steps ---------------------------------------------------------------------------
     def _num_splits(self, batch: int, max_seq_len: int) -> int:

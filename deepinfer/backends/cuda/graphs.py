@@ -2,24 +2,28 @@
 
 A decode step of a 32-layer model is ~300 small kernels; launched one by one from Python the
 launch gaps, not the memory traffic, set the step time at small batches. Each bucket's graph
-reads its inputs from the first B rows of one static int64 buffer (step_inputs' row layout),
+reads its inputs from the first B rows of one static int64 buffer (a RowLayout: one KV
+group's, step_inputs.DecodeRows, or several groups' with state slots, group_inputs'),
 unpacks them on the device, runs the model and the LM head, and leaves float32 logits in a
 static output and each row's argmax in one static id buffer that every bucket shares. A greedy
 step needs nothing more; and a row whose input id the step in flight sampled (async
 scheduling) reads it from that buffer inside the graph, so a greedy decode step launches no
 kernel outside its graph. Prefill and mixed steps stay eager.
+
+Without a GPU (the Triton interpreter in CI) nothing is captured and each run records its
+bucket afresh from the same rows: the tests run exactly what a graph would hold.
 """
 from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Protocol
 
+import numpy as np
 import torch
 
 from deepinfer.backends.cuda.kernels.argmax import greedy_ids
-from deepinfer.backends.cuda.step_inputs import DECODE_COLS, StepInputs, decode_inputs, \
-    fill_decode_rows
+from deepinfer.backends.cuda.step_inputs import StepInputs
 from deepinfer.core.batch import InputsFromLastStep, ModelBatch
 
 # Buckets as in vLLM/SGLang: every size up to 8, then steps of 8 then 16, so padding wastes
@@ -33,19 +37,36 @@ def batch_buckets(max_batch: int) -> tuple[int, ...]:
 Forward = Callable[[StepInputs, int], torch.Tensor]  # (inputs, batch) -> logits [batch, V]
 
 
+class RowLayout(Protocol):
+    """How a decode batch is packed into int64 rows and unpacked on the device: one group's
+    (step_inputs.DecodeRows) or several groups' with state slots (group_inputs)."""
+
+    max_blocks: int
+
+    @property
+    def width(self) -> int: ...
+
+    def pad(self, rows: torch.Tensor) -> None:
+        """Make every row a harmless padding row (before capture)."""
+
+    def fill(self, rows: np.ndarray, batch: ModelBatch) -> None:
+        """The batch into rows[:B], the rest padding."""
+
+    def inputs(self, rows: torch.Tensor, last_tokens: torch.Tensor) -> StepInputs:
+        """The model's inputs from rows (ids from last_tokens where a row says so)."""
+
+
 @dataclass
 class _Graph:
-    graph: torch.cuda.CUDAGraph
-    logits: torch.Tensor
+    graph: torch.cuda.CUDAGraph | None  # None: recorded afresh at every run (no GPU)
+    logits: torch.Tensor | None
 
 
 class DecodeGraphs:
-    def __init__(self, max_batch: int, max_blocks: int, device: torch.device,
-                 split_policy: Callable[[int], int]) -> None:
+    def __init__(self, max_batch: int, layout: RowLayout, device: torch.device) -> None:
         self.buckets = batch_buckets(max_batch)
-        self.max_blocks = max_blocks
-        self.split_policy = split_policy  # batch -> split-K of the decode kernel
-        width = DECODE_COLS + max_blocks
+        self.layout, self.max_blocks = layout, layout.max_blocks
+        width = layout.width
         self.rows = torch.zeros((self.buckets[-1], width), dtype=torch.int64, device=device)
         # Pinned staging so the per-step copy is one asynchronous DMA; two, used in turn,
         # since with async scheduling a step's rows are written while the step ahead (whose
@@ -56,6 +77,7 @@ class DecodeGraphs:
         # The last replay's argmax per row; the next replay's rows may take their ids from it.
         self.tokens = torch.zeros(self.buckets[-1], dtype=torch.int64, device=device)
         self.graphs: dict[int, _Graph] = {}
+        self.forward: Forward | None = None  # what runs without a GPU, in place of a replay
 
     @property
     def max_batch(self) -> int:
@@ -69,8 +91,11 @@ class DecodeGraphs:
 
     def capture(self, forward: Forward) -> None:
         """Capture every bucket, largest first so the smaller ones reuse its memory pool."""
-        self.rows[:, 2] = -1  # null rows: no KV write, one token of the null block
-        self.rows[:, 3] = 1
+        self.layout.pad(self.rows)
+        if self.rows.device.type != "cuda":  # no graphs: each run records its bucket afresh
+            self.forward = forward
+            self.graphs = {b: _Graph(None, None) for b in self.buckets}
+            return
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
@@ -87,7 +112,7 @@ class DecodeGraphs:
     def record(self, forward: Forward, batch: int) -> torch.Tensor:
         """What a bucket's graph runs: unpack the rows, forward, argmax into self.tokens
         (ids are read from it first, in the unpack)."""
-        inputs = decode_inputs(self.rows[:batch], self.tokens, self.split_policy(batch))
+        inputs = self.layout.inputs(self.rows[:batch], self.tokens)
         logits = forward(inputs, batch)
         greedy_ids(logits, out=self.tokens[:batch])
         return logits
@@ -104,10 +129,14 @@ class DecodeGraphs:
         bucket = self.bucket_for(n) if bucket is None else bucket
         self.turn ^= 1
         staging = self.host_rows[self.turn][:bucket]
-        fill_decode_rows(staging.numpy(), batch)
+        self.layout.fill(staging.numpy(), batch)
         self.rows[:bucket].copy_(staging, non_blocking=True)
         self._take_last_step(batch.from_last_step)
         entry = self.graphs[bucket]
+        if entry.graph is None:
+            # A copy of the ids: a GPU's stream reads them before the next replay writes the
+            # buffer, while here the next step runs before this one's ids are read.
+            return self.record(self.forward, bucket)[:n], self.tokens[:n].clone()
         entry.graph.replay()
         return entry.logits[:n], self.tokens[:n]
 

@@ -1,9 +1,13 @@
 """Step inputs of models with several KV groups or per-request state (DeepSeek-V4).
 
 Such a model reads every group's slot mapping and block tables, each sequence's state slot,
-and the step's per-sequence lengths on the host too (its compressors step sequence by
-sequence). As for one group (step_inputs.py), the lists are packed into one int64 array and
-moved with one copy; the host lists stay beside it. These steps run eagerly: no CUDA graph.
+and, in prefill and mixed steps, the step's per-sequence lengths on the host too (its
+compressors step sequence by sequence there). As for one group (step_inputs.py), the lists are
+packed into one int64 array and moved with one copy; the host lists stay beside it.
+
+Decode steps of a model that reads no host list there (`graph_decode`) go through CUDA graphs
+with `GroupedDecodeRows`: one row per sequence, every group's slot and block table in it, the
+metadata all device tensors (`GroupedDecodeMeta`).
 """
 from __future__ import annotations
 
@@ -12,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from deepinfer.backends.cuda.step_inputs import StepInputs
+from deepinfer.backends.cuda.step_inputs import SRC_COL, StepInputs
 from deepinfer.core.batch import ModelBatch
 from deepinfer.core.kv.spec import KVSpec
 from deepinfer.core.transfer import to_device
@@ -80,3 +84,77 @@ def grouped_inputs(batch: ModelBatch, spec: KVSpec, device: torch.device) -> Ste
     meta = GroupedMeta(_query_starts(batch), list(batch.query_lens), list(batch.seq_lens),
                        groups, group_of, list(batch.state_slots))
     return StepInputs(flat[:t], flat[t:2 * t], meta, flat[2 * t:2 * t + sampled])
+
+
+# Decode row layout: token id, position, state slot, sequence length, the row of the step in
+# flight whose sampled id is this row's (SRC_COL, as step_inputs), then per KV group its KV
+# slot and its block table.
+GROUPED_COLS = 5
+
+
+@dataclass
+class GroupedDecodeMeta:
+    """A decode step's metadata with no host list (models/deepseek_v4/cache.DECODE_FIELDS)."""
+
+    seq_lens: torch.Tensor  # [B] int32
+    groups: list[GroupTables]
+    group_of: dict[int, int]
+    state_slots: torch.Tensor  # [B] int64
+    max_seq_len: int  # sizes the kernels' grids: the longest context served
+
+
+@dataclass(frozen=True)
+class GroupedDecodeRows:
+    """graphs.RowLayout for several KV groups and state slots. Padding rows write their KV
+    into the null block (slot 0, read by no sequence) and their state into `null_state_slot`,
+    one slot beyond the engine's."""
+
+    num_groups: int
+    max_blocks: int
+    group_of: dict[int, int]
+    max_seq_len: int
+    null_state_slot: int
+
+    @property
+    def width(self) -> int:
+        return GROUPED_COLS + self.num_groups * (1 + self.max_blocks)
+
+    def _group_col(self, g: int) -> int:
+        return GROUPED_COLS + g * (1 + self.max_blocks)
+
+    def pad(self, rows: torch.Tensor) -> None:
+        rows.zero_()
+        self._pad_tail(rows)
+
+    def _pad_tail(self, rows: torch.Tensor | np.ndarray) -> None:
+        rows[:, 2] = self.null_state_slot
+        rows[:, 3] = 1
+        rows[:, SRC_COL] = -1
+
+    def fill(self, rows: np.ndarray, batch: ModelBatch) -> None:
+        n = batch.num_seqs
+        rows[:] = 0
+        rows[:n, 0], rows[:n, 1] = batch.input_ids, batch.positions
+        rows[:n, 2], rows[:n, 3] = batch.state_slots, batch.seq_lens
+        self._pad_tail(rows[n:])
+        rows[:n, SRC_COL] = -1
+        if batch.from_last_step is not None:
+            rows[batch.from_last_step.token_indices, SRC_COL] = batch.from_last_step.rows
+        used = [-(-length // batch.block_size) for length in batch.seq_lens]
+        for g, group in enumerate(batch.groups):
+            col = self._group_col(g)
+            rows[:n, col] = group.slot_mapping
+            for i, table in enumerate(group.block_tables):
+                rows[i, col + 1:col + 1 + used[i]] = table[:used[i]]
+
+    def inputs(self, rows: torch.Tensor, last_tokens: torch.Tensor) -> StepInputs:
+        src = rows[:, SRC_COL]
+        ids = torch.where(src >= 0, last_tokens[src.clamp(min=0)], rows[:, 0])
+        groups = []
+        for g in range(self.num_groups):
+            col = self._group_col(g)
+            groups.append(GroupTables(rows[:, col].contiguous(),
+                                      rows[:, col + 1:col + 1 + self.max_blocks].to(torch.int32)))
+        meta = GroupedDecodeMeta(rows[:, 3].to(torch.int32), groups, self.group_of,
+                                 rows[:, 2].contiguous(), self.max_seq_len)
+        return StepInputs(ids, rows[:, 1].contiguous(), meta, None)

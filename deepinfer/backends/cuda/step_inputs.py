@@ -8,7 +8,7 @@ buffer whose first B rows are the live batch.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -73,6 +73,28 @@ def decode_inputs(rows: torch.Tensor, last_tokens: torch.Tensor, num_splits: int
     meta = AttentionMeta(slot_mapping=slots, block_tables=tables, seq_lens=seq_lens,
                          query_starts=None, max_query_len=1, decode=True, num_splits=num_splits)
     return StepInputs(ids, positions, meta, None)
+
+
+@dataclass(frozen=True)
+class DecodeRows:
+    """The one-group row layout as a decode graph uses it (graphs.RowLayout)."""
+
+    max_blocks: int
+    split_policy: Callable[[int], int]  # batch -> split-K of the decode kernel
+
+    @property
+    def width(self) -> int:
+        return DECODE_COLS + self.max_blocks
+
+    def pad(self, rows: torch.Tensor) -> None:
+        rows[:, 2] = -1  # null rows: no KV write, one token of the null block
+        rows[:, 3] = 1
+
+    def fill(self, rows: np.ndarray, batch: ModelBatch) -> None:
+        fill_decode_rows(rows, batch)
+
+    def inputs(self, rows: torch.Tensor, last_tokens: torch.Tensor) -> StepInputs:
+        return decode_inputs(rows, last_tokens, self.split_policy(rows.shape[0]))
 
 
 def pack_batch(batch: ModelBatch) -> tuple[np.ndarray, int]:

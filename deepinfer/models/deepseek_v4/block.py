@@ -29,6 +29,7 @@ from deepinfer.models.deepseek_v4.cache import SeqView, V4PagedCache
 from deepinfer.models.deepseek_v4.compressor import (PAGE_TOKENS, CSACompressor, Compressed,
                                                      Compressor, CompressorState,
                                                      build_compressor, select_topk)
+from deepinfer.models.deepseek_v4.decode_compress import SlotRows, closes_window, decode_step
 from deepinfer.models.deepseek_v4.hyper import HyperConnection, HyperDims
 from deepinfer.models.ops import ModelOps
 
@@ -94,7 +95,7 @@ class V4DecoderLayer(nn.Module):
         paged.write_window(self.place.window_layer, kv)
         projected = self._project(hidden, q_residual, positions)
         if paged.decode:
-            return attn.output(self._decode(q, projected, paged), positions)
+            return attn.output(self._decode(q, projected, positions, paged), positions)
         out = torch.empty_like(q)
         for seq in paged.sequences:
             compressed, visible = None, None
@@ -105,15 +106,14 @@ class V4DecoderLayer(nn.Module):
                                    compressed, visible, attn.sinks, d.sliding_window, d.scale)
         return attn.output(out, positions)
 
-    def _decode(self, q: torch.Tensor, projected: _Projected | None,
+    def _decode(self, q: torch.Tensor, projected: _Projected | None, positions: torch.Tensor,
                 paged: V4PagedCache) -> torch.Tensor:
-        """One query per sequence: compress each sequence's token, then one batched op."""
+        """One query per sequence: compress every sequence's token, then one batched op."""
         d, lens = self.self_attn.dims, paged.decode_lens
         entries, picks = None, None
         if projected is not None:
             comp, layer = self.compressor, self.place.entries_layer
-            for seq in paged.sequences:
-                self._compress(seq, projected, paged)
+            self._compress_decode(projected, positions, paged)
             entries = paged.paged(layer, 0, comp.rate)
             if isinstance(comp, CSACompressor):
                 indexer = comp.indexer
@@ -151,6 +151,32 @@ class V4DecoderLayer(nn.Module):
         picks = select_topk(projected.index_q[rows], projected.index_w[rows], query_positions,
                             entries[1], indexer.rate, indexer.topk, indexer.softmax_scale)
         return entries[0], selected_visible(picks, count)
+
+    def _compress_decode(self, projected: _Projected, positions: torch.Tensor,
+                         paged: V4PagedCache) -> None:
+        """_compress for one token of every sequence (decode_compress.py): the entries whose
+        windows close, the state slots and, CSA, the carry-over at page ends."""
+        comp, layer = self.compressor, self.place.entries_layer
+        steps = [(comp, projected.kv, projected.gate)]
+        if isinstance(comp, CSACompressor):
+            steps.append((comp.indexer, projected.index_kv, projected.index_gate))
+        offset = self.place.state_offset
+        region = paged.decode_states(offset, sum(c.state_numel for c, _, _ in steps))
+        start, entries, packed, carry = 0, [], [], []
+        for compressor, kv, gate in steps:
+            numel = compressor.state_numel
+            slots = SlotRows.unpack(compressor, region[:, start:start + numel])
+            entry, slots = decode_step(compressor, kv, gate, positions, slots)
+            entries.append(entry)
+            packed.append(slots.pack())
+            if compressor.overlap:
+                carry.append(slots.carry_over())
+            start += numel
+        paged.write_closed_entries(layer, comp.rate, positions,
+                                   closes_window(positions, comp.rate), tuple(entries))
+        paged.write_decode_states(offset, torch.cat(packed, dim=1))
+        if carry:
+            paged.write_page_ends(layer, positions, torch.cat(carry, dim=1))
 
     def _compress(self, seq: SeqView, projected: _Projected, paged: V4PagedCache) -> int:
         """Run the layer's compressors over the sequence's new tokens, from and back to its

@@ -36,6 +36,9 @@ from deepinfer.models.deepseek_v4.paged_ops import DecodeLens, PagedRows
 ENTRY_TENSORS = 2  # compressed (+ index_key): the entry tensors; a CSA's page_state follows
 # Host lists per sequence, the layer -> KV group map and the per-group device tensors.
 STEP_FIELDS = ("query_starts", "query_lens", "seq_lens", "groups", "group_of", "state_slots")
+# A decode step without host lists (what a CUDA graph holds): seq_lens [B] int32 and
+# state_slots [B] int64 are device tensors, max_seq_len bounds the lengths.
+DECODE_FIELDS = ("seq_lens", "groups", "group_of", "state_slots", "max_seq_len")
 
 @dataclass(frozen=True)
 class SeqView:
@@ -52,12 +55,22 @@ class V4PagedCache:
     """One step's view of the paged cache: writes and gathers by sequence."""
 
     def __init__(self, cache: Any, meta: Any, dtype: torch.dtype) -> None:
-        missing = [f for f in STEP_FIELDS if not hasattr(meta, f)]
+        self.cache, self.meta, self.dtype = cache, meta, dtype
+        # Device-only decode metadata: every sequence decodes, nothing is known per sequence
+        # on the host (`sequences` is empty; the decode path needs none).
+        self.device_only = all(hasattr(meta, f) for f in DECODE_FIELDS)
+        fields = DECODE_FIELDS if self.device_only else STEP_FIELDS
+        missing = [f for f in fields if not hasattr(meta, f)]
         if missing:
             raise NotImplementedError(
-                f"DeepSeek-V4's paged data path needs step metadata with {STEP_FIELDS}; "
-                f"{type(meta).__name__} lacks {missing}")
-        self.cache, self.meta, self.dtype = cache, meta, dtype
+                f"DeepSeek-V4's paged data path needs step metadata with {STEP_FIELDS} "
+                f"(or, decoding, {DECODE_FIELDS}); {type(meta).__name__} lacks {missing}")
+        self.sequences: list[SeqView] = []
+        self.decode = True
+        if not self.device_only:
+            self._host_sequences(meta)
+
+    def _host_sequences(self, meta: Any) -> None:
         slots = meta.state_slots or [None] * len(meta.query_starts)
         self.sequences = [
             SeqView(i, slice(start, start + qlen), seq_len - qlen, seq_len, slot)
@@ -73,13 +86,26 @@ class V4PagedCache:
         return PagedRows(self.cache.layer(layer)[entry], self._group(layer).block_tables,
                          self.cache.block_size, rate)
 
+    @property
+    def device(self) -> torch.device:
+        return self.cache.layer(0)[0].device
+
     @cached_property
     def decode_lens(self) -> DecodeLens:
         """The step's sequence lengths, host and device (decode ops read both): one copy a
         step, shared by the layers."""
-        device = self.cache.layer(0)[0].device
-        return DecodeLens(torch.tensor(self.meta.seq_lens, dtype=torch.int32, device=device),
-                          list(self.meta.seq_lens))
+        if self.device_only:
+            return DecodeLens(self.meta.seq_lens, None, self.meta.max_seq_len)
+        lens = list(self.meta.seq_lens)
+        return DecodeLens(torch.tensor(lens, dtype=torch.int32, device=self.device), lens,
+                          max(lens, default=0))
+
+    @cached_property
+    def slot_index(self) -> torch.Tensor:
+        """[B] int64: each sequence's state slot (decode steps)."""
+        if self.device_only:
+            return self.meta.state_slots
+        return torch.tensor(self.meta.state_slots, dtype=torch.long, device=self.device)
 
     # ---- the sliding window (every layer) -----------------------------------------------
     def write_window(self, layer: int, kv: torch.Tensor) -> None:
@@ -138,6 +164,39 @@ class V4PagedCache:
         rows = self._entry_rows(seq, layer, torch.tensor([page], device=tensor.device),
                                 PAGE_TOKENS)
         return tensor.index_select(0, rows)[0].to(self.dtype)
+
+    # ---- a decode step: one token of every sequence, batched ------------------------------
+    def write_closed_entries(self, layer: int, rate: int, positions: torch.Tensor,
+                             closes: torch.Tensor, values: tuple[torch.Tensor, ...]) -> None:
+        """values[e] [B, *shape]: entry positions[b] // rate of each sequence whose token
+        closes a window, into the layer's e-th entry tensor. The others write to row 0, in the
+        null block, which no sequence reads: no shape depends on which rows close."""
+        items = torch.div(positions, rate, rounding_mode="floor")
+        rows = torch.where(closes, self.paged(layer, 0, rate).rows_of_each(items), 0)
+        for tensor, value in zip(self.cache.layer(layer)[:ENTRY_TENSORS], values):
+            tensor.index_copy_(0, rows, value.to(tensor.dtype))
+
+    def write_page_ends(self, layer: int, positions: torch.Tensor,
+                        values: torch.Tensor) -> None:
+        """values [B, n]: the carry-over into the page each sequence's token ends (a token at
+        a page's last position); the other rows into row 0 (null block)."""
+        ends = (positions + 1) % PAGE_TOKENS == 0
+        page = torch.div(positions, PAGE_TOKENS, rounding_mode="floor")
+        rows = torch.where(ends, self.paged(layer, 0, PAGE_TOKENS).rows_of_each(page), 0)
+        tensor = self._page_state(layer)
+        tensor.index_copy_(0, rows, values.to(tensor.dtype))
+
+    def decode_states(self, offset: int, numel: int) -> torch.Tensor:
+        """[B, numel]: a copy of elements [offset, offset + numel) of every sequence's slot."""
+        return self._state_table()[self.slot_index, offset:offset + numel]
+
+    def write_decode_states(self, offset: int, values: torch.Tensor) -> None:
+        self._state_table()[self.slot_index, offset:offset + values.shape[1]] = values
+
+    def _state_table(self) -> torch.Tensor:
+        if self.cache.state is None:
+            raise RuntimeError("DeepSeek-V4 needs a state slot per running sequence")
+        return self.cache.state.view(self.dtype)
 
     # ---- compressor state ---------------------------------------------------------------
     def state(self, seq: SeqView, offset: int, numel: int) -> torch.Tensor:

@@ -171,8 +171,12 @@ class Compressor(nn.Module):
         """Softmax-gated sum over each window's slots (transformers :428-430, :683-685)."""
         if self.overlap:
             win_kv, win_gate = self._overlap_slots(win_kv, win_gate, state)
-        weights = win_gate.softmax(dim=1, dtype=torch.float32).to(win_kv.dtype)
-        return self.kv_norm((win_kv * weights).sum(dim=1))
+        return self.pool_slots(win_kv, win_gate)
+
+    def pool_slots(self, kv: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """[n, slots, head_dim] rows and their biased gates -> n entries (before rope)."""
+        weights = gate.softmax(dim=1, dtype=torch.float32).to(kv.dtype)
+        return self.kv_norm((kv * weights).sum(dim=1))
 
     def _overlap_slots(self, win_kv: torch.Tensor, win_gate: torch.Tensor,
                        state: CompressorState) -> tuple[torch.Tensor, torch.Tensor]:

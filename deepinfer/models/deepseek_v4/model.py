@@ -75,6 +75,9 @@ class DeepseekV4ForCausalLM(nn.Module):
     # Its data path (cache.py) reads every KV group's tables and the state slots from the step
     # metadata: backends hand it their grouped metadata.
     reads_group_meta = True
+    # Its decode step reads device tensors only (cache.DECODE_FIELDS; the compressors step
+    # every sequence at once, decode_compress.py): a CUDA graph can hold it.
+    graph_decode = True
 
     def __init__(self, config: PretrainedConfig, ops: ModelOps, max_model_len: int) -> None:
         super().__init__()

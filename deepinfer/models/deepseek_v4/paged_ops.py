@@ -38,6 +38,14 @@ class PagedRows:
         return blocks * per_block + torch.div(first % self.block_size, self.rate,
                                               rounding_mode="floor")
 
+    def rows_of_each(self, items: torch.Tensor) -> torch.Tensor:
+        """Row indices [B] of item items[b] (long) of each sequence b."""
+        first = items * self.rate
+        column = torch.div(first, self.block_size, rounding_mode="floor")
+        blocks = self.tables.gather(1, column[:, None])[:, 0].to(torch.long)
+        return blocks * (self.block_size // self.rate) + torch.div(
+            first % self.block_size, self.rate, rounding_mode="floor")
+
     def gather(self, b: int, items: torch.Tensor) -> torch.Tensor:
         return self.cache.index_select(0, self.rows(b, items))
 
@@ -47,11 +55,10 @@ class DecodeLens:
     """Each sequence's length once this step's token is in (the query's position + 1)."""
 
     device: torch.Tensor  # [B] int32 on the cache's device (what kernels read)
-    host: list[int]
-
-    @property
-    def max(self) -> int:
-        return max(self.host, default=0)
+    host: list[int] | None  # None inside a CUDA graph: kernels then read only `device`
+    # A bound on them that sizes the kernels' grids and outputs: the longest, or inside a
+    # graph (whose shapes are fixed at capture) the longest context the engine serves.
+    max: int
 
 
 def decode_attention_reference(q: torch.Tensor, window: PagedRows, entries: PagedRows | None,

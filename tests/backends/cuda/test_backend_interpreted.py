@@ -118,7 +118,7 @@ def test_decode_rows_equal_eager_inputs(tmp_path):
     """What a decode graph records (the row buffer unpacked with the ids of the step in flight,
     padded rows, the argmax at the end) gives the eager path's logits and their argmax."""
     from deepinfer.backends.cuda.graphs import DecodeGraphs
-    from deepinfer.backends.cuda.step_inputs import fill_decode_rows
+    from deepinfer.backends.cuda.step_inputs import DecodeRows, fill_decode_rows
     from deepinfer.core.batch import InputsFromLastStep
     from deepinfer.testing.conformance import BLOCK_SIZE, BlockPool, Chunk, Seq, build_batch
     from tests.checkpoints import make_checkpoint
@@ -134,7 +134,7 @@ def test_decode_rows_equal_eager_inputs(tmp_path):
         s.computed, s.outputs = len(s.prompt), [7]
     batch = build_batch([Chunk(s) for s in seqs])
     eager = acc.forward_logits(batch)
-    graphs = DecodeGraphs(4, 8, torch.device("cpu"), lambda b: 2)  # two padding rows
+    graphs = DecodeGraphs(4, DecodeRows(8, lambda b: 2), torch.device("cpu"))  # two padding rows
     graphs.tokens[:3] = torch.tensor([5, 7, 9])  # the step in flight sampled 7 for seq 1
     in_flight = InputsFromLastStep(token_indices=[1], rows=[1], source=None)
     batch_ids = list(batch.input_ids)

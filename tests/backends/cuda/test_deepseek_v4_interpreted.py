@@ -136,3 +136,40 @@ def test_other_models_with_several_groups_are_refused(tmp_path):
     with pytest.raises(ValueError, match="one KV group"):
         acc.load_model(ModelSpec(path, dtype="float32"))
     acc.shutdown()
+
+
+@pytest.fixture(scope="module")
+def graph_engine(checkpoint):
+    """An engine whose decode steps go through the decode graphs' path: without a GPU each
+    step records its bucket afresh from the graph's row buffer (graphs.DecodeGraphs)."""
+    config = EngineConfig(model=ModelSpec(checkpoint, dtype="float32"),
+                          cache=CacheConfig(block_size=128, num_blocks=12),
+                          scheduler=SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4))
+    engine = Engine(config, accelerator=_interpreted_cls()(), load_tokenizer=False)
+    engine.accelerator.capture_graphs(128)
+    yield engine
+    engine.shutdown()
+
+
+def test_decode_graph_path_matches_transformers(graph_engine, reference, prompts):
+    """Three sequences in the 4-row bucket (one padding row, its state in the extra slot)
+    decode across CSA and HCA window closes and, the 120-token one, its first page end, where
+    the decode step stores the CSA carry-over in the page; a later prompt hits that page and
+    resumes from it. Every answer is transformers' greedy one."""
+    acc = graph_engine.accelerator
+    recorded = []
+    forward = acc.graphs.forward
+    acc.graphs.forward = lambda inputs, n: recorded.append(n) or forward(inputs, n)
+    third = torch.randint(3, VOCAB, (120,), generator=torch.Generator().manual_seed(5)).tolist()
+    batch = [prompts[0], prompts[1], third]
+    outs = _run(graph_engine, batch, 12, "g")
+    for i, prompt in enumerate(batch):
+        _assert_reference_greedy(reference, prompt, outs[i][0])
+    assert 4 in recorded  # three sequences in the 4-row bucket: a padding row ran
+    assert acc.cache.state.shape[0] == 4 + 1
+    # The third sequence's first page was completed by decode steps: its page_state entry.
+    follow = third + outs[2][0][:8] + prompts[1][:10]
+    (tokens, cached), = _run(graph_engine, [follow], 4, "h").values()
+    assert cached == 128
+    _assert_reference_greedy(reference, follow, tokens)
+    assert not graph_engine.kv._slots
