@@ -99,6 +99,13 @@ if wanted serve_overhead; then
         --max-num-batched-tokens 8192 --num-kv-blocks 2048 \
         --client-procs "${SERVE_CLIENT_PROCS:-8}" --out "$out/serve_overhead"
 fi
+# DeepSeek-V4: the engine on the GPU (decode graphs captured) against transformers on tiny
+# checkpoints, the batch-1 step's profile, then the V4-Flash-width benchmark.
+wanted v4_check && step v4_check env DEEPINFER_ACCELERATOR=nvidia python3 -m pytest -q \
+    -p no:cacheprovider tests/models/test_deepseek_v4_hicache.py \
+    tests/models/test_deepseek_v4_parity.py
+wanted v4_profile && step v4_profile python3 benchmarks/cuda/profile_v4.py --out "$out"
+wanted v4_bench && step v4_bench python3 benchmarks/cuda/v4_bench.py --out "$out" $quick
 wanted profile_steps && step profile_steps python3 benchmarks/cuda/profile_steps.py --out "$out"
 wanted profile_unfused && DEEPINFER_CUDA_GEMV=0 step profile_unfused \
     python3 benchmarks/cuda/profile_steps.py --out "$out" --batches 1 --tag unfused
