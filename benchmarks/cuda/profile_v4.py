@@ -1,7 +1,7 @@
 """Where a batch-1 decode step of the DeepSeek-V4-Flash-width model (v4_bench.py's config) goes:
 its kernels by device time (torch.profiler), how long the GPU is busy in the step, and the
-host's Python by own and cumulative time (cProfile). The model runs eagerly (no CUDA graph), so
-the host's share is the question.
+host's Python by own and cumulative time (cProfile), and the batch-1 decode graph replayed back
+to back (its GPU time with no host work between replays).
 
     python benchmarks/cuda/profile_v4.py --out benchmarks/results/cuda
 Writes v4_profile.json.
@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.join(HERE, "..", ".."))
 sys.path.insert(0, HERE)
 
 from engine_bench import random_prompts  # noqa: E402
-from profile_moe import busy_us, host_rows  # noqa: E402
+from profile_moe import exposed_us, host_rows, replay_times  # noqa: E402
 from v4_bench import v4_config, write_config  # noqa: E402
 
 from deepinfer.core.config import CacheConfig, EngineConfig, ModelSpec, SchedulerConfig  # noqa: E402
@@ -59,7 +59,8 @@ def device_profile(engine: Engine) -> dict:
              "us_per_step": (getattr(e, "device_time_total", 0) or 0) / STEPS}
             for e in prof.key_averages()]
     rows = sorted((r for r in rows if r["us_per_step"] > 0), key=lambda r: -r["us_per_step"])
-    return {"step_ms": wall * 1e3, "gpu_busy_us_per_step": busy_us(prof) / STEPS,
+    busy = sum(exposed_us(prof).values()) / STEPS
+    return {"step_ms": wall * 1e3, "gpu_busy_us_per_step": busy,
             "kernels_per_step": sum(r["calls_per_step"] for r in rows), "top": rows[:30]}
 
 
@@ -75,14 +76,15 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         engine = decoding_engine(write_config(tmp))
-        result = {"device": device_profile(engine), "host": host_profile(engine)}
+        result = {"device": device_profile(engine), "host": host_profile(engine),
+                  "replay": replay_times(engine) if engine.accelerator.graphs else {}}
         engine.shutdown()
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "v4_profile.json"), "w") as f:
         json.dump(result, f, indent=2)
     d = result["device"]
     print(f"step {d['step_ms']:.2f} ms, GPU busy {d['gpu_busy_us_per_step'] / 1e3:.2f} ms, "
-          f"{d['kernels_per_step']:.0f} kernels")
+          f"{d['kernels_per_step']:.0f} kernels; replay {result['replay']}")
     for r in d["top"][:12]:
         print(f"  {r['us_per_step']:9.1f} us {r['calls_per_step']:6.1f}x {r['name']}")
     for r in result["host"]["by_own"][:15]:
