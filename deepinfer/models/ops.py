@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 
 from deepinfer.core.accelerator import ParallelContext
+from deepinfer.models.deepseek_v4.attention import rope as v4_rope
+from deepinfer.models.deepseek_v4.attention import v4_rms_norm
 from deepinfer.models.deepseek_v4.paged_ops import (DecodeLens, PagedRows,
                                                     decode_attention_reference,
                                                     indexer_topk_reference)
@@ -80,6 +82,21 @@ class ModelOps(ABC):
         from deepinfer.models.deepseek_v4.hyper import sinkhorn
 
         return sinkhorn(logits, iters, eps)
+
+    def v4_rms_norm(self, x: torch.Tensor, weight: torch.Tensor | None,
+                    eps: float) -> torch.Tensor:
+        """DeepSeek-V4's norms over the last dim, in x's dtype: with a float32 weight, weight
+        times the float32 normalized x, rounded once; without, x times its reciprocal rms
+        rounded to x's dtype (reference: deepseek_v4/attention.py)."""
+        return v4_rms_norm(x, weight, eps)
+
+    def interleaved_rope(self, x: torch.Tensor, positions: torch.Tensor,
+                         inv_freq: torch.Tensor, scaling: float,
+                         inverse: bool = False) -> torch.Tensor:
+        """DeepSeek-V4's rope: the trailing 2 * len(inv_freq) channels of x [T, ..., D] rotated
+        in interleaved pairs at positions [T], cos/sin rounded to x's dtype (inverse: sin
+        negated); a new tensor (reference: deepseek_v4/attention.rope)."""
+        return v4_rope(x, positions, inv_freq, scaling, inverse)
 
     def compressed_decode_attention(self, q: torch.Tensor, window: PagedRows,
                                     entries: PagedRows | None, picks: torch.Tensor | None,

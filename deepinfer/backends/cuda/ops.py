@@ -157,8 +157,27 @@ class CUDAOps(ModelOps):
 
         return sinkhorn(logits, iters, eps)
 
-    # ---- DeepSeek-V4 decode (models/deepseek_v4/paged_ops.py holds the references) --------
+    # ---- DeepSeek-V4 (models/deepseek_v4/ holds the references) ---------------------------
     # The kernels are imported on first use: only DeepSeek-V4 reaches them.
+    def v4_rms_norm(self, x: torch.Tensor, weight: torch.Tensor | None,
+                    eps: float) -> torch.Tensor:
+        """One kernel (norm.py's, with V4's roundings) instead of ~8 torch ops."""
+        if not self._on_triton(x):
+            return super().v4_rms_norm(x, weight, eps)
+        from deepinfer.backends.cuda.kernels.norm import v4_rms_norm
+
+        return v4_rms_norm(x, weight, eps)
+
+    def interleaved_rope(self, x: torch.Tensor, positions: torch.Tensor,
+                         inv_freq: torch.Tensor, scaling: float,
+                         inverse: bool = False) -> torch.Tensor:
+        """One kernel instead of ~20 torch ops (kernels/interleaved_rope.py)."""
+        if not self._on_triton(x):
+            return super().interleaved_rope(x, positions, inv_freq, scaling, inverse)
+        from deepinfer.backends.cuda.kernels.interleaved_rope import interleaved_rope
+
+        return interleaved_rope(x, positions, inv_freq, scaling, inverse)
+
     def compressed_decode_attention(self, q: torch.Tensor, window: PagedRows,
                                     entries: PagedRows | None, picks: torch.Tensor | None,
                                     lens: DecodeLens, sinks: torch.Tensor, sliding_window: int,

@@ -29,6 +29,7 @@ The norms and sinks stay float32 (transformers' _keep_in_fp32_modules_strict).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -111,8 +112,37 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat((nope, rotated.flatten(-2).to(x.dtype)), dim=-1)
 
 
+def rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float,
+         inverse: bool = False) -> torch.Tensor:
+    """x [T, ..., D] roped at positions [T] (inverse: rotated back, sin negated): the reference
+    of ModelOps.interleaved_rope."""
+    cos, sin = rope_cos_sin(inv_freq, scaling, positions, x.dtype)
+    return apply_rope(x, cos, -sin if inverse else sin)
+
+
+class UsesOps:
+    """A V4 module whose rope and norms go to the backend's ops once the model binds them
+    (the model sets `ops` on each); standalone (the component tests) it runs the reference."""
+
+    ops: "Any" = None  # models.ops.ModelOps; None: the reference
+
+    def linear(self, layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        """layer(x) through the backend's projection (a GEMV for one token on CUDA)."""
+        return layer(x) if self.ops is None else self.ops.linear(x, layer.weight)
+
+
 # ---- norms --------------------------------------------------------------------------------
-class RMSNorm(nn.Module):
+def v4_rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """The reference of ModelOps.v4_rms_norm: RMSNorm.forward with a weight,
+    unweighted_rms_norm without."""
+    if weight is None:
+        return unweighted_rms_norm(x, eps)
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (weight.float() * xf).to(x.dtype)
+
+
+class RMSNorm(UsesOps, nn.Module):
     """V4's weighted RMSNorm (DeepseekV4RMSNorm, L55-61): a float32 weight, float32 statistics
     *and* weight product, cast once at the end (the CPU op casts before the weight). Every V4
     norm with a weight: the layers', the model's, q_a/kv norms, the compressors' kv norms."""
@@ -123,9 +153,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (self.weight.float() * xf).to(x.dtype)
+        if self.ops is not None:
+            return self.ops.v4_rms_norm(x, self.weight, self.eps)
+        return v4_rms_norm(x, self.weight, self.eps)
 
 
 def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -135,7 +165,7 @@ def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 # ---- the layer ----------------------------------------------------------------------------
-class V4Attention(nn.Module):
+class V4Attention(UsesOps, nn.Module):
     """One V4 attention layer's parameters, its projections and its output; the attention
     in between is `attend` (the backend op's reference). Compressor weights live elsewhere."""
 
@@ -155,39 +185,45 @@ class V4Attention(nn.Module):
         inv_freq, self.rope_scaling = rope_inv_freq(config, d.rope_label)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
-    def cos_sin(self, positions: torch.Tensor,
-                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        return rope_cos_sin(self.inv_freq, self.rope_scaling, positions, dtype)
+    def rope(self, x: torch.Tensor, positions: torch.Tensor, inverse: bool = False
+             ) -> torch.Tensor:
+        if self.ops is not None:
+            return self.ops.interleaved_rope(x, positions, self.inv_freq, self.rope_scaling,
+                                             inverse)
+        return rope(x, positions, self.inv_freq, self.rope_scaling, inverse)
+
+    def _q_norm(self, q: torch.Tensor) -> torch.Tensor:
+        eps = self.dims.rms_norm_eps
+        return unweighted_rms_norm(q, eps) if self.ops is None else \
+            self.ops.v4_rms_norm(q, None, eps)
 
     def q_residual(self, hidden: torch.Tensor) -> torch.Tensor:
         """q_a_norm(q_a_proj(h)) [T, q_lora_rank]; CSA's indexer reads it too (L840)."""
-        return self.q_a_norm(self.q_a_proj(hidden))
+        return self.q_a_norm(self.linear(self.q_a_proj, hidden))
 
     def project(self, hidden: torch.Tensor, positions: torch.Tensor,
                 q_residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """hidden [T, H], positions [T] -> (q [T, heads, D], kv [T, D]), roped. q_residual:
         this hidden's `q_residual`, if the caller already has it."""
         d = self.dims
-        cos, sin = self.cos_sin(positions, hidden.dtype)
         if q_residual is None:
             q_residual = self.q_residual(hidden)
-        q = self.q_b_proj(q_residual).view(-1, d.num_heads, d.head_dim)
-        q = apply_rope(unweighted_rms_norm(q, d.rms_norm_eps), cos, sin)
-        kv = self.kv_norm(self.kv_proj(hidden))
-        return q, apply_rope(kv, cos, sin)
+        q = self.linear(self.q_b_proj, q_residual).view(-1, d.num_heads, d.head_dim)
+        q = self.rope(self._q_norm(q), positions)
+        kv = self.kv_norm(self.linear(self.kv_proj, hidden))
+        return q, self.rope(kv, positions)
 
     def output(self, attn: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """attn [T, heads, D] -> [T, H]: undo the values' rope at the query's position, then
         the grouped output projection."""
         d = self.dims
-        cos, sin = self.cos_sin(positions, attn.dtype)
         # Values carry their own position's rope (K=V); the conjugate rotation at the query's
         # position leaves a function of the relative distance.
-        attn = apply_rope(attn, cos, -sin)
+        attn = self.rope(attn, positions, inverse=True)
         groups = attn.reshape(attn.shape[0], d.o_groups, -1)
         weight = self.o_a_proj.weight.view(d.o_groups, d.o_lora_rank, -1)
         mixed = torch.einsum("tgi,gri->tgr", groups, weight)
-        return self.o_b_proj(mixed.flatten(1))
+        return self.linear(self.o_b_proj, mixed.flatten(1))
 
 
 # ---- the attention itself (reference for the backend op) ----------------------------------

@@ -129,12 +129,13 @@ class V4DecoderLayer(nn.Module):
         comp = self.compressor
         if comp is None:
             return None
-        kv, gate = comp.kv_proj(hidden), comp.gate_proj(hidden)
+        kv, gate = comp.linear(comp.kv_proj, hidden), comp.linear(comp.gate_proj, hidden)
         if not isinstance(comp, CSACompressor):
             return _Projected(kv, gate)
         indexer = comp.indexer
         index_q, index_w = indexer.queries(hidden, q_residual, positions)
-        return _Projected(kv, gate, indexer.kv_proj(hidden), indexer.gate_proj(hidden),
+        return _Projected(kv, gate, indexer.linear(indexer.kv_proj, hidden),
+                          indexer.linear(indexer.gate_proj, hidden),
                           index_q, index_w)
 
     def _compressed(self, seq: SeqView, projected: _Projected, positions: torch.Tensor,

@@ -48,7 +48,7 @@ from transformers import PretrainedConfig
 
 from deepinfer.core.kv.spec import CacheEntry
 from deepinfer.models.deepseek_v4 import attention
-from deepinfer.models.deepseek_v4.attention import RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq
+from deepinfer.models.deepseek_v4.attention import RMSNorm, UsesOps, rope, rope_inv_freq
 
 CSA = "compressed_sparse_attention"
 HCA = "heavily_compressed_attention"
@@ -112,7 +112,7 @@ def causal_entry_limit(positions: torch.Tensor, rate: int) -> torch.Tensor:
     return torch.div(positions + 1, rate, rounding_mode="floor")
 
 
-class Compressor(nn.Module):
+class Compressor(UsesOps, nn.Module):
     """One compressor's parameters under transformers' names, and its chunk step."""
 
     def __init__(self, config: PretrainedConfig, head_dim: int, rate: int, overlap: bool) -> None:
@@ -194,8 +194,10 @@ class Compressor(nn.Module):
 
     def rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """V4's interleaved rope (attention.py) with the "compress" parameters."""
-        return apply_rope(x, *rope_cos_sin(self.rope_inv_freq, self.rope_scaling, positions,
-                                           x.dtype))
+        if self.ops is not None:
+            return self.ops.interleaved_rope(x, positions, self.rope_inv_freq,
+                                             self.rope_scaling)
+        return rope(x, positions, self.rope_inv_freq, self.rope_scaling)
 
     @property
     def state_numel(self) -> int:
@@ -275,8 +277,9 @@ class Indexer(Compressor):
     def queries(self, hidden: torch.Tensor, q_residual: torch.Tensor, positions: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """(roped index queries [n, heads, index_head_dim], head weights [n, heads] fp32)."""
-        q = self.q_b_proj(q_residual).view(hidden.shape[0], self.num_heads, self.head_dim)
-        weights = self.scorer.weights_proj(hidden).float() * self.num_heads ** -0.5
+        q = self.linear(self.q_b_proj, q_residual).view(hidden.shape[0], self.num_heads,
+                                                         self.head_dim)
+        weights = self.linear(self.scorer.weights_proj, hidden).float() * self.num_heads ** -0.5
         return self.rope(q, positions), weights
 
     def select(self, hidden: torch.Tensor, q_residual: torch.Tensor, positions: torch.Tensor,

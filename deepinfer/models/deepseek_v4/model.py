@@ -33,7 +33,8 @@ from transformers import PretrainedConfig
 
 from deepinfer.core.kv.spec import CacheEntry, KVSpec, LayerKV
 from deepinfer.models.deepseek_v4 import names
-from deepinfer.models.deepseek_v4.attention import SLIDING, RMSNorm, V4Attention, rope_inv_freq
+from deepinfer.models.deepseek_v4.attention import (SLIDING, RMSNorm, UsesOps, V4Attention,
+                                                    rope_inv_freq)
 from deepinfer.models.deepseek_v4.block import Placement, V4DecoderLayer
 from deepinfer.models.deepseek_v4.cache import V4PagedCache
 from deepinfer.models.deepseek_v4.compressor import (Compressor, layer_cache_entries,
@@ -96,6 +97,9 @@ class DeepseekV4ForCausalLM(nn.Module):
             nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.state_numel = sum(layer_state_numel(config, t) for t in config.layer_types)
         _keep_float32(self)
+        for module in self.modules():  # rope and norms through the backend's kernels
+            if isinstance(module, UsesOps):
+                module.ops = ops
 
     @property
     def needs_collectives(self) -> bool:

@@ -5,7 +5,10 @@ One program normalizes every row of one token: x is [T, H] (one row a token) or 
 rows of a token form a [BLOCK_H, BLOCK_D] tile held in registers, so each element is read and
 written once. Numerics follow deepinfer.backends.cpu.ops: the residual sum is rounded to x.dtype
 before the norm reads it, statistics are fp32, and the normalized value is rounded to x.dtype
-before the weight multiplies it.
+before the weight multiplies it. DeepSeek-V4's norms (`v4_rms_norm`, models/deepseek_v4/
+attention.py) round differently: the float32 weight multiplies the float32 normalized value
+and the product is rounded once; its unweighted q norm multiplies x by the reciprocal rms
+rounded to x's dtype.
 """
 from __future__ import annotations
 
@@ -24,7 +27,7 @@ _TILE = 8192
 def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, n_heads, d, eps,
                      sx_t, sx_h, sr_t, sr_h, sy_t, sy_h,
                      HAS_RESIDUAL: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-                     PDL: tl.constexpr):
+                     PDL: tl.constexpr, MODE: tl.constexpr = 0):
     if PDL:  # let the next kernel launch now; wait for the one ahead (see pdl.py)
         gdc_launch_dependents()
         gdc_wait()
@@ -43,10 +46,14 @@ def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, n_heads, d, eps,
     var = tl.sum(x * x, axis=1) / d
     # Correctly rounded 1/sqrt (one per row, so free) to match torch.rsqrt bit for bit.
     rstd = tl.div_rn(1.0, tl.sqrt_rn(var + eps))
-    normed = (x * rstd[:, None]).to(x_ptr.dtype.element_ty).to(tl.float32)
-    w = tl.load(w_ptr + cols, mask=cols < d, other=0.0).to(tl.float32)
-    tl.store(y_ptr + t * sy_t + heads * sy_h + cols, (normed * w).to(y_ptr.dtype.element_ty),
-             mask=mask)
+    if MODE == 2:  # V4 unweighted: x times the reciprocal rounded to x's dtype
+        y = x * rstd.to(x_ptr.dtype.element_ty).to(tl.float32)[:, None]
+    else:
+        normed = x * rstd[:, None]
+        if MODE == 0:  # rounded before the weight (the CPU backend's order)
+            normed = normed.to(x_ptr.dtype.element_ty).to(tl.float32)
+        y = normed * tl.load(w_ptr + cols, mask=cols < d, other=0.0).to(tl.float32)
+    tl.store(y_ptr + t * sy_t + heads * sy_h + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 def _as_3d(x: torch.Tensor, name: str) -> torch.Tensor:
@@ -57,12 +64,14 @@ def _as_3d(x: torch.Tensor, name: str) -> torch.Tensor:
     return x.unsqueeze(1) if x.dim() == 2 else x
 
 
-def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-            out: torch.Tensor, eps: float) -> None:
+def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor | None,
+            out: torch.Tensor, eps: float, mode: int = 0) -> None:
     x3, y3 = _as_3d(x, "x"), _as_3d(out, "out")
     r3 = _as_3d(residual, "residual") if residual is not None else x3
     tokens, heads, d = x3.shape
-    if weight.shape != (d,) or not weight.is_contiguous():
+    if weight is None:  # unweighted (mode 2): the pointer is never read
+        weight = x3
+    elif weight.shape != (d,) or not weight.is_contiguous():
         raise ValueError(f"weight must be contiguous [{d}], got {tuple(weight.shape)}")
     if tokens == 0:
         return
@@ -76,7 +85,7 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
                            x3.stride(0), x3.stride(1), r3.stride(0), r3.stride(1),
                            y3.stride(0), y3.stride(1),
                            HAS_RESIDUAL=residual is not None, BLOCK_H=block_h, BLOCK_D=block_d,
-                           num_warps=warps, **launch_kwargs(x3.device))
+                           MODE=mode, num_warps=warps, **launch_kwargs(x3.device))
 
 
 def _new_out(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -106,3 +115,12 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     out = _new_out(x, weight)
     _launch(x, residual, weight, out, eps)
     return out, residual
+
+
+def v4_rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """DeepSeek-V4's norm in x's dtype: weight (float32) times the float32 normalized x, one
+    rounding; without a weight, x times its reciprocal rms rounded to x's dtype. x is [T, H]
+    or [T, heads, D] (one row a head)."""
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    _launch(x, None, weight, out, eps, mode=1 if weight is not None else 2)
+    return out
