@@ -19,7 +19,8 @@ import torch.nn.functional as F
 from deepinfer.core.accelerator import ParallelContext
 from deepinfer.models.deepseek_v4.attention import rope as v4_rope
 from deepinfer.models.deepseek_v4.attention import v4_rms_norm
-from deepinfer.models.deepseek_v4.paged_ops import (DecodeLens, PagedRows,
+from deepinfer.models.deepseek_v4.decode_compress import decode_compress
+from deepinfer.models.deepseek_v4.paged_ops import (DecodeLens, DecodeTarget, PagedRows,
                                                     decode_attention_reference,
                                                     indexer_topk_reference)
 from deepinfer.models.moe.experts import fused_experts_reference
@@ -97,6 +98,15 @@ class ModelOps(ABC):
         in interleaved pairs at positions [T], cos/sin rounded to x's dtype (inverse: sin
         negated); a new tensor (reference: deepseek_v4/attention.rope)."""
         return v4_rope(x, positions, inv_freq, scaling, inverse)
+
+    def compressor_decode(self, comp: Any, kv: torch.Tensor, gate: torch.Tensor,
+                          positions: torch.Tensor, target: DecodeTarget) -> None:
+        """One DeepSeek-V4 compressor (deepseek_v4/compressor.Compressor) at a decode step:
+        kv, gate [B, width] projected rows of the tokens at positions [B] advance each
+        sequence's state slot; a token that closes its window writes the pooled, normed,
+        roped entry, and one that ends a page the carry-over (reference:
+        deepseek_v4/decode_compress.py)."""
+        decode_compress(comp, kv, gate, positions, target)
 
     def compressed_decode_attention(self, q: torch.Tensor, window: PagedRows,
                                     entries: PagedRows | None, picks: torch.Tensor | None,

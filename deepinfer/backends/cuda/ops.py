@@ -29,7 +29,7 @@ from deepinfer.backends.cuda.kernels.rotary_decode import SplitCounters, rotary_
 from deepinfer.backends.cuda.step_inputs import AttentionMeta
 from deepinfer.backends.paged_cache import PagedCache
 from deepinfer.models.moe.routing import RouteCounts, RouterSpec
-from deepinfer.models.deepseek_v4.paged_ops import DecodeLens, PagedRows
+from deepinfer.models.deepseek_v4.paged_ops import DecodeLens, DecodeTarget, PagedRows
 from deepinfer.models.ops import ModelOps, QKNorm
 from deepinfer.models.quant.packed import FP8Weight, PackedWeight
 
@@ -167,6 +167,15 @@ class CUDAOps(ModelOps):
         from deepinfer.backends.cuda.kernels.norm import v4_rms_norm
 
         return v4_rms_norm(x, weight, eps)
+
+    def compressor_decode(self, comp, kv: torch.Tensor, gate: torch.Tensor,
+                          positions: torch.Tensor, target: DecodeTarget) -> None:
+        """One launch a compressor (kernels/compress_decode.py) instead of ~25 torch ops."""
+        if not self._on_triton(kv):
+            return super().compressor_decode(comp, kv, gate, positions, target)
+        from deepinfer.backends.cuda.kernels.compress_decode import compress_decode
+
+        compress_decode(comp, kv, gate, positions, target)
 
     def interleaved_rope(self, x: torch.Tensor, positions: torch.Tensor,
                          inv_freq: torch.Tensor, scaling: float,

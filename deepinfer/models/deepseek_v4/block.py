@@ -29,7 +29,6 @@ from deepinfer.models.deepseek_v4.cache import SeqView, V4PagedCache
 from deepinfer.models.deepseek_v4.compressor import (PAGE_TOKENS, CSACompressor, Compressed,
                                                      Compressor, CompressorState,
                                                      build_compressor, select_topk)
-from deepinfer.models.deepseek_v4.decode_compress import SlotRows, closes_window, decode_step
 from deepinfer.models.deepseek_v4.hyper import HyperConnection, HyperDims
 from deepinfer.models.ops import ModelOps
 
@@ -155,29 +154,19 @@ class V4DecoderLayer(nn.Module):
 
     def _compress_decode(self, projected: _Projected, positions: torch.Tensor,
                          paged: V4PagedCache) -> None:
-        """_compress for one token of every sequence (decode_compress.py): the entries whose
-        windows close, the state slots and, CSA, the carry-over at page ends."""
+        """_compress for one token of every sequence (ModelOps.compressor_decode): the entries
+        whose windows close, the state slots and, CSA, the carry-over at page ends."""
         comp, layer = self.compressor, self.place.entries_layer
         steps = [(comp, projected.kv, projected.gate)]
         if isinstance(comp, CSACompressor):
             steps.append((comp.indexer, projected.index_kv, projected.index_gate))
-        offset = self.place.state_offset
-        region = paged.decode_states(offset, sum(c.state_numel for c, _, _ in steps))
-        start, entries, packed, carry = 0, [], [], []
-        for compressor, kv, gate in steps:
-            numel = compressor.state_numel
-            slots = SlotRows.unpack(compressor, region[:, start:start + numel])
-            entry, slots = decode_step(compressor, kv, gate, positions, slots)
-            entries.append(entry)
-            packed.append(slots.pack())
-            if compressor.overlap:
-                carry.append(slots.carry_over())
-            start += numel
-        paged.write_closed_entries(layer, comp.rate, positions,
-                                   closes_window(positions, comp.rate), tuple(entries))
-        paged.write_decode_states(offset, torch.cat(packed, dim=1))
-        if carry:
-            paged.write_page_ends(layer, positions, torch.cat(carry, dim=1))
+        offset, page_offset = self.place.state_offset, 0
+        for entry, (compressor, kv, gate) in enumerate(steps):
+            target = paged.decode_target(layer, entry, comp.rate, offset,
+                                         page_offset if compressor.overlap else None)
+            self.ops.compressor_decode(compressor, kv, gate, positions, target)
+            offset += compressor.state_numel
+            page_offset += compressor.page_state_numel
 
     def _compress(self, seq: SeqView, projected: _Projected, paged: V4PagedCache) -> int:
         """Run the layer's compressors over the sequence's new tokens, from and back to its

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from deepinfer.models.deepseek_v4.compressor import PAGE_TOKENS
-from deepinfer.models.deepseek_v4.paged_ops import DecodeLens, PagedRows
+from deepinfer.models.deepseek_v4.paged_ops import DecodeLens, DecodeTarget, PagedRows
 
 ENTRY_TENSORS = 2  # compressed (+ index_key): the entry tensors; a CSA's page_state follows
 # Host lists per sequence, the layer -> KV group map and the per-group device tensors.
@@ -166,37 +166,16 @@ class V4PagedCache:
         return tensor.index_select(0, rows)[0].to(self.dtype)
 
     # ---- a decode step: one token of every sequence, batched ------------------------------
-    def write_closed_entries(self, layer: int, rate: int, positions: torch.Tensor,
-                             closes: torch.Tensor, values: tuple[torch.Tensor, ...]) -> None:
-        """values[e] [B, *shape]: entry positions[b] // rate of each sequence whose token
-        closes a window, into the layer's e-th entry tensor. The others write to row 0, in the
-        null block, which no sequence reads: no shape depends on which rows close."""
-        items = torch.div(positions, rate, rounding_mode="floor")
-        rows = torch.where(closes, self.paged(layer, 0, rate).rows_of_each(items), 0)
-        for tensor, value in zip(self.cache.layer(layer)[:ENTRY_TENSORS], values):
-            tensor.index_copy_(0, rows, value.to(tensor.dtype))
-
-    def write_page_ends(self, layer: int, positions: torch.Tensor,
-                        values: torch.Tensor) -> None:
-        """values [B, n]: the carry-over into the page each sequence's token ends (a token at
-        a page's last position); the other rows into row 0 (null block)."""
-        ends = (positions + 1) % PAGE_TOKENS == 0
-        page = torch.div(positions, PAGE_TOKENS, rounding_mode="floor")
-        rows = torch.where(ends, self.paged(layer, 0, PAGE_TOKENS).rows_of_each(page), 0)
-        tensor = self._page_state(layer)
-        tensor.index_copy_(0, rows, values.to(tensor.dtype))
-
-    def decode_states(self, offset: int, numel: int) -> torch.Tensor:
-        """[B, numel]: a copy of elements [offset, offset + numel) of every sequence's slot."""
-        return self._state_table()[self.slot_index, offset:offset + numel]
-
-    def write_decode_states(self, offset: int, values: torch.Tensor) -> None:
-        self._state_table()[self.slot_index, offset:offset + values.shape[1]] = values
-
-    def _state_table(self) -> torch.Tensor:
+    def decode_target(self, layer: int, entry: int, rate: int, state_offset: int,
+                      page_offset: int | None) -> DecodeTarget:
+        """Where one compressor of the layer reads and writes at a decode step: its part of
+        the state slots, entry tensor number `entry` and, CSA, its columns of page_state."""
         if self.cache.state is None:
             raise RuntimeError("DeepSeek-V4 needs a state slot per running sequence")
-        return self.cache.state.view(self.dtype)
+        page_state = None if page_offset is None else self.paged(layer, ENTRY_TENSORS,
+                                                                 PAGE_TOKENS)
+        return DecodeTarget(self.cache.state.view(self.dtype), self.slot_index, state_offset,
+                            self.paged(layer, entry, rate), page_state, page_offset or 0)
 
     # ---- compressor state ---------------------------------------------------------------
     def state(self, seq: SeqView, offset: int, numel: int) -> torch.Tensor:

@@ -12,8 +12,11 @@ list and no shape that depends on the data, so a CUDA graph can hold the step, a
 launches serve the whole batch instead of a few per sequence. The pooling is the chunk
 step's own (`Compressor.pool_slots`) on [B, ...] tensors.
 
-State slot rows past the live tail are left as they were (the chunk step zeroes them): no
-reader looks past `num_tokens % rate` rows.
+`decode_compress` is the reference of ModelOps.compressor_decode: it reads and writes the
+paged storage (`DecodeTarget`). Rows that do not close a window (or end no page) write their
+entry (carry-over) to row 0, in the null block, which no sequence reads. State slot rows past
+the live tail are left as they were (the chunk step zeroes them): no reader looks past
+`num_tokens % rate` rows.
 """
 from __future__ import annotations
 
@@ -21,7 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
-from deepinfer.models.deepseek_v4.compressor import Compressor
+from deepinfer.models.deepseek_v4.compressor import PAGE_TOKENS, Compressor
+from deepinfer.models.deepseek_v4.paged_ops import DecodeTarget
 
 
 @dataclass(frozen=True)
@@ -103,3 +107,24 @@ def _advance(comp: Compressor, kv: torch.Tensor, gate: torch.Tensor, positions: 
     return SlotRows(tail_kv, tail_gate,
                     torch.where(closes, win_kv_raw[..., :d], slots.prev_kv),
                     torch.where(closes, win_gate_raw[..., :d], slots.prev_gate))
+
+
+def decode_compress(comp: Compressor, kv: torch.Tensor, gate: torch.Tensor,
+                    positions: torch.Tensor, target: DecodeTarget) -> None:
+    """One compressor's decode step over paged storage: the state slots advanced, each
+    closing window's entry written, and (CSA) the carry-over stored where a page ends."""
+    region = target.states[target.slots, target.offset:target.offset + comp.state_numel]
+    entries, slots = decode_step(comp, kv, gate, positions, SlotRows.unpack(comp, region))
+    target.states[target.slots, target.offset:target.offset + comp.state_numel] = slots.pack()
+    items = torch.div(positions, comp.rate, rounding_mode="floor")
+    rows = torch.where(closes_window(positions, comp.rate),
+                       target.entries.rows_of_each(items), 0)
+    target.entries.cache.index_copy_(0, rows, entries.to(target.entries.cache.dtype))
+    if target.page_state is None:
+        return
+    ends = (positions + 1) % PAGE_TOKENS == 0
+    page = torch.div(positions, PAGE_TOKENS, rounding_mode="floor")
+    rows = torch.where(ends, target.page_state.rows_of_each(page), 0)
+    carry = slots.carry_over()
+    columns = slice(target.page_offset, target.page_offset + carry.shape[1])
+    target.page_state.cache[rows, columns] = carry.to(target.page_state.cache.dtype)

@@ -51,6 +51,19 @@ class PagedRows:
 
 
 @dataclass(frozen=True)
+class DecodeTarget:
+    """Where one compressor reads and writes at a decode step (ModelOps.compressor_decode):
+    the state slots, the entry tensor it fills and, on CSA layers, the page-end carry-over."""
+
+    states: torch.Tensor  # [num_slots, numel] every slot's state, in the model's dtype
+    slots: torch.Tensor  # [B] int64: each sequence's slot
+    offset: int  # this compressor's first element in a slot
+    entries: PagedRows  # its entries (compressed or index_key) at its rate
+    page_state: PagedRows | None  # CSA: page_state rows (rate PAGE_TOKENS); None otherwise
+    page_offset: int  # its carry-over's first column in a page_state row
+
+
+@dataclass(frozen=True)
 class DecodeLens:
     """Each sequence's length once this step's token is in (the query's position + 1)."""
 
