@@ -77,12 +77,24 @@ class ModelOps(ABC):
         raise NotImplementedError(f"{type(self).__name__} has no MLA attention")
 
     # ---- composites: reference definitions, overridden where a better kernel exists -------
-    def sinkhorn(self, logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
-        """DeepSeek-V4's mHC normalisation of float32 [T, N, N] logits (row softmax, then
-        alternating column / row normalisations; reference: deepseek_v4/hyper.py)."""
-        from deepinfer.models.deepseek_v4.hyper import sinkhorn
+    def hyper_collapse(self, logits: torch.Tensor, streams: torch.Tensor, scale: torch.Tensor,
+                       base: torch.Tensor, iters: int, eps: float
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """DeepSeek-V4's mHC collapse from its gate logits float32 [T, (2+N)N]: the pre, post
+        and comb gates (comb through Sinkhorn's `iters` normalisations) and the block's input
+        sum_j pre_j * streams_j -> (input [T, H], post [T, N], comb [T, N, N]) (reference:
+        deepseek_v4/hyper.collapse_gates)."""
+        from deepinfer.models.deepseek_v4.hyper import collapse_gates
 
-        return sinkhorn(logits, iters, eps)
+        return collapse_gates(logits, streams, scale, base, iters, eps)
+
+    def hyper_update(self, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
+                     block_output: torch.Tensor) -> torch.Tensor:
+        """DeepSeek-V4's mHC update: new streams [T, N, H] = post * block_output + comb^T @
+        streams, in the streams' dtype (reference: deepseek_v4/hyper.update_streams)."""
+        from deepinfer.models.deepseek_v4.hyper import update_streams
+
+        return update_streams(streams, post, comb, block_output)
 
     def v4_rms_norm(self, x: torch.Tensor, weight: torch.Tensor | None,
                     eps: float) -> torch.Tensor:

@@ -149,13 +149,25 @@ class CUDAOps(ModelOps):
                                        meta.seq_lens, meta.max_query_len, bs, scale,
                                        window=window)
 
-    def sinkhorn(self, logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
-        """mHC's normalisation in one kernel instead of ~120 launches (kernels/sinkhorn.py)."""
-        if not self._on_triton(logits):
-            return super().sinkhorn(logits, iters, eps)
-        from deepinfer.backends.cuda.kernels.sinkhorn import sinkhorn
+    def hyper_collapse(self, logits: torch.Tensor, streams: torch.Tensor, scale: torch.Tensor,
+                       base: torch.Tensor, iters: int, eps: float
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """mHC's gates, Sinkhorn and the weighted sum in one kernel instead of ~140 launches
+        (kernels/hyper_connections.py)."""
+        if not self._on_triton(streams):
+            return super().hyper_collapse(logits, streams, scale, base, iters, eps)
+        from deepinfer.backends.cuda.kernels.hyper_connections import hyper_collapse
 
-        return sinkhorn(logits, iters, eps)
+        return hyper_collapse(logits, streams, scale, base, iters, eps)
+
+    def hyper_update(self, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
+                     block_output: torch.Tensor) -> torch.Tensor:
+        """mHC's update in one kernel instead of five (kernels/hyper_connections.py)."""
+        if not self._on_triton(streams):
+            return super().hyper_update(streams, post, comb, block_output)
+        from deepinfer.backends.cuda.kernels.hyper_connections import hyper_update
+
+        return hyper_update(streams, post, comb, block_output)
 
     # ---- DeepSeek-V4 (models/deepseek_v4/ holds the references) ---------------------------
     # The kernels are imported on first use: only DeepSeek-V4 reaches them.

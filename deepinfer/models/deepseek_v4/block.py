@@ -80,10 +80,10 @@ class V4DecoderLayer(nn.Module):
         """streams [T, hc_mult, H] -> the layer's new streams."""
         x, mix = self.attn_hc.collapse(streams)
         out = self.attention(self.input_layernorm(x), positions, paged)
-        streams = HyperConnection.update(streams, mix, out.to(streams.dtype))
+        streams = self.attn_hc.update(streams, mix, out.to(streams.dtype))
         x, mix = self.ffn_hc.collapse(streams)
         out = self.mlp(self.post_attention_layernorm(x), token_ids)
-        return HyperConnection.update(streams, mix, out.to(streams.dtype))
+        return self.ffn_hc.update(streams, mix, out.to(streams.dtype))
 
     # ---- attention ------------------------------------------------------------------------
     def attention(self, hidden: torch.Tensor, positions: torch.Tensor,

@@ -100,6 +100,32 @@ def sinkhorn(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     return comb
 
 
+def collapse_gates(logits: torch.Tensor, streams: torch.Tensor, scale: torch.Tensor,
+                   base: torch.Tensor, iters: int, eps: float
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The reference of ModelOps.hyper_collapse: gate logits float32 [T, (2+N)N] (pre, post,
+    comb) -> (the block's input sum_j pre_j * streams_j [T, H] in the streams' dtype, post
+    [T, N], comb [T, N, N]), transformers lines 971-995."""
+    n = streams.shape[1]
+    pre_w, post_w, comb_w = logits.split([n, n, n * n], dim=-1)
+    pre_b, post_b, comb_b = base.split([n, n, n * n])
+    pre_s, post_s, comb_s = scale.unbind(0)
+    pre = torch.sigmoid(pre_w * pre_s + pre_b) + eps
+    post = 2 * torch.sigmoid(post_w * post_s + post_b)
+    comb = sinkhorn(comb_w.view(-1, n, n) * comb_s + comb_b.view(n, n), iters, eps)
+    return weighted_sum(pre, streams), post, comb
+
+
+def update_streams(streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
+                   block_output: torch.Tensor) -> torch.Tensor:
+    """The reference of ModelOps.hyper_update: new streams [T, N, H], post[k] * block_output +
+    sum_j comb[j, k] * streams[j], the gates rounded to the streams' dtype and the mix run in
+    that dtype, as transformers' decoder layer does (lines 1188-1199)."""
+    dtype = streams.dtype
+    mixed = torch.matmul(comb.to(dtype).transpose(-1, -2), streams)
+    return post.to(dtype).unsqueeze(-1) * block_output.unsqueeze(-2) + mixed
+
+
 def weighted_sum(pre: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
     """sum_j pre[t, j] * streams[t, j]: float32 products (pre is float32), rounded once to the
     streams' dtype (transformers lines 995, 1015)."""
@@ -145,26 +171,17 @@ class HyperConnection(_StreamGates):
     def collapse(self, streams: torch.Tensor) -> tuple[torch.Tensor, HyperMix]:
         """streams [T, N, H] -> (the block's input [T, H] in the streams' dtype, the gates
         update() needs); transformers lines 963-996."""
-        d, n = self.dims, self.dims.hc_mult
-        pre_w, post_w, comb_w = self._logits(streams, self.fn).split([n, n, n * n], dim=-1)
-        pre_b, post_b, comb_b = self.base.split([n, n, n * n])
-        pre_s, post_s, comb_s = self.scale.unbind(0)
-        pre = torch.sigmoid(pre_w * pre_s + pre_b) + d.hc_eps
-        post = 2 * torch.sigmoid(post_w * post_s + post_b)
-        comb = self.ops.sinkhorn(comb_w.view(-1, n, n) * comb_s + comb_b.view(n, n),
-                                 d.sinkhorn_iters, d.hc_eps)
-        return weighted_sum(pre, streams), HyperMix(post, comb)
+        d = self.dims
+        x, post, comb = self.ops.hyper_collapse(self._logits(streams, self.fn), streams,
+                                                self.scale, self.base, d.sinkhorn_iters,
+                                                d.hc_eps)
+        return x, HyperMix(post, comb)
 
-    @staticmethod
-    def update(streams: torch.Tensor, mix: HyperMix, block_output: torch.Tensor
+    def update(self, streams: torch.Tensor, mix: HyperMix, block_output: torch.Tensor
                ) -> torch.Tensor:
-        """New streams [T, N, H]: post[k] * block_output + sum_j comb[j, k] * streams[j].
-        The gates are rounded to the streams' dtype first and the mix runs in that dtype, as
-        transformers' decoder layer does (lines 1188-1199); block_output [T, H] should be in
-        that dtype too."""
-        dtype = streams.dtype
-        mixed = torch.matmul(mix.comb.to(dtype).transpose(-1, -2), streams)
-        return mix.post.to(dtype).unsqueeze(-1) * block_output.unsqueeze(-2) + mixed
+        """New streams [T, N, H]: post[k] * block_output + sum_j comb[j, k] * streams[j]
+        (`update_streams`); block_output [T, H] in the streams' dtype."""
+        return self.ops.hyper_update(streams, mix.post, mix.comb, block_output)
 
 
 class HyperHead(_StreamGates):

@@ -16,6 +16,7 @@ from deepinfer.models.deepseek_v4.paged_ops import DecodeTarget, PagedRows
 from tests.models.test_deepseek_v4_compressor import _attention, _config
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = pytest.mark.usefixtures("gpu_bf16_rounding")  # the interpreter rounds as a GPU
 # Positions of each sequence's first decoded token: a first window (no previous one), the
 # first page end (127) and the second (255) within STEPS.
 STARTS = (0, 118, 250)
