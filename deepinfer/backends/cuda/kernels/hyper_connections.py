@@ -13,6 +13,8 @@ launches in torch. Math in the reference's order and roundings.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -20,41 +22,53 @@ import triton.language as tl
 _BLOCK_H = 512  # hidden channels a program (or a loop step) handles
 
 
+def _tokens_per_program() -> int:
+    """One token a program on a GPU (the gates' reductions stay inside a warp); many under the
+    interpreter, whose cost is per program."""
+    return 16 if os.environ.get("TRITON_INTERPRET") == "1" else 1
+
+
 @triton.jit
-def _collapse_kernel(Logits, Scale, Base, Streams, X, Post, Comb, hidden, iters, eps,
+def _collapse_kernel(Logits, Scale, Base, Streams, X, Post, Comb, tokens, hidden, iters, eps,
                      stride_l, stride_st, stride_sn, stride_x, N: tl.constexpr,
-                     BLOCK: tl.constexpr, BLOCK_H: tl.constexpr):
-    """One token: its pre / post / comb gates (comb through Sinkhorn) and the pre-weighted
-    sum of its streams."""
-    t = tl.program_id(0).to(tl.int64)
-    j = tl.arange(0, BLOCK)
+                     BLOCK: tl.constexpr, BLOCK_H: tl.constexpr, TOKENS: tl.constexpr):
+    """TOKENS tokens: their pre / post / comb gates (comb through Sinkhorn) and the
+    pre-weighted sums of their streams."""
+    t = (tl.program_id(0) * TOKENS + tl.arange(0, TOKENS)).to(tl.int64)[:, None, None]
+    r = tl.arange(0, BLOCK)[None, :, None]
+    c = tl.arange(0, BLOCK)[None, None, :]
+    live = t < tokens
     row = Logits + t * stride_l
-    ok = j < N
-    pre = tl.load(row + j, mask=ok, other=0.0) * tl.load(Scale) + tl.load(Base + j, mask=ok)
-    pre = tl.sigmoid(pre) + eps
-    post = tl.load(row + N + j, mask=ok, other=0.0) * tl.load(Scale + 1) + \
-        tl.load(Base + N + j, mask=ok)
-    tl.store(Post + t * N + j, 2 * tl.sigmoid(post), mask=ok)
-    r, c = j[:, None], j[None, :]
-    cell = (r < N) & (c < N)
+    gate = live & (c < N)  # [TOKENS, 1, BLOCK]: the pre and post gates lie along c
+    pre = tl.load(row + c, mask=gate, other=0.0) * tl.load(Scale) + \
+        tl.load(Base + c, mask=c < N, other=0.0)
+    pre = tl.where(gate, tl.sigmoid(pre) + eps, 0.0)
+    post = tl.load(row + N + c, mask=gate, other=0.0) * tl.load(Scale + 1) + \
+        tl.load(Base + N + c, mask=c < N, other=0.0)
+    tl.store(Post + t * N + c, 2 * tl.sigmoid(post), mask=gate)
+    cell = live & (r < N) & (c < N)
     x = tl.load(row + 2 * N + r * N + c, mask=cell, other=0.0) * tl.load(Scale + 2) + \
-        tl.load(Base + 2 * N + r * N + c, mask=cell)
+        tl.load(Base + 2 * N + r * N + c, mask=(r < N) & (c < N), other=0.0)
     x = tl.where(cell, x, float("-inf"))
-    e = tl.where(cell, tl.exp(x - tl.max(x, 1)[:, None]), 0.0)
-    comb = tl.where(cell, e / tl.sum(e, 1)[:, None] + eps, 0.0)
-    comb = comb / (tl.sum(comb, 0)[None, :] + eps)
+    e = tl.where(cell, tl.exp(x - tl.max(x, 2)[:, :, None]), 0.0)
+    comb = tl.where(cell, e / tl.sum(e, 2)[:, :, None] + eps, 0.0)
+    comb = comb / (tl.sum(comb, 1)[:, None, :] + eps)
     for _ in range(iters - 1):
-        comb = comb / (tl.sum(comb, 1)[:, None] + eps)
-        comb = comb / (tl.sum(comb, 0)[None, :] + eps)
+        comb = comb / (tl.sum(comb, 2)[:, :, None] + eps)
+        comb = comb / (tl.sum(comb, 1)[:, None, :] + eps)
     tl.store(Comb + t * N * N + r * N + c, comb, mask=cell)
-    h = tl.arange(0, BLOCK_H)
+    # The block's input: sum_j pre_j * streams_j; streams [TOKENS, j (along c), BLOCK_H].
+    h = tl.arange(0, BLOCK_H)[None, :]
+    pre2 = tl.reshape(pre, (TOKENS, BLOCK))  # [TOKENS, j]
+    t2 = tl.reshape(t, (TOKENS, 1))
     for h0 in range(0, hidden, BLOCK_H):
-        cols = h0 + h[None, :]
-        streams = tl.load(Streams + t * stride_st + r * stride_sn + cols,
-                          mask=(r < N) & (cols < hidden), other=0.0).to(tl.float32)
-        x_out = tl.sum(tl.where(ok, pre, 0.0)[:, None] * streams, 0)
-        tl.store(X + t * stride_x + h0 + h, x_out.to(X.dtype.element_ty),
-                 mask=h0 + h < hidden)
+        cols = (h0 + h)[:, None, :]  # [1, 1, BLOCK_H]
+        j = tl.arange(0, BLOCK)[None, :, None]
+        streams = tl.load(Streams + t * stride_st + j * stride_sn + cols,
+                          mask=live & (j < N) & (cols < hidden), other=0.0).to(tl.float32)
+        x_out = tl.sum(pre2[:, :, None] * streams, 1)  # [TOKENS, BLOCK_H]
+        tl.store(X + t2 * stride_x + h0 + h, x_out.to(X.dtype.element_ty),
+                 mask=(t2 < tokens) & (h0 + h < hidden))
 
 
 def hyper_collapse(logits: torch.Tensor, streams: torch.Tensor, scale: torch.Tensor,
@@ -71,38 +85,38 @@ def hyper_collapse(logits: torch.Tensor, streams: torch.Tensor, scale: torch.Ten
     x = torch.empty((tokens, hidden), dtype=streams.dtype, device=streams.device)
     post = torch.empty((tokens, n), dtype=torch.float32, device=streams.device)
     comb = torch.empty((tokens, n, n), dtype=torch.float32, device=streams.device)
+    per = _tokens_per_program()
     if tokens:
-        _collapse_kernel[(tokens,)](
-            logits, scale, base, streams, x, post, comb, hidden, iters, float(eps),
+        _collapse_kernel[(triton.cdiv(tokens, per),)](
+            logits, scale, base, streams, x, post, comb, tokens, hidden, iters, float(eps),
             logits.stride(0), streams.stride(0), streams.stride(1), x.stride(0),
-            N=n, BLOCK=triton.next_power_of_2(n), BLOCK_H=_BLOCK_H, num_warps=4)
+            N=n, BLOCK=triton.next_power_of_2(n), BLOCK_H=_BLOCK_H, TOKENS=per, num_warps=4)
     return x, post, comb
 
 
 @triton.jit
-def _update_kernel(Streams, Post, Comb, Out, New, hidden, stride_st, stride_sn, stride_o,
-                   N: tl.constexpr, BLOCK: tl.constexpr, BLOCK_H: tl.constexpr):
-    """One token's channels [h0, h0 + BLOCK_H) of every new stream k: post_k * out +
+def _update_kernel(Streams, Post, Comb, Out, New, tokens, hidden, stride_st, stride_sn,
+                   stride_o, N: tl.constexpr, BLOCK: tl.constexpr, BLOCK_H: tl.constexpr,
+                   TOKENS: tl.constexpr):
+    """TOKENS tokens' channels [h0, h0 + BLOCK_H) of every new stream k: post_k * out +
     sum_j comb[j, k] * streams_j, the gates rounded to the streams' dtype, each product and
-    the sum rounded as the reference's dtype ops round them (the mix accumulates in float32,
-    as the matmul does)."""
-    t = tl.program_id(0).to(tl.int64)
+    the sum rounded as the reference's dtype ops round them (the mix accumulates in float32
+    over j in order, as the matmul does)."""
     dtype = New.dtype.element_ty
-    j = tl.arange(0, BLOCK)
-    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    ok = j < N
-    keep = cols < hidden
-    comb = tl.load(Comb + t * N * N + j[:, None] * N + j[None, :],
-                   mask=ok[:, None] & ok[None, :], other=0.0).to(dtype).to(tl.float32)
-    streams = tl.load(Streams + t * stride_st + j[:, None] * stride_sn + cols[None, :],
-                      mask=ok[:, None] & keep[None, :], other=0.0).to(tl.float32)
-    # mixed[k, h] = sum_j comb[j, k] * streams[j, h]
-    mixed = tl.sum(comb[:, :, None] * streams[:, None, :], 0).to(dtype).to(tl.float32)
-    post = tl.load(Post + t * N + j, mask=ok, other=0.0).to(dtype).to(tl.float32)
+    t = (tl.program_id(0) * TOKENS + tl.arange(0, TOKENS)).to(tl.int64)[:, None, None]
+    k = tl.arange(0, BLOCK)[None, :, None]
+    cols = (tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H))[None, None, :]
+    live = t < tokens
+    keep = live & (cols < hidden)
+    mixed = tl.zeros([TOKENS, BLOCK, BLOCK_H], tl.float32)
+    for j in tl.static_range(N):
+        comb = tl.load(Comb + t * N * N + j * N + k, mask=live & (k < N), other=0.0)
+        stream = tl.load(Streams + t * stride_st + j * stride_sn + cols, mask=keep, other=0.0)
+        mixed += comb.to(dtype).to(tl.float32) * stream.to(tl.float32)
+    post = tl.load(Post + t * N + k, mask=live & (k < N), other=0.0).to(dtype).to(tl.float32)
     out = tl.load(Out + t * stride_o + cols, mask=keep, other=0.0).to(tl.float32)
-    new = (post[:, None] * out[None, :]).to(dtype).to(tl.float32) + mixed
-    tl.store(New + t * N * hidden + j[:, None] * hidden + cols[None, :], new.to(dtype),
-             mask=ok[:, None] & keep[None, :])
+    new = (post * out).to(dtype).to(tl.float32) + mixed.to(dtype).to(tl.float32)
+    tl.store(New + t * N * hidden + k * hidden + cols, new.to(dtype), mask=keep & (k < N))
 
 
 def hyper_update(streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
@@ -115,9 +129,10 @@ def hyper_update(streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
     if streams.stride(-1) != 1 or block_output.stride(-1) != 1:
         raise ValueError("streams and block_output need a contiguous last dim")
     new = torch.empty((tokens, n, hidden), dtype=streams.dtype, device=streams.device)
+    per = _tokens_per_program()
     if tokens:
-        _update_kernel[(tokens, triton.cdiv(hidden, _BLOCK_H))](
-            streams, post.contiguous(), comb.contiguous(), block_output, new, hidden,
+        _update_kernel[(triton.cdiv(tokens, per), triton.cdiv(hidden, _BLOCK_H))](
+            streams, post.contiguous(), comb.contiguous(), block_output, new, tokens, hidden,
             streams.stride(0), streams.stride(1), block_output.stride(0),
-            N=n, BLOCK=triton.next_power_of_2(n), BLOCK_H=_BLOCK_H, num_warps=4)
+            N=n, BLOCK=triton.next_power_of_2(n), BLOCK_H=_BLOCK_H, TOKENS=per, num_warps=4)
     return new
