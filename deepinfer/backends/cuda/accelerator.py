@@ -37,6 +37,7 @@ from deepinfer.core.sampling import SamplingParams
 from deepinfer.core.transfer import tensor_on, to_device
 
 log = logging.getLogger(__name__)
+SHORT_CONTEXT = 4096  # the bound of grouped models' first decode-graph context class
 
 
 class CUDAAccelerator(Accelerator):
@@ -202,8 +203,10 @@ class CUDAAccelerator(Accelerator):
         spec, state = self.info.kv_spec, self.cache.state
         group_of = {layer: g.index for g in spec.groups for layer in g.layers}
         null_slot = 0 if state is None else state.shape[0] - 1
-        return GroupedDecodeRows(spec.num_groups, max_blocks, group_of, self.max_model_len,
-                                 null_slot)
+        # Short contexts get graphs of their own: DeepSeek-V4's indexer scores and ranks as
+        # many entries as the class's bound allows.
+        classes = tuple(sorted({min(SHORT_CONTEXT, self.max_model_len), self.max_model_len}))
+        return GroupedDecodeRows(spec.num_groups, max_blocks, group_of, classes, null_slot)
 
     # ---- steps ---------------------------------------------------------------------------
     def _num_splits(self, batch: int, max_seq_len: int) -> int:

@@ -46,14 +46,24 @@ class RowLayout(Protocol):
     @property
     def width(self) -> int: ...
 
+    @property
+    def context_classes(self) -> tuple[int, ...]:
+        """The context classes a bucket is captured for (kernels sized by a bound on the
+        lengths: a graph per bound)."""
+
+    def context_class(self, longest: int) -> int:
+        """The class of a batch whose longest sequence has `longest` tokens."""
+
     def pad(self, rows: torch.Tensor) -> None:
         """Make every row a harmless padding row (before capture)."""
 
     def fill(self, rows: np.ndarray, batch: ModelBatch) -> None:
         """The batch into rows[:B], the rest padding."""
 
-    def inputs(self, rows: torch.Tensor, last_tokens: torch.Tensor) -> StepInputs:
-        """The model's inputs from rows (ids from last_tokens where a row says so)."""
+    def inputs(self, rows: torch.Tensor, last_tokens: torch.Tensor,
+               context: int) -> StepInputs:
+        """The model's inputs from rows (ids from last_tokens where a row says so), for the
+        graph of context class `context`."""
 
 
 @dataclass
@@ -76,7 +86,7 @@ class DecodeGraphs:
         self.turn = 0
         # The last replay's argmax per row; the next replay's rows may take their ids from it.
         self.tokens = torch.zeros(self.buckets[-1], dtype=torch.int64, device=device)
-        self.graphs: dict[int, _Graph] = {}
+        self.graphs: dict[tuple[int, int], _Graph] = {}  # (batch bucket, context class)
         self.forward: Forward | None = None  # what runs without a GPU, in place of a replay
 
     @property
@@ -94,25 +104,30 @@ class DecodeGraphs:
         self.layout.pad(self.rows)
         if self.rows.device.type != "cuda":  # no graphs: each run records its bucket afresh
             self.forward = forward
-            self.graphs = {b: _Graph(None, None) for b in self.buckets}
+            self.graphs = {key: _Graph(None, None) for key in self._keys()}
             return
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            for batch in sorted(self.buckets, reverse=True):
-                self.record(forward, batch)  # warm-up: compiles the kernels
+            for batch, context in self._keys():
+                self.record(forward, batch, context)  # warm-up: compiles the kernels
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool, stream=stream):
-                    logits = self.record(forward, batch)
-                self.graphs[batch] = _Graph(graph, logits)
+                    logits = self.record(forward, batch, context)
+                self.graphs[batch, context] = _Graph(graph, logits)
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
 
-    def record(self, forward: Forward, batch: int) -> torch.Tensor:
+    def _keys(self) -> list[tuple[int, int]]:
+        """Largest first, so the smaller graphs reuse its memory."""
+        return sorted(((b, c) for b in self.buckets for c in self.layout.context_classes),
+                      reverse=True)
+
+    def record(self, forward: Forward, batch: int, context: int) -> torch.Tensor:
         """What a bucket's graph runs: unpack the rows, forward, argmax into self.tokens
         (ids are read from it first, in the unpack)."""
-        inputs = self.layout.inputs(self.rows[:batch], self.tokens)
+        inputs = self.layout.inputs(self.rows[:batch], self.tokens, context)
         logits = forward(inputs, batch)
         greedy_ids(logits, out=self.tokens[:batch])
         return logits
@@ -132,11 +147,12 @@ class DecodeGraphs:
         self.layout.fill(staging.numpy(), batch)
         self.rows[:bucket].copy_(staging, non_blocking=True)
         self._take_last_step(batch.from_last_step)
-        entry = self.graphs[bucket]
+        context = self.layout.context_class(max(batch.seq_lens))
+        entry = self.graphs[bucket, context]
         if entry.graph is None:
             # A copy of the ids: a GPU's stream reads them before the next replay writes the
             # buffer, while here the next step runs before this one's ids are read.
-            return self.record(self.forward, bucket)[:n], self.tokens[:n].clone()
+            return self.record(self.forward, bucket, context)[:n], self.tokens[:n].clone()
         entry.graph.replay()
         return entry.logits[:n], self.tokens[:n]
 

@@ -112,8 +112,13 @@ class GroupedDecodeRows:
     num_groups: int
     max_blocks: int
     group_of: dict[int, int]
-    max_seq_len: int
+    # Ascending bounds on the longest sequence, the last the longest context served: each
+    # class's graph sizes the indexer's scores and top-k by its bound (GroupedDecodeMeta).
+    context_classes: tuple[int, ...]
     null_state_slot: int
+
+    def context_class(self, longest: int) -> int:
+        return next(b for b in self.context_classes if b >= longest)
 
     @property
     def width(self) -> int:
@@ -147,7 +152,8 @@ class GroupedDecodeRows:
             for i, table in enumerate(group.block_tables):
                 rows[i, col + 1:col + 1 + used[i]] = table[:used[i]]
 
-    def inputs(self, rows: torch.Tensor, last_tokens: torch.Tensor) -> StepInputs:
+    def inputs(self, rows: torch.Tensor, last_tokens: torch.Tensor,
+               context: int) -> StepInputs:
         src = rows[:, SRC_COL]
         ids = torch.where(src >= 0, last_tokens[src.clamp(min=0)], rows[:, 0])
         groups = []
@@ -156,5 +162,5 @@ class GroupedDecodeRows:
             groups.append(GroupTables(rows[:, col].contiguous(),
                                       rows[:, col + 1:col + 1 + self.max_blocks].to(torch.int32)))
         meta = GroupedDecodeMeta(rows[:, 3].to(torch.int32), groups, self.group_of,
-                                 rows[:, 2].contiguous(), self.max_seq_len)
+                                 rows[:, 2].contiguous(), context)
         return StepInputs(ids, rows[:, 1].contiguous(), meta, None)

@@ -90,10 +90,18 @@ class DecodeRows:
         rows[:, 2] = -1  # null rows: no KV write, one token of the null block
         rows[:, 3] = 1
 
+    # One class: the kernels read the lengths on the device and size their splits by the
+    # longest context (a graph per context class gained nothing, docs/benchmarks.md).
+    context_classes = (0,)
+
+    def context_class(self, longest: int) -> int:
+        return 0
+
     def fill(self, rows: np.ndarray, batch: ModelBatch) -> None:
         fill_decode_rows(rows, batch)
 
-    def inputs(self, rows: torch.Tensor, last_tokens: torch.Tensor) -> StepInputs:
+    def inputs(self, rows: torch.Tensor, last_tokens: torch.Tensor,
+               context: int) -> StepInputs:
         return decode_inputs(rows, last_tokens, self.split_policy(rows.shape[0]))
 
 

@@ -144,7 +144,7 @@ def test_decode_rows_equal_eager_inputs(tmp_path):
     graphs.rows.copy_(graphs.host_rows[0])
     with torch.inference_mode():
         forward = lambda inputs, n: acc.model.compute_logits(acc._forward(inputs))  # noqa: E731
-        from_rows = graphs.record(forward, 4)[:2]
+        from_rows = graphs.record(forward, 4, 0)[:2]
     torch.testing.assert_close(from_rows, eager, rtol=1e-5, atol=1e-5)
     assert graphs.tokens[:2].tolist() == eager.argmax(dim=-1).tolist()
     acc.shutdown()

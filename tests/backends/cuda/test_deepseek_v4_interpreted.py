@@ -15,6 +15,7 @@ import os
 import pytest
 import torch
 
+from deepinfer.backends.cuda import accelerator
 from deepinfer.core.config import CacheConfig, EngineConfig, ModelSpec, SchedulerConfig
 from deepinfer.core.engine import Engine
 from deepinfer.core.sampling import SamplingParams
@@ -141,12 +142,16 @@ def test_other_models_with_several_groups_are_refused(tmp_path):
 @pytest.fixture(scope="module")
 def graph_engine(checkpoint):
     """An engine whose decode steps go through the decode graphs' path: without a GPU each
-    step records its bucket afresh from the graph's row buffer (graphs.DecodeGraphs)."""
+    step records its graph afresh from the graph's row buffer (graphs.DecodeGraphs)."""
     config = EngineConfig(model=ModelSpec(checkpoint, dtype="float32"),
                           cache=CacheConfig(block_size=128, num_blocks=12),
                           scheduler=SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4))
     engine = Engine(config, accelerator=_interpreted_cls()(), load_tokenizer=False)
-    engine.accelerator.capture_graphs(128)
+    with pytest.MonkeyPatch.context() as mp:
+        # Two context classes: the three sequences' first steps (<= 160 tokens) in the short
+        # one, the rest in the full one.
+        mp.setattr(accelerator, "SHORT_CONTEXT", 160)
+        engine.accelerator.capture_graphs(128)
     yield engine
     engine.shutdown()
 
@@ -158,14 +163,16 @@ def test_decode_graph_path_matches_transformers(graph_engine, reference, prompts
     resumes from it. Every answer is transformers' greedy one."""
     acc = graph_engine.accelerator
     recorded = []
-    forward = acc.graphs.forward
-    acc.graphs.forward = lambda inputs, n: recorded.append(n) or forward(inputs, n)
+    record = acc.graphs.record
+    acc.graphs.record = lambda forward, n, context: recorded.append((n, context)) or \
+        record(forward, n, context)
     third = torch.randint(3, VOCAB, (120,), generator=torch.Generator().manual_seed(5)).tolist()
     batch = [prompts[0], prompts[1], third]
     outs = _run(graph_engine, batch, 12, "g")
     for i, prompt in enumerate(batch):
         _assert_reference_greedy(reference, prompt, outs[i][0])
-    assert 4 in recorded  # three sequences in the 4-row bucket: a padding row ran
+    # Three sequences in the 4-row bucket (a padding row ran), in both context classes.
+    assert {(4, 160), (4, 1024)} <= set(recorded)
     assert acc.cache.state.shape[0] == 4 + 1
     # The third sequence's first page was completed by decode steps: its page_state entry.
     follow = third + outs[2][0][:8] + prompts[1][:10]
