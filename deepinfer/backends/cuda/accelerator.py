@@ -37,7 +37,7 @@ from deepinfer.core.sampling import SamplingParams
 from deepinfer.core.transfer import tensor_on, to_device
 
 log = logging.getLogger(__name__)
-SHORT_CONTEXT = 4096  # the bound of grouped models' first decode-graph context class
+CONTEXT_CLASSES = (2048, 8192, 32768)  # grouped models' decode graphs: bounds below the longest
 
 
 class CUDAAccelerator(Accelerator):
@@ -203,9 +203,11 @@ class CUDAAccelerator(Accelerator):
         spec, state = self.info.kv_spec, self.cache.state
         group_of = {layer: g.index for g in spec.groups for layer in g.layers}
         null_slot = 0 if state is None else state.shape[0] - 1
-        # Short contexts get graphs of their own: DeepSeek-V4's indexer scores and ranks as
-        # many entries as the class's bound allows.
-        classes = tuple(sorted({min(SHORT_CONTEXT, self.max_model_len), self.max_model_len}))
+        # Shorter contexts get graphs of their own: DeepSeek-V4's indexer scores and ranks as
+        # many entries as the class's bound allows (up to 2048 tokens, V4's 512 picks of 4,
+        # none: every entry is picked).
+        bounds = [b for b in CONTEXT_CLASSES if b < self.max_model_len]
+        classes = tuple(bounds + [self.max_model_len])
         return GroupedDecodeRows(spec.num_groups, max_blocks, group_of, classes, null_slot)
 
     # ---- steps ---------------------------------------------------------------------------

@@ -156,3 +156,21 @@ def test_indexer_topk_picks_the_indexers_entries(dtype, gpu_bf16_rounding):
                           rate, topk, scale)[0]
         padded = torch.cat([ref, ref.new_full((topk - ref.numel(),), -1)])
         assert sorted(ours[b].tolist()) == sorted(padded.tolist()), f"sequence {b}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_indexer_topk_without_ranking_where_k_covers_every_entry(dtype, gpu_bf16_rounding):
+    """A bound of at most k entries (a short context class of the decode graphs): every entry
+    a sequence has is picked, the same set as the indexer's top-k, in entry order."""
+    gen = torch.Generator().manual_seed(8)
+    keys, paged, q, weights, rate, scale = _index_case(dtype, 16, gen)
+    lens = torch.tensor(SEQ_LENS, dtype=torch.int32, device=DEVICE)
+    topk = max(SEQ_LENS) // rate
+    ours = indexer_topk(q.to(DEVICE), weights.to(DEVICE), paged.cache, paged.tables, lens,
+                        max(SEQ_LENS), rate, BLOCK_SIZE, topk, scale).cpu()
+    for b, seq_len in enumerate(SEQ_LENS):
+        ref = select_topk(q[b:b + 1], weights[b:b + 1], torch.tensor([seq_len - 1]), keys[b],
+                          rate, topk, scale)[0]
+        count = seq_len // rate
+        assert ours[b].tolist() == list(range(count)) + [-1] * (topk - count)
+        assert sorted(ref[ref >= 0].tolist()) == list(range(count))

@@ -150,7 +150,7 @@ def graph_engine(checkpoint):
     with pytest.MonkeyPatch.context() as mp:
         # Two context classes: the three sequences' first steps (<= 160 tokens) in the short
         # one, the rest in the full one.
-        mp.setattr(accelerator, "SHORT_CONTEXT", 160)
+        mp.setattr(accelerator, "CONTEXT_CLASSES", (160,))
         engine.accelerator.capture_graphs(128)
     yield engine
     engine.shutdown()

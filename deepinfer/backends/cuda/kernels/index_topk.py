@@ -6,7 +6,7 @@ s < seq_len // rate (the query sits at seq_len - 1), -inf past them. One program
 BLOCK_N keys of one sequence for all index heads at once (the heads are the rows of one
 matrix), so each key is read once: the kernel streams the sequence's index keys, the part of
 the selection that grows with the context. The selection itself is torch.topk over the
-[B, max entries] scores.
+[B, max entries] scores, and nothing at all where no sequence can have more than k entries.
 """
 from __future__ import annotations
 
@@ -82,7 +82,12 @@ def indexer_topk(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
     k = min(topk, width)
     if k == 0:
         return torch.zeros(q.shape[0], 0, dtype=torch.long, device=q.device)
+    counts = torch.div(seq_lens, rate, rounding_mode="floor").to(torch.long)
+    if k == width:
+        # Every entry a sequence has is among its top k: no score decides anything. Picks in
+        # entry order (the order transformers' masked attention sums them in).
+        picks = torch.arange(width, device=q.device).expand(q.shape[0], width)
+        return picks.masked_fill(picks >= counts[:, None], -1)
     scores = index_scores(q, weights, keys, tables, seq_lens, width, rate, block_size, scale)
     picks = scores.topk(k, dim=-1).indices
-    counts = torch.div(seq_lens, rate, rounding_mode="floor").to(torch.long)
     return picks.masked_fill(picks >= counts[:, None], -1)
