@@ -134,7 +134,7 @@ def main(argv=None) -> int:
         wait_healthy(server, base, log_path, args.health_timeout)
         with httpx.Client(base_url=base, timeout=600.0) as client:
             model = client.get("/v1/models").json()["data"][0]["id"]
-            warm = random_prompts(1, 1024, args.vocab, seed=999)[0]
+            warm = random_prompts(1, min(1024, args.tokens), args.vocab, seed=999)[0]
             first_token(client, model, warm, prefix_cache=False)  # compile, warm the path
             for r in range(args.repeats):
                 a, b = random_prompts(2, args.tokens, args.vocab, seed=r)

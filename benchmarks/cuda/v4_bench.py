@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from common import peer_bars  # noqa: E402
+from common import peer_bars, save_word_tokenizer  # noqa: E402
 from engine_bench import ceilings, random_prompts  # noqa: E402
 from mla_bench import _decode  # noqa: E402  (median decode-only step of a batch)
 from moe_engine_bench import _hf_generate, hf_prefill, prefill_seconds  # noqa: E402
@@ -202,7 +202,16 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/results/cuda")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--write-model", metavar="DIR",
+                        help="only write the config and a word-level tokenizer to DIR (a model "
+                             "for deepinfer-serve --load-format dummy) and print DIR")
     args = parser.parse_args()
+    if args.write_model:
+        write_config(args.write_model)
+        config = v4_config()
+        save_word_tokenizer(args.write_model, config.vocab_size, config.eos_token_id)
+        print(args.write_model)
+        return
     os.makedirs(args.out, exist_ok=True)
     counts = parameter_counts()
     result: dict = {"config": {"layer_types": LAYER_TYPES, "mlp_layer_types": MLP_TYPES},
