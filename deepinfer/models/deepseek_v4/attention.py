@@ -124,7 +124,7 @@ class UsesOps:
     """A V4 module whose rope and norms go to the backend's ops once the model binds them
     (the model sets `ops` on each); standalone (the component tests) it runs the reference."""
 
-    ops: "Any" = None  # models.ops.ModelOps; None: the reference
+    ops: Any = None  # models.ops.ModelOps; None: the reference
 
     def linear(self, layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         """layer(x) through the backend's projection (a GEMV for one token on CUDA)."""

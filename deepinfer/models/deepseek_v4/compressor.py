@@ -228,7 +228,8 @@ class Compressor(UsesOps, nn.Module):
                               for i in range(2))
         return CompressorState(num_tokens // self.rate, empty, empty, prev_kv, prev_gate)
 
-    def _slot_shapes(self) -> list[tuple[int, int]]:
+    def slot_shapes(self) -> list[tuple[int, int]]:
+        """The state slot's parts in order: tail kv, tail gate, then (overlapping) Ca kv, gate."""
         shapes = [(self.rate - 1, self.width)] * 2
         return shapes + ([(self.rate, self.head_dim)] * 2 if self.overlap else [])
 
@@ -239,7 +240,7 @@ class Compressor(UsesOps, nn.Module):
             parts += [state.prev_kv, state.prev_gate]
         flat = state.tail_kv.new_zeros(self.state_numel)
         offset = 0
-        for part, (rows, cols) in zip(parts, self._slot_shapes()):
+        for part, (rows, cols) in zip(parts, self.slot_shapes()):
             if part is not None:
                 flat[offset:offset + part.numel()] = part.reshape(-1)
             offset += rows * cols
@@ -248,7 +249,7 @@ class Compressor(UsesOps, nn.Module):
     def unpack_state(self, flat: torch.Tensor, num_tokens: int) -> CompressorState:
         """Inverse of pack_state; the engine knows num_tokens (num_computed_tokens)."""
         views, offset = [], 0
-        for rows, cols in self._slot_shapes():
+        for rows, cols in self.slot_shapes():
             views.append(flat[offset:offset + rows * cols].view(rows, cols))
             offset += rows * cols
         tail = num_tokens % self.rate

@@ -41,7 +41,7 @@ class SlotRows:
     def unpack(cls, comp: Compressor, region: torch.Tensor) -> "SlotRows":
         """region [B, comp.state_numel] -> views of its parts."""
         parts, offset = [], 0
-        for rows, cols in comp._slot_shapes():
+        for rows, cols in comp.slot_shapes():
             parts.append(region[:, offset:offset + rows * cols].view(-1, rows, cols))
             offset += rows * cols
         return cls(*parts) if comp.overlap else cls(*parts, None, None)
