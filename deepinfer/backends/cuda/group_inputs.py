@@ -100,7 +100,7 @@ class GroupedDecodeMeta:
     groups: list[GroupTables]
     group_of: dict[int, int]
     state_slots: torch.Tensor  # [B] int64
-    max_seq_len: int  # sizes the kernels' grids: the longest context served
+    max_seq_len: int  # sizes the kernels' grids: the bound of the graph's context class
 
 
 @dataclass(frozen=True)

@@ -81,6 +81,9 @@ class DecodeRows:
 
     max_blocks: int
     split_policy: Callable[[int], int]  # batch -> split-K of the decode kernel
+    # One class: the kernels read the lengths on the device and size their splits by the
+    # longest context (a graph per context class gained nothing, docs/benchmarks.md).
+    context_classes = (0,)
 
     @property
     def width(self) -> int:
@@ -89,10 +92,6 @@ class DecodeRows:
     def pad(self, rows: torch.Tensor) -> None:
         rows[:, 2] = -1  # null rows: no KV write, one token of the null block
         rows[:, 3] = 1
-
-    # One class: the kernels read the lengths on the device and size their splits by the
-    # longest context (a graph per context class gained nothing, docs/benchmarks.md).
-    context_classes = (0,)
 
     def context_class(self, longest: int) -> int:
         return 0

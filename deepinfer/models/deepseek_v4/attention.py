@@ -130,6 +130,19 @@ class UsesOps:
         """layer(x) through the backend's projection (a GEMV for one token on CUDA)."""
         return layer(x) if self.ops is None else self.ops.linear(x, layer.weight)
 
+    def roped(self, x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
+              scaling: float, inverse: bool = False) -> torch.Tensor:
+        """`rope` through ModelOps.interleaved_rope."""
+        if self.ops is None:
+            return rope(x, positions, inv_freq, scaling, inverse)
+        return self.ops.interleaved_rope(x, positions, inv_freq, scaling, inverse)
+
+    def normed(self, x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+        """`v4_rms_norm` through ModelOps.v4_rms_norm."""
+        if self.ops is None:
+            return v4_rms_norm(x, weight, eps)
+        return self.ops.v4_rms_norm(x, weight, eps)
+
 
 # ---- norms --------------------------------------------------------------------------------
 def v4_rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -153,9 +166,7 @@ class RMSNorm(UsesOps, nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.ops is not None:
-            return self.ops.v4_rms_norm(x, self.weight, self.eps)
-        return v4_rms_norm(x, self.weight, self.eps)
+        return self.normed(x, self.weight, self.eps)
 
 
 def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -187,15 +198,7 @@ class V4Attention(UsesOps, nn.Module):
 
     def rope(self, x: torch.Tensor, positions: torch.Tensor, inverse: bool = False
              ) -> torch.Tensor:
-        if self.ops is not None:
-            return self.ops.interleaved_rope(x, positions, self.inv_freq, self.rope_scaling,
-                                             inverse)
-        return rope(x, positions, self.inv_freq, self.rope_scaling, inverse)
-
-    def _q_norm(self, q: torch.Tensor) -> torch.Tensor:
-        eps = self.dims.rms_norm_eps
-        return unweighted_rms_norm(q, eps) if self.ops is None else \
-            self.ops.v4_rms_norm(q, None, eps)
+        return self.roped(x, positions, self.inv_freq, self.rope_scaling, inverse)
 
     def q_residual(self, hidden: torch.Tensor) -> torch.Tensor:
         """q_a_norm(q_a_proj(h)) [T, q_lora_rank]; CSA's indexer reads it too (L840)."""
@@ -209,7 +212,7 @@ class V4Attention(UsesOps, nn.Module):
         if q_residual is None:
             q_residual = self.q_residual(hidden)
         q = self.linear(self.q_b_proj, q_residual).view(-1, d.num_heads, d.head_dim)
-        q = self.rope(self._q_norm(q), positions)
+        q = self.rope(self.normed(q, None, d.rms_norm_eps), positions)
         kv = self.kv_norm(self.linear(self.kv_proj, hidden))
         return q, self.rope(kv, positions)
 

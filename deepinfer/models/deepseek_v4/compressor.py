@@ -48,7 +48,7 @@ from transformers import PretrainedConfig
 
 from deepinfer.core.kv.spec import CacheEntry
 from deepinfer.models.deepseek_v4 import attention
-from deepinfer.models.deepseek_v4.attention import RMSNorm, UsesOps, rope, rope_inv_freq
+from deepinfer.models.deepseek_v4.attention import RMSNorm, UsesOps, rope_inv_freq
 
 CSA = "compressed_sparse_attention"
 HCA = "heavily_compressed_attention"
@@ -194,10 +194,7 @@ class Compressor(UsesOps, nn.Module):
 
     def rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """V4's interleaved rope (attention.py) with the "compress" parameters."""
-        if self.ops is not None:
-            return self.ops.interleaved_rope(x, positions, self.rope_inv_freq,
-                                             self.rope_scaling)
-        return rope(x, positions, self.rope_inv_freq, self.rope_scaling)
+        return self.roped(x, positions, self.rope_inv_freq, self.rope_scaling)
 
     @property
     def state_numel(self) -> int:

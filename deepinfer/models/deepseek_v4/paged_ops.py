@@ -32,18 +32,19 @@ class PagedRows:
     def rows(self, b: int, items: torch.Tensor) -> torch.Tensor:
         """Row indices of items [n] (long) of sequence b."""
         first = items * self.rate
-        blocks = self.tables[b].to(torch.long)[torch.div(first, self.block_size,
-                                                         rounding_mode="floor")]
-        per_block = self.block_size // self.rate
-        return blocks * per_block + torch.div(first % self.block_size, self.rate,
-                                              rounding_mode="floor")
+        return self._row(self.tables[b][self._column(first)], first)
 
     def rows_of_each(self, items: torch.Tensor) -> torch.Tensor:
         """Row indices [B] of item items[b] (long) of each sequence b."""
         first = items * self.rate
-        column = torch.div(first, self.block_size, rounding_mode="floor")
-        blocks = self.tables.gather(1, column[:, None])[:, 0].to(torch.long)
-        return blocks * (self.block_size // self.rate) + torch.div(
+        return self._row(self.tables.gather(1, self._column(first)[:, None])[:, 0], first)
+
+    def _column(self, first: torch.Tensor) -> torch.Tensor:
+        return torch.div(first, self.block_size, rounding_mode="floor")
+
+    def _row(self, blocks: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
+        """The row of the item whose first source position `first` lies in `blocks`."""
+        return blocks.to(torch.long) * (self.block_size // self.rate) + torch.div(
             first % self.block_size, self.rate, rounding_mode="floor")
 
     def gather(self, b: int, items: torch.Tensor) -> torch.Tensor:
@@ -70,7 +71,7 @@ class DecodeLens:
     device: torch.Tensor  # [B] int32 on the cache's device (what kernels read)
     host: list[int] | None  # None inside a CUDA graph: kernels then read only `device`
     # A bound on them that sizes the kernels' grids and outputs: the longest, or inside a
-    # graph (whose shapes are fixed at capture) the longest context the engine serves.
+    # graph (whose shapes are fixed at capture) the bound of its context class.
     max: int
 
 

@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from deepinfer.backends.cuda.kernels.compressed_decode import _entry_rows
 from deepinfer.backends.cuda.kernels.pdl import launch_kwargs
 from deepinfer.models.deepseek_v4.compressor import PAGE_TOKENS
 from deepinfer.models.deepseek_v4.paged_ops import DecodeTarget
@@ -66,14 +67,6 @@ def _slot(s, kv_tail, gate_tail, kv_new, gate_new, prev_kv, prev_gate, Bias, i, 
 
 
 @triton.jit
-def _paged_row(Tables, b, stride_table, item, RATE: tl.constexpr, BLOCK_SIZE: tl.constexpr):
-    """models/deepseek_v4/paged_ops.PagedRows.rows_of_each for one sequence."""
-    first = item * RATE
-    block = tl.load(Tables + b * stride_table + first // BLOCK_SIZE).to(tl.int64)
-    return block * (BLOCK_SIZE // RATE) + (first % BLOCK_SIZE) // RATE
-
-
-@triton.jit
 def _compress_decode_kernel(
     KV, Gate, Pos, States, Slots, Bias, NormW, Freq, Entries, Tables, PageState, PageTables,
     stride_kv, stride_gate, stride_state, stride_table, stride_entry, stride_page,
@@ -100,7 +93,7 @@ def _compress_decode_kernel(
         tl.store(kv_tail + j * WIDTH + cols, tl.load(kv_new + cols, mask=keep), mask=keep)
         tl.store(gate_tail + j * WIDTH + cols, tl.load(gate_new + cols, mask=keep), mask=keep)
     else:
-        row = _paged_row(Tables, b, stride_table, p // RATE, RATE, BLOCK_SIZE)
+        row = _entry_rows(Tables + b * stride_table, p // RATE, True, BLOCK_SIZE, RATE)
         _pool(kv_tail, gate_tail, kv_new, gate_new, Bias, NormW, Freq,
               Entries + row * stride_entry, p, eps, scaling, RATE, D, WIDTH, OVERLAP,
               ROPE_HALF, BLOCK_HALF)
@@ -110,8 +103,8 @@ def _compress_decode_kernel(
             ends = (p + 1) % PAGE == 0
             if HAS_PAGE:
                 if ends:
-                    page += _paged_row(PageTables, b, stride_ptable, p // PAGE, PAGE,
-                                       BLOCK_SIZE) * stride_page
+                    page += _entry_rows(PageTables + b * stride_ptable, p // PAGE, True,
+                                        BLOCK_SIZE, PAGE) * stride_page
             _carry(kv_tail, gate_tail, kv_new, gate_new, page, ends & HAS_PAGE, RATE, D,
                    WIDTH, BLOCK_D)
 
