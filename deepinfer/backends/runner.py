@@ -48,6 +48,14 @@ def _restore_float32(model: torch.nn.Module) -> None:
                 param.data = param.data.float()
 
 
+def _check_draft_count(model: torch.nn.Module, count: int) -> None:
+    """A model whose state a verify step can only undo for so many drafts says how many."""
+    limit = getattr(model, "max_speculative_tokens", None) if count else None
+    if limit is not None and count > limit:
+        raise ValueError(f"this model verifies at most {limit} speculative tokens a step; "
+                         f"num_speculative_tokens is {count}")
+
+
 class TorchRunner:
     def __init__(self, device: torch.device | str, capabilities: Capabilities,
                  make_ops: Callable[[PagedCache], ModelOps], seed: int = 0) -> None:
@@ -76,6 +84,7 @@ class TorchRunner:
         arch = hf_config.architecture(config)
         with torch.device("meta"):
             model = model_class(arch)(config, self.ops, max_len, **self._draft_options(arch))
+        _check_draft_count(model, self.num_speculative_tokens)
         source = checkpoint_source(spec.path, config, spec.quantization, self.ops.packed_kinds)
         dummy = spec.load_format == "dummy"
         self.packed = plan_packed(model, {} if dummy else source.kinds(), model.checkpoint_target,
@@ -103,9 +112,9 @@ class TorchRunner:
         if not self.num_speculative_tokens:
             return {}
         if not getattr(model_class(arch), "has_mtp_draft", False):
-            raise ValueError(f"speculative decoding drafts with a DeepSeek-V3 checkpoint's "
-                             f"multi-token-prediction layer; {arch} has none here (set "
-                             f"num_speculative_tokens to 0)")
+            raise ValueError(f"speculative decoding drafts with a DeepSeek-V3 or -V4 "
+                             f"checkpoint's multi-token-prediction layer; {arch} has none "
+                             f"here (set num_speculative_tokens to 0)")
         parallel = getattr(self.ops, "parallel", None)
         if parallel is not None and parallel.expert_parallel and parallel.world_size > 1:
             raise ValueError("speculative decoding does not run under expert parallel yet "

@@ -3,6 +3,8 @@
 1. The model runs every query token (prefill chunks, and each decode's last token followed by
    its drafts) and samples at each decode's last k + 1 positions; core/speculative.py keeps the
    longest run of drafts equal to the model's own choices and the model's token after it.
+   A model with per-request state (DeepSeek-V4's compressors) saves what drafts may
+   overwrite before the forward and rewinds it after, for the rejected ones.
 2. The draft layer (the model's MTP layer) runs over the same tokens with the same attention
    metadata: at position p it reads the model's hidden state there and the token at p + 1. This
    writes its KV for every computed position; past the last accepted token the entries are
@@ -32,8 +34,10 @@ class MTPSpeculator:
         meta = self.make_meta(batch)
         positions = self._tensor(batch.positions)
         self.runner.begin_step(batch.num_tokens, batch.num_real_tokens)
+        saved = self._save_carry(batch)
         hidden = self.runner.forward(self._tensor(batch.input_ids), positions, meta)
         rows = self._verify(batch, hidden)
+        self._rewind_carry(batch, rows, saved)
         if not any(batch.spec.num_proposals):
             return SamplerOutput.from_rows(rows)
         proposals = self._propose(batch, meta, positions, hidden, rows)
@@ -51,6 +55,31 @@ class MTPSpeculator:
         logits = self.runner.logits(hidden[self._tensor(at)])
         sampled = self.runner.sample(logits, verify_rows(batch.sampling, drafts))
         return accept(sampled, drafts)
+
+    # ---- models with state (DeepSeek-V4's compressors) ------------------------------------
+    def _drafting(self, batch: ModelBatch) -> list[int]:
+        """The sampled rows that verify drafts."""
+        return [r for r, d in enumerate(batch.spec.draft_token_ids) if d]
+
+    def _save_carry(self, batch: ModelBatch) -> Any:
+        save = getattr(self.runner.model, "save_carry", None)
+        if save is None or not batch.state_slots:
+            return None
+        seqs = [batch.sample_indices[r] for r in self._drafting(batch)]
+        return save([batch.state_slots[i] for i in seqs])
+
+    def _rewind_carry(self, batch: ModelBatch, rows: list[SampledRow], saved: Any) -> None:
+        """Undo what the rejected drafts' positions did to the state slots."""
+        if saved is None:
+            return
+        ends, slots, kept, verified = _query_ends(batch), [], [], []
+        for r in self._drafting(batch):
+            i, drafts = batch.sample_indices[r], batch.spec.draft_token_ids[r]
+            last = batch.positions[ends[i]]  # the last draft's position
+            slots.append(batch.state_slots[i])
+            kept.append(last - len(drafts) + len(rows[r].token_ids))
+            verified.append(last + 1)
+        self.runner.model.rewind_carry(saved, slots, kept, verified)
 
     # ---- proposals -----------------------------------------------------------------------
     def _propose(self, batch: ModelBatch, meta: Any, positions: torch.Tensor,

@@ -216,6 +216,6 @@ def _step(compressor: Compressor, seq: SeqView, kv: torch.Tensor, gate: torch.Te
           state: CompressorState, slot: torch.Tensor) -> Compressed:
     """One compressor over one sequence's chunk; the state slot is rewritten."""
     out, state = compressor.compress(kv, gate, seq.start, state)
-    # pack_state builds a new tensor before the copy, so views of the old slot are safe.
-    slot.copy_(compressor.pack_state(state))
+    # The new carry-over is a new tensor, or the old slot's own rows (unchanged).
+    compressor.store_state(slot, state, kv, gate, seq.start)
     return out

@@ -243,12 +243,34 @@ class Compressor(UsesOps, nn.Module):
             offset += rows * cols
         return flat
 
-    def unpack_state(self, flat: torch.Tensor, num_tokens: int) -> CompressorState:
-        """Inverse of pack_state; the engine knows num_tokens (num_computed_tokens)."""
+    def _slot_views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         views, offset = [], 0
         for rows, cols in self.slot_shapes():
             views.append(flat[offset:offset + rows * cols].view(rows, cols))
             offset += rows * cols
+        return views
+
+    def store_state(self, flat: torch.Tensor, state: CompressorState, kv: torch.Tensor,
+                    gate: torch.Tensor, p0: int) -> None:
+        """Write a chunk's outcome into a slot laid out as pack_state's: each of its tokens'
+        raw rows at tail row p % rate (a window's closing token has none), later positions
+        over earlier ones, as the decode step writes them; then the carry-over. So the rows
+        of a window the chunk closed stay in the slot until the next window's tokens
+        replace them, and a verify step's rewind (rewind.py) finds its kept rows there.
+        Rows no token of the chunk reaches keep what they held (no reader looks past the
+        live tail)."""
+        views, r = self._slot_views(flat), self.rate
+        index = torch.arange(max(0, kv.shape[0] - r), kv.shape[0], device=kv.device)
+        rows = (index + p0) % r
+        index, rows = index[rows != r - 1], rows[rows != r - 1]
+        views[0][rows], views[1][rows] = kv[index], gate[index]
+        if self.overlap and state.prev_kv is not None:
+            views[2].copy_(state.prev_kv)
+            views[3].copy_(state.prev_gate)
+
+    def unpack_state(self, flat: torch.Tensor, num_tokens: int) -> CompressorState:
+        """Inverse of pack_state; the engine knows num_tokens (num_computed_tokens)."""
+        views = self._slot_views(flat)
         tail = num_tokens % self.rate
         prev = views[2:] if self.overlap and num_tokens >= self.rate else [None, None]
         return CompressorState(num_tokens // self.rate, views[0][:tail], views[1][:tail], *prev)

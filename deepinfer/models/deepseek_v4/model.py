@@ -19,13 +19,20 @@ live carry-over is CSA's last closed window, which each CSA layer stores per pag
 (`page_state`, compressor.py): a chunk that starts at a page end, e.g. after a device prefix
 hit, resumes from its pages (`KVSpec.state_in_pages`).
 
+Speculative decoding. Built with mtp=True, the model also holds the checkpoint's first MTP
+layer (mtp.py) as `mtp`, its window one more spec layer after the compressed ones. forward
+returns the residual streams [T, N * H] (the MTP layer reads them); compute_logits runs the
+hyper head, the norm and the LM head over the rows it is given. A verify step runs drafts
+through the compressors too; `save_carry` / `rewind_carry` undo what rejected drafts did to
+the state slots (rewind.py).
+
 Dtypes as transformers loads V4 (_keep_in_fp32_modules_strict): norms, sinks, position biases,
 the mHC parameters and the router stay float32 (`fp32_params`, restored by the runner after
 its cast); the rope tables are recomputed in float32 by init_buffers.
 """
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -41,6 +48,8 @@ from deepinfer.models.deepseek_v4.compressor import (Compressor, layer_cache_ent
                                                      layer_state_numel)
 from deepinfer.models.deepseek_v4.hyper import HyperDims, HyperHead, expand, init_hyper_buffers
 from deepinfer.models.deepseek_v4.moe_names import moe_tensors
+from deepinfer.models.deepseek_v4.mtp import OWN_NAMES, V4MTP
+from deepinfer.models.deepseek_v4.rewind import DraftRewind
 from deepinfer.models.moe.configs import deepseek_v4_moe, moe_runtime
 from deepinfer.models.moe.layer import MoEBlock
 from deepinfer.models.ops import ModelOps
@@ -79,8 +88,10 @@ class DeepseekV4ForCausalLM(nn.Module):
     # Its decode step reads device tensors only (cache.DECODE_FIELDS; the compressors step
     # every sequence at once, decode_compress.py): a CUDA graph can hold it.
     graph_decode = True
+    has_mtp_draft = True  # the runner may build it with mtp=True (speculative decoding)
 
-    def __init__(self, config: PretrainedConfig, ops: ModelOps, max_model_len: int) -> None:
+    def __init__(self, config: PretrainedConfig, ops: ModelOps, max_model_len: int,
+                 mtp: bool = False) -> None:
         super().__init__()
         _check_supported(config)
         self.config, self.ops, self.max_model_len = config, ops, max_model_len
@@ -96,6 +107,9 @@ class DeepseekV4ForCausalLM(nn.Module):
         self.lm_head = None if config.tie_word_embeddings else \
             nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.state_numel = sum(layer_state_numel(config, t) for t in config.layer_types)
+        windows = num_layers + sum(t != SLIDING for t in config.layer_types)
+        self.mtp = V4MTP(config, ops, windows) if mtp else None
+        self.rewind = DraftRewind.of(self.layers)
         _keep_float32(self)
         for module in self.modules():  # rope and norms through the backend's kernels
             if isinstance(module, UsesOps):
@@ -115,8 +129,9 @@ class DeepseekV4ForCausalLM(nn.Module):
         c = self.config
         window = LayerKV((CacheEntry("kv", (c.head_dim,)),), sliding_window=c.sliding_window)
         compressed = [LayerKV(layer_cache_entries(c, t)) for t in c.layer_types if t != SLIDING]
+        draft = [window] if self.mtp is not None else []  # the MTP layer's window, last
         state_bytes = self.state_numel * self.embed_tokens.weight.element_size()
-        return KVSpec(tuple([window] * c.num_hidden_layers + compressed), state_bytes,
+        return KVSpec(tuple([window] * c.num_hidden_layers + compressed + draft), state_bytes,
                       block_multiple=PAGE_MULTIPLE, state_in_pages=True)
 
     def init_buffers(self, device: torch.device | str) -> None:
@@ -128,28 +143,94 @@ class DeepseekV4ForCausalLM(nn.Module):
             elif isinstance(module, Compressor):
                 module.rope_inv_freq = rope_inv_freq(self.config, "compress")[0].to(device)
         init_hyper_buffers(self, device)
-        if self.moe is not None:
-            self.moe.to(device)
+        for runtime in (self.moe, self.mtp and self.mtp.moe):
+            if runtime is not None:
+                runtime.to(device)
 
     # ---- forward ---------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: Any
                 ) -> torch.Tensor:
+        """The residual streams after the last layer, [T, hc_mult * hidden_size]."""
         paged = V4PagedCache(self.ops.cache, meta, self.dtype)
         streams = expand(self.embed_tokens(input_ids), self.config.hc_mult)
         for layer in self.layers:
             streams = layer(streams, input_ids, positions, paged)
-        return self.norm(self.hc_head(streams))
+        return streams.flatten(1)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """forward's streams of the rows to sample -> float32 logits."""
+        return self._head(self.norm(self.hc_head(self._streams(hidden))))
+
+    def _head(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return self.ops.linear(hidden, weight).float()
+        return self.ops.linear(x, weight).float()
+
+    def _streams(self, flat: torch.Tensor) -> torch.Tensor:
+        return flat.view(flat.shape[0], self.config.hc_mult, self.config.hidden_size)
+
+    # ---- the draft (speculative decoding) ------------------------------------------------
+    def draft_forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                      previous: torch.Tensor, meta: Any) -> torch.Tensor:
+        """The MTP layer at each position: input_ids are the tokens after the positions,
+        previous the streams that predicted them (the model's, or the draft's own)."""
+        paged = V4PagedCache(self.ops.cache, meta, self.dtype)
+        streams = self.mtp(self.embed_tokens(input_ids), input_ids, positions,
+                           self._streams(previous), paged)
+        return streams.flatten(1)
+
+    def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self._head(self.mtp.head_input(self._streams(hidden)))
+
+    @property
+    def max_speculative_tokens(self) -> int | None:
+        """Drafts a verify step may hold so that rewind_carry can undo the rejected ones."""
+        return self.rewind.max_drafts
+
+    def save_carry(self, state_slots: list[int]) -> torch.Tensor | None:
+        """Before a verify step: what rejected drafts may overwrite (rewind.py)."""
+        return self.rewind.save(self.ops.cache.state, self.dtype, state_slots)
+
+    def rewind_carry(self, saved: torch.Tensor | None, state_slots: list[int],
+                     kept: list[int], verified: list[int]) -> None:
+        """After it: sequence i kept positions < kept[i] of the verified < verified[i]; what
+        the rejected ones overwrote is put back."""
+        self.rewind.rewind(self.ops.cache.state, self.dtype, saved, state_slots, kept, verified)
 
     # ---- checkpoint ------------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        load_mapped(self, moe_tensors(weights), self.checkpoint_target)
+        if self.mtp is not None:
+            weights = self._mtp_renamed(weights)
+        try:
+            load_mapped(self, moe_tensors(weights), self.checkpoint_target)
+        except KeyError as exc:
+            if self.mtp is None or "'mtp." not in str(exc):
+                raise
+            raise ValueError("this checkpoint has no weights for its multi-token-prediction "
+                             "layer (mtp.0.*), which speculative decoding drafts with") from None
+
+    def _mtp_renamed(self, weights: Iterable[tuple[str, torch.Tensor]]
+                     ) -> Iterator[tuple[str, torch.Tensor]]:
+        """`mtp.0.X` -> `layers.{L}.X`, so the block's tensors take the decoder's renames."""
+        prefix = f"layers.{self.config.num_hidden_layers}."
+        for name, tensor in weights:
+            yield (prefix + name[len("mtp.0."):] if name.startswith("mtp.0.") else name), tensor
 
     def checkpoint_target(self, name: str) -> Target | list[Target] | None:
+        prefix = f"layers.{self.config.num_hidden_layers}."
+        if self.mtp is not None and name.removeprefix("model.").startswith(prefix):
+            return self._mtp_target(name.removeprefix("model.")[len(prefix):])
         return names.checkpoint_target(self.layers, name)
+
+    def _mtp_target(self, rest: str) -> Target | list[Target] | None:
+        """A name inside the MTP layer -> our parameter(s) under `mtp.`."""
+        if rest in OWN_NAMES:
+            return f"mtp.{OWN_NAMES[rest]}", None
+        found = names.checkpoint_target(nn.ModuleList([self.mtp.block]), f"layers.0.{rest}")
+        if found is None:
+            return None
+        moved = [(n.replace("layers.0.", "mtp.block.", 1), where)
+                 for n, where in ([found] if isinstance(found, tuple) else found)]
+        return moved[0] if isinstance(found, tuple) else moved
 
 
 def _keep_float32(model: nn.Module) -> None:
