@@ -22,7 +22,7 @@ import torch
 
 from deepinfer.backends.runner import TorchRunner
 from deepinfer.core.batch import GroupBatch, ModelBatch, SampledRow, SamplerOutput
-from deepinfer.core.speculative import accept, verify_rows
+from deepinfer.core.speculative import accept, as_decode_rows, verify_rows
 from deepinfer.core.transfer import tensor_on
 
 
@@ -31,7 +31,8 @@ class MTPSpeculator:
         self.runner, self.make_meta = runner, make_meta
 
     def execute(self, batch: ModelBatch) -> SamplerOutput:
-        meta = self.make_meta(batch)
+        # A step of decodes with k drafts each runs as decode rows: the batched decode path.
+        meta = self.make_meta(as_decode_rows(batch) or batch)
         positions = self._tensor(batch.positions)
         self.runner.begin_step(batch.num_tokens, batch.num_real_tokens)
         saved = self._save_carry(batch)

@@ -89,6 +89,9 @@ class ModelBatch:
     num_padding_seqs: int = 0
     spec: SpecBatch | None = None  # set on every step of an engine that speculates
     from_last_step: InputsFromLastStep | None = None  # async scheduling only
+    # Decode rows in runs of this many of one sequence, positions consecutive (a verify step
+    # run as decode rows, core/speculative.as_decode_rows); 1: every row its own sequence.
+    tokens_per_seq: int = 1
 
     @property
     def block_tables(self) -> list[list[int]]:

@@ -18,7 +18,30 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from deepinfer.core.batch import SampledRow, SamplerOutput, SamplingRow
+from deepinfer.core.batch import (GroupBatch, ModelBatch, SampledRow, SamplerOutput,
+                                  SamplingRow)
+
+
+def as_decode_rows(batch: ModelBatch) -> ModelBatch | None:
+    """A verify step whose every sequence runs its last token and k >= 1 drafts, as decode
+    rows: one row per token, with that token's length and its sequence's block tables and
+    state slot, `tokens_per_seq` = k + 1 (so a model with state steps it token by token).
+    Its tokens, positions and slots are the batch's, in the same order. None for any other
+    step (prefill chunks, unequal draft counts)."""
+    spec, n = batch.spec, batch.num_seqs
+    if spec is None or len(batch.sample_indices) != n or batch.num_padding_seqs:
+        return None
+    drafts = {i: len(d) for i, d in zip(batch.sample_indices, spec.draft_token_ids)}
+    q = batch.query_lens[0]
+    if q < 2 or any(batch.query_lens[i] != q or drafts[i] != q - 1 for i in range(n)):
+        return None
+    groups = tuple(GroupBatch([t for t in g.block_tables for _ in range(q)], g.slot_mapping)
+                   for g in batch.groups)
+    return dataclasses.replace(
+        batch, query_lens=[1] * batch.num_tokens, seq_lens=[p + 1 for p in batch.positions],
+        groups=groups, sample_indices=[], sampling=[],
+        state_slots=[s for s in batch.state_slots for _ in range(q)], spec=None,
+        tokens_per_seq=q)
 
 
 def verify_rows(rows: Sequence[SamplingRow],

@@ -41,6 +41,7 @@ class CPUAttentionMeta:
     groups: list[GroupMeta]
     group_of: dict[int, int]  # layer -> group
     state_slots: list[int] = field(default_factory=list)  # per sequence (models with state)
+    tokens_per_seq: int = 1  # decode rows in runs of one sequence (ModelBatch.tokens_per_seq)
 
     @classmethod
     def from_batch(cls, batch: ModelBatch, spec: KVSpec) -> "CPUAttentionMeta":
@@ -51,7 +52,7 @@ class CPUAttentionMeta:
                   for g, kv in zip(batch.groups, spec.groups)]
         group_of = {layer: g.index for g in spec.groups for layer in g.layers}
         return cls(starts, list(batch.query_lens), list(batch.seq_lens), groups, group_of,
-                   list(batch.state_slots))
+                   list(batch.state_slots), batch.tokens_per_seq)
 
 
 def _group_meta(group: GroupBatch, batch: ModelBatch, window: int | None) -> GroupMeta:

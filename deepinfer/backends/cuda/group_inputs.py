@@ -41,6 +41,7 @@ class GroupedMeta:
     groups: list[GroupTables]
     group_of: dict[int, int]  # spec layer -> group
     state_slots: list[int]
+    tokens_per_seq: int = 1  # decode rows in runs of one sequence (ModelBatch.tokens_per_seq)
 
 
 def _query_starts(batch: ModelBatch) -> list[int]:
@@ -82,7 +83,7 @@ def grouped_inputs(batch: ModelBatch, spec: KVSpec, device: torch.device) -> Ste
         o += t + n * width
     group_of = {layer: g.index for g in spec.groups for layer in g.layers}
     meta = GroupedMeta(_query_starts(batch), list(batch.query_lens), list(batch.seq_lens),
-                       groups, group_of, list(batch.state_slots))
+                       groups, group_of, list(batch.state_slots), batch.tokens_per_seq)
     return StepInputs(flat[:t], flat[t:2 * t], meta, flat[2 * t:2 * t + sampled])
 
 

@@ -155,7 +155,15 @@ class V4DecoderLayer(nn.Module):
     def _compress_decode(self, projected: _Projected, positions: torch.Tensor,
                          paged: V4PagedCache) -> None:
         """_compress for one token of every sequence (ModelOps.compressor_decode): the entries
-        whose windows close, the state slots and, CSA, the carry-over at page ends."""
+        whose windows close, the state slots and, CSA, the carry-over at page ends. Rows in
+        runs of q tokens of a sequence (a verify step) step token j of every run at once."""
+        q = paged.tokens_per_seq
+        for j in range(q):
+            rows = slice(None) if q == 1 else slice(j, None, q)
+            self._compress_rows(projected, positions, paged, rows)
+
+    def _compress_rows(self, projected: _Projected, positions: torch.Tensor,
+                       paged: V4PagedCache, rows: slice) -> None:
         comp, layer = self.compressor, self.place.entries_layer
         steps = [(comp, projected.kv, projected.gate)]
         if isinstance(comp, CSACompressor):
@@ -163,8 +171,10 @@ class V4DecoderLayer(nn.Module):
         offset, page_offset = self.place.state_offset, 0
         for entry, (compressor, kv, gate) in enumerate(steps):
             target = paged.decode_target(layer, entry, comp.rate, offset,
-                                         page_offset if compressor.overlap else None)
-            self.ops.compressor_decode(compressor, kv, gate, positions, target)
+                                         page_offset if compressor.overlap else None, rows)
+            self.ops.compressor_decode(compressor, kv[rows].contiguous(),
+                                       gate[rows].contiguous(), positions[rows].contiguous(),
+                                       target)
             offset += compressor.state_numel
             page_offset += compressor.page_state_numel
 

@@ -67,6 +67,9 @@ class V4PagedCache:
                 f"(or, decoding, {DECODE_FIELDS}); {type(meta).__name__} lacks {missing}")
         self.sequences: list[SeqView] = []
         self.decode = True
+        # Decode rows come in runs of this many tokens of one sequence (a verify step):
+        # the compressors step token j of every run at once, j = 0, 1, ...
+        self.tokens_per_seq = getattr(meta, "tokens_per_seq", 1)
         if not self.device_only:
             self._host_sequences(meta)
 
@@ -167,15 +170,18 @@ class V4PagedCache:
 
     # ---- a decode step: one token of every sequence, batched ------------------------------
     def decode_target(self, layer: int, entry: int, rate: int, state_offset: int,
-                      page_offset: int | None) -> DecodeTarget:
+                      page_offset: int | None, rows: slice = slice(None)) -> DecodeTarget:
         """Where one compressor of the layer reads and writes at a decode step: its part of
-        the state slots, entry tensor number `entry` and, CSA, its columns of page_state."""
+        the state slots, entry tensor number `entry` and, CSA, its columns of page_state;
+        for the decode rows `rows` (one token of each sequence)."""
         if self.cache.state is None:
             raise RuntimeError("DeepSeek-V4 needs a state slot per running sequence")
-        page_state = None if page_offset is None else self.paged(layer, ENTRY_TENSORS,
-                                                                 PAGE_TOKENS)
-        return DecodeTarget(self.cache.state.view(self.dtype), self.slot_index, state_offset,
-                            self.paged(layer, entry, rate), page_state, page_offset or 0)
+        page_state = None if page_offset is None else \
+            self.paged(layer, ENTRY_TENSORS, PAGE_TOKENS).select(rows)
+        slots = self.slot_index[rows].contiguous()
+        return DecodeTarget(self.cache.state.view(self.dtype), slots, state_offset,
+                            self.paged(layer, entry, rate).select(rows), page_state,
+                            page_offset or 0)
 
     # ---- compressor state ---------------------------------------------------------------
     def state(self, seq: SeqView, offset: int, numel: int) -> torch.Tensor:

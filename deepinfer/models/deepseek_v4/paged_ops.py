@@ -50,6 +50,13 @@ class PagedRows:
     def gather(self, b: int, items: torch.Tensor) -> torch.Tensor:
         return self.cache.index_select(0, self.rows(b, items))
 
+    def select(self, rows: slice) -> "PagedRows":
+        """The same tensor for the sequences `rows` of the tables (contiguous, as kernels
+        read them)."""
+        if rows == slice(None):
+            return self
+        return PagedRows(self.cache, self.tables[rows].contiguous(), self.block_size, self.rate)
+
 
 @dataclass(frozen=True)
 class DecodeTarget:

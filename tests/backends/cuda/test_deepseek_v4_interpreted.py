@@ -180,3 +180,34 @@ def test_decode_graph_path_matches_transformers(graph_engine, reference, prompts
     assert cached == 128
     _assert_reference_greedy(reference, follow, tokens)
     assert not graph_engine.kv._slots
+
+
+def test_mtp_verify_steps_run_as_decode_rows(checkpoint, reference, prompts, tmp_path):
+    """Speculative decoding with the MTP layer (random: its drafts are rejected, so the state
+    rewinds run): each verify step runs its 1 + 2 tokens per sequence as decode rows through
+    the compressor and attention kernels, and the answers stay transformers' greedy ones."""
+    import shutil
+
+    from deepinfer.backends.cuda.kernels import compress_decode
+    from tests.models.v4_mtp_checkpoints import add_v4_mtp
+
+    path = str(tmp_path / "v4-mtp")
+    shutil.copytree(checkpoint, path)
+    add_v4_mtp(path, seed=5)
+    config = EngineConfig(model=ModelSpec(path, dtype="float32"),
+                          cache=CacheConfig(block_size=128, num_blocks=10),
+                          scheduler=SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4,
+                                                    num_speculative_tokens=2))
+    engine = Engine(config, accelerator=_interpreted_cls()(), load_tokenizer=False)
+    rows = []
+    original = compress_decode.compress_decode
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(compress_decode, "compress_decode",
+                   lambda comp, kv, *a: rows.append(kv.shape[0]) or original(comp, kv, *a))
+        outs = _run(engine, prompts, 8, "m")
+    for i, prompt in enumerate(prompts):
+        _assert_reference_greedy(reference, prompt, outs[i][0])
+    # Verify steps of both sequences: token j of each at once, through the kernel.
+    assert engine.scheduler.spec_stats.draft_tokens > 0 and rows.count(2) >= 3 * 2
+    assert not engine.kv._slots and engine.kv.num_request_blocks() == 0
+    engine.shutdown()
