@@ -103,7 +103,8 @@ fi
 # checkpoints, the batch-1 step's profile, then the V4-Flash-width benchmark.
 wanted v4_check && step v4_check env DEEPINFER_ACCELERATOR=nvidia python3 -m pytest -q \
     -p no:cacheprovider tests/models/test_deepseek_v4_hicache.py \
-    tests/models/test_deepseek_v4_parity.py
+    tests/models/test_deepseek_v4_parity.py tests/models/test_deepseek_v4_mtp.py
+wanted v4_mtp && step v4_mtp python3 benchmarks/cuda/v4_mtp_bench.py --out "$out"
 wanted v4_profile && step v4_profile python3 benchmarks/cuda/profile_v4.py --out "$out"
 wanted v4_bench && step v4_bench python3 benchmarks/cuda/v4_bench.py --out "$out" $quick
 # DeepSeek-V4-Flash width through the server: cold / device-hit / host-tier-hit TTFT of one long

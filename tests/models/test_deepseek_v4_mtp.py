@@ -38,7 +38,9 @@ def mtp_path(tmp_path_factory) -> str:
 
 
 def _llm(path: str, k: int, **options) -> LLM:
-    return LLM(path, dtype="float32", accelerator="cpu", kv_cache_memory_gb=0.05,
+    """The default backend: cpu here; DEEPINFER_ACCELERATOR=nvidia on a GPU runs the same
+    checks through the nvidia backend's graphs (benchmarks/cuda/run_device.sh v4_check)."""
+    return LLM(path, dtype="float32", kv_cache_memory_gb=0.05,
                load_tokenizer=False, max_num_batched_tokens=48, num_speculative_tokens=k,
                **options)
 

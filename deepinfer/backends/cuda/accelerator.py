@@ -23,6 +23,7 @@ import torch
 
 from deepinfer.backends.cuda.graphs import DecodeGraphs, RowLayout
 from deepinfer.backends.cuda.group_inputs import GroupedDecodeRows, grouped_inputs
+from deepinfer.backends.cuda.spec_graphs import GraphSpeculator
 from deepinfer.backends.cuda.memory import GIB, kv_budget
 from deepinfer.backends.cuda.step_inputs import DecodeRows, StepInputs, pack_batch, unpack_batch
 from deepinfer.backends.runner import TorchRunner
@@ -189,11 +190,19 @@ class CUDAAccelerator(Accelerator):
 
     def capture_graphs(self, block_size: int) -> None:
         """Decode graphs for every batch bucket (without a GPU: recorded at each run, which
-        is how the tests run them)."""
-        self.graphs = DecodeGraphs(self.max_num_seqs, self._row_layout(block_size), self.device)
+        is how the tests run them), and speculative decoding's (spec_graphs.py)."""
+        layout = self._row_layout(block_size)
+        self.graphs = DecodeGraphs(self.max_num_seqs, layout, self.device)
         with torch.inference_mode():
             self.graphs.capture(self._capture_forward)
         log.info("captured decode graphs for batch sizes %s", self.graphs.buckets)
+        if self.num_speculative_tokens:
+            self.speculator = GraphSpeculator(self.runner, self._step_meta,
+                                              self.num_speculative_tokens, self.max_num_seqs,
+                                              layout, self.device)
+            with torch.inference_mode():
+                self.speculator.capture()
+            log.info("captured speculative decoding's verify and draft graphs")
 
     def _row_layout(self, block_size: int) -> RowLayout:
         max_blocks = -(-self.max_model_len // block_size)

@@ -102,6 +102,7 @@ class GroupedDecodeMeta:
     group_of: dict[int, int]
     state_slots: torch.Tensor  # [B] int64
     max_seq_len: int  # sizes the kernels' grids: the bound of the graph's context class
+    tokens_per_seq: int = 1  # rows in runs of one sequence (a verify step's decode rows)
 
 
 @dataclass(frozen=True)
@@ -117,6 +118,9 @@ class GroupedDecodeRows:
     # class's graph sizes the indexer's scores and top-k by its bound (GroupedDecodeMeta).
     context_classes: tuple[int, ...]
     null_state_slot: int
+    # Rows in runs of this many tokens of one sequence (ModelBatch.tokens_per_seq): the
+    # graphs of speculative decoding's verify steps (spec_graphs.py).
+    tokens_per_seq: int = 1
 
     def context_class(self, longest: int) -> int:
         return next(b for b in self.context_classes if b >= longest)
@@ -163,5 +167,5 @@ class GroupedDecodeRows:
             groups.append(GroupTables(rows[:, col].contiguous(),
                                       rows[:, col + 1:col + 1 + self.max_blocks].to(torch.int32)))
         meta = GroupedDecodeMeta(rows[:, 3].to(torch.int32), groups, self.group_of,
-                                 rows[:, 2].contiguous(), context)
+                                 rows[:, 2].contiguous(), context, self.tokens_per_seq)
         return StepInputs(ids, rows[:, 1].contiguous(), meta, None)

@@ -259,11 +259,13 @@ class Compressor(UsesOps, nn.Module):
         replace them, and a verify step's rewind (rewind.py) finds its kept rows there.
         Rows no token of the chunk reaches keep what they held (no reader looks past the
         live tail)."""
-        views, r = self._slot_views(flat), self.rate
-        index = torch.arange(max(0, kv.shape[0] - r), kv.shape[0], device=kv.device)
-        rows = (index + p0) % r
-        index, rows = index[rows != r - 1], rows[rows != r - 1]
-        views[0][rows], views[1][rows] = kv[index], gate[index]
+        views, r, n = self._slot_views(flat), self.rate, kv.shape[0]
+        i = max(0, n - r)  # earlier tokens' rows are written over by later ones
+        while i < n:  # runs of consecutive rows, each ending at a window's last row
+            row = (p0 + i) % r
+            run = min(n - i, r - 1 - row)  # a closing token (row r - 1) has no row
+            views[0][row:row + run], views[1][row:row + run] = kv[i:i + run], gate[i:i + run]
+            i += run + 1
         if self.overlap and state.prev_kv is not None:
             views[2].copy_(state.prev_kv)
             views[3].copy_(state.prev_gate)

@@ -211,3 +211,38 @@ def test_mtp_verify_steps_run_as_decode_rows(checkpoint, reference, prompts, tmp
     assert engine.scheduler.spec_stats.draft_tokens > 0 and rows.count(2) >= 3 * 2
     assert not engine.kv._slots and engine.kv.num_request_blocks() == 0
     engine.shutdown()
+
+
+def test_mtp_graph_path_matches_transformers(checkpoint, reference, prompts, tmp_path):
+    """The same through speculative decoding's graphs (spec_graphs.py, each recorded afresh
+    without a GPU): verify rows, the draft layer over them, its one-token steps."""
+    import shutil
+
+    from tests.models.v4_mtp_checkpoints import add_v4_mtp
+
+    path = str(tmp_path / "v4-mtp")
+    shutil.copytree(checkpoint, path)
+    add_v4_mtp(path, seed=5)
+    config = EngineConfig(model=ModelSpec(path, dtype="float32"),
+                          cache=CacheConfig(block_size=128, num_blocks=12),
+                          scheduler=SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4,
+                                                    num_speculative_tokens=2))
+    engine = Engine(config, accelerator=_interpreted_cls()(), load_tokenizer=False)
+    acc = engine.accelerator
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(accelerator, "CONTEXT_CLASSES", (160,))
+        acc.capture_graphs(128)
+    runs = {name: [] for name in ("verify", "draft", "step")}
+    for name, calls in runs.items():
+        graphs = getattr(acc.speculator, name)
+        record = graphs.record
+        graphs.record = lambda forward, n, context, _r=record, _c=calls: _c.append(n) or \
+            _r(forward, n, context)
+    outs = _run(engine, prompts, 8, "s")
+    for i, prompt in enumerate(prompts):
+        _assert_reference_greedy(reference, prompt, outs[i][0])
+    assert engine.scheduler.spec_stats.draft_tokens > 0
+    # Two sequences: 2 x 3 verify rows (bucket 8), the draft over them, 2-row draft steps.
+    assert 8 in runs["verify"] and 8 in runs["draft"] and 2 in runs["step"]
+    assert not engine.kv._slots and engine.kv.num_request_blocks() == 0
+    engine.shutdown()

@@ -1,0 +1,165 @@
+"""CUDA graphs for speculative decoding's steady state: every sequence decodes and verifies
+the configured k drafts (a step of decode rows, core/speculative.as_decode_rows).
+
+Launched one by one, the draft layer's few hundred kernels cost more than the tokens it saves;
+so three graph sets, each a graphs.DecodeGraphs over the backend's own row layout:
+
+- verify, k + 1 rows per sequence: the model over every row, logits of every row (the sampler
+  and the acceptance read them), the hidden states left in a static buffer;
+- draft, the same rows with each id replaced by the token after it: the draft layer (MTP)
+  over that buffer, its argmax per row, its output states in a second buffer;
+- step, one row per sequence: one more draft-layer step from a state buffer, for drafts
+  2..k, the state replaced by the step's output.
+
+Between them the host samples and accepts (core/speculative.py), rewinds the state of models
+that have one (backends/speculative.py), and fills the next graph's rows. Any other step
+(prefill chunks, fewer drafts near max_tokens) runs eagerly, as MTPSpeculator does.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import torch
+
+from deepinfer.backends.cuda.graphs import DecodeGraphs, RowLayout
+from deepinfer.backends.cuda.step_inputs import StepInputs
+from deepinfer.backends.runner import TorchRunner
+from deepinfer.backends.speculative import MTPSpeculator, _last_accepted, _next_tokens
+from deepinfer.core.batch import GroupBatch, ModelBatch, SampledRow, SamplerOutput
+from deepinfer.core.sampler import all_plain_greedy
+from deepinfer.core.speculative import accept, as_decode_rows, verify_rows
+
+
+def _in_runs(layout: RowLayout, q: int) -> RowLayout:
+    """The layout for rows in runs of q tokens of one sequence (models with state step them
+    token by token; for the others rows are independent already)."""
+    if hasattr(layout, "tokens_per_seq"):
+        return dataclasses.replace(layout, tokens_per_seq=q)
+    return layout
+
+
+class GraphSpeculator(MTPSpeculator):
+    def __init__(self, runner: TorchRunner, make_meta: Callable[[ModelBatch], Any],
+                 num_drafts: int, max_num_seqs: int, layout: RowLayout,
+                 device: torch.device) -> None:
+        super().__init__(runner, make_meta)
+        self.q = num_drafts + 1
+        rows = max_num_seqs * self.q
+        self.verify = DecodeGraphs(rows, _in_runs(layout, self.q), device)
+        self.draft = DecodeGraphs(rows, _in_runs(layout, self.q), device)
+        self.step = DecodeGraphs(max_num_seqs, layout, device) if num_drafts > 1 else None
+        # Static buffers the graphs pass states through (sized at the largest bucket's
+        # warm-up, before any capture).
+        self.buffers: dict[str, torch.Tensor] = {}
+
+    def capture(self) -> None:
+        self.verify.capture(self._verify_forward)
+        self.draft.capture(self._draft_forward)
+        if self.step is not None:
+            self.step.capture(self._step_forward)
+
+    # ---- what the graphs hold ----------------------------------------------------------
+    def _buffer(self, name: str, rows: int, like: torch.Tensor) -> torch.Tensor:
+        """A static buffer of at least `rows` rows shaped as `like`'s. On a GPU the largest
+        bucket's warm-up sizes each before any capture; recording afresh (no GPU), it grows."""
+        held = self.buffers.get(name)
+        if held is None or held.shape[0] < rows:
+            held = self.buffers[name] = like.new_zeros((rows, *like.shape[1:]))
+        return held
+
+    def _keep(self, name: str, value: torch.Tensor) -> None:
+        self._buffer(name, value.shape[0], value)[:value.shape[0]].copy_(value)
+
+    def _verify_forward(self, inputs: StepInputs, rows: int) -> torch.Tensor:
+        if self.runner.moe is not None:
+            self.runner.moe.padded_tokens = rows
+        hidden = self.runner.forward(inputs.input_ids, inputs.positions, inputs.meta)
+        self._keep("hidden", hidden)
+        return self.runner.logits(hidden)
+
+    def _draft_forward(self, inputs: StepInputs, rows: int) -> torch.Tensor:
+        model = self.runner.model
+        out = model.draft_forward(inputs.input_ids, inputs.positions,
+                                  self.buffers["hidden"][:rows], inputs.meta)
+        self._keep("draft", out)
+        self._buffer("state", rows, out)  # the step graphs' input, sized before their capture
+        return model.draft_logits(out)
+
+    def _step_forward(self, inputs: StepInputs, rows: int) -> torch.Tensor:
+        model, state = self.runner.model, self.buffers["state"][:rows]
+        out = model.draft_forward(inputs.input_ids, inputs.positions, state, inputs.meta)
+        state.copy_(out)
+        return model.draft_logits(out)
+
+    # ---- a step --------------------------------------------------------------------------
+    def execute(self, batch: ModelBatch) -> SamplerOutput:
+        rows = as_decode_rows(batch)
+        if rows is None or rows.tokens_per_seq != self.q or not self.verify.can_run(rows):
+            return super().execute(batch)
+        saved = self._save_carry(batch)
+        sampled = self._verify_graphed(batch, rows)
+        self._rewind_carry(batch, sampled, saved)
+        if not any(batch.spec.num_proposals):
+            return SamplerOutput.from_rows(sampled)
+        proposals = self._propose_graphed(batch, rows, sampled)
+        return SamplerOutput.from_rows([dataclasses.replace(row, proposals=p)
+                                        for row, p in zip(sampled, proposals)])
+
+    def _set_step(self, graphs: DecodeGraphs, batch: ModelBatch) -> None:
+        if self.runner.moe is not None:
+            self.runner.moe.set_step(graphs.bucket_for(batch.num_seqs), batch.num_seqs)
+
+    def _verify_graphed(self, batch: ModelBatch, rows: ModelBatch) -> list[SampledRow]:
+        """Every row's logits from the verify graph; the sampler (or, all greedy, the graph's
+        own argmax) at each, then the acceptance."""
+        self._set_step(self.verify, rows)
+        logits, greedy = self.verify.run(rows)
+        drafts = batch.spec.draft_token_ids
+        if all_plain_greedy(batch.sampling):
+            tokens = greedy.tolist()
+            out = SamplerOutput(tokens, [None] * len(tokens))
+        else:
+            out = self.runner.sample(logits, verify_rows(batch.sampling, drafts))
+        return accept(out, drafts)
+
+    def _propose_graphed(self, batch: ModelBatch, rows: ModelBatch,
+                         sampled: list[SampledRow]) -> list[list[int]]:
+        shifted = dataclasses.replace(rows, input_ids=_next_tokens(batch, sampled))
+        _, greedy = self.draft.run(shifted)
+        last = _last_accepted(batch, sampled)
+        counts = [self._room(batch, r, batch.positions[i]) for r, i in enumerate(last)]
+        index = self._tensor(last)
+        tokens = greedy[index].tolist()
+        proposals = [[t] if c else [] for t, c in zip(tokens, counts)]
+        if max(counts) < 2:
+            return proposals
+        draft = self.buffers["draft"]
+        state = self._buffer("state", self.step.bucket_for(len(last)), draft)
+        state[:len(last)].copy_(draft[index])
+        for j in range(2, max(counts) + 1):
+            step = _draft_step(batch, [batch.positions[i] for i in last], counts, j, tokens)
+            _, greedy = self.step.run(step)
+            tokens = greedy[:len(last)].tolist()
+            for r, t in enumerate(tokens):
+                if counts[r] >= j:
+                    proposals[r].append(t)
+        return proposals
+
+
+def _draft_step(batch: ModelBatch, last_positions: list[int], counts: list[int], j: int,
+                tokens: list[int]) -> ModelBatch:
+    """Draft step j (j >= 2) of every sampled sequence, one row each at position last + j - 1
+    with the previous draft as its id. Rows that propose fewer drafts run too (the graph's
+    batch stays whole) and write their KV into the null block."""
+    bs = batch.block_size
+    seqs = batch.sample_indices
+    active = [c >= j for c in counts]
+    positions = [p + j - 1 if a else p for p, a in zip(last_positions, active)]
+    groups = tuple(GroupBatch([g.block_tables[i] for i in seqs],
+                              [g.block_tables[i][p // bs] * bs + p % bs if a else 0
+                               for i, p, a in zip(seqs, positions, active)])
+                   for g in batch.groups)
+    state = [batch.state_slots[i] for i in seqs] if batch.state_slots else []
+    return ModelBatch(list(tokens), positions, [1] * len(seqs), [p + 1 for p in positions],
+                      groups, bs, [], [], state)
