@@ -90,9 +90,11 @@ class TorchRunner:
         self.packed = plan_packed(model, {} if dummy else source.kinds(), model.checkpoint_target,
                                   self.ops.packed_kinds, spec.quantization)
         apply_plan(model, self.packed)
-        model = model.to_empty(device=self.device)
+        # Cast while still on the meta device: memory is then allocated once, in the model's
+        # dtype (a float32 build would need twice a bf16 model's bytes at load).
         cast_unpacked(model, self.dtype)
         _restore_float32(model)
+        model = model.to_empty(device=self.device)
         if dummy:
             init_dummy_weights(model, self.seed)
         else:

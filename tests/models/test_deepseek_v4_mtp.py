@@ -9,6 +9,7 @@ transformers' own decoder layer and hyper head, the way DeepSeek's release compo
 MTPBlock."""
 from __future__ import annotations
 
+import inspect
 import json
 import os
 
@@ -40,9 +41,8 @@ def mtp_path(tmp_path_factory) -> str:
 def _llm(path: str, k: int, **options) -> LLM:
     """The default backend: cpu here; DEEPINFER_ACCELERATOR=nvidia on a GPU runs the same
     checks through the nvidia backend's graphs (benchmarks/cuda/run_device.sh v4_check)."""
-    return LLM(path, dtype="float32", kv_cache_memory_gb=0.05,
-               load_tokenizer=False, max_num_batched_tokens=48, num_speculative_tokens=k,
-               **options)
+    return LLM(path, dtype="float32", num_blocks=16, load_tokenizer=False,
+               max_num_batched_tokens=48, num_speculative_tokens=k, **options)
 
 
 @pytest.fixture(scope="module")
@@ -137,6 +137,13 @@ def _our_draft_logits(path: str, prompt: list[int], nxt: int) -> torch.Tensor:
         return model.draft_logits(model.draft_forward(shifted, positions, hidden, meta))
 
 
+def _no_cache() -> dict:
+    """The mask builder's cache argument: `cache` since transformers 5.2x, before that
+    `past_key_values`."""
+    params = inspect.signature(create_sliding_window_causal_mask).parameters
+    return {"cache": None} if "cache" in params else {"past_key_values": None}
+
+
 def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
 
@@ -164,8 +171,8 @@ def _reference_draft_logits(path: str, prompt: list[int], nxt: int) -> torch.Ten
         x = _rms(streams, own["hnorm.weight"], eps) @ own["h_proj.weight"].T + e[:, :, None]
         positions = torch.arange(n)[None]
         mask = create_sliding_window_causal_mask(config=grown.config, inputs_embeds=embeds,
-                                                 attention_mask=None, cache=None,
-                                                 position_ids=positions)
+                                                 attention_mask=None, position_ids=positions,
+                                                 **_no_cache())
         rotary = grown.model.rotary_emb
         embeddings = {label: rotary(embeds, position_ids=positions, layer_type=label)
                       for label in ("main", "compress")}
