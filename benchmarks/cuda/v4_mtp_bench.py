@@ -132,7 +132,9 @@ def bench(path: str, k: int, args) -> dict:
         for batch in args.batches:
             prompts = [[tokens[i] for i in torch.randint(len(tokens), (PROMPT,), generator=g)]
                        for _ in range(batch)]
-            decode_rate(engine, prompts, 8, chain)  # warm-up
+            # Warm-up of the same length: every step shape (the last steps' fewer drafts
+            # run eagerly) compiles its kernels here, not in the measured run.
+            decode_rate(engine, prompts, args.new, chain)
             got = decode_rate(engine, prompts, args.new, chain)
             out[f"fixed{fixed}_batch{batch}"] = got
             print(f"k={k} fixed={fixed} batch={batch}", got, flush=True)

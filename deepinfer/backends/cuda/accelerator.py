@@ -352,6 +352,7 @@ class CUDAAccelerator(Accelerator):
 
     def shutdown(self) -> None:
         self.graphs = None
+        self.speculator = None  # its graphs and static buffers hold device memory
         if self.runner is not None:
             self.runner.shutdown()
         self.host_pool = None
