@@ -19,6 +19,7 @@ Writes v4_mtp.json and v4_mtp.png.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -141,6 +142,8 @@ def bench(path: str, k: int, args) -> dict:
         if k == 0:
             break  # plain decoding does not depend on the draft
     engine.shutdown()
+    del engine, model
+    gc.collect()  # the engine's reference cycles would keep its weights until then
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return out
