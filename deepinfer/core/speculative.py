@@ -22,26 +22,56 @@ from deepinfer.core.batch import (GroupBatch, ModelBatch, SampledRow, SamplerOut
                                   SamplingRow)
 
 
-def as_decode_rows(batch: ModelBatch) -> ModelBatch | None:
-    """A verify step whose every sequence runs its last token and k >= 1 drafts, as decode
-    rows: one row per token, with that token's length and its sequence's block tables and
-    state slot, `tokens_per_seq` = k + 1 (so a model with state steps it token by token).
-    Its tokens, positions and slots are the batch's, in the same order. None for any other
-    step (prefill chunks, unequal draft counts)."""
+def as_decode_rows(batch: ModelBatch, pad_to: int | None = None,
+                   null_state_slot: int = 0) -> ModelBatch | None:
+    """A verify step whose every sequence runs its last token and its drafts, as decode rows:
+    one row per token, with that token's length and its sequence's block tables and state
+    slot, in runs of `tokens_per_seq` per sequence (so a model with state steps them token
+    by token). Without `pad_to` every sequence must have the same k >= 1 drafts, and the rows
+    are the batch's tokens in order. With it, every run is pad_to rows long: a sequence with
+    fewer drafts gets null rows after its own (token 0 at position 0 in the null block, state
+    in `null_state_slot`: what a graph's padding rows are). None for any other step (prefill
+    chunks, padding sequences, more drafts than fit)."""
     spec, n = batch.spec, batch.num_seqs
     if spec is None or len(batch.sample_indices) != n or batch.num_padding_seqs:
         return None
     drafts = {i: len(d) for i, d in zip(batch.sample_indices, spec.draft_token_ids)}
-    q = batch.query_lens[0]
-    if q < 2 or any(batch.query_lens[i] != q or drafts[i] != q - 1 for i in range(n)):
+    lens = batch.query_lens
+    if any(lens[i] != drafts[i] + 1 for i in range(n)):
+        return None  # a prefill chunk
+    q = pad_to or lens[0]
+    if q < 2 or any(length > q or (pad_to is None and length != q) for length in lens):
         return None
-    groups = tuple(GroupBatch([t for t in g.block_tables for _ in range(q)], g.slot_mapping)
-                   for g in batch.groups)
+    return _runs(batch, q, null_state_slot)
+
+
+def _runs(batch: ModelBatch, q: int, null_state_slot: int) -> ModelBatch:
+    """The batch's tokens in runs of q rows per sequence, null rows after a shorter one's."""
+    ids, positions, seq_lens, slots, states = [], [], [], [[] for _ in batch.groups], []
+    tables: list[list[list[int]]] = [[] for _ in batch.groups]
+    start = 0
+    for i, length in enumerate(batch.query_lens):
+        pad = q - length
+        ids += batch.input_ids[start:start + length] + [0] * pad
+        own = batch.positions[start:start + length]
+        positions += own + [0] * pad
+        seq_lens += [p + 1 for p in own] + [1] * pad
+        for g, group in enumerate(batch.groups):
+            slots[g] += group.slot_mapping[start:start + length] + [0] * pad
+            tables[g] += [group.block_tables[i]] * length + [[]] * pad
+        if batch.state_slots:
+            states += [batch.state_slots[i]] * length + [null_state_slot] * pad
+        start += length
+    groups = tuple(GroupBatch(t, s) for t, s in zip(tables, slots))
     return dataclasses.replace(
-        batch, query_lens=[1] * batch.num_tokens, seq_lens=[p + 1 for p in batch.positions],
-        groups=groups, sample_indices=[], sampling=[],
-        state_slots=[s for s in batch.state_slots for _ in range(q)], spec=None,
-        tokens_per_seq=q)
+        batch, input_ids=ids, positions=positions, query_lens=[1] * len(ids),
+        seq_lens=seq_lens, groups=groups, sample_indices=[], sampling=[], state_slots=states,
+        spec=None, tokens_per_seq=q)
+
+
+def run_rows(query_lens: Sequence[int], q: int) -> list[int]:
+    """Per token of a verify batch, its row in the runs of q (as_decode_rows' pad_to)."""
+    return [i * q + j for i, length in enumerate(query_lens) for j in range(length)]
 
 
 def verify_rows(rows: Sequence[SamplingRow],

@@ -12,8 +12,9 @@ so three graph sets, each a graphs.DecodeGraphs over the backend's own row layou
   2..k, the state replaced by the step's output.
 
 Between them the host samples and accepts (core/speculative.py), rewinds the state of models
-that have one (backends/speculative.py), and fills the next graph's rows. Any other step
-(prefill chunks, fewer drafts near max_tokens) runs eagerly, as MTPSpeculator does.
+that have one (backends/speculative.py), and fills the next graph's rows. A sequence with
+fewer drafts (near max_tokens or the context's end) gets null rows after its own; a step
+with prefill chunks runs eagerly, as MTPSpeculator does.
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ from deepinfer.backends.runner import TorchRunner
 from deepinfer.backends.speculative import MTPSpeculator, _last_accepted, _next_tokens
 from deepinfer.core.batch import GroupBatch, ModelBatch, SampledRow, SamplerOutput
 from deepinfer.core.sampler import all_plain_greedy
-from deepinfer.core.speculative import accept, as_decode_rows, verify_rows
+from deepinfer.core.speculative import accept, as_decode_rows, run_rows, verify_rows
 
 
 def _in_runs(layout: RowLayout, q: int) -> RowLayout:
@@ -45,6 +46,7 @@ class GraphSpeculator(MTPSpeculator):
                  device: torch.device) -> None:
         super().__init__(runner, make_meta)
         self.q = num_drafts + 1
+        self.null_state_slot = getattr(layout, "null_state_slot", 0)
         rows = max_num_seqs * self.q
         self.verify = DecodeGraphs(rows, _in_runs(layout, self.q), device)
         self.draft = DecodeGraphs(rows, _in_runs(layout, self.q), device)
@@ -94,15 +96,17 @@ class GraphSpeculator(MTPSpeculator):
 
     # ---- a step --------------------------------------------------------------------------
     def execute(self, batch: ModelBatch) -> SamplerOutput:
-        rows = as_decode_rows(batch)
-        if rows is None or rows.tokens_per_seq != self.q or not self.verify.can_run(rows):
+        # Sequences with fewer drafts (near max_tokens) are padded to k + 1 rows.
+        rows = as_decode_rows(batch, self.q, self.null_state_slot)
+        if rows is None or not self.verify.can_run(rows):
             return super().execute(batch)
+        index = self._tensor(run_rows(batch.query_lens, self.q))  # each token's row
         saved = self._save_carry(batch)
-        sampled = self._verify_graphed(batch, rows)
+        sampled = self._verify_graphed(batch, rows, index)
         self._rewind_carry(batch, sampled, saved)
         if not any(batch.spec.num_proposals):
             return SamplerOutput.from_rows(sampled)
-        proposals = self._propose_graphed(batch, rows, sampled)
+        proposals = self._propose_graphed(batch, rows, index, sampled)
         return SamplerOutput.from_rows([dataclasses.replace(row, proposals=p)
                                         for row, p in zip(sampled, proposals)])
 
@@ -110,26 +114,29 @@ class GraphSpeculator(MTPSpeculator):
         if self.runner.moe is not None:
             self.runner.moe.set_step(graphs.bucket_for(batch.num_seqs), batch.num_seqs)
 
-    def _verify_graphed(self, batch: ModelBatch, rows: ModelBatch) -> list[SampledRow]:
+    def _verify_graphed(self, batch: ModelBatch, rows: ModelBatch, index: torch.Tensor
+                        ) -> list[SampledRow]:
         """Every row's logits from the verify graph; the sampler (or, all greedy, the graph's
-        own argmax) at each, then the acceptance."""
+        own argmax) at each token's row, then the acceptance."""
         self._set_step(self.verify, rows)
         logits, greedy = self.verify.run(rows)
         drafts = batch.spec.draft_token_ids
         if all_plain_greedy(batch.sampling):
-            tokens = greedy.tolist()
+            tokens = greedy[index].tolist()
             out = SamplerOutput(tokens, [None] * len(tokens))
         else:
-            out = self.runner.sample(logits, verify_rows(batch.sampling, drafts))
+            out = self.runner.sample(logits[index], verify_rows(batch.sampling, drafts))
         return accept(out, drafts)
 
-    def _propose_graphed(self, batch: ModelBatch, rows: ModelBatch,
+    def _propose_graphed(self, batch: ModelBatch, rows: ModelBatch, index: torch.Tensor,
                          sampled: list[SampledRow]) -> list[list[int]]:
-        shifted = dataclasses.replace(rows, input_ids=_next_tokens(batch, sampled))
-        _, greedy = self.draft.run(shifted)
+        shifted = [0] * rows.num_tokens
+        for row, token in zip(run_rows(batch.query_lens, self.q), _next_tokens(batch, sampled)):
+            shifted[row] = token
+        _, greedy = self.draft.run(dataclasses.replace(rows, input_ids=shifted))
         last = _last_accepted(batch, sampled)
         counts = [self._room(batch, r, batch.positions[i]) for r, i in enumerate(last)]
-        index = self._tensor(last)
+        index = index[self._tensor(last)]  # the last accepted token's row
         tokens = greedy[index].tolist()
         proposals = [[t] if c else [] for t, c in zip(tokens, counts)]
         if max(counts) < 2:

@@ -238,11 +238,28 @@ def test_mtp_graph_path_matches_transformers(checkpoint, reference, prompts, tmp
         record = graphs.record
         graphs.record = lambda forward, n, context, _r=record, _c=calls: _c.append(n) or \
             _r(forward, n, context)
-    outs = _run(engine, prompts, 8, "s")
+    eager = []
+    with pytest.MonkeyPatch.context() as mp:
+        from deepinfer.backends.cuda import spec_graphs
+
+        execute = spec_graphs.MTPSpeculator.execute
+        mp.setattr(spec_graphs.MTPSpeculator, "execute",
+                   lambda self, batch: eager.append(_decodes_only(batch)) or execute(self, batch))
+        outs = _run(engine, prompts, 8, "s")
     for i, prompt in enumerate(prompts):
         _assert_reference_greedy(reference, prompt, outs[i][0])
     assert engine.scheduler.spec_stats.draft_tokens > 0
-    # Two sequences: 2 x 3 verify rows (bucket 8), the draft over them, 2-row draft steps.
+    # Two sequences: 2 x 3 verify rows (bucket 8), the draft over them, 2-row draft steps;
+    # the last steps' fewer drafts (max_tokens) padded into the same graphs: only steps with
+    # a prefill chunk ran eagerly.
     assert 8 in runs["verify"] and 8 in runs["draft"] and 2 in runs["step"]
+    assert eager and not any(eager)
     assert not engine.kv._slots and engine.kv.num_request_blocks() == 0
     engine.shutdown()
+
+
+def _decodes_only(batch) -> bool:
+    """Every sequence of the step decodes (its query: its last token and its drafts)."""
+    drafts = [len(d) for d in batch.spec.draft_token_ids]
+    return len(batch.sample_indices) == batch.num_seqs and all(
+        q == d + 1 for q, d in zip(batch.query_lens, drafts))
