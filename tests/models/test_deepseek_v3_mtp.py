@@ -11,14 +11,11 @@ import torch
 import transformers
 from safetensors.torch import load_file
 
-from deepinfer.backends.cpu.accelerator import CPUAccelerator
-from deepinfer.backends.speculative import MTPSpeculator
-from deepinfer.core.batch import GroupBatch, ModelBatch
-from deepinfer.core.config import ModelSpec
 from deepinfer.core.sampling import SamplingParams
 from deepinfer.llm import LLM
 from tests.checkpoints import make_checkpoint
 from tests.models.mtp_checkpoints import add_mtp, add_word_tokenizer, make_successor_model
+from tests.models.oracle_drafts import OracleSpeculator, cpu_draft_logits, prefill_batch
 from tests.models.test_deepseek_v3_parity import (DIMS, _prompts, _reference_greedy,
                                                   _reference_model, make_deepseek)
 
@@ -77,28 +74,6 @@ def test_greedy_equals_plain_decoding_and_transformers(mtp_path, plain, k):
     assert llm.engine.kv.num_request_blocks() == 0
 
 
-class OracleSpeculator(MTPSpeculator):
-    """The real step (the draft layer runs and writes its KV), but proposals taken from the
-    known plain-decoding outputs; with `wrong_second`, every second proposal is wrong."""
-
-    def __init__(self, inner: MTPSpeculator, outputs: dict[tuple, list[int]],
-                 wrong_second: bool) -> None:
-        super().__init__(inner.runner, inner.make_meta)
-        self.outputs, self.wrong_second = outputs, wrong_second
-
-    def _propose(self, batch, meta, positions, hidden, rows):
-        real = super()._propose(batch, meta, positions, hidden, rows)
-        return [self._oracle(row, sampled, len(p))
-                for row, sampled, p in zip(batch.sampling, rows, real)]
-
-    def _oracle(self, row, sampled, count: int) -> list[int]:
-        done = len(row.output_token_ids) + len(sampled.token_ids)
-        right = self.outputs[tuple(row.prompt_token_ids)][done:done + count]
-        if self.wrong_second and len(right) > 1:
-            right[1] = (right[1] + 1) % DIMS["vocab_size"]
-        return right
-
-
 @pytest.mark.parametrize("params", [GREEDY, SamplingParams(
     temperature=0.9, top_p=0.95, seed=7, max_tokens=N, ignore_eos=True, logprobs=2,
     repetition_penalty=1.3)], ids=["greedy", "seeded"])
@@ -109,7 +84,8 @@ def test_right_drafts_are_all_accepted_and_save_steps(mtp_path, params):
     for wrong_second in (False, True):
         llm = _llm(mtp_path, 3)
         acc = llm.engine.accelerator
-        acc.speculator = OracleSpeculator(acc.speculator, outputs, wrong_second)
+        acc.speculator = OracleSpeculator(acc.speculator, outputs, 1 if wrong_second else None,
+                                          DIMS["vocab_size"])
         outs, steps = _run(llm, prompts, params)
         assert [o.token_ids for o in outs] == [o.token_ids for o in base]
         stats = llm.engine.scheduler.spec_stats
@@ -222,27 +198,10 @@ def test_moe_mtp_layer_equals_plain_decoding(tmp_path):
 def test_draft_logits_match_a_transformers_built_reference(mtp_path):
     prompt = _prompts((37,), seed=4)[0]
     nxt = 77  # the token after the prompt
-    ours = _our_draft_logits(mtp_path, prompt, nxt)
+    ours = cpu_draft_logits(mtp_path, prompt, nxt, 8,
+                            lambda spec: prefill_batch(prompt, [3, 1, 5], 16, spec, []))
     ref = _reference_draft_logits(mtp_path, prompt, nxt)
     assert (ours - ref).abs().max().item() < 1e-4
-
-
-def _our_draft_logits(path: str, prompt: list[int], nxt: int) -> torch.Tensor:
-    acc = CPUAccelerator()
-    acc.init_device()
-    acc.runner.num_speculative_tokens = 1
-    acc.load_model(ModelSpec(path, dtype="float32"))
-    acc.allocate_kv_cache(8, 16)
-    n, table = len(prompt), [3, 1, 5]
-    slots = [table[p // 16] * 16 + p % 16 for p in range(n)]
-    batch = ModelBatch(prompt, list(range(n)), [n], [n], (GroupBatch([table], slots),), 16,
-                       [0], [])
-    model, meta = acc.runner.model, acc._meta(batch)
-    positions = torch.arange(n)
-    with torch.inference_mode():
-        hidden = model(torch.tensor(prompt), positions, meta)
-        shifted = torch.tensor(prompt[1:] + [nxt])
-        return model.draft_logits(model.draft_forward(shifted, positions, hidden, meta))
 
 
 def _reference_draft_logits(path: str, prompt: list[int], nxt: int) -> torch.Tensor:

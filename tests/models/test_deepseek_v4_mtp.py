@@ -18,14 +18,11 @@ import torch
 import transformers
 from transformers.masking_utils import create_sliding_window_causal_mask
 
-from deepinfer.backends.cpu.accelerator import CPUAccelerator
-from deepinfer.backends.speculative import MTPSpeculator
-from deepinfer.core.batch import GroupBatch, ModelBatch
-from deepinfer.core.config import ModelSpec
 from deepinfer.core.sampling import SamplingParams
 from deepinfer.llm import LLM
 from tests.models.test_deepseek_v4_parity import make_v4, prompts  # noqa: F401 (a fixture)
 from tests.models.test_moe_parity import _assert_reference_greedy
+from tests.models.oracle_drafts import OracleSpeculator, cpu_draft_logits, prefill_batch
 from tests.models.v4_mtp_checkpoints import add_v4_mtp, grown_model, mtp_own
 
 MTP_SEED = 5
@@ -64,28 +61,6 @@ def test_greedy_equals_plain_decoding(mtp_path, prompts, plain, k):
     assert kv.num_request_blocks() == 0 and not kv._slots
 
 
-class OracleSpeculator(MTPSpeculator):
-    """The real step (the draft layer runs and writes its window), but the proposals are
-    plain decoding's tokens, with the one at position `wrong` (if any) made wrong."""
-
-    def __init__(self, inner: MTPSpeculator, outputs: dict[tuple, list[int]],
-                 wrong: int | None) -> None:
-        super().__init__(inner.runner, inner.make_meta)
-        self.outputs, self.wrong = outputs, wrong
-
-    def _propose(self, batch, meta, positions, hidden, rows):
-        real = super()._propose(batch, meta, positions, hidden, rows)
-        return [self._oracle(row, sampled, len(p))
-                for row, sampled, p in zip(batch.sampling, rows, real)]
-
-    def _oracle(self, row, sampled, count: int) -> list[int]:
-        done = len(row.output_token_ids) + len(sampled.token_ids)
-        right = self.outputs[tuple(row.prompt_token_ids)][done:done + count]
-        if self.wrong is not None and len(right) > self.wrong:
-            right[self.wrong] = (right[self.wrong] + 1) % 129280
-        return right
-
-
 @pytest.mark.parametrize("wrong", [None, 0, 1, 2])
 def test_right_and_partly_right_drafts(mtp_path, prompts, plain, wrong):
     """Rejections after 0, 1 or 2 accepted drafts land at every offset inside the CSA
@@ -93,7 +68,7 @@ def test_right_and_partly_right_drafts(mtp_path, prompts, plain, wrong):
     llm = _llm(mtp_path, 3)
     outputs = {tuple(p): o for p, o in zip(prompts, plain)}
     acc = llm.engine.accelerator
-    acc.speculator = OracleSpeculator(acc.speculator, outputs, wrong)
+    acc.speculator = OracleSpeculator(acc.speculator, outputs, wrong, 129280)
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)] == plain
     stats = llm.engine.scheduler.spec_stats
     if wrong is None:
@@ -114,27 +89,11 @@ def test_rewind_is_what_keeps_rejections_exact(mtp_path, prompts, plain, monkeyp
 
 def test_draft_logits_match_a_transformers_built_reference(mtp_path, prompts):
     prompt, nxt = prompts[1][:70], 4242  # 70 tokens: several windows, CSA and HCA entries
-    ours = _our_draft_logits(mtp_path, prompt, nxt)
+    ours = cpu_draft_logits(mtp_path, prompt, nxt, 4,
+                            lambda spec: prefill_batch(prompt, [2], 128, spec, [0]),
+                            state_slots=1)
     ref = _reference_draft_logits(mtp_path, prompt, nxt)
     assert (ours - ref).abs().max().item() < 1e-4
-
-
-def _our_draft_logits(path: str, prompt: list[int], nxt: int) -> torch.Tensor:
-    acc = CPUAccelerator()
-    acc.init_device()
-    acc.runner.num_speculative_tokens = 1
-    info = acc.load_model(ModelSpec(path, dtype="float32"))
-    acc.allocate_kv_cache(4, 128, num_state_slots=1)
-    n, table = len(prompt), [2]
-    groups = tuple(GroupBatch([table], [table[0] * 128 + p for p in range(n)])
-                   for _ in info.kv_spec.groups)
-    batch = ModelBatch(prompt, list(range(n)), [n], [n], groups, 128, [0], [], [0])
-    model, meta = acc.runner.model, acc._meta(batch)
-    positions = torch.arange(n)
-    with torch.inference_mode():
-        hidden = model(torch.tensor(prompt), positions, meta)
-        shifted = torch.tensor(prompt[1:] + [nxt])
-        return model.draft_logits(model.draft_forward(shifted, positions, hidden, meta))
 
 
 def _no_cache() -> dict:

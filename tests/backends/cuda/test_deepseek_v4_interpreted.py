@@ -182,23 +182,29 @@ def test_decode_graph_path_matches_transformers(graph_engine, reference, prompts
     assert not graph_engine.kv._slots
 
 
-def test_mtp_verify_steps_run_as_decode_rows(checkpoint, reference, prompts, tmp_path):
-    """Speculative decoding with the MTP layer (random: its drafts are rejected, so the state
-    rewinds run): each verify step runs its 1 + 2 tokens per sequence as decode rows through
-    the compressor and attention kernels, and the answers stay transformers' greedy ones."""
+def _mtp_engine(checkpoint: str, tmp_path) -> Engine:
+    """The checkpoint with a random MTP layer (its drafts are mostly rejected, so the state
+    rewinds run), speculating 2 tokens a step."""
     import shutil
 
-    from deepinfer.backends.cuda.kernels import compress_decode
     from tests.models.v4_mtp_checkpoints import add_v4_mtp
 
     path = str(tmp_path / "v4-mtp")
     shutil.copytree(checkpoint, path)
     add_v4_mtp(path, seed=5)
     config = EngineConfig(model=ModelSpec(path, dtype="float32"),
-                          cache=CacheConfig(block_size=128, num_blocks=10),
+                          cache=CacheConfig(block_size=128, num_blocks=12),
                           scheduler=SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4,
                                                     num_speculative_tokens=2))
-    engine = Engine(config, accelerator=_interpreted_cls()(), load_tokenizer=False)
+    return Engine(config, accelerator=_interpreted_cls()(), load_tokenizer=False)
+
+
+def test_mtp_verify_steps_run_as_decode_rows(checkpoint, reference, prompts, tmp_path):
+    """Speculative decoding with the MTP layer: each verify step runs its 1 + 2 tokens per sequence as decode rows through
+    the compressor and attention kernels, and the answers stay transformers' greedy ones."""
+    from deepinfer.backends.cuda.kernels import compress_decode
+
+    engine = _mtp_engine(checkpoint, tmp_path)
     rows = []
     original = compress_decode.compress_decode
     with pytest.MonkeyPatch.context() as mp:
@@ -216,18 +222,7 @@ def test_mtp_verify_steps_run_as_decode_rows(checkpoint, reference, prompts, tmp
 def test_mtp_graph_path_matches_transformers(checkpoint, reference, prompts, tmp_path):
     """The same through speculative decoding's graphs (spec_graphs.py, each recorded afresh
     without a GPU): verify rows, the draft layer over them, its one-token steps."""
-    import shutil
-
-    from tests.models.v4_mtp_checkpoints import add_v4_mtp
-
-    path = str(tmp_path / "v4-mtp")
-    shutil.copytree(checkpoint, path)
-    add_v4_mtp(path, seed=5)
-    config = EngineConfig(model=ModelSpec(path, dtype="float32"),
-                          cache=CacheConfig(block_size=128, num_blocks=12),
-                          scheduler=SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4,
-                                                    num_speculative_tokens=2))
-    engine = Engine(config, accelerator=_interpreted_cls()(), load_tokenizer=False)
+    engine = _mtp_engine(checkpoint, tmp_path)
     acc = engine.accelerator
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(accelerator, "CONTEXT_CLASSES", (160,))
