@@ -20,6 +20,7 @@ from typing import Sequence
 
 from deepinfer.core.batch import (GroupBatch, ModelBatch, SampledRow, SamplerOutput,
                                   SamplingRow)
+from deepinfer.core.kv.block_pool import NULL_BLOCK_ID
 
 
 def as_decode_rows(batch: ModelBatch, pad_to: int | None = None,
@@ -58,7 +59,7 @@ def _runs(batch: ModelBatch, q: int, null_state_slot: int) -> ModelBatch:
         seq_lens += [p + 1 for p in own] + [1] * pad
         for g, group in enumerate(batch.groups):
             slots[g] += group.slot_mapping[start:start + length] + [0] * pad
-            tables[g] += [group.block_tables[i]] * length + [[]] * pad
+            tables[g] += [group.block_tables[i]] * length + [[NULL_BLOCK_ID]] * pad
         if batch.state_slots:
             states += [batch.state_slots[i]] * length + [null_state_slot] * pad
         start += length

@@ -58,7 +58,7 @@ def test_verify_steps_as_decode_rows():
     assert padded.input_ids == [100] * 3 + [101, 101, 0]
     assert padded.positions == [10, 11, 12, 20, 21, 0] and padded.seq_lens[-1] == 1
     assert padded.state_slots == [5, 5, 5, 6, 6, 9]
-    assert padded.groups[0].slot_mapping[-1] == 0 and padded.groups[0].block_tables[-1] == []
+    assert padded.groups[0].slot_mapping[-1] == 0 and padded.groups[0].block_tables[-1] == [0]
     assert run_rows([3, 2], 3) == [0, 1, 2, 3, 4]
     assert as_decode_rows(_verify_batch([3, 4], [2, 2], 1)) is None  # a prefill chunk
     assert as_decode_rows(_verify_batch([3, 4], [2, 3], 2), pad_to=3) is None  # too long

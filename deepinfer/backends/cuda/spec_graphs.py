@@ -110,15 +110,18 @@ class GraphSpeculator(MTPSpeculator):
         return SamplerOutput.from_rows([dataclasses.replace(row, proposals=p)
                                         for row, p in zip(sampled, proposals)])
 
-    def _set_step(self, graphs: DecodeGraphs, batch: ModelBatch) -> None:
+    def _set_step(self, rows: ModelBatch, num_real: int) -> None:
+        """MoE models: the verify replay's size and how many of its rows are real (the load
+        counts take the first num_real rows: where sequences have null rows between theirs,
+        they are approximate). The draft layer's experts count in their own runtime."""
         if self.runner.moe is not None:
-            self.runner.moe.set_step(graphs.bucket_for(batch.num_seqs), batch.num_seqs)
+            self.runner.moe.set_step(self.verify.bucket_for(rows.num_seqs), num_real)
 
     def _verify_graphed(self, batch: ModelBatch, rows: ModelBatch, index: torch.Tensor
                         ) -> list[SampledRow]:
         """Every row's logits from the verify graph; the sampler (or, all greedy, the graph's
         own argmax) at each token's row, then the acceptance."""
-        self._set_step(self.verify, rows)
+        self._set_step(rows, batch.num_tokens)
         logits, greedy = self.verify.run(rows)
         drafts = batch.spec.draft_token_ids
         if all_plain_greedy(batch.sampling):
@@ -130,28 +133,37 @@ class GraphSpeculator(MTPSpeculator):
 
     def _propose_graphed(self, batch: ModelBatch, rows: ModelBatch, index: torch.Tensor,
                          sampled: list[SampledRow]) -> list[list[int]]:
+        """The draft graph over the verified rows (each id the token after it), its argmax at
+        each sequence's last accepted token; then the draft-step graphs for drafts 2..k."""
         shifted = [0] * rows.num_tokens
         for row, token in zip(run_rows(batch.query_lens, self.q), _next_tokens(batch, sampled)):
             shifted[row] = token
         _, greedy = self.draft.run(dataclasses.replace(rows, input_ids=shifted))
         last = _last_accepted(batch, sampled)
         counts = [self._room(batch, r, batch.positions[i]) for r, i in enumerate(last)]
-        index = index[self._tensor(last)]  # the last accepted token's row
-        tokens = greedy[index].tolist()
+        at = index[self._tensor(last)]  # the last accepted token's row
+        tokens = greedy[at].tolist()
         proposals = [[t] if c else [] for t, c in zip(tokens, counts)]
-        if max(counts) < 2:
-            return proposals
+        if max(counts) > 1:
+            self._further_drafts(batch, at, [batch.positions[i] for i in last], counts,
+                                 tokens, proposals)
+        return proposals
+
+    def _further_drafts(self, batch: ModelBatch, at: torch.Tensor, last_positions: list[int],
+                        counts: list[int], tokens: list[int],
+                        proposals: list[list[int]]) -> None:
+        """Drafts 2..k: the step graph from the draft layer's state at `at`, one row per
+        sequence, each on its own previous draft."""
         draft = self.buffers["draft"]
-        state = self._buffer("state", self.step.bucket_for(len(last)), draft)
-        state[:len(last)].copy_(draft[index])
+        n = len(last_positions)
+        self._buffer("state", self.step.bucket_for(n), draft)[:n].copy_(draft[at])
         for j in range(2, max(counts) + 1):
-            step = _draft_step(batch, [batch.positions[i] for i in last], counts, j, tokens)
+            step = _draft_step(batch, last_positions, counts, j, tokens)
             _, greedy = self.step.run(step)
-            tokens = greedy[:len(last)].tolist()
+            tokens = greedy[:n].tolist()
             for r, t in enumerate(tokens):
                 if counts[r] >= j:
                     proposals[r].append(t)
-        return proposals
 
 
 def _draft_step(batch: ModelBatch, last_positions: list[int], counts: list[int], j: int,

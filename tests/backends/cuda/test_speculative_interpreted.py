@@ -56,14 +56,24 @@ def _run(engine: Engine, prompts: list[list[int]]) -> list[list[int]]:
     return [done[str(i)] for i in range(len(prompts))]
 
 
-@pytest.mark.parametrize("k", [2])  # k = 1..3 on the CPU backend: test_deepseek_v3_mtp.py
-def test_greedy_equals_plain_decoding(mtp_path, plain, k):
+@pytest.mark.parametrize("k, graphs", [(2, False), (2, True)])  # k = 1..3 on the CPU
+def test_greedy_equals_plain_decoding(mtp_path, plain, k, graphs):   # backend: test_deepseek_v3_mtp
+    """Eager, and through speculative decoding's graphs (spec_graphs.py; recorded afresh
+    without a GPU) with the single-group row layout."""
     config = EngineConfig(model=ModelSpec(mtp_path, dtype="float32"),
                           cache=CacheConfig(block_size=16, num_blocks=24),
                           scheduler=SchedulerConfig(max_num_batched_tokens=16, max_num_seqs=4,
                                                     num_speculative_tokens=k))
     engine = Engine(config, accelerator=_accelerator(), load_tokenizer=False)
+    if graphs and engine.accelerator.graphs is None:
+        engine.accelerator.capture_graphs(16)
+    verified = []
+    if graphs:
+        graph_set = engine.accelerator.speculator.verify
+        record = graph_set.record
+        graph_set.record = lambda *a: verified.append(a[1]) or record(*a)
     assert _run(engine, _prompts(LENGTHS, seed=1)) == plain
+    assert bool(verified) == (graphs and INTERPRETED)  # on a GPU the graphs replay
     stats = engine.scheduler.spec_stats
     assert stats.draft_tokens > 0 and 0 <= stats.accepted_tokens <= stats.draft_tokens
     assert engine.kv.num_request_blocks() == 0
