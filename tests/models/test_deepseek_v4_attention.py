@@ -206,3 +206,23 @@ def test_long_prefills_attend_in_blocks_of_queries(monkeypatch) -> None:
     whole = attend(q, pos, kv, pos, comp, visible, sinks, 4, 0.25)
     monkeypatch.setattr(attention, "MAX_SCORES", 2 * 4 * 12)
     torch.testing.assert_close(attend(q, pos, kv, pos, comp, visible, sinks, 4, 0.25), whole)
+
+
+def test_picks_and_window_blocks_equal_the_masked_whole(monkeypatch) -> None:
+    """CSA's picks gathered per query == the same entries as a [T, N] mask; and a chunk that
+    starts past 0, whose window keys start earlier, attended in blocks that each take only the
+    keys their windows span == all keys at once."""
+    from deepinfer.models.deepseek_v4 import attention
+
+    g = torch.Generator().manual_seed(7)
+    q, kv, comp = (torch.randn(*s, generator=g) for s in ((9, 4, 16), (12, 16), (6, 16)))
+    pos, keys, sinks = torch.arange(20, 29), torch.arange(17, 29), torch.randn(4, generator=g)
+    picks = torch.tensor([[0, 3, -1], [5, 1, 2], [4, -1, -1]] * 3)
+    masked = attend(q, pos, kv, keys, comp, selected_visible(picks, 6), sinks, 4, 0.25)
+    torch.testing.assert_close(attend(q, pos, kv, keys, comp, None, sinks, 4, 0.25,
+                                      picks=picks), masked)
+    monkeypatch.setattr(attention, "QUERY_BLOCK", 2)
+    torch.testing.assert_close(attend(q, pos, kv, keys, comp, None, sinks, 4, 0.25,
+                                      picks=picks), masked)
+    assert not torch.equal(attend(q, pos, kv, keys, comp, None, sinks, 5, 0.25, picks=picks),
+                           masked)  # the window matters: the blocks' key runs follow it

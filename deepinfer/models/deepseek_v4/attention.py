@@ -234,49 +234,80 @@ class V4Attention(UsesOps, nn.Module):
 # (8K queries, 64 heads, a 24K-key CSA layer at 64K context: 51 GB of float32 scores) is
 # attended in blocks of queries that each fit in ~1 GiB.
 MAX_SCORES = 1 << 28
+# Queries a block holds at most: its windows span QUERY_BLOCK + window - 1 keys, so a long
+# chunk scores each query against about twice its window instead of the whole chunk.
+QUERY_BLOCK = 256
 
 
 def attend(q: torch.Tensor, positions: torch.Tensor, window_kv: torch.Tensor,
            window_positions: torch.Tensor, compressed_kv: torch.Tensor | None,
            compressed_visible: torch.Tensor | None, sinks: torch.Tensor, window: int,
-           scale: float) -> torch.Tensor:
-    """One sequence's V4 attention. q [T, heads, D] at positions [T]; window_kv [K, D] the
-    cached K=V entries at window_positions [K] (any superset of what the queries' windows
-    hold: query p sees key k iff p - window < k <= p, L90-99 of masking_utils); compressed_kv
-    [N, D] the layer's compressed entries, compressed_visible [T, N] which of them each query
-    sees (`entries_visible` for HCA, `selected_visible` for CSA). sinks [heads]: a logit per
-    head in every softmax denominator. Returns [T, heads, D] in q's dtype."""
-    keys = window_kv.shape[0] + (0 if compressed_kv is None else compressed_kv.shape[0])
-    rows = max(1, MAX_SCORES // (q.shape[1] * max(1, keys)))
-    if q.shape[0] <= rows:
+           scale: float, picks: torch.Tensor | None = None) -> torch.Tensor:
+    """One sequence's V4 attention. q [T, heads, D] at consecutive positions [T];
+    window_kv [K, D] the cached K=V entries at consecutive window_positions [K] (any run that
+    covers the queries' windows: query p sees key k iff p - window < k <= p, L90-99 of
+    masking_utils); compressed_kv [N, D] the layer's compressed entries, and which of them
+    each query sees: compressed_visible [T, N] (`entries_visible`, HCA) or picks [T, k]
+    (CSA: the indexer's entry numbers, -1 none; the same set `selected_visible` marks,
+    gathered per query instead of masking all N). sinks [heads]: a logit per head in every
+    softmax denominator. Returns [T, heads, D] in q's dtype."""
+    seen = picks.shape[1] if picks is not None else \
+        (0 if compressed_kv is None else compressed_kv.shape[0])
+    heads, t = q.shape[1], q.shape[0]
+    rows = max(1, min(QUERY_BLOCK, MAX_SCORES // (heads * (QUERY_BLOCK + window + seen))))
+    if t <= rows:
         return _attend_block(q, positions, window_kv, window_positions, compressed_kv,
-                             compressed_visible, sinks, window, scale)
-    return torch.cat([
-        _attend_block(q[i:i + rows], positions[i:i + rows], window_kv, window_positions,
-                      compressed_kv, None if compressed_visible is None
-                      else compressed_visible[i:i + rows], sinks, window, scale)
-        for i in range(0, q.shape[0], rows)])
+                             compressed_visible, picks, sinks, window, scale)
+    p0, k0 = torch.stack((positions[0], window_positions[0])).tolist()
+    blocks = []
+    for i in range(0, t, rows):
+        j = min(t, i + rows)
+        keys = slice(max(0, p0 + i - window + 1 - k0), p0 + j - k0)  # the block's windows
+        blocks.append(_attend_block(
+            q[i:j], positions[i:j], window_kv[keys], window_positions[keys], compressed_kv,
+            _rows(compressed_visible, i, j), _rows(picks, i, j), sinks, window, scale))
+    return torch.cat(blocks)
+
+
+def _rows(x: torch.Tensor | None, i: int, j: int) -> torch.Tensor | None:
+    return None if x is None else x[i:j]
 
 
 def _attend_block(q: torch.Tensor, positions: torch.Tensor, window_kv: torch.Tensor,
                   window_positions: torch.Tensor, compressed_kv: torch.Tensor | None,
-                  compressed_visible: torch.Tensor | None, sinks: torch.Tensor, window: int,
-                  scale: float) -> torch.Tensor:
+                  compressed_visible: torch.Tensor | None, picks: torch.Tensor | None,
+                  sinks: torch.Tensor, window: int, scale: float) -> torch.Tensor:
     rel = positions[:, None] - window_positions[None, :]
-    visible = (rel >= 0) & (rel < window)
-    keys = window_kv
-    if compressed_kv is not None and compressed_kv.shape[0] > 0:
-        keys = torch.cat((window_kv, compressed_kv.to(window_kv.dtype)), dim=0)
-        visible = torch.cat((visible, compressed_visible), dim=1)
-    scores = torch.einsum("thd,kd->thk", q, keys) * scale
-    scores = scores.masked_fill(~visible[:, None, :], float("-inf"))
+    scores = [_masked(torch.einsum("thd,kd->thk", q, window_kv) * scale,
+                      (rel >= 0) & (rel < window))]
+    values = [window_kv]
+    if picks is not None and picks.shape[1] > 0:
+        gathered = compressed_kv[picks.clamp(min=0)].to(window_kv.dtype)  # [T, k, D]
+        scores.append(_masked(torch.einsum("thd,tkd->thk", q, gathered) * scale, picks >= 0))
+        values.append(gathered)
+    elif compressed_visible is not None and compressed_kv.shape[0] > 0:
+        entries = compressed_kv.to(window_kv.dtype)
+        scores.append(_masked(torch.einsum("thd,kd->thk", q, entries) * scale,
+                              compressed_visible))
+        values.append(entries)
     # Sinks are float32: the softmax runs in float32 whatever q's dtype, as in transformers.
     sink = sinks.float().view(1, -1, 1).expand(q.shape[0], -1, 1)
-    logits = torch.cat((scores.float(), sink), dim=-1)
+    logits = torch.cat([s.float() for s in scores] + [sink], dim=-1)
     # The max shift is transformers' (L749); it also keeps low precision from overflowing.
     logits = logits - logits.max(dim=-1, keepdim=True).values
-    probs = F.softmax(logits, dim=-1)[..., :-1]
-    return torch.einsum("thk,kd->thd", probs.to(keys.dtype), keys)
+    probs = F.softmax(logits, dim=-1)[..., :-1].to(window_kv.dtype)
+    out, start = None, 0
+    for value in values:  # each part's weighted sum, added in float32, rounded once
+        width = value.shape[-2]
+        pattern = "thk,kd->thd" if value.dim() == 2 else "thk,tkd->thd"
+        part = torch.einsum(pattern, probs[..., start:start + width], value).float()
+        out, start = part if out is None else out + part, start + width
+    return out.to(q.dtype)
+
+
+def _masked(scores: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+    """scores [T, heads, K] with -inf where visible [T, K] is False."""
+    return scores.masked_fill(~visible[:, None, :], float("-inf"))
 
 
 def entries_visible(positions: torch.Tensor, n_entries: int, rate: int) -> torch.Tensor:

@@ -23,8 +23,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from deepinfer.models.deepseek_v4.attention import (RMSNorm, V4Attention, attend, entries_visible,
-                                                    selected_visible)
+from deepinfer.models.deepseek_v4.attention import RMSNorm, V4Attention, attend, entries_visible
 from deepinfer.models.deepseek_v4.cache import SeqView, V4PagedCache
 from deepinfer.models.deepseek_v4.compressor import (PAGE_TOKENS, CSACompressor, Compressed,
                                                      Compressor, CompressorState,
@@ -97,12 +96,13 @@ class V4DecoderLayer(nn.Module):
             return attn.output(self._decode(q, projected, positions, paged), positions)
         out = torch.empty_like(q)
         for seq in paged.sequences:
-            compressed, visible = None, None
+            seen = {"compressed_kv": None, "compressed_visible": None}
             if projected is not None:
-                compressed, visible = self._compressed(seq, projected, positions, paged)
+                seen.update(self._compressed(seq, projected, positions, paged))
             keys, key_positions = paged.window(seq, self.place.window_layer)
             out[seq.rows] = attend(q[seq.rows], positions[seq.rows], keys, key_positions,
-                                   compressed, visible, attn.sinks, d.sliding_window, d.scale)
+                                   sinks=attn.sinks, window=d.sliding_window, scale=d.scale,
+                                   **seen)
         return attn.output(out, positions)
 
     def _decode(self, q: torch.Tensor, projected: _Projected | None, positions: torch.Tensor,
@@ -138,19 +138,21 @@ class V4DecoderLayer(nn.Module):
                           index_q, index_w)
 
     def _compressed(self, seq: SeqView, projected: _Projected, positions: torch.Tensor,
-                    paged: V4PagedCache) -> tuple[torch.Tensor, torch.Tensor]:
-        """(the sequence's compressed entries so far [N, D], which of them each of its
-        queries sees [Q, N]), after this chunk's entries are written."""
+                    paged: V4PagedCache) -> dict[str, torch.Tensor]:
+        """attend's compressed arguments after this chunk's entries are written: the
+        sequence's entries so far [N, D] and which of them each of its queries sees (HCA:
+        compressed_visible [Q, N]; CSA: the indexer's picks [Q, k])."""
         comp, layer = self.compressor, self.place.entries_layer
         count = self._compress(seq, projected, paged)
         entries = paged.entries(seq, layer, comp.rate, count)
         query_positions = positions[seq.rows]
         if not isinstance(comp, CSACompressor):
-            return entries[0], entries_visible(query_positions, count, comp.rate)
+            return {"compressed_kv": entries[0], "compressed_visible":
+                    entries_visible(query_positions, count, comp.rate)}
         indexer, rows = comp.indexer, seq.rows
         picks = select_topk(projected.index_q[rows], projected.index_w[rows], query_positions,
                             entries[1], indexer.rate, indexer.topk, indexer.softmax_scale)
-        return entries[0], selected_visible(picks, count)
+        return {"compressed_kv": entries[0], "picks": picks}
 
     def _compress_decode(self, projected: _Projected, positions: torch.Tensor,
                          paged: V4PagedCache) -> None:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from deepinfer.models.deepseek_v4.attention import attend, entries_visible, selected_visible
+from deepinfer.models.deepseek_v4.attention import attend, entries_visible
 from deepinfer.models.deepseek_v4.compressor import select_topk
 
 
@@ -93,22 +93,23 @@ def decode_attention_reference(q: torch.Tensor, window: PagedRows, entries: Page
     for b, seq_len in enumerate(lens.host):
         position = torch.tensor([seq_len - 1], device=q.device)
         keys = torch.arange(max(0, seq_len - sliding_window), seq_len, device=q.device)
-        compressed, visible = _visible_entries(b, seq_len, entries, picks, position)
-        out[b:b + 1] = attend(q[b:b + 1], position, window.gather(b, keys), keys, compressed,
-                              visible, sinks, sliding_window, scale)
+        seen = _visible_entries(b, seq_len, entries, picks, position)
+        out[b:b + 1] = attend(q[b:b + 1], position, window.gather(b, keys), keys,
+                              sinks=sinks, window=sliding_window, scale=scale, **seen)
     return out
 
 
 def _visible_entries(b: int, seq_len: int, entries: PagedRows | None,
-                     picks: torch.Tensor | None, position: torch.Tensor
-                     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+                     picks: torch.Tensor | None, position: torch.Tensor) -> dict:
+    """attend's compressed arguments for sequence b."""
     if entries is None:
-        return None, None
+        return {"compressed_kv": None, "compressed_visible": None}
     count = seq_len // entries.rate
     kv = entries.gather(b, torch.arange(count, device=position.device))
     if picks is None:
-        return kv, entries_visible(position, count, entries.rate)
-    return kv, selected_visible(picks[b:b + 1], count)
+        return {"compressed_kv": kv, "compressed_visible":
+                entries_visible(position, count, entries.rate)}
+    return {"compressed_kv": kv, "compressed_visible": None, "picks": picks[b:b + 1]}
 
 
 def indexer_topk_reference(q: torch.Tensor, weights: torch.Tensor, keys: PagedRows,
