@@ -12,13 +12,16 @@ so three graph sets, each a graphs.DecodeGraphs over the backend's own row layou
   2..k, the state replaced by the step's output.
 
 Between them the host samples and accepts (core/speculative.py), rewinds the state of models
-that have one (backends/speculative.py), and fills the next graph's rows. A sequence with
+that have one (backends/speculative.py), and fills the next graph's rows; when every
+sequence decodes greedily the draft graph reads the verify graph's argmax on the device and
+follows it without a host wait. A sequence with
 fewer drafts (near max_tokens or the context's end) gets null rows after its own; a step
 with prefill chunks runs eagerly, as MTPSpeculator does.
 """
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -27,7 +30,8 @@ from deepinfer.backends.cuda.graphs import DecodeGraphs, RowLayout
 from deepinfer.backends.cuda.step_inputs import StepInputs
 from deepinfer.backends.runner import TorchRunner
 from deepinfer.backends.speculative import MTPSpeculator, _last_accepted, _next_tokens
-from deepinfer.core.batch import GroupBatch, ModelBatch, SampledRow, SamplerOutput
+from deepinfer.core.batch import (GroupBatch, InputsFromLastStep, ModelBatch, SampledRow,
+                                  SamplerOutput)
 from deepinfer.core.sampler import all_plain_greedy
 from deepinfer.core.speculative import accept, as_decode_rows, run_rows, verify_rows
 
@@ -100,13 +104,23 @@ class GraphSpeculator(MTPSpeculator):
         rows = as_decode_rows(batch, self.q, self.null_state_slot)
         if rows is None or not self.verify.can_run(rows):
             return super().execute(batch)
-        index = self._tensor(run_rows(batch.query_lens, self.q))  # each token's row
+        index = run_rows(batch.query_lens, self.q)  # each token's row
         saved = self._save_carry(batch)
-        sampled = self._verify_graphed(batch, rows, index)
+        self._set_step(rows, batch.num_tokens)
+        logits, verified = self.verify.run(rows)
+        proposing = any(batch.spec.num_proposals)
+        greedy = all_plain_greedy(batch.sampling)
+        # All greedy: the token after each row is the verify graph's own argmax there (an
+        # accepted draft, the model's token after the last, or past it anything), so the
+        # draft graph follows on the device, with no host wait in between.
+        drafted = self._draft(rows, None) if greedy and proposing else None
+        sampled = self._accept(batch, logits, verified, index, greedy)
         self._rewind_carry(batch, sampled, saved)
-        if not any(batch.spec.num_proposals):
+        if not proposing:
             return SamplerOutput.from_rows(sampled)
-        proposals = self._propose_graphed(batch, rows, index, sampled)
+        if drafted is None:
+            drafted = self._draft(rows, _shifted(batch, index, rows.num_tokens, sampled))
+        proposals = self._propose_graphed(batch, index, sampled, drafted)
         return SamplerOutput.from_rows([dataclasses.replace(row, proposals=p)
                                         for row, p in zip(sampled, proposals)])
 
@@ -117,32 +131,37 @@ class GraphSpeculator(MTPSpeculator):
         if self.runner.moe is not None:
             self.runner.moe.set_step(self.verify.bucket_for(rows.num_seqs), num_real)
 
-    def _verify_graphed(self, batch: ModelBatch, rows: ModelBatch, index: torch.Tensor
-                        ) -> list[SampledRow]:
-        """Every row's logits from the verify graph; the sampler (or, all greedy, the graph's
-        own argmax) at each token's row, then the acceptance."""
-        self._set_step(rows, batch.num_tokens)
-        logits, greedy = self.verify.run(rows)
-        drafts = batch.spec.draft_token_ids
-        if all_plain_greedy(batch.sampling):
-            tokens = greedy[index].tolist()
+    def _accept(self, batch: ModelBatch, logits: torch.Tensor, verified: torch.Tensor,
+                index: list[int], greedy: bool) -> list[SampledRow]:
+        """The sampler (or, all greedy, the verify graph's own argmax) at each token's row,
+        then the acceptance."""
+        drafts, at = batch.spec.draft_token_ids, self._tensor(index)
+        if greedy:
+            tokens = verified[at].tolist()
             out = SamplerOutput(tokens, [None] * len(tokens))
         else:
-            out = self.runner.sample(logits[index], verify_rows(batch.sampling, drafts))
+            out = self.runner.sample(logits[at], verify_rows(batch.sampling, drafts))
         return accept(out, drafts)
 
-    def _propose_graphed(self, batch: ModelBatch, rows: ModelBatch, index: torch.Tensor,
-                         sampled: list[SampledRow]) -> list[list[int]]:
-        """The draft graph over the verified rows (each id the token after it), its argmax at
-        each sequence's last accepted token; then the draft-step graphs for drafts 2..k."""
-        shifted = [0] * rows.num_tokens
-        for row, token in zip(run_rows(batch.query_lens, self.q), _next_tokens(batch, sampled)):
-            shifted[row] = token
-        _, greedy = self.draft.run(dataclasses.replace(rows, input_ids=shifted))
+    def _draft(self, rows: ModelBatch, shifted: list[int] | None) -> torch.Tensor:
+        """The draft graph over the verified rows, each id the token after it (`shifted`, or
+        None: the verify graph's argmax, read on the device); its argmax per row."""
+        if shifted is None:
+            every = list(range(rows.num_tokens))
+            rows = dataclasses.replace(rows, from_last_step=InputsFromLastStep(
+                every, every, _DeviceIds(self.verify.tokens)))
+        else:
+            rows = dataclasses.replace(rows, input_ids=shifted)
+        return self.draft.run(rows)[1]
+
+    def _propose_graphed(self, batch: ModelBatch, index: list[int], sampled: list[SampledRow],
+                         drafted: torch.Tensor) -> list[list[int]]:
+        """The draft graph's argmax at each sequence's last accepted token; then the
+        draft-step graphs for drafts 2..k."""
         last = _last_accepted(batch, sampled)
         counts = [self._room(batch, r, batch.positions[i]) for r, i in enumerate(last)]
-        at = index[self._tensor(last)]  # the last accepted token's row
-        tokens = greedy[at].tolist()
+        at = self._tensor([index[i] for i in last])  # the last accepted token's row
+        tokens = drafted[at].tolist()
         proposals = [[t] if c else [] for t, c in zip(tokens, counts)]
         if max(counts) > 1:
             self._further_drafts(batch, at, [batch.positions[i] for i in last], counts,
@@ -164,6 +183,22 @@ class GraphSpeculator(MTPSpeculator):
             for r, t in enumerate(tokens):
                 if counts[r] >= j:
                     proposals[r].append(t)
+
+
+@dataclass(frozen=True)
+class _DeviceIds:
+    """Ids a graph's rows read on the device (InputsFromLastStep.source)."""
+
+    tokens: torch.Tensor
+
+
+def _shifted(batch: ModelBatch, index: list[int], num_rows: int,
+             sampled: list[SampledRow]) -> list[int]:
+    """Per row, the token after it (backends/speculative._next_tokens, placed in the runs)."""
+    out = [0] * num_rows
+    for row, token in zip(index, _next_tokens(batch, sampled)):
+        out[row] = token
+    return out
 
 
 def _draft_step(batch: ModelBatch, last_positions: list[int], counts: list[int], j: int,

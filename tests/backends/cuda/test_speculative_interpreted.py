@@ -10,6 +10,7 @@ import os
 import pytest
 import torch
 
+from deepinfer.backends.speculative import MTPSpeculator
 from deepinfer.core.config import CacheConfig, EngineConfig, ModelSpec, SchedulerConfig
 from deepinfer.core.engine import Engine
 from deepinfer.core.sampling import SamplingParams
@@ -56,25 +57,59 @@ def _run(engine: Engine, prompts: list[list[int]]) -> list[list[int]]:
     return [done[str(i)] for i in range(len(prompts))]
 
 
-@pytest.mark.parametrize("k, graphs", [(2, False), (2, True)])  # k = 1..3 on the CPU
-def test_greedy_equals_plain_decoding(mtp_path, plain, k, graphs):   # backend: test_deepseek_v3_mtp
-    """Eager, and through speculative decoding's graphs (spec_graphs.py; recorded afresh
-    without a GPU) with the single-group row layout."""
+def _engine(mtp_path: str, k: int) -> Engine:
     config = EngineConfig(model=ModelSpec(mtp_path, dtype="float32"),
                           cache=CacheConfig(block_size=16, num_blocks=24),
                           scheduler=SchedulerConfig(max_num_batched_tokens=16, max_num_seqs=4,
                                                     num_speculative_tokens=k))
-    engine = Engine(config, accelerator=_accelerator(), load_tokenizer=False)
-    if graphs and engine.accelerator.graphs is None:
-        engine.accelerator.capture_graphs(16)
-    verified = []
-    if graphs:
-        graph_set = engine.accelerator.speculator.verify
-        record = graph_set.record
-        graph_set.record = lambda *a: verified.append(a[1]) or record(*a)
-    assert _run(engine, _prompts(LENGTHS, seed=1)) == plain
-    assert bool(verified) == (graphs and INTERPRETED)  # on a GPU the graphs replay
+    return Engine(config, accelerator=_accelerator(), load_tokenizer=False)
+
+
+def _stats(engine: Engine) -> tuple[int, int, list[int]]:
     stats = engine.scheduler.spec_stats
+    return stats.draft_tokens, stats.accepted_tokens, list(stats.accepted_per_position)
+
+
+@pytest.mark.parametrize("k", [2])  # k = 1..3 on the CPU backend: test_deepseek_v3_mtp.py
+def test_greedy_equals_plain_decoding(mtp_path, plain, k):
+    """Eager steps, then speculative decoding's graphs (spec_graphs.py; recorded afresh
+    without a GPU, single-group row layout): the same tokens as plain decoding, and the same
+    drafts proposed (the graphs' draft layer reads the verify graph's own ids on the device)."""
+    eager = _engine(mtp_path, k)
+    if eager.accelerator.graphs is not None:  # a GPU captured them: run these steps eagerly
+        eager.accelerator.speculator = MTPSpeculator(eager.accelerator.runner,
+                                                     eager.accelerator._step_meta)
+    assert _run(eager, _prompts(LENGTHS, seed=1)) == plain
+    stats = eager.scheduler.spec_stats
     assert stats.draft_tokens > 0 and 0 <= stats.accepted_tokens <= stats.draft_tokens
-    assert engine.kv.num_request_blocks() == 0
+    assert eager.kv.num_request_blocks() == 0
+    eager.shutdown()
+    graphed = _engine(mtp_path, k)
+    if graphed.accelerator.graphs is None:
+        graphed.accelerator.capture_graphs(16)
+    assert _run(graphed, _prompts(LENGTHS, seed=1)) == plain
+    assert _stats(graphed) == _stats(eager)
+    assert graphed.kv.num_request_blocks() == 0
+    graphed.shutdown()
+
+
+def test_graphs_draft_what_the_draft_layer_predicts(tmp_path):
+    """A model and MTP layer that continue a known chain (every draft right when the draft
+    layer reads the right ids): through the graphs every draft is accepted, k + 1 tokens a
+    step."""
+    from tests.models.mtp_checkpoints import make_successor_model
+    from tests.models.test_deepseek_v3_parity import DIMS
+
+    path, succ = make_successor_model(str(tmp_path / "successor"), DIMS)
+    engine = _engine(path, 2)
+    if engine.accelerator.graphs is None:
+        engine.accelerator.capture_graphs(16)
+    prompt = [3, 9, 4]
+    (out,) = _run(engine, [prompt])
+    chain = [succ[prompt[-1]]]
+    while len(chain) < N:
+        chain.append(succ[chain[-1]])
+    assert out == chain
+    draft_tokens, accepted, _ = _stats(engine)
+    assert accepted == draft_tokens > 0
     engine.shutdown()
