@@ -156,34 +156,35 @@ class GraphSpeculator(MTPSpeculator):
 
     def _propose_graphed(self, batch: ModelBatch, index: list[int], sampled: list[SampledRow],
                          drafted: torch.Tensor) -> list[list[int]]:
-        """The draft graph's argmax at each sequence's last accepted token; then the
-        draft-step graphs for drafts 2..k."""
+        """The draft graph's argmax at each sequence's last accepted token, then the
+        draft-step graphs for drafts 2..k, each reading the previous one's argmax on the
+        device: the host reads every proposal at the end, once."""
         last = _last_accepted(batch, sampled)
         counts = [self._room(batch, r, batch.positions[i]) for r, i in enumerate(last)]
         at = self._tensor([index[i] for i in last])  # the last accepted token's row
-        tokens = drafted[at].tolist()
-        proposals = [[t] if c else [] for t, c in zip(tokens, counts)]
+        ids = [drafted[at]]
         if max(counts) > 1:
-            self._further_drafts(batch, at, [batch.positions[i] for i in last], counts,
-                                 tokens, proposals)
-        return proposals
+            ids += self._further_drafts(batch, at, [batch.positions[i] for i in last], counts,
+                                        ids[0])
+        drafts = torch.stack(ids, dim=1).tolist()  # [sequence][j]
+        return [row[:c] for row, c in zip(drafts, counts)]
 
     def _further_drafts(self, batch: ModelBatch, at: torch.Tensor, last_positions: list[int],
-                        counts: list[int], tokens: list[int],
-                        proposals: list[list[int]]) -> None:
-        """Drafts 2..k: the step graph from the draft layer's state at `at`, one row per
-        sequence, each on its own previous draft."""
+                        counts: list[int], first: torch.Tensor) -> list[torch.Tensor]:
+        """Drafts 2..max(counts) of every sequence (rows past a sequence's count compute
+        what nobody reads): the step graph from the draft layer's state at `at`, each row on
+        its own previous draft."""
         draft = self.buffers["draft"]
         n = len(last_positions)
         self._buffer("state", self.step.bucket_for(n), draft)[:n].copy_(draft[at])
+        every, out, previous = list(range(n)), [], first
         for j in range(2, max(counts) + 1):
-            step = _draft_step(batch, last_positions, counts, j, tokens)
-            _, greedy = self.step.run(step)
-            tokens = greedy[:n].tolist()
-            for r, t in enumerate(tokens):
-                if counts[r] >= j:
-                    proposals[r].append(t)
-
+            step = dataclasses.replace(
+                _draft_step(batch, last_positions, counts, j, [0] * n),
+                from_last_step=InputsFromLastStep(every, every, _DeviceIds(previous)))
+            previous = self.step.run(step)[1][:n].clone()  # the next replay reuses the buffer
+            out.append(previous)
+        return out
 
 @dataclass(frozen=True)
 class _DeviceIds:

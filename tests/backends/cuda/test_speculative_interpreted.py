@@ -101,7 +101,7 @@ def test_graphs_draft_what_the_draft_layer_predicts(tmp_path):
     from tests.models.test_deepseek_v3_parity import DIMS
 
     path, succ = make_successor_model(str(tmp_path / "successor"), DIMS)
-    engine = _engine(path, 2)
+    engine = _engine(path, 3)  # two draft steps: each reads the one before on the device
     if engine.accelerator.graphs is None:
         engine.accelerator.capture_graphs(16)
     prompt = [3, 9, 4]
