@@ -116,7 +116,7 @@ class SchedulerConfig:
     num_speculative_tokens: int = field(default=0, metadata={
         "help": "speculative decoding: tokens the model's multi-token-prediction (MTP) layer "
                 "drafts per step and sequence, all verified by one forward of the model "
-                "(DeepSeek-V3 checkpoints with MTP weights; 0: off)"})
+                "(DeepSeek-V3 and -V4 checkpoints with MTP weights; 0: off)"})
     async_scheduling: bool = field(default=True, metadata={
         "flag": "--no-async-scheduling",
         "help": "async scheduling: schedule and launch the next step while this one runs on "
