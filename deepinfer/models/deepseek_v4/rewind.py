@@ -44,17 +44,7 @@ class DraftRewind:
 
     @classmethod
     def of(cls, layers: nn.ModuleList) -> "DraftRewind":
-        parts = []
-        for layer in layers:
-            comp = layer.compressor
-            offset = layer.place.state_offset
-            for part in (comp, getattr(comp, "indexer", None)) if comp is not None else ():
-                if part is None:
-                    continue
-                tail = (part.rate - 1) * part.width
-                carry = (offset + 2 * tail, part.page_state_numel) if part.overlap else None
-                parts.append(_Part(part.rate, part.width, offset, offset + tail, carry))
-                offset += part.state_numel
+        parts = [part for layer in layers for part in _parts(layer)]
         rates = [p.rate for p in parts]
         return cls(tuple(parts), min(rates) - 1 if rates else None)
 
@@ -117,3 +107,17 @@ class DraftRewind:
                     columns, source = self._saved_positions(rate, b - closes[0] - 1,
                                                             view.device)
                     view[slot, columns] = saved[i, source]
+
+
+def _parts(layer: nn.Module) -> list[_Part]:
+    """A decoder layer's compressors (CSA: the compressor, then its indexer) as slot parts,
+    laid out from the layer's state offset as compressor.pack_state lays them."""
+    comp = layer.compressor
+    compressors = [] if comp is None else [comp, *filter(None, [getattr(comp, "indexer", None)])]
+    out, offset = [], layer.place.state_offset
+    for c in compressors:
+        tail = (c.rate - 1) * c.width
+        carry = (offset + 2 * tail, c.page_state_numel) if c.overlap else None
+        out.append(_Part(c.rate, c.width, offset, offset + tail, carry))
+        offset += c.state_numel
+    return out
