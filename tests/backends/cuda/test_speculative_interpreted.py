@@ -48,9 +48,10 @@ def plain(mtp_path) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(_prompts(LENGTHS, seed=1), GREEDY)]
 
 
-def _run(engine: Engine, prompts: list[list[int]]) -> list[list[int]]:
+def _run(engine: Engine, prompts: list[list[int]], params: SamplingParams = GREEDY
+         ) -> list[list[int]]:
     for i, prompt in enumerate(prompts):
-        engine.add_request(str(i), prompt, GREEDY)
+        engine.add_request(str(i), prompt, params)
     done: dict[str, list[int]] = {}
     while engine.has_unfinished_requests():
         done.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
@@ -113,3 +114,31 @@ def test_graphs_draft_what_the_draft_layer_predicts(tmp_path):
     draft_tokens, accepted, _ = _stats(engine)
     assert accepted == draft_tokens > 0
     engine.shutdown()
+
+
+def test_seeded_sampling_through_the_graphs_equals_eager_steps(mtp_path):
+    """Temperature 0.8, seeded: the graphs' verify logits go through the sampler and the
+    draft graph reads the accepted tokens from the host; the same tokens, and every step the
+    same proposals, as the eager speculator."""
+    params = SamplingParams(temperature=0.8, seed=3, max_tokens=N, ignore_eos=True)
+    runs = []
+    for graphs in (False, True):
+        engine = _engine(mtp_path, 2)
+        if graphs and engine.accelerator.graphs is None:
+            engine.accelerator.capture_graphs(16)
+        if not graphs and engine.accelerator.graphs is not None:
+            engine.accelerator.speculator = MTPSpeculator(engine.accelerator.runner,
+                                                          engine.accelerator._step_meta)
+        proposed = []
+        execute = engine.accelerator.speculator.execute
+        engine.accelerator.speculator.execute = lambda batch, _e=execute: _proposals(
+            _e(batch), proposed)
+        runs.append((_run(engine, _prompts(LENGTHS, seed=1), params), proposed))
+        engine.shutdown()
+    assert runs[0] == runs[1] and any(runs[0][1])
+
+
+def _proposals(out, into: list):
+    """Record the step's proposals (every row's) and pass its output on."""
+    into.append([row.proposals for row in out.rows()])
+    return out
