@@ -145,13 +145,17 @@ def _last_accepted(batch: ModelBatch, rows: list[SampledRow]) -> list[int]:
             for i, row, d in zip(batch.sample_indices, rows, batch.spec.draft_token_ids)]
 
 
-def _step_batch(batch: ModelBatch, seqs: list[int], positions: list[int]) -> ModelBatch:
+def _step_batch(batch: ModelBatch, seqs: list[int], positions: list[int],
+                writes: list[bool] | None = None) -> ModelBatch:
     """A one-token-per-sequence step at `positions` of the given sequences, over their
-    block tables (a draft-layer step; nothing sampled)."""
+    block tables (a draft-layer step; nothing sampled). A sequence whose `writes` is False
+    writes its KV into the null block (slot 0): it runs only to keep a graph's batch whole."""
     bs = batch.block_size
+    writes = writes or [True] * len(seqs)
     groups = tuple(GroupBatch([g.block_tables[i] for i in seqs],
-                              [g.block_tables[i][p // bs] * bs + p % bs
-                               for i, p in zip(seqs, positions)]) for g in batch.groups)
+                              [g.block_tables[i][p // bs] * bs + p % bs if w else 0
+                               for i, p, w in zip(seqs, positions, writes)])
+                   for g in batch.groups)
     state = [batch.state_slots[i] for i in seqs] if batch.state_slots else []
     return ModelBatch([0] * len(seqs), positions, [1] * len(seqs), [p + 1 for p in positions],
                       groups, bs, [], [], state)

@@ -29,8 +29,9 @@ import torch
 from deepinfer.backends.cuda.graphs import DecodeGraphs, RowLayout
 from deepinfer.backends.cuda.step_inputs import StepInputs
 from deepinfer.backends.runner import TorchRunner
-from deepinfer.backends.speculative import MTPSpeculator, _last_accepted, _next_tokens
-from deepinfer.core.batch import (GroupBatch, InputsFromLastStep, ModelBatch, SampledRow,
+from deepinfer.backends.speculative import (MTPSpeculator, _last_accepted, _next_tokens,
+                                             _step_batch)
+from deepinfer.core.batch import (InputsFromLastStep, ModelBatch, SampledRow,
                                   SamplerOutput)
 from deepinfer.core.sampler import all_plain_greedy
 from deepinfer.core.speculative import accept, as_decode_rows, run_rows, verify_rows
@@ -180,7 +181,7 @@ class GraphSpeculator(MTPSpeculator):
         every, out, previous = list(range(n)), [], first
         for j in range(2, max(counts) + 1):
             step = dataclasses.replace(
-                _draft_step(batch, last_positions, counts, j, [0] * n),
+                _draft_step(batch, last_positions, counts, j),
                 from_last_step=InputsFromLastStep(every, every, _DeviceIds(previous)))
             previous = self.step.run(step)[1][:n].clone()  # the next replay reuses the buffer
             out.append(previous)
@@ -202,19 +203,11 @@ def _shifted(batch: ModelBatch, index: list[int], num_rows: int,
     return out
 
 
-def _draft_step(batch: ModelBatch, last_positions: list[int], counts: list[int], j: int,
-                tokens: list[int]) -> ModelBatch:
-    """Draft step j (j >= 2) of every sampled sequence, one row each at position last + j - 1
-    with the previous draft as its id. Rows that propose fewer drafts run too (the graph's
-    batch stays whole) and write their KV into the null block."""
-    bs = batch.block_size
-    seqs = batch.sample_indices
+def _draft_step(batch: ModelBatch, last_positions: list[int], counts: list[int],
+                j: int) -> ModelBatch:
+    """Draft step j (j >= 2) of every sampled sequence, one row each at position last + j - 1.
+    Rows that propose fewer drafts run too, at their last position (the graph's batch stays
+    whole), and write their KV into the null block."""
     active = [c >= j for c in counts]
     positions = [p + j - 1 if a else p for p, a in zip(last_positions, active)]
-    groups = tuple(GroupBatch([g.block_tables[i] for i in seqs],
-                              [g.block_tables[i][p // bs] * bs + p % bs if a else 0
-                               for i, p, a in zip(seqs, positions, active)])
-                   for g in batch.groups)
-    state = [batch.state_slots[i] for i in seqs] if batch.state_slots else []
-    return ModelBatch(list(tokens), positions, [1] * len(seqs), [p + 1 for p in positions],
-                      groups, bs, [], [], state)
+    return _step_batch(batch, batch.sample_indices, positions, active)
