@@ -44,38 +44,63 @@ def first_token(client: httpx.Client, model: str, ids: list[int], prefix_cache: 
     return arm.ttft, arm.cached_tokens
 
 
-def repeat(client: httpx.Client, model: str, a: list[int], b: list[int]) -> dict:
-    out = {}
+def repeat(client: httpx.Client, model: str, a: list[int], b: list[int],
+           spy_pid: int | None = None, keep: str | None = None) -> dict:
+    """One repeat's three arms; with `spy_pid`, py-spy over the server while its device hit
+    runs (the first hit after the prompt was stored), its raw stacks copied to `keep`."""
+    out, profile = {}, None
     out["cold"] = first_token(client, model, a, prefix_cache=False)
     first_token(client, model, a, prefix_cache=True)  # prefilled and stored
-    out["device_hit"] = first_token(client, model, a, prefix_cache=True)
+    if spy_pid is None:
+        out["device_hit"] = first_token(client, model, a, prefix_cache=True)
+    else:
+        # --idle: a wait (the GPU, a compiler subprocess) shows as the frame that waits.
+        profile = spied(spy_pid, lambda: [first_token(client, model, a, prefix_cache=True)],
+                        idle=True, keep=keep)
+        out["device_hit"] = profile.pop("results")[0]
     first_token(client, model, b, prefix_cache=True)  # A's pages leave the device pool
     out["host_hit"] = first_token(client, model, a, prefix_cache=True)
-    return {arm: {"ttft_s": t, "cached_tokens": c} for arm, (t, c) in out.items()}
+    result = {arm: {"ttft_s": t, "cached_tokens": c} for arm, (t, c) in out.items()}
+    if profile is not None:
+        result["profile_first_device_hit"] = profile
+    return result
+
+
+def spied(pid: int, run, idle: bool = False, keep: str | None = None) -> dict:
+    """py-spy over the server and its ranks while `run()` runs: its stacks by frame (with
+    `idle`, threads off the CPU too), and run()'s return value under "results"."""
+    spy = shutil.which("py-spy")
+    if spy is None:
+        return {"error": "py-spy not found (pip install py-spy)", "results": run()}
+    raw = os.path.join(tempfile.mkdtemp(), "hits.txt")
+    proc = subprocess.Popen([spy, "record", "--pid", str(pid), "--subprocesses", "--rate", "500",
+                             "--format", "raw", "--nonblocking", "--output", raw,
+                             *(["--idle"] if idle else [])],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    time.sleep(1.0)  # let py-spy attach
+    t0 = time.perf_counter()
+    results = run()
+    wall = time.perf_counter() - t0
+    proc.send_signal(2)  # SIGINT: py-spy writes what it has and exits
+    _, err = proc.communicate(timeout=60)
+    if keep and os.path.exists(raw):
+        shutil.copy(raw, keep)
+    try:
+        summary = summarize_collapsed(raw, top=40)
+    except (OSError, ValueError) as exc:
+        summary = {"error": f"{exc}; py-spy: {err.decode(errors='replace')[-500:]}"}
+    summary.update(results=results, wall_s=wall, rate_hz=500)
+    return summary
 
 
 def profile_hits(client: httpx.Client, model: str, ids: list[int], pid: int, count: int
                  ) -> dict:
     """py-spy over the server and its ranks while `count` device hits of `ids` run back to
     back: where the host time of a hit goes (stacks of both processes, by frame)."""
-    spy = shutil.which("py-spy")
-    if spy is None:
-        return {"error": "py-spy not found (pip install py-spy)"}
-    raw = os.path.join(tempfile.mkdtemp(), "hits.txt")
-    proc = subprocess.Popen([spy, "record", "--pid", str(pid), "--subprocesses", "--rate", "500",
-                             "--format", "raw", "--nonblocking", "--output", raw],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    time.sleep(1.0)  # let py-spy attach
-    t0 = time.perf_counter()
-    ttfts = [first_token(client, model, ids, prefix_cache=True)[0] for _ in range(count)]
-    wall = time.perf_counter() - t0
-    proc.send_signal(2)  # SIGINT: py-spy writes what it has and exits
-    _, err = proc.communicate(timeout=60)
-    try:
-        summary = summarize_collapsed(raw, top=40)
-    except (OSError, ValueError) as exc:
-        summary = {"error": f"{exc}; py-spy: {err.decode(errors='replace')[-500:]}"}
-    summary.update(hits=count, wall_s=wall, ttft_p50_s=percentile(ttfts, 50), rate_hz=500)
+    summary = spied(pid, lambda: [first_token(client, model, ids, prefix_cache=True)[0]
+                                  for _ in range(count)])
+    ttfts = summary.pop("results")
+    summary.update(hits=count, ttft_p50_s=percentile(ttfts, 50))
     return summary
 
 
@@ -119,6 +144,8 @@ def main(argv=None) -> int:
     p.add_argument("--health-timeout", type=float, default=600.0)
     p.add_argument("--profile-hits", type=int, default=0,
                    help="then this many device hits under py-spy (server and ranks)")
+    p.add_argument("--profile-first-hit", action="store_true",
+                   help="py-spy over the first repeat's device hit (the first after a store)")
     p.add_argument("server_args", nargs=argparse.REMAINDER,
                    help="-- then deepinfer-serve's arguments")
     args = p.parse_args(argv)
@@ -138,10 +165,12 @@ def main(argv=None) -> int:
             first_token(client, model, warm, prefix_cache=False)  # compile, warm the path
             for r in range(args.repeats):
                 a, b = random_prompts(2, args.tokens, args.vocab, seed=r)
-                runs.append(repeat(client, model, a, b))
-                log(f"repeat {r}: " + ", ".join(f"{k} {v['ttft_s'] * 1e3:.0f} ms "
-                                               f"({v['cached_tokens']} cached)"
-                                               for k, v in runs[-1].items()))
+                spy = server.pid if args.profile_first_hit and r == 0 else None
+                runs.append(repeat(client, model, a, b, spy,
+                                   os.path.join(args.out, "first_hit_pyspy_raw.txt")))
+                log(f"repeat {r}: " + ", ".join(f"{k} {runs[-1][k]['ttft_s'] * 1e3:.0f} ms "
+                                               f"({runs[-1][k]['cached_tokens']} cached)"
+                                               for k in ARMS))
             if args.profile_hits:
                 profile = profile_hits(client, model, a, server.pid, args.profile_hits)
     finally:
@@ -159,6 +188,13 @@ def main(argv=None) -> int:
         print(f"py-spy over {profile['hits']} device hits ({profile['samples']} samples):")
         for frame, pct in profile["top_inclusive_pct"]:
             print(f"  {pct:5.1f}% {frame}")
+    first = runs[0].get("profile_first_device_hit") if runs else None
+    if first and "top_inclusive_pct" in first:
+        print(f"py-spy over the first device hit ({first['samples']} samples, idle too):")
+        for frame, pct in first["top_inclusive_pct"]:
+            print(f"  {pct:5.1f}% {frame}")
+        for frame, pct in first["top_self_pct"]:
+            print(f"  self {pct:5.1f}% {frame}")
     return 0
 
 

@@ -1,10 +1,11 @@
 """Where a batch-1 decode step of the DeepSeek-V4-Flash-width model (v4_bench.py's config) goes:
 its kernels by device time (torch.profiler), how long the GPU is busy in the step, and the
 host's Python by own and cumulative time (cProfile), and the batch-1 decode graph replayed back
-to back (its GPU time with no host work between replays).
+to back (its GPU time with no host work between replays). With `--speculative K`, the same for
+steps that verify K MTP drafts (v4_mtp_bench.py's chain weights: every draft is accepted).
 
-    python benchmarks/cuda/profile_v4.py --out benchmarks/results/cuda
-Writes v4_profile.json.
+    python benchmarks/cuda/profile_v4.py --out benchmarks/results/cuda [--speculative K]
+Writes v4_profile.json (v4_profile_mtpK.json).
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ sys.path.insert(0, HERE)
 from engine_bench import random_prompts  # noqa: E402
 from profile_moe import exposed_us, host_rows, replay_times  # noqa: E402
 from v4_bench import v4_config, write_config  # noqa: E402
+from v4_mtp_bench import arrange  # noqa: E402
 
 from deepinfer.core.config import CacheConfig, EngineConfig, ModelSpec, SchedulerConfig  # noqa: E402
 from deepinfer.core.engine import Engine  # noqa: E402
@@ -32,16 +34,23 @@ from deepinfer.core.sampling import SamplingParams  # noqa: E402
 STEPS = 10
 
 
-def decoding_engine(path: str) -> Engine:
-    """An engine with one request past its prefill and a few decode steps."""
+def decoding_engine(path: str, k: int = 0) -> Engine:
+    """An engine with one request past its prefill and a few decode steps (k drafts each)."""
     config = EngineConfig(
         model=ModelSpec(path, dtype="bfloat16", max_model_len=4096, load_format="dummy"),
         cache=CacheConfig(gpu_memory_utilization=0.85),
-        scheduler=SchedulerConfig(max_num_batched_tokens=4096, max_num_seqs=8),
+        scheduler=SchedulerConfig(max_num_batched_tokens=4096, max_num_seqs=8,
+                                  num_speculative_tokens=k),
         accelerator="nvidia")
     engine = Engine(config, load_tokenizer=False)
-    params = SamplingParams(temperature=0.0, max_tokens=4 * STEPS + 20, ignore_eos=True)
-    engine.add_request("p", random_prompts(1, 512, v4_config().vocab_size, 0)[0], params)
+    params = SamplingParams(temperature=0.0, max_tokens=(k + 1) * (4 * STEPS + 20),
+                            ignore_eos=True)
+    if k:  # drafts that are accepted: the chain weights, a prompt of chain tokens
+        chain = list(arrange(engine.accelerator.runner.model, 1.0))
+        prompt = [chain[i] for i in torch.randint(len(chain), (512,)).tolist()]
+    else:
+        prompt = random_prompts(1, 512, v4_config().vocab_size, 0)[0]
+    engine.add_request("p", prompt, params)
     for _ in range(10):
         engine.step()
     torch.cuda.synchronize()
@@ -73,14 +82,19 @@ def host_profile(engine: Engine, top: int = 30) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="benchmarks/results/cuda")
+    parser.add_argument("--speculative", type=int, default=0, metavar="K",
+                        help="steps verifying K MTP drafts (all accepted)")
     args = parser.parse_args()
+    k = args.speculative
     with tempfile.TemporaryDirectory() as tmp:
-        engine = decoding_engine(write_config(tmp))
-        result = {"device": device_profile(engine), "host": host_profile(engine),
-                  "replay": replay_times(engine) if engine.accelerator.graphs else {}}
+        engine = decoding_engine(write_config(tmp), k)
+        result = {"speculative_tokens": k, "device": device_profile(engine),
+                  "host": host_profile(engine),
+                  "replay": replay_times(engine) if engine.accelerator.graphs and not k else {}}
         engine.shutdown()
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "v4_profile.json"), "w") as f:
+    name = f"v4_profile_mtp{k}.json" if k else "v4_profile.json"
+    with open(os.path.join(args.out, name), "w") as f:
         json.dump(result, f, indent=2)
     d = result["device"]
     print(f"step {d['step_ms']:.2f} ms, GPU busy {d['gpu_busy_us_per_step'] / 1e3:.2f} ms, "

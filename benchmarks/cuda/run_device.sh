@@ -104,16 +104,25 @@ fi
 wanted v4_check && step v4_check env DEEPINFER_ACCELERATOR=nvidia python3 -m pytest -q \
     -p no:cacheprovider tests/models/test_deepseek_v4_hicache.py \
     tests/models/test_deepseek_v4_parity.py tests/models/test_deepseek_v4_mtp.py
-wanted v4_mtp && step v4_mtp python3 benchmarks/cuda/v4_mtp_bench.py --out "$out"
+wanted v4_mtp && step v4_mtp python3 benchmarks/cuda/v4_mtp_bench.py --out "$out" \
+    ${V4_MTP_ARGS:-}
+# Where a speculative step's time goes (k = 3 and 1, every draft accepted): kernels, GPU busy
+# time against the step, the host's Python.
+for k in ${V4_MTP_PROFILE_KS:-3 1}; do
+    wanted v4_mtp_profile && step "v4_mtp_profile$k" python3 benchmarks/cuda/profile_v4.py \
+        --out "$out" --speculative "$k"
+done
 wanted v4_profile && step v4_profile python3 benchmarks/cuda/profile_v4.py --out "$out"
-wanted v4_bench && step v4_bench python3 benchmarks/cuda/v4_bench.py --out "$out" $quick
+wanted v4_bench && step v4_bench python3 benchmarks/cuda/v4_bench.py --out "$out" $quick \
+    ${V4_BENCH_ARGS:-}
 # DeepSeek-V4-Flash width through the server: cold / device-hit / host-tier-hit TTFT of one long
 # prompt (V4_HIT_TOKENS, default 129024 then 32768), the device pool sized for one prompt.
 if wanted v4_hit_ttft; then
     v4=$(python3 benchmarks/cuda/v4_bench.py --write-model /tmp/v4-flash | tail -n 1)
     for tokens in ${V4_HIT_TOKENS:-129024 32768}; do
         step "v4_hit_ttft_$tokens" python3 benchmarks/hit_ttft.py --tokens "$tokens" \
-            --vocab 129280 --repeats "${V4_HIT_REPEATS:-1}" --out "$out/v4_hit_ttft_$tokens" -- \
+            --vocab 129280 --repeats "${V4_HIT_REPEATS:-1}" ${V4_HIT_ARGS:-} \
+            --out "$out/v4_hit_ttft_$tokens" -- \
             --model "$v4" --accelerator nvidia --dtype bfloat16 --load-format dummy \
             --max-model-len 131072 --block-size 128 --num-kv-blocks $((tokens / 128 + 90)) \
             --hicache-size-gb 6 --max-num-batched-tokens 8192 --tokenizer-backend hf \

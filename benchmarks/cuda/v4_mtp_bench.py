@@ -15,6 +15,15 @@ fixes i. Every kernel still runs on full-size weights, so each step costs what a
 does; only the values are arranged. Output tokens per second of the decode phase (prompts of
 512 chain tokens, greedy, ignore_eos), the acceptance rate from the engine's counters.
 Writes v4_mtp.json and v4_mtp.png.
+
+How much a draft saves depends on the model's depth: a draft step costs one layer and the LM
+head, a verify step the whole model over k + 1 tokens (at batch 1 each verified token brings
+its own 6 experts per layer). On the 4-layer model the MTP layer is a fifth of the weights;
+in V4-Flash it is one of 44. `--full-depth` measures V4-Flash's own 43 layers (its layer and
+MoE types) with --experts routed experts per layer instead of 256, so that the model fits one
+GPU (~84 GB at 32): what a token reads at batch 1 (6 routed experts + the shared one, the
+attention, the head) is V4-Flash's; at larger batches fewer experts are left unread.
+Writes v4_mtp_full.json / .png then.
 """
 from __future__ import annotations
 
@@ -116,6 +125,18 @@ def _follows(tokens: list[int], chain: dict[int, int]) -> bool:
     return all(chain.get(a) == b for a, b in zip(tokens, tokens[1:]))
 
 
+def full_depth_config(experts: int):
+    """V4-Flash's 43 layers (transformers' defaults) with `experts` routed experts a layer."""
+    import transformers
+
+    config = transformers.DeepseekV4Config(n_routed_experts=experts,
+                                           max_position_embeddings=131072,
+                                           bos_token_id=0, eos_token_id=1)
+    config.architectures = ["DeepseekV4ForCausalLM"]
+    config.torch_dtype = "bfloat16"
+    return config
+
+
 def bench(path: str, k: int, args) -> dict:
     config = EngineConfig(
         model=ModelSpec(path, dtype="bfloat16" if args.accelerator == "nvidia" else "float32",
@@ -165,7 +186,8 @@ def plot(result: dict, path: str) -> None:
     ax.axhline(1.5, color="k", linestyle="dashed", linewidth=0.8)
     ax.set_xlabel("drafts per step (k)")
     ax.set_ylabel("decode tok/s / plain decoding")
-    ax.set_title("DeepSeek-V4 MTP speculative decoding (H200)")
+    ax.set_title(f"DeepSeek-V4 MTP speculative decoding, {result.get('layers', 4)} layers, "
+                 f"{result.get('routed_experts', 256)} experts (H200)")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -181,15 +203,23 @@ def main() -> None:
     p.add_argument("--fixed", type=float, nargs="+", default=[1.0, 0.7])
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     p.add_argument("--new", type=int, default=128)
+    p.add_argument("--full-depth", action="store_true",
+                   help="V4-Flash's 43 layers with --experts routed experts each")
+    p.add_argument("--experts", type=int, default=32)
     args = p.parse_args()
     path = tempfile.mkdtemp()
-    (tiny_config() if args.tiny else v4_config()).save_pretrained(path)
+    config = tiny_config() if args.tiny else \
+        full_depth_config(args.experts) if args.full_depth else v4_config()
+    config.save_pretrained(path)
     result = {"ks": args.ks, "fixed": args.fixed, "batches": args.batches, "new": args.new,
-              "prompt": PROMPT, "runs": {str(k): bench(path, k, args) for k in args.ks}}
+              "prompt": PROMPT, "layers": config.num_hidden_layers,
+              "routed_experts": config.n_routed_experts,
+              "runs": {str(k): bench(path, k, args) for k in args.ks}}
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "v4_mtp.json"), "w") as f:
+    name = "v4_mtp_full" if args.full_depth else "v4_mtp"
+    with open(os.path.join(args.out, f"{name}.json"), "w") as f:
         json.dump(result, f, indent=2)
-    plot(result, os.path.join(args.out, "v4_mtp.png"))
+    plot(result, os.path.join(args.out, f"{name}.png"))
 
 
 if __name__ == "__main__":

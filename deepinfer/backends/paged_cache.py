@@ -65,6 +65,14 @@ class PagedCache:
             tensors.append(self.state)
         return sum(t.numel() * t.element_size() for t in tensors)
 
+    def zero_(self) -> None:
+        """Every page and state slot back to zeros (after steps that served no request)."""
+        for entries in self._layers.values():
+            for tensor in entries:
+                tensor.zero_()
+        if self.state is not None:
+            self.state.zero_()
+
     def free(self) -> None:
         self._layers, self._chunks = {}, []
         self.state = None

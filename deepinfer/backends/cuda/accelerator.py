@@ -17,10 +17,13 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+import time
 from typing import Sequence
 
 import torch
 
+from deepinfer.backends.cuda.dummy_batches import (profile_batch, profile_row, warmup_batch,
+                                                  warmup_token_counts)
 from deepinfer.backends.cuda.graphs import DecodeGraphs, RowLayout
 from deepinfer.backends.cuda.group_inputs import GroupedDecodeRows, grouped_inputs
 from deepinfer.backends.cuda.spec_graphs import GraphSpeculator
@@ -31,10 +34,9 @@ from deepinfer.backends.speculative import MTPSpeculator
 from deepinfer.backends.step_future import DeviceTokens, HostTokenBuffers, fill_from_last_step
 from deepinfer.core.accelerator import (Accelerator, Capabilities, HostPoolLayout, MemoryStats,
                                         ModelInfo, ParallelContext)
-from deepinfer.core.batch import GroupBatch, ModelBatch, SamplerOutput, SamplingRow
+from deepinfer.core.batch import ModelBatch, SamplerOutput
 from deepinfer.core.config import CacheConfig, EngineConfig, ModelSpec, cpu_threads
 from deepinfer.core.sampler import all_plain_greedy
-from deepinfer.core.sampling import SamplingParams
 from deepinfer.core.transfer import tensor_on, to_device
 
 log = logging.getLogger(__name__)
@@ -152,7 +154,7 @@ class CUDAAccelerator(Accelerator):
         """Peak bytes of the worst step: a full token budget of prefill, then the sampler over
         max_num_seqs rows with the filters that sort the vocabulary."""
         tokens = self.max_num_batched_tokens
-        batch = _profile_batch(tokens, self.max_model_len, block_size,
+        batch = profile_batch(tokens, self.max_model_len, block_size,
                                self.info.kv_spec.num_groups, self.info.kv_spec.state_bytes > 0)
         blocks = 1 + sum(len(table) for table in batch.block_tables)
         torch.cuda.synchronize(self.device)
@@ -165,7 +167,7 @@ class CUDAAccelerator(Accelerator):
             hidden = self._forward(self._eager_inputs(batch))
             rows = min(self.max_num_seqs, tokens)
             logits = self.runner.logits(hidden[:rows])
-            self.runner.sample(logits, [_profile_row()] * rows)
+            self.runner.sample(logits, [profile_row()] * rows)
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - scratch
         self.cache.free()
@@ -179,8 +181,31 @@ class CUDAAccelerator(Accelerator):
         # Graphs of a stateful model pad their batch with rows that own one more state slot.
         extra = 1 if self.graphable and num_state_slots else 0
         self.runner.allocate(num_blocks, block_size, num_state_slots + extra)
+        if capture and self.on_gpu:
+            self.warm_up(block_size)
         if graphs:
             self.capture_graphs(block_size)
+
+    def warm_up(self, block_size: int) -> None:
+        """Compile the prefill path's kernels for every chunk-size class before the first
+        request (dummy_batches.py), then clear what the dummy chunks wrote."""
+        spec, t0 = self.info.kv_spec, time.perf_counter()
+        counts = warmup_token_counts(self.max_num_batched_tokens)
+        with torch.inference_mode():
+            for tokens in counts:
+                for offset in (0, block_size):  # a first chunk, and one after a prefix
+                    if offset + tokens > self.max_model_len:
+                        continue
+                    batch = warmup_batch(tokens, offset, block_size, self.cache.num_blocks,
+                                         spec.num_groups, spec.state_bytes > 0)
+                    self.runner.begin_step(batch.num_tokens, 0)  # no real token: no load
+                    inputs = self._eager_inputs(batch)
+                    self.runner.logits(self._forward(inputs)[inputs.logits_index])
+        if self.on_gpu:
+            torch.cuda.synchronize(self.device)
+        self.cache.zero_()
+        log.info("prefill kernels warmed up for chunks of %d..%d tokens in %.1f s",
+                 counts[0], counts[-1], time.perf_counter() - t0)
 
     @property
     def graphable(self) -> bool:
@@ -368,29 +393,3 @@ def sampled_rows(logits: torch.Tensor, batch: ModelBatch) -> torch.Tensor:
         return logits
     index = tensor_on(batch.sample_indices, logits.device)
     return logits[index]
-
-
-def _profile_batch(tokens: int, max_len: int, block_size: int, num_groups: int = 1,
-                   stateful: bool = False) -> ModelBatch:
-    """A full token budget of prefill, cut into sequences no longer than the context (rotary
-    tables end there), each in its own blocks after the null block (the same blocks in every
-    KV group), each in its own state slot when the model keeps state."""
-    lengths = [max_len] * (tokens // max_len) + ([tokens % max_len] if tokens % max_len else [])
-    tables, slots, positions, next_block = [], [], [], 1
-    for length in lengths:
-        used = -(-length // block_size)
-        table = list(range(next_block, next_block + used))
-        next_block += used
-        tables.append(table)
-        positions.extend(range(length))
-        slots.extend(table[p // block_size] * block_size + p % block_size for p in range(length))
-    return ModelBatch(
-        input_ids=[0] * tokens, positions=positions, query_lens=lengths, seq_lens=lengths,
-        groups=(GroupBatch(tables, slots),) * num_groups, block_size=block_size,
-        sample_indices=list(range(len(lengths))), sampling=[_profile_row()] * len(lengths),
-        state_slots=list(range(len(lengths))) if stateful else [])
-
-
-def _profile_row() -> SamplingRow:
-    params = SamplingParams(temperature=0.8, top_p=0.9, top_k=50, logprobs=5)
-    return SamplingRow(params=params, seed=0, step=0, prompt_token_ids=(), output_token_ids=())

@@ -153,9 +153,9 @@ def test_decode_rows_equal_eager_inputs(tmp_path):
 def test_profile_batch_stays_inside_the_context():
     """The memory-profiling step covers the whole token budget without a position past the
     rotary tables, and every token gets its own slot outside the null block."""
-    from deepinfer.backends.cuda.accelerator import _profile_batch
+    from deepinfer.backends.cuda.dummy_batches import profile_batch
 
-    batch = _profile_batch(tokens=300, max_len=128, block_size=16)
+    batch = profile_batch(tokens=300, max_len=128, block_size=16)
     assert batch.num_tokens == 300 and batch.query_lens == [128, 128, 44]
     assert max(batch.positions) == 127
     assert len(set(batch.slot_mapping)) == 300 and min(batch.slot_mapping) >= 16
@@ -177,3 +177,33 @@ def test_graph_logits_keep_only_the_sampled_rows():
     assert torch.equal(sampled_rows(logits, batch), logits[[0, 2]])
     everyone = dataclasses.replace(batch, sample_indices=[0, 1, 2])
     assert sampled_rows(logits, everyone) is logits
+
+
+def test_warm_up_runs_every_chunk_class_and_leaves_the_pool_clean(tmp_path, monkeypatch):
+    """The start-up warm-up runs a chunk of each size class, from position 0 and after a page
+    of prefix, within a pool smaller than its longest chunk, and leaves every page as a new
+    pool's (zeros): requests after it see what they would without it."""
+    from deepinfer.backends.cuda.dummy_batches import warmup_batch, warmup_token_counts
+    from tests.checkpoints import make_checkpoint
+
+    assert warmup_token_counts(17) == [1, 2, 3, 4, 5, 6, 7, 8, 16, 17]
+    assert warmup_token_counts(8192)[-3:] == [4096, 4097, 8192]
+    wrapped = warmup_batch(40, 16, 16, num_blocks=3)
+    assert wrapped.block_tables == [[1, 2, 1, 2]] and wrapped.positions[0] == 16
+    assert min(wrapped.slot_mapping) >= 16 and max(wrapped.slot_mapping) < 48
+    path = make_checkpoint(str(tmp_path / "m"), "qwen3_moe", torch.float32)
+    acc = _interpreted_cls()()
+    acc.init_device()
+    acc.max_num_batched_tokens = 17
+    acc.load_model(ModelSpec(path, dtype="float32"))
+    acc.allocate_kv_cache(2, 16)  # one usable block: every chunk past 16 tokens wraps
+    chunks = []
+    forward = acc._forward
+    monkeypatch.setattr(acc, "_forward", lambda inputs: chunks.append(
+        (inputs.positions[0].item(), inputs.positions.numel())) or forward(inputs))
+    for _, tensor in acc.cache.chunk_tensors():
+        tensor.fill_(1.0)
+    acc.warm_up(16)
+    assert chunks == [(offset, n) for n in warmup_token_counts(17) for offset in (0, 16)]
+    assert all(not tensor.any() for _, tensor in acc.cache.chunk_tensors())
+    acc.shutdown()
