@@ -16,8 +16,10 @@ bucket afresh from the same rows: the tests run exactly what a graph would hold.
 from __future__ import annotations
 
 import bisect
+import gc
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Callable, Iterator, Protocol
 
 import numpy as np
 import torch
@@ -109,11 +111,14 @@ class DecodeGraphs:
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
+        with torch.cuda.stream(stream), _no_collection():
             for batch, context in self._keys():
                 self.record(forward, batch, context)  # warm-up: compiles the kernels
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool, stream=stream):
+                # thread_local: another thread's CUDA calls (a HiCache copy, a tokenizer
+                # thread's pinned buffers) cannot invalidate this capture.
+                with torch.cuda.graph(graph, pool=pool, stream=stream,
+                                      capture_error_mode="thread_local"):
                     logits = self.record(forward, batch, context)
                 self.graphs[batch, context] = _Graph(graph, logits)
         torch.cuda.current_stream().wait_stream(stream)
@@ -165,3 +170,17 @@ class DecodeGraphs:
         if sampled.data_ptr() != self.tokens.data_ptr():
             self.tokens[:sampled.numel()].copy_(sampled)
 
+
+@contextmanager
+def _no_collection() -> Iterator[None]:
+    """No garbage collection while graphs are captured: a collection there may finalize an
+    older engine's graphs, events or pinned buffers, CUDA calls a capture does not allow (a
+    test process building engine after engine hit it). Collected once before instead."""
+    gc.collect()
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
