@@ -174,14 +174,17 @@ def plot(result: dict, path: str) -> None:
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4))
     for batch in result["batches"]:
-        plain = result["runs"]["0"][f"fixed1.0_batch{batch}"]["tok_s"]
+        plain = next(r["tok_s"] for key, r in result["runs"]["0"].items()
+                     if key.endswith(f"_batch{batch}"))  # k = 0 runs the first `fixed` only
         for fixed in result["fixed"]:
             ks = [k for k in result["ks"] if k]
-            speed = [result["runs"][str(k)][f"fixed{fixed}_batch{batch}"]["tok_s"] / plain
-                     for k in ks]
-            acc = result["runs"][str(ks[0])][f"fixed{fixed}_batch{batch}"]["acceptance"]
-            ax.plot(ks, speed, marker="o",
-                    label=f"batch {batch}, k=1 acceptance {acc:.0%}")
+            runs = [result["runs"][str(k)][f"fixed{fixed}_batch{batch}"] for k in ks]
+            speed = [r["tok_s"] / plain for r in runs]
+            ax.plot(ks, speed, marker="o", label=f"batch {batch}, draft layer right on "
+                                                 f"{fixed:.0%} of tokens")
+            for k, x, r in zip(ks, speed, runs):  # each point's measured acceptance
+                ax.annotate(f"{r['acceptance']:.0%}", (k, x), textcoords="offset points",
+                            xytext=(4, 4), fontsize=7)
     ax.axhline(1.0, color="k", linewidth=0.8)
     ax.axhline(1.5, color="k", linestyle="dashed", linewidth=0.8)
     ax.set_xlabel("drafts per step (k)")
