@@ -155,7 +155,7 @@ class CUDAAccelerator(Accelerator):
         max_num_seqs rows with the filters that sort the vocabulary."""
         tokens = self.max_num_batched_tokens
         batch = profile_batch(tokens, self.max_model_len, block_size,
-                               self.info.kv_spec.num_groups, self.info.kv_spec.state_bytes > 0)
+                              self.info.kv_spec.num_groups, self.info.kv_spec.state_bytes > 0)
         blocks = 1 + sum(len(table) for table in batch.block_tables)
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()

@@ -174,8 +174,9 @@ class DecodeGraphs:
 @contextmanager
 def _no_collection() -> Iterator[None]:
     """No garbage collection while graphs are captured: a collection there may finalize an
-    older engine's graphs, events or pinned buffers, CUDA calls a capture does not allow (a
-    test process building engine after engine hit it). Collected once before instead."""
+    older engine's graphs, events or pinned buffers, CUDA calls a capture does not allow (the
+    likely cause of one invalidated capture in a test process that built engine after
+    engine). Collected once before instead."""
     gc.collect()
     was_enabled = gc.isenabled()
     gc.disable()
