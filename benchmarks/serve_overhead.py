@@ -257,6 +257,8 @@ def start_server(model_dir: str, port: int, args: argparse.Namespace, log_path: 
            args.load_format, "--log-level", "warning"]
     if args.num_kv_blocks:
         cmd += ["--num-kv-blocks", str(args.num_kv_blocks)]
+    if args.stream_interval > 1:
+        cmd += ["--stream-interval", str(args.stream_interval)]
     return _start(cmd, log_path, {TRACE_ENV: trace_dir})
 
 
@@ -370,12 +372,14 @@ def _send_wave(base: str, model: str, prompts: list[list[int]], output_len: int,
 
 def server_wave(base: str, model: str, prompts: list[list[int]], output_len: int, level: int,
                 repeat: int, client_kind: str, meter: CpuMeter, trace_dir: str,
-                clients: ClientProcesses | None = None) -> Wave:
+                clients: ClientProcesses | None = None, paced: bool = False) -> Wave:
+    """paced: the server runs with --stream-interval > 1, so a chunk may hold several tokens
+    (the counts are checked against usage only; ITL and the token path are per chunk)."""
     load0, cpu0 = os.getloadavg()[0], meter.sample()
     start, end, results = _send_wave(base, model, prompts, output_len, client_kind, clients)
     cpu = CpuMeter.delta(cpu0, meter.sample())
     t0s, times, usage, cids = (list(x) for x in zip(*results))
-    streamed = [len(t) for t in times]
+    streamed = usage if paced else [len(t) for t in times]
     if streamed != usage or any(u != output_len for u in usage):
         raise RuntimeError(f"token counts differ: streamed {streamed[:8]}, usage {usage[:8]}, "
                            f"wanted {output_len} each")
@@ -680,6 +684,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="client processes the server's streams are spread over (one Python "
                         "client saturates its core at a few hundred streams)")
     p.add_argument("--port", type=int, default=0, help="0: a free port")
+    p.add_argument("--stream-interval", type=int, default=1,
+                   help="the server's --stream-interval (tokens a streamed chunk gathers)")
     p.add_argument("--profile", action="store_true",
                    help="py-spy the API process during one extra wave at the top level")
     p.add_argument("--model", default=None, help="an HF folder (default: embedded SmolLM2)")
@@ -753,8 +759,9 @@ def main(argv: list[str] | None = None) -> int:
         # Warm-up, untimed: a few requests through both, so first-call costs are not measured.
         warm = random_prompts(4, sizes.prompt_len, vocab, seed=12345)
         offline_wave(llm, warm, min(8, sizes.output_len), 0, 0, meter)
+        paced = args.stream_interval > 1
         server_wave(base, name, warm, min(8, sizes.output_len), 0, 0, args.client, meter,
-                    trace_dir, clients)
+                    trace_dir, clients, paced)
         log(f"warmed up ({time.perf_counter() - t_start:.0f} s)")
 
         waves: list[Wave] = []
@@ -765,7 +772,7 @@ def main(argv: list[str] | None = None) -> int:
                                                          rep, meter)),
                         ("server", lambda: server_wave(base, name, prompts, sizes.output_len,
                                                        level, rep, args.client, meter,
-                                                       trace_dir, clients))]
+                                                       trace_dir, clients, paced))]
                 if rep % 2:
                     runs.reverse()  # alternate who goes first
                 for side, run in runs:
@@ -786,7 +793,7 @@ def main(argv: list[str] | None = None) -> int:
             log(f"profiling the API process for ~{est:.0f} s")
             profile = profile_api(proc.pid, est + 2, lambda: server_wave(
                 base, name, prompts, sizes.output_len, level, -1, args.client, meter,
-                trace_dir, clients))
+                trace_dir, clients, paced))
         elapsed = time.perf_counter() - t_start
         env = environment(model_dir, threads, args.client, args.dtype)
         llm.engine.shutdown()
@@ -807,7 +814,7 @@ def main(argv: list[str] | None = None) -> int:
                      "max_num_batched_tokens": args.max_num_batched_tokens,
                      "kv_cache_memory_gb": args.kv_cache_memory_gb, "torch_threads": threads,
                      "load_format": args.load_format, "num_kv_blocks": args.num_kv_blocks,
-                     "client_procs": args.client_procs,
+                     "client_procs": args.client_procs, "stream_interval": args.stream_interval,
                      "prefix_cache": "off per request (and every prompt differs)"},
         "elapsed_s": round(elapsed, 1),
         "method": {

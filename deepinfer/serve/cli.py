@@ -19,6 +19,7 @@ from deepinfer.core.config import (EngineConfig, EngineOption, engine_config_fro
                                    engine_options, torchrun_parallel)
 from deepinfer.serve.limits import RequestLimits
 from deepinfer.serve.rank_health import RankHealthConfig
+from deepinfer.serve.stream_pacing import DEFAULT_STREAM_INTERVAL
 
 log = logging.getLogger("deepinfer.serve")
 
@@ -76,6 +77,10 @@ def _server_args(p: Flags) -> None:
                         "header, user field or first user message) to one rank for its prefix "
                         "cache, falling back to the least-loaded rank when it is overloaded; "
                         "least-loaded picks the rank with the fewest queued + running tokens")
+    p.add_argument("--stream-interval", type=int, default=DEFAULT_STREAM_INTERVAL,
+                   help="tokens a streamed sample gathers before the rank sends them (its "
+                        "first token and its end go out at once): fewer, larger SSE chunks "
+                        "and less API work per token under many streams")
 
 
 def _engine_args(p: Flags) -> None:
@@ -181,7 +186,7 @@ async def serve(args: argparse.Namespace, model_dir: str, listener: socket.socke
     name = args.served_model_name or os.path.basename(os.path.normpath(args.model or model_dir))
     import_transformers()  # torch-free, before the tokenizer's thread and the ranks start
     client = EngineClient(engine_config(args, model_dir), args.dp, routing=args.routing,
-                          health=rank_health(args))
+                          health=rank_health(args), stream_interval=args.stream_interval)
     # The tokenizer loads and probes its backends (seconds) while the ranks start (longer):
     # this process only waits on them meanwhile.
     loading = asyncio.ensure_future(asyncio.to_thread(load_tokenizers, args, model_dir))

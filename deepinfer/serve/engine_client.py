@@ -35,6 +35,7 @@ from deepinfer.serve.rank_entry import RankSpec, run_rank
 from deepinfer.serve.ipc import (AbortRequest, AddRequest, Control, ControlReply, EngineStats,
                                  ExpertStats, Failed, Heartbeat, Ready, StepResult, TokenDelta)
 from deepinfer.serve.rank_health import RankHealthConfig, RankState, Verdict, judge
+from deepinfer.serve.stream_pacing import DEFAULT_STREAM_INTERVAL
 from deepinfer.serve.ranks import (EngineRequestError, RankDiedError, RankView, _Rank,
                                    describe_exit)
 
@@ -47,9 +48,11 @@ log = logging.getLogger("deepinfer.serve")
 
 class EngineClient:
     def __init__(self, config: EngineConfig, num_ranks: int = 1,
-                 routing: str = "affinity", health: RankHealthConfig | None = None) -> None:
+                 routing: str = "affinity", health: RankHealthConfig | None = None,
+                 stream_interval: int = DEFAULT_STREAM_INTERVAL) -> None:
         self.config = config
         self.num_ranks = num_ranks
+        self.stream_interval = stream_interval
         self.health = health or RankHealthConfig()
         self.router = Router(num_ranks, routing)
         self._ctx = zmq.asyncio.Context()
@@ -103,7 +106,7 @@ class EngineClient:
         spec = RankSpec(rank, self.num_ranks, self.config, addr, f"ipc://{self._dir}/output",
                         self.health.heartbeat_interval_s,
                         logging.getLevelName(logging.getLogger().getEffectiveLevel()),
-                        self._envs[rank])
+                        self._envs[rank], self.stream_interval)
         process = mp.get_context("spawn").Process(target=run_rank, args=(spec,),
                                                   name=f"deepinfer-rank{rank}", daemon=True)
         process.start()

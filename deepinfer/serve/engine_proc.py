@@ -24,6 +24,7 @@ from deepinfer.serve.ipc import (AbortRequest, AddRequest, Control, ControlReply
 from deepinfer.serve.lockstep import (Lockstep, RebalanceTimer, init_rank_group,
                                       shutdown_group)
 from deepinfer.serve.rank_entry import RankSpec
+from deepinfer.serve.stream_pacing import StreamPacer
 
 log = logging.getLogger("deepinfer.rank")
 IDLE_POLL_MS = 200  # how often an idle rank checks that its parent is alive
@@ -118,7 +119,8 @@ def run_rank(spec: RankSpec) -> None:
     beat.start()
     failed = False
     try:
-        _loop(engine, spec.rank, inbox, outbox, parent, clock, lockstep, experts)
+        _loop(engine, spec.rank, inbox, outbox, parent, clock, lockstep, experts,
+              StreamPacer(spec.stream_interval))
     except Exception as exc:  # noqa: BLE001 - below: a group failure is one log line
         if lockstep is None:
             raise
@@ -183,8 +185,8 @@ def _heartbeat(ctx: zmq.Context, spec: RankSpec, clock: StepClock,
 
 def _loop(engine: Engine, rank: int, inbox: zmq.Socket, outbox: zmq.Socket, parent: int,
           clock: StepClock | None = None, lockstep: Lockstep | None = None,
-          experts: ExpertReporter | None = None) -> None:
-    clock = clock or StepClock()
+          experts: ExpertReporter | None = None, pacer: StreamPacer | None = None) -> None:
+    clock, pacer = clock or StepClock(), pacer or StreamPacer()
     poller = zmq.Poller()
     poller.register(inbox, zmq.POLLIN)
     while True:
@@ -200,15 +202,19 @@ def _loop(engine: Engine, rank: int, inbox: zmq.Socket, outbox: zmq.Socket, pare
                 outbox.send_pyobj(ControlReply(message.call_id, True))
                 return
             _handle(engine, message, outbox, errors)
+            if isinstance(message, AbortRequest):
+                pacer.drop(message.request_id)
             handled = True
         if os.getppid() != parent:
             return  # orphaned: the API process is gone
         outputs = _step(engine, clock, lockstep, experts)
         errors += [RequestError(o.request_id, o.error, 500) for o in outputs if o.error]
-        deltas = [_delta(o) for o in outputs if o.error is None]
+        for error in errors:
+            pacer.drop(error.request_id)
+        deltas = pacer.pace(_delta(o) for o in outputs if o.error is None)
         # Also report after handled messages: an abort frees blocks without any step output,
         # and the API's gauges (running, KV usage) would otherwise keep the stale numbers.
-        if outputs or errors or handled:
+        if deltas or errors or handled:
             outbox.send_pyobj(StepResult(rank, deltas, errors, _stats(engine)))
         expert_stats = experts.due_stats() if experts is not None else None
         if expert_stats is not None:

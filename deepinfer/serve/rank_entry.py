@@ -6,6 +6,7 @@ import os
 from dataclasses import dataclass, field
 
 from deepinfer.core.config import EngineConfig
+from deepinfer.serve.stream_pacing import DEFAULT_STREAM_INTERVAL
 
 
 @dataclass(frozen=True)
@@ -20,6 +21,8 @@ class RankSpec:
     # Set before anything else in the rank (the backend's AcceleratorInfo.rank_env): e.g. the
     # NeuronCores this rank owns, which its runtime reads once, when the backend starts it.
     env: dict[str, str] = field(default_factory=dict)
+    # Tokens a sample gathers before they are sent (stream_pacing.py).
+    stream_interval: int = DEFAULT_STREAM_INTERVAL
 
 
 def run_rank(spec: RankSpec) -> None:

@@ -1,0 +1,151 @@
+"""--stream-interval N: a rank sends a sample's tokens N at a time after its first one, and its
+end at once. Unit checks of the pacer, the rank loop with a fake engine, the server through the
+official openai client (the same text and logprobs as with interval 1, in fewer chunks), and
+the one-line CLI error."""
+from __future__ import annotations
+
+import os
+import sys
+import threading
+
+import openai
+import pytest
+import zmq
+
+from deepinfer.core.batch import TokenLogprobs
+from deepinfer.core.config import CacheConfig, EngineConfig, ModelSpec, SchedulerConfig
+from deepinfer.core.engine import Engine
+from deepinfer.core.sampling import SamplingParams
+from deepinfer.serve.engine_proc import _loop
+from deepinfer.serve.ipc import AbortRequest, AddRequest, Control, ControlReply, StepResult
+from deepinfer.serve.ipc import TokenDelta
+from deepinfer.serve.stream_pacing import StreamPacer
+from tests.serve.conftest import ServerProcess, make_tiny_chat_checkpoint
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "core"))
+from fakes import PagedFakeAccelerator, write_config  # noqa: E402
+
+
+def delta(rid: str, token: int, index: int = 0, finished: bool = False) -> TokenDelta:
+    return TokenDelta(rid, index, [token], f"<{token}>", finished,
+                      "length" if finished else None, None, [TokenLogprobs(token, -1.0, 1)],
+                      5, 0)
+
+
+def sizes(sent: list[TokenDelta]) -> list[int]:
+    return [len(d.new_token_ids) for d in sent]
+
+
+def test_first_token_at_once_then_every_n_and_the_end_at_once() -> None:
+    pacer, sent = StreamPacer(3), []
+    for t in range(1, 9):
+        sent += pacer.pace([delta("r", t, finished=t == 8)])
+    assert sizes(sent) == [1, 3, 3, 1]
+    assert [t for d in sent for t in d.new_token_ids] == list(range(1, 9))
+    assert "".join(d.new_text for d in sent) == "".join(f"<{t}>" for t in range(1, 9))
+    assert [lp.token_id for d in sent for lp in d.logprobs] == list(range(1, 9))
+    assert sent[-1].finished and pacer.num_held == 0
+
+
+def test_samples_pace_apart_and_a_dropped_request_leaves_nothing_held() -> None:
+    pacer = StreamPacer(2)
+    first = pacer.pace([delta("r", 1, 0), delta("r", 2, 1), delta("q", 3)])
+    assert [(d.request_id, d.index) for d in first] == [("r", 0), ("r", 1), ("q", 0)]
+    assert pacer.pace([delta("r", 4, 0), delta("q", 5)]) == []
+    sent = pacer.pace([delta("r", 6, 0), delta("r", 7, 1, finished=True)])
+    assert [(d.index, d.new_token_ids) for d in sent] == [(0, [4, 6]), (1, [7])]
+    pacer.drop("q")
+    assert pacer.num_held == 0
+    assert pacer.pace([delta("q", 8)]) == [delta("q", 8)]  # a new request of that id
+    assert StreamPacer(1).pace([delta("r", 1), delta("r", 2)]) == [delta("r", 1), delta("r", 2)]
+    with pytest.raises(ValueError):
+        StreamPacer(0)
+
+
+def test_rank_loop_sends_paced_deltas_and_forgets_an_aborted_request(tmp_path) -> None:
+    config = EngineConfig(model=ModelSpec(write_config(str(tmp_path / "fake"))),
+                          cache=CacheConfig(block_size=16, num_blocks=256),
+                          scheduler=SchedulerConfig(max_num_batched_tokens=64))
+    engine = Engine(config, PagedFakeAccelerator(), load_tokenizer=False)
+    ctx = zmq.Context()
+    to_rank, rank_in = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
+    rank_out, from_rank = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
+    to_rank.bind("inproc://paced-in")
+    rank_in.connect("inproc://paced-in")
+    from_rank.setsockopt(zmq.RCVTIMEO, 10_000)
+    from_rank.bind("inproc://paced-out")
+    rank_out.connect("inproc://paced-out")
+    pacer = StreamPacer(4)
+    loop = threading.Thread(target=_loop, args=(engine, 0, rank_in, rank_out, os.getppid()),
+                            kwargs={"pacer": pacer})
+    loop.start()
+    try:
+        ten = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+        to_rank.send_pyobj(AddRequest("r", list(range(1, 20)), ten))
+        got = _deltas_until(from_rank, "r", lambda d: d.finished)
+        assert sizes(got) == [1, 4, 4, 1] and got[-1].finished
+        long = SamplingParams(temperature=0.0, max_tokens=3000, ignore_eos=True)
+        to_rank.send_pyobj(AddRequest("a", list(range(1, 20)), long))
+        _deltas_until(from_rank, "a", lambda d: True)  # its first token
+        to_rank.send_pyobj(AbortRequest("a"))
+        to_rank.send_pyobj(Control("stats", 7))  # answered after the abort was handled
+        while not isinstance(from_rank.recv_pyobj(), ControlReply):
+            pass
+        assert pacer.num_held == 0
+    finally:
+        to_rank.send_pyobj(Control("shutdown", 1))
+        loop.join(timeout=30)
+        ctx.destroy(linger=0)
+    assert not loop.is_alive()
+    assert engine.kv.num_request_blocks() == 0
+
+
+def _deltas_until(sock: zmq.Socket, rid: str, done) -> list[TokenDelta]:
+    out = []
+    while True:
+        message = sock.recv_pyobj()
+        if isinstance(message, StepResult):
+            for d in message.deltas:
+                if d.request_id == rid:
+                    out.append(d)
+                    if done(d):
+                        return out
+
+
+@pytest.fixture(scope="module")
+def paced_server(tmp_path_factory):
+    ckpt = make_tiny_chat_checkpoint(str(tmp_path_factory.mktemp("ckpt")))
+    proc = ServerProcess("paced", [
+        "--model", ckpt, "--served-model-name", "tiny", "--block-size", "16",
+        "--num-kv-blocks", "64", "--dtype", "float32", "--max-num-seqs", "4",
+        "--stream-interval", "4"], str(tmp_path_factory.mktemp("logs") / "paced.log"), "tiny")
+    proc.start()
+    try:
+        proc.wait_ready()
+        yield proc
+    finally:
+        proc.terminate()
+        problems = proc.finish_stop()
+        assert not problems, "\n".join(problems)
+
+
+def test_openai_client_streams_the_same_completion_in_chunks_of_four(paced_server) -> None:
+    client = openai.OpenAI(base_url=paced_server.base_url, api_key="none")
+    args = dict(model="tiny", prompt="one two three", max_tokens=10, temperature=0,
+                logprobs=1, extra_body={"ignore_eos": True})
+    whole = client.completions.create(**args).choices[0]
+    chunks = [c.choices[0] for c in client.completions.create(stream=True, **args)
+              if c.choices]
+    tokens = [len(c.logprobs.tokens) for c in chunks if c.logprobs and c.logprobs.tokens]
+    assert tokens == [1, 4, 4, 1]
+    assert "".join(c.text for c in chunks) == whole.text
+    assert [t for c in chunks if c.logprobs for t in c.logprobs.tokens] == whole.logprobs.tokens
+    assert chunks[-1].finish_reason == "length"
+
+
+def test_stream_interval_below_one_is_a_one_line_error(capsys) -> None:
+    from deepinfer.serve.cli import main
+
+    assert main(["--port", "0", "--accelerator", "cpu", "--stream-interval", "0"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "deepinfer-serve: error: --stream-interval must be >= 1, got 0"
