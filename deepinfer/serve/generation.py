@@ -37,12 +37,7 @@ class Generation:
     itls: list[float] = field(default_factory=list)
 
     def apply(self, delta: TokenDelta) -> Choice:
-        now = time.monotonic()
-        if self.first_token is None:
-            self.first_token = now
-        elif self.last_token is not None:
-            self.itls.append(now - self.last_token)
-        self.last_token = now
+        self._time_tokens(time.monotonic(), len(delta.new_token_ids))
         choice = self.choices[delta.index]
         choice.text += delta.new_text
         choice.token_ids.extend(delta.new_token_ids)
@@ -51,6 +46,17 @@ class Generation:
             choice.finish_reason, choice.stop_reason = delta.finish_reason, delta.stop_reason
         self.num_cached_tokens = delta.num_cached_tokens
         return choice
+
+    def _time_tokens(self, now: float, n: int) -> None:
+        """Inter-token gaps, one per token after the first: a delta of n tokens (paced by
+        --stream-interval, or joined where the API fell behind) spreads the wait since the
+        last token over its n tokens, so the ITL histogram counts tokens, not deltas."""
+        if self.first_token is None:
+            self.first_token = self.last_token = now
+            self.itls.extend([0.0] * max(0, n - 1))  # tokens that came with the first
+        elif n:
+            self.itls.extend([(now - self.last_token) / n] * n)
+            self.last_token = now
 
     @property
     def num_output_tokens(self) -> int:

@@ -20,7 +20,9 @@ from deepinfer.serve.engine_proc import _loop
 from deepinfer.serve.ipc import AbortRequest, AddRequest, Control, ControlReply, StepResult
 from deepinfer.serve.ipc import TokenDelta
 from deepinfer.serve.stream_pacing import StreamPacer
-from tests.serve.conftest import ServerProcess, make_tiny_chat_checkpoint
+from deepinfer.serve import generation
+from deepinfer.serve.generation import Choice, Generation
+from tests.serve.conftest import ServerProcess, make_tiny_chat_checkpoint, scrape
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "core"))
 from fakes import PagedFakeAccelerator, write_config  # noqa: E402
@@ -141,6 +143,19 @@ def test_openai_client_streams_the_same_completion_in_chunks_of_four(paced_serve
     assert "".join(c.text for c in chunks) == whole.text
     assert [t for c in chunks if c.logprobs for t in c.logprobs.tokens] == whole.logprobs.tokens
     assert chunks[-1].finish_reason == "length"
+    # The ITL histogram counts tokens, not chunks: 9 gaps for each 10-token completion.
+    assert scrape(paced_server.url)["vllm:inter_token_latency_seconds_count"] == 18
+
+
+def test_a_delta_of_n_tokens_spreads_its_wait_over_n_gaps(monkeypatch) -> None:
+    clock = iter([1.0, 5.0, 5.0, 6.0])
+    monkeypatch.setattr(generation.time, "monotonic", lambda: next(clock))
+    gen = Generation([1, 2], [Choice(0)])
+    gen.apply(delta("r", 1))  # the first token at t = 1
+    gen.apply(TokenDelta("r", 0, [2, 3, 4, 5], "", False, None, None, [], 2, 0))  # t = 5
+    gen.apply(TokenDelta("r", 0, [], "", False, None, None, [], 2, 0))  # no token: no gap
+    gen.apply(delta("r", 6, finished=True))  # t = 6
+    assert gen.first_token == 1.0 and gen.itls == [1.0, 1.0, 1.0, 1.0, 1.0]
 
 
 def test_stream_interval_below_one_is_a_one_line_error(capsys) -> None:
