@@ -81,14 +81,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(cmd: list[str], log_path: str, env: dict[str, str] | None = None
-                 ) -> subprocess.Popen:
-    """Start `cmd` with stdout and stderr to `log_path` and `env` added to the environment.
+def start_server(cmd: list[str], log_path: str, env: dict[str, str] | None = None,
+                 cwd: str | None = None) -> subprocess.Popen:
+    """Start `cmd` with stdout and stderr to `log_path` and `env` added to the environment
+    (in `cwd`: `python -m` imports the package of the working directory first).
 
     Its own session, so SIGTERM reaches only the server (which stops its ranks itself)."""
     log_file = open(log_path, "w")
     try:
-        return subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT,
+        return subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, cwd=cwd,
                                 start_new_session=True, env=dict(os.environ, **(env or {})))
     finally:
         log_file.close()  # the child holds its own copy of the descriptor

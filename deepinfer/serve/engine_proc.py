@@ -202,8 +202,7 @@ def _loop(engine: Engine, rank: int, inbox: zmq.Socket, outbox: zmq.Socket, pare
                 outbox.send_pyobj(ControlReply(message.call_id, True))
                 return
             _handle(engine, message, outbox, errors)
-            if isinstance(message, AbortRequest):
-                pacer.drop(message.request_id)
+            _pace(pacer, message)
             handled = True
         if os.getppid() != parent:
             return  # orphaned: the API process is gone
@@ -219,6 +218,13 @@ def _loop(engine: Engine, rank: int, inbox: zmq.Socket, outbox: zmq.Socket, pare
         expert_stats = experts.due_stats() if experts is not None else None
         if expert_stats is not None:
             outbox.send_pyobj(expert_stats)
+
+
+def _pace(pacer: StreamPacer, message: object) -> None:
+    if isinstance(message, AddRequest):
+        pacer.admit(message.request_id, message.params.n, message.final_only)
+    elif isinstance(message, AbortRequest):
+        pacer.drop(message.request_id)
 
 
 def _step(engine: Engine, clock: StepClock, lockstep: Lockstep | None,

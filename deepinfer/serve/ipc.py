@@ -17,6 +17,9 @@ class AddRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     prefix_cache: bool = True
+    # The client reads the whole answer at its end (a non-streaming request): the rank sends
+    # a sample's first token (time to first token) and then the rest when it ends.
+    final_only: bool = False
 
 
 @dataclass(frozen=True)
@@ -53,9 +56,19 @@ class TokenDelta:
 
     def then(self, later: "TokenDelta") -> "TokenDelta":
         """This delta and the next one of the same sample as one delta."""
-        return dataclasses.replace(later, new_token_ids=self.new_token_ids + later.new_token_ids,
-                                   new_text=self.new_text + later.new_text,
-                                   logprobs=self.logprobs + later.logprobs)
+        return TokenDelta.joined([self, later])
+
+    @staticmethod
+    def joined(deltas: list["TokenDelta"]) -> "TokenDelta":
+        """Consecutive deltas of one sample as one (the last one's state), each list copied
+        once however many there are."""
+        last = deltas[-1]
+        if len(deltas) == 1:
+            return last
+        return dataclasses.replace(
+            last, new_token_ids=[t for d in deltas for t in d.new_token_ids],
+            new_text="".join(d.new_text for d in deltas),
+            logprobs=[lp for d in deltas for lp in d.logprobs])
 
 
 @dataclass(frozen=True)

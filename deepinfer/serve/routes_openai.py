@@ -160,7 +160,7 @@ async def chat_completions(state, body: ChatCompletionRequest, request: Request)
                        [m.model_dump(exclude_none=True) for m in body.messages])
     route = route_request(state.client, key, len(prompt_ids))
     stream = stream_generation(state.client, state.metrics, rid, prompt_ids, params,
-                               body.prefix_cache, gen, route)
+                               body.prefix_cache, gen, route, final_only=not body.stream)
     use_tools = bool(tools) and body.tool_choice != "none"
     # DeepSeek-V4 output is read by the DSML parser: thinking when the prompt opened <think>.
     mode = DsmlMode(rendered.prompt.endswith(THINK_OPEN), use_tools) if dsml else None
@@ -298,7 +298,7 @@ async def completions(state, body: CompletionRequest, request: Request):
     routes = _route_all(state, [affinity_key(request.headers, body.user, None, src)
                                 for src in sources], prompts)
     streams = [stream_generation(state.client, state.metrics, f"{rid}-{k}", ids, params,
-                                 body.prefix_cache, g, route)
+                                 body.prefix_cache, g, route, final_only=not body.stream)
                for k, (ids, g, route) in enumerate(zip(prompts, gens, routes))]
     echo = [state.tokenizer.decode(ids) if body.echo else "" for ids in prompts]
     if body.stream:

@@ -40,6 +40,7 @@ def sizes(sent: list[TokenDelta]) -> list[int]:
 
 def test_first_token_at_once_then_every_n_and_the_end_at_once() -> None:
     pacer, sent = StreamPacer(3), []
+    pacer.admit("r", 1)
     for t in range(1, 9):
         sent += pacer.pace([delta("r", t, finished=t == 8)])
     assert sizes(sent) == [1, 3, 3, 1]
@@ -49,17 +50,31 @@ def test_first_token_at_once_then_every_n_and_the_end_at_once() -> None:
     assert sent[-1].finished and pacer.num_held == 0
 
 
+def test_final_only_sends_the_first_token_then_the_rest_at_the_end() -> None:
+    pacer, sent = StreamPacer(1), []
+    pacer.admit("r", 1, final_only=True)
+    pacer.admit("s", 1)  # streamed at interval 1: not paced at all
+    for t in range(1, 7):
+        sent += pacer.pace([delta("r", t, finished=t == 6), delta("s", 10 + t)])
+    assert [(d.request_id, len(d.new_token_ids)) for d in sent if d.request_id == "r"] == \
+        [("r", 1), ("r", 5)]
+    assert sum(d.request_id == "s" for d in sent) == 6 and pacer.num_held == 0
+
+
 def test_samples_pace_apart_and_a_dropped_request_leaves_nothing_held() -> None:
     pacer = StreamPacer(2)
+    pacer.admit("r", 2)
+    pacer.admit("q", 1)
     first = pacer.pace([delta("r", 1, 0), delta("r", 2, 1), delta("q", 3)])
     assert [(d.request_id, d.index) for d in first] == [("r", 0), ("r", 1), ("q", 0)]
     assert pacer.pace([delta("r", 4, 0), delta("q", 5)]) == []
     sent = pacer.pace([delta("r", 6, 0), delta("r", 7, 1, finished=True)])
     assert [(d.index, d.new_token_ids) for d in sent] == [(0, [4, 6]), (1, [7])]
+    assert pacer.num_held == 2  # r's sample 0 and q go on
     pacer.drop("q")
+    assert pacer.pace([delta("r", 8, 0, finished=True)])[0].new_token_ids == [8]
     assert pacer.num_held == 0
-    assert pacer.pace([delta("q", 8)]) == [delta("q", 8)]  # a new request of that id
-    assert StreamPacer(1).pace([delta("r", 1), delta("r", 2)]) == [delta("r", 1), delta("r", 2)]
+    assert pacer.pace([delta("q", 9)]) == [delta("q", 9)]  # not admitted: passed through
     with pytest.raises(ValueError):
         StreamPacer(0)
 
@@ -86,6 +101,9 @@ def test_rank_loop_sends_paced_deltas_and_forgets_an_aborted_request(tmp_path) -
         to_rank.send_pyobj(AddRequest("r", list(range(1, 20)), ten))
         got = _deltas_until(from_rank, "r", lambda d: d.finished)
         assert sizes(got) == [1, 4, 4, 1] and got[-1].finished
+        to_rank.send_pyobj(AddRequest("f", list(range(1, 20)), ten, final_only=True))
+        got = _deltas_until(from_rank, "f", lambda d: d.finished)
+        assert sizes(got) == [1, 9]
         long = SamplingParams(temperature=0.0, max_tokens=3000, ignore_eos=True)
         to_rank.send_pyobj(AddRequest("a", list(range(1, 20)), long))
         _deltas_until(from_rank, "a", lambda d: True)  # its first token
@@ -135,7 +153,7 @@ def test_openai_client_streams_the_same_completion_in_chunks_of_four(paced_serve
     client = openai.OpenAI(base_url=paced_server.base_url, api_key="none")
     args = dict(model="tiny", prompt="one two three", max_tokens=10, temperature=0,
                 logprobs=1, extra_body={"ignore_eos": True})
-    whole = client.completions.create(**args).choices[0]
+    whole = client.completions.create(**args).choices[0]  # its rank sends 1 + 9 tokens
     chunks = [c.choices[0] for c in client.completions.create(stream=True, **args)
               if c.choices]
     tokens = [len(c.logprobs.tokens) for c in chunks if c.logprobs and c.logprobs.tokens]

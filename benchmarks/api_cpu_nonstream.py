@@ -1,0 +1,118 @@
+"""CPU seconds of the API process and the rank(s) for a wave of concurrent non-streaming
+completions through deepinfer-serve, for this tree and optionally a baseline tree, alternately.
+
+    python benchmarks/api_cpu_nonstream.py --model DIR [--baseline TREE] [--requests 256]
+
+A baseline tree is e.g. `git worktree add /tmp/base COMMIT`. Each side starts its own server
+(one torch thread), sends one small warm-up wave, then `--waves` waves of `--requests`
+token-id prompts (64 tokens, `--max-tokens` greedy tokens each, ignore_eos, prefix cache off);
+CPU time is read from /proc for the API process and its children (the ranks). Writes
+api_cpu_nonstream.json.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+
+import httpx
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from common import free_port, start_server, stop_server, wait_healthy  # noqa: E402
+
+
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process (Linux /proc)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def children(pid: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
+    return [int(p) for p in out.split()]
+
+
+async def wave(base: str, n: int, max_tokens: int, vocab: int, seed: int) -> int:
+    async def one(client: httpx.AsyncClient, i: int) -> int:
+        rng = random.Random(seed * 100_003 + i)
+        body = {"model": "m", "prompt": [rng.randrange(3, vocab) for _ in range(64)],
+                "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+                "prefix_cache": False}
+        r = await client.post(f"{base}/v1/completions", json=body, timeout=600)
+        r.raise_for_status()
+        return r.json()["usage"]["completion_tokens"]
+
+    async with httpx.AsyncClient(limits=httpx.Limits(max_connections=n)) as client:
+        return sum(await asyncio.gather(*[one(client, i) for i in range(n)]))
+
+
+def run_side(tree: str, args: argparse.Namespace, log_path: str) -> list[dict]:
+    port = free_port()
+    env = dict(os.environ, PYTHONPATH=tree, DEEPINFER_CPU_THREADS="1")
+    server = start_server([sys.executable, "-m", "deepinfer.serve.cli", "--model", args.model,
+                           "--port", str(port), "--max-num-seqs", str(args.requests),
+                           "--num-kv-blocks", "2048", "--block-size", "16", "--dtype",
+                           "float32", "--log-level", "warning", "--served-model-name", "m"],
+                          log_path, env=env, cwd=tree)
+    base, out = f"http://127.0.0.1:{port}", []
+    try:
+        wait_healthy(server, base, log_path, 600)
+        asyncio.run(wave(base, 4, 8, args.vocab, 0))
+        ranks = children(server.pid)
+        for w in range(args.waves):
+            api0, rank0, t0 = cpu_s(server.pid), sum(map(cpu_s, ranks)), time.perf_counter()
+            tokens = asyncio.run(wave(base, args.requests, args.max_tokens, args.vocab, w + 1))
+            wall = time.perf_counter() - t0
+            out.append({"tokens": tokens, "wall_s": wall, "tok_s": tokens / wall,
+                        "api_cpu_s": cpu_s(server.pid) - api0,
+                        "rank_cpu_s": sum(map(cpu_s, ranks)) - rank0})
+    finally:
+        stop_server(server)
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", required=True)
+    p.add_argument("--baseline", default=None, help="another source tree, run alternately")
+    p.add_argument("--requests", type=int, default=256)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--waves", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--out", default=os.path.join(HERE, "results"))
+    args = p.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    trees = {"this": os.path.dirname(HERE)}
+    if args.baseline:
+        trees["baseline"] = os.path.abspath(args.baseline)
+    runs: dict[str, list[dict]] = {name: [] for name in trees}
+    for r in range(args.rounds):
+        for name, tree in trees.items():
+            runs[name] += run_side(tree, args, os.path.join(args.out, f"api_cpu_{name}.log"))
+            print(name, f"round {r}:", [round(w["api_cpu_s"], 2) for w in runs[name][-args.waves:]],
+                  flush=True)
+    summary = {name: {"api_cpu_s_median": statistics.median(w["api_cpu_s"] for w in waves),
+                      "api_us_per_token": 1e6 * statistics.median(
+                          w["api_cpu_s"] / w["tokens"] for w in waves),
+                      "rank_cpu_s_median": statistics.median(w["rank_cpu_s"] for w in waves),
+                      "tok_s_median": statistics.median(w["tok_s"] for w in waves)}
+               for name, waves in runs.items()}
+    with open(os.path.join(args.out, "api_cpu_nonstream.json"), "w") as f:
+        json.dump({"settings": vars(args), "trees": trees, "runs": runs, "summary": summary},
+                  f, indent=2)
+    for name, s in summary.items():
+        print(f"{name:9s} API {s['api_us_per_token']:.1f} us/token (median {s['api_cpu_s_median']:.2f}"
+              f" CPU-s a wave), rank {s['rank_cpu_s_median']:.2f} CPU-s, {s['tok_s_median']:.0f} tok/s")
+
+
+if __name__ == "__main__":
+    main()
