@@ -28,7 +28,9 @@ import socket
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Iterator
 
 import httpx
 import pytest
@@ -229,6 +231,21 @@ class ServerProcess:
 
 
 _METRIC_RE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)$")
+
+
+@contextmanager
+def served(name: str, args: list[str], log_dir, model_name: str) -> Iterator[ServerProcess]:
+    """A server of a test module's own: started and ready, then stopped with nothing left
+    behind (the stop's problems fail the test)."""
+    proc = ServerProcess(name, args, str(log_dir / f"{name}.log"), model_name)
+    proc.start()
+    try:
+        proc.wait_ready()
+        yield proc
+    finally:
+        proc.terminate()
+        problems = proc.finish_stop()
+        assert not problems, "\n".join(problems)
 
 
 def scrape(url: str, path: str = "/metrics") -> dict[str, float]:

@@ -3,19 +3,16 @@ another one decodes is in the very next step's batch, not after the other one fi
 from __future__ import annotations
 
 import os
-import sys
 import threading
 
 import zmq
 
-from deepinfer.core.config import CacheConfig, EngineConfig, ModelSpec, SchedulerConfig
 from deepinfer.core.engine import Engine
 from deepinfer.core.sampling import SamplingParams
 from deepinfer.serve.engine_proc import _loop
 from deepinfer.serve.ipc import AbortRequest, AddRequest, Control, ControlReply, StepResult
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "core"))
-from fakes import PagedFakeAccelerator, write_config  # noqa: E402
+from tests.serve.rank_wires import PagedFakeAccelerator, fake_config, rank_wires
 
 LONG = SamplingParams(temperature=0.0, max_tokens=3000, ignore_eos=True)
 
@@ -48,19 +45,12 @@ def _results(outbox: zmq.Socket) -> StepResult:
 
 
 def test_request_sent_mid_decode_starts_in_the_next_step(tmp_path):
-    config = EngineConfig(model=ModelSpec(write_config(str(tmp_path / "fake"))),
-                          cache=CacheConfig(block_size=16, num_blocks=512),
-                          scheduler=SchedulerConfig(max_num_batched_tokens=64))
-    engine = _SteppedEngine(config, PagedFakeAccelerator(), load_tokenizer=False)
-    ctx = zmq.Context()
-    to_rank, rank_in = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
-    rank_out, from_rank = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
-    to_rank.bind("inproc://in")
-    rank_in.connect("inproc://in")
-    from_rank.setsockopt(zmq.RCVTIMEO, 10_000)  # a broken loop fails the test, not hangs it
-    from_rank.bind("inproc://out")
-    rank_out.connect("inproc://out")
-    loop = threading.Thread(target=_loop, args=(engine, 0, rank_in, rank_out, os.getppid()))
+    engine = _SteppedEngine(fake_config(tmp_path, 512), PagedFakeAccelerator(),
+                            load_tokenizer=False)
+    wires = rank_wires("mid-decode")
+    ctx, to_rank, from_rank = wires.ctx, wires.to_rank, wires.from_rank
+    loop = threading.Thread(target=_loop, args=(engine, 0, wires.rank_in, wires.rank_out,
+                                                os.getppid()))
     loop.start()
     try:
         to_rank.send_pyobj(AddRequest("busy", list(range(1, 40)), LONG))

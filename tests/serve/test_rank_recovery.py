@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import httpx
 import pytest
 
-from conftest import ServerProcess, make_tiny_chat_checkpoint, wait_until
+from conftest import make_tiny_chat_checkpoint, served, wait_until
 from deepinfer.serve.router import Router
 
 UNHEALTHY_AFTER_S, FAIL_AFTER_S = 1.0, 4.0
@@ -32,20 +32,13 @@ def _key_for(rank: int) -> str:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     ckpt = make_tiny_chat_checkpoint(str(tmp_path_factory.mktemp("ckpt")))
-    proc = ServerProcess("recovery", [
-        "--model", ckpt, "--served-model-name", "tiny", "--dp", "2", "--block-size", "16",
-        "--num-kv-blocks", "64", "--dtype", "float32", "--max-num-seqs", "4",
-        "--rank-unhealthy-after", str(UNHEALTHY_AFTER_S), "--rank-fail-after",
-        str(FAIL_AFTER_S), "--max-rank-restarts", "3"],
-        str(tmp_path_factory.mktemp("logs") / "recovery.log"), "tiny")
-    proc.start()
-    try:
-        proc.wait_ready()
+    with served("recovery", [
+            "--model", ckpt, "--served-model-name", "tiny", "--dp", "2", "--block-size", "16",
+            "--num-kv-blocks", "64", "--dtype", "float32", "--max-num-seqs", "4",
+            "--rank-unhealthy-after", str(UNHEALTHY_AFTER_S), "--rank-fail-after",
+            str(FAIL_AFTER_S), "--max-rank-restarts", "3"],
+            tmp_path_factory.mktemp("logs"), "tiny") as proc:
         yield proc
-    finally:
-        proc.terminate()
-        problems = proc.finish_stop()
-        assert not problems, "\n".join(problems)
 
 
 def _health(server) -> dict:

@@ -1,31 +1,28 @@
-"""--stream-interval N: a rank sends a sample's tokens N at a time after its first one, and its
-end at once. Unit checks of the pacer, the rank loop with a fake engine, the server through the
-official openai client (the same text and logprobs as with interval 1, in fewer chunks), and
-the one-line CLI error."""
+"""How a rank paces a sample's tokens: with --stream-interval N, N at a time after its first
+one and its end at once; for a non-streaming request, its first token and then the rest at
+its end. Unit checks of the pacer, the rank loop with a fake engine, the server through the
+official openai client (the same text and logprobs as with interval 1, in fewer chunks; the
+ITL histogram still counting tokens), and the one-line CLI error."""
 from __future__ import annotations
 
 import os
-import sys
 import threading
 
 import openai
 import pytest
 import zmq
 
+from conftest import make_tiny_chat_checkpoint, scrape, served
 from deepinfer.core.batch import TokenLogprobs
-from deepinfer.core.config import CacheConfig, EngineConfig, ModelSpec, SchedulerConfig
 from deepinfer.core.engine import Engine
 from deepinfer.core.sampling import SamplingParams
-from deepinfer.serve.engine_proc import _loop
-from deepinfer.serve.ipc import AbortRequest, AddRequest, Control, ControlReply, StepResult
-from deepinfer.serve.ipc import TokenDelta
-from deepinfer.serve.stream_pacing import StreamPacer
 from deepinfer.serve import generation
+from deepinfer.serve.engine_proc import _loop
 from deepinfer.serve.generation import Choice, Generation
-from tests.serve.conftest import ServerProcess, make_tiny_chat_checkpoint, scrape
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "core"))
-from fakes import PagedFakeAccelerator, write_config  # noqa: E402
+from deepinfer.serve.ipc import (AbortRequest, AddRequest, Control, ControlReply, StepResult,
+                                 TokenDelta)
+from deepinfer.serve.stream_pacing import StreamPacer
+from tests.serve.rank_wires import PagedFakeAccelerator, fake_config, rank_wires
 
 
 def delta(rid: str, token: int, index: int = 0, finished: bool = False) -> TokenDelta:
@@ -80,21 +77,12 @@ def test_samples_pace_apart_and_a_dropped_request_leaves_nothing_held() -> None:
 
 
 def test_rank_loop_sends_paced_deltas_and_forgets_an_aborted_request(tmp_path) -> None:
-    config = EngineConfig(model=ModelSpec(write_config(str(tmp_path / "fake"))),
-                          cache=CacheConfig(block_size=16, num_blocks=256),
-                          scheduler=SchedulerConfig(max_num_batched_tokens=64))
-    engine = Engine(config, PagedFakeAccelerator(), load_tokenizer=False)
-    ctx = zmq.Context()
-    to_rank, rank_in = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
-    rank_out, from_rank = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
-    to_rank.bind("inproc://paced-in")
-    rank_in.connect("inproc://paced-in")
-    from_rank.setsockopt(zmq.RCVTIMEO, 10_000)
-    from_rank.bind("inproc://paced-out")
-    rank_out.connect("inproc://paced-out")
+    engine = Engine(fake_config(tmp_path, 256), PagedFakeAccelerator(), load_tokenizer=False)
+    wires = rank_wires("paced")
+    ctx, to_rank, from_rank = wires.ctx, wires.to_rank, wires.from_rank
     pacer = StreamPacer(4)
-    loop = threading.Thread(target=_loop, args=(engine, 0, rank_in, rank_out, os.getppid()),
-                            kwargs={"pacer": pacer})
+    loop = threading.Thread(target=_loop, args=(engine, 0, wires.rank_in, wires.rank_out,
+                                                os.getppid()), kwargs={"pacer": pacer})
     loop.start()
     try:
         ten = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
@@ -135,18 +123,11 @@ def _deltas_until(sock: zmq.Socket, rid: str, done) -> list[TokenDelta]:
 @pytest.fixture(scope="module")
 def paced_server(tmp_path_factory):
     ckpt = make_tiny_chat_checkpoint(str(tmp_path_factory.mktemp("ckpt")))
-    proc = ServerProcess("paced", [
-        "--model", ckpt, "--served-model-name", "tiny", "--block-size", "16",
-        "--num-kv-blocks", "64", "--dtype", "float32", "--max-num-seqs", "4",
-        "--stream-interval", "4"], str(tmp_path_factory.mktemp("logs") / "paced.log"), "tiny")
-    proc.start()
-    try:
-        proc.wait_ready()
+    with served("paced", [
+            "--model", ckpt, "--served-model-name", "tiny", "--block-size", "16",
+            "--num-kv-blocks", "64", "--dtype", "float32", "--max-num-seqs", "4",
+            "--stream-interval", "4"], tmp_path_factory.mktemp("logs"), "tiny") as proc:
         yield proc
-    finally:
-        proc.terminate()
-        problems = proc.finish_stop()
-        assert not problems, "\n".join(problems)
 
 
 def test_openai_client_streams_the_same_completion_in_chunks_of_four(paced_server) -> None:
