@@ -90,8 +90,11 @@ def test_rank_loop_sends_paced_deltas_and_forgets_an_aborted_request(tmp_path) -
         got = _deltas_until(from_rank, "r", lambda d: d.finished)
         assert sizes(got) == [1, 4, 4, 1] and got[-1].finished
         to_rank.send_pyobj(AddRequest("f", list(range(1, 20)), ten, final_only=True))
-        got = _deltas_until(from_rank, "f", lambda d: d.finished)
+        reports: list[StepResult] = []
+        got = _deltas_until(from_rank, "f", lambda d: d.finished, reports)
         assert sizes(got) == [1, 9]
+        # The steps whose tokens were held still reported the rank's stats.
+        assert sum(not r.deltas and r.stats.running == 1 for r in reports) >= 8
         long = SamplingParams(temperature=0.0, max_tokens=3000, ignore_eos=True)
         to_rank.send_pyobj(AddRequest("a", list(range(1, 20)), long))
         _deltas_until(from_rank, "a", lambda d: True)  # its first token
@@ -108,11 +111,15 @@ def test_rank_loop_sends_paced_deltas_and_forgets_an_aborted_request(tmp_path) -
     assert engine.kv.num_request_blocks() == 0
 
 
-def _deltas_until(sock: zmq.Socket, rid: str, done) -> list[TokenDelta]:
+def _deltas_until(sock: zmq.Socket, rid: str, done,
+                  reports: list[StepResult] | None = None) -> list[TokenDelta]:
+    """`rid`'s deltas until `done` says so (every StepResult read into `reports`)."""
     out = []
     while True:
         message = sock.recv_pyobj()
         if isinstance(message, StepResult):
+            if reports is not None:
+                reports.append(message)
             for d in message.deltas:
                 if d.request_id == rid:
                     out.append(d)
