@@ -211,10 +211,9 @@ def _loop(engine: Engine, rank: int, inbox: zmq.Socket, outbox: zmq.Socket, pare
         for error in errors:
             pacer.drop(error.request_id)
         deltas = pacer.pace(_delta(o) for o in outputs if o.error is None)
-        # Also report after handled messages: an abort frees blocks without any step output,
-        # and the API's gauges (running, KV usage) would otherwise keep the stale numbers.
-        # A step whose tokens the pacer holds still reports: the API's gauges (running, KV
-        # usage) would otherwise stand still through a long non-streaming generation.
+        # Report after handled messages too (an abort frees blocks without any step output)
+        # and after steps whose tokens the pacer holds: the API's gauges (running, KV usage)
+        # would otherwise keep stale numbers, through a long non-streaming generation too.
         if outputs or errors or handled:
             outbox.send_pyobj(StepResult(rank, deltas, errors, _stats(engine)))
         expert_stats = experts.due_stats() if experts is not None else None
