@@ -6,7 +6,7 @@ completions through deepinfer-serve, for this tree and optionally a baseline tre
 A baseline tree is e.g. `git worktree add /tmp/base COMMIT`. Each side starts its own server
 (one torch thread), sends one small warm-up wave, then `--waves` waves of `--requests`
 token-id prompts (64 tokens, `--max-tokens` greedy tokens each, ignore_eos, prefix cache off);
-CPU time is read from /proc for the API process and its children (the ranks). Writes
+CPU time of the API process and its ranks from serve_overhead's CpuMeter. Writes
 api_cpu_nonstream.json.
 """
 from __future__ import annotations
@@ -17,7 +17,6 @@ import json
 import os
 import random
 import statistics
-import subprocess
 import sys
 import time
 
@@ -26,18 +25,7 @@ import httpx
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from common import free_port, start_server, stop_server, wait_healthy  # noqa: E402
-
-
-def cpu_s(pid: int) -> float:
-    """User + system CPU seconds of a process (Linux /proc)."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def children(pid: int) -> list[int]:
-    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
-    return [int(p) for p in out.split()]
+from serve_overhead import CpuMeter  # noqa: E402
 
 
 async def wave(base: str, n: int, max_tokens: int, vocab: int, seed: int) -> int:
@@ -66,14 +54,14 @@ def run_side(tree: str, args: argparse.Namespace, log_path: str) -> list[dict]:
     try:
         wait_healthy(server, base, log_path, 600)
         asyncio.run(wave(base, 4, 8, args.vocab, 0))
-        ranks = children(server.pid)
+        meter = CpuMeter(server.pid)
         for w in range(args.waves):
-            api0, rank0, t0 = cpu_s(server.pid), sum(map(cpu_s, ranks)), time.perf_counter()
+            cpu0, t0 = meter.sample(), time.perf_counter()
             tokens = asyncio.run(wave(base, args.requests, args.max_tokens, args.vocab, w + 1))
             wall = time.perf_counter() - t0
+            cpu = CpuMeter.delta(cpu0, meter.sample())
             out.append({"tokens": tokens, "wall_s": wall, "tok_s": tokens / wall,
-                        "api_cpu_s": cpu_s(server.pid) - api0,
-                        "rank_cpu_s": sum(map(cpu_s, ranks)) - rank0})
+                        "api_cpu_s": cpu["api"], "rank_cpu_s": cpu["rank"]})
     finally:
         stop_server(server)
     return out
