@@ -45,12 +45,15 @@ def first_token(client: httpx.Client, model: str, ids: list[int], prefix_cache: 
 
 
 def repeat(client: httpx.Client, model: str, a: list[int], b: list[int],
-           spy_pid: int | None = None, keep: str | None = None) -> dict:
+           spy_pid: int | None = None, keep: str | None = None, settle: float = 0.0) -> dict:
     """One repeat's three arms; with `spy_pid`, py-spy over the server while its device hit
-    runs (the first hit after the prompt was stored), its raw stacks copied to `keep`."""
+    runs (the first hit after the prompt was stored), its raw stacks copied to `keep`. Each
+    hit follows the request that stored its pages (or pushed them out) after `settle` seconds:
+    0 measures a hit behind that request's write-through, more one on an idle server."""
     out, profile = {}, None
     out["cold"] = first_token(client, model, a, prefix_cache=False)
     first_token(client, model, a, prefix_cache=True)  # prefilled and stored
+    time.sleep(settle)
     if spy_pid is None:
         out["device_hit"] = first_token(client, model, a, prefix_cache=True)
     else:
@@ -59,6 +62,7 @@ def repeat(client: httpx.Client, model: str, a: list[int], b: list[int],
                         idle=True, keep=keep)
         out["device_hit"] = profile.pop("results")[0]
     first_token(client, model, b, prefix_cache=True)  # A's pages leave the device pool
+    time.sleep(settle)
     out["host_hit"] = first_token(client, model, a, prefix_cache=True)
     result = {arm: {"ttft_s": t, "cached_tokens": c} for arm, (t, c) in out.items()}
     if profile is not None:
@@ -146,6 +150,9 @@ def main(argv=None) -> int:
                    help="then this many device hits under py-spy (server and ranks)")
     p.add_argument("--profile-first-hit", action="store_true",
                    help="py-spy over the first repeat's device hit (the first after a store)")
+    p.add_argument("--settle", type=float, default=0.0,
+                   help="seconds between the request that stores a prompt (or evicts it) and "
+                        "the hit that follows (0: right behind its write-through)")
     p.add_argument("server_args", nargs=argparse.REMAINDER,
                    help="-- then deepinfer-serve's arguments")
     args = p.parse_args(argv)
@@ -167,7 +174,8 @@ def main(argv=None) -> int:
                 a, b = random_prompts(2, args.tokens, args.vocab, seed=r)
                 spy = server.pid if args.profile_first_hit and r == 0 else None
                 runs.append(repeat(client, model, a, b, spy,
-                                   os.path.join(args.out, "first_hit_pyspy_raw.txt")))
+                                   os.path.join(args.out, "first_hit_pyspy_raw.txt"),
+                                   args.settle))
                 log(f"repeat {r}: " + ", ".join(f"{k} {runs[-1][k]['ttft_s'] * 1e3:.0f} ms "
                                                f"({runs[-1][k]['cached_tokens']} cached)"
                                                for k in ARMS))
@@ -175,7 +183,7 @@ def main(argv=None) -> int:
                 profile = profile_hits(client, model, a, server.pid, args.profile_hits)
     finally:
         stop_server(server)
-    result = {"server_args": server_args, "runs": runs,
+    result = {"server_args": server_args, "settle_s": args.settle, "runs": runs,
               "summary": summarize(runs, args.tokens), "profile_device_hits": profile}
     write_json(os.path.join(args.out, "hit_ttft.json"), result)
     plot(result, os.path.join(args.out, "hit_ttft.png"))

@@ -31,9 +31,11 @@ from deepinfer.backends.cuda.timing import cuda_times_ms
 from deepinfer.core.kv.spec import KVSpec, kv_heads_layer, latent_layer
 
 CEILING_GBPS = 55.0  # one contiguous pinned host<->device copy on an H200
-CONFIGS = [  # (threads, ctas_per_chunk, unroll)
-    (256, 1, 4), (128, 1, 4), (512, 1, 4), (256, 1, 2), (256, 1, 8), (1024, 1, 2),
-    (256, 2, 4), (256, 4, 4), (128, 4, 8),
+CONFIGS = [  # (threads, ctas_per_chunk, unroll, max_ctas): the last ones cap the grid, as the
+    # write-through's copy beside the model's kernels does
+    (256, 1, 4, 0), (128, 1, 4, 0), (512, 1, 4, 0), (256, 1, 2, 0), (256, 1, 8, 0),
+    (1024, 1, 2, 0), (256, 2, 4, 0), (256, 4, 4, 0), (128, 4, 8, 0),
+    (256, 1, 4, 8), (256, 1, 4, 16), (256, 1, 4, 32), (512, 1, 8, 16),
 ]
 Copy = Callable[[bool], None]
 
@@ -117,14 +119,14 @@ def _methods(pool: CUDAHostPool, chunks: DeviceChunks, pages: torch.Tensor,
     engine passes them), on the host for the memcpy baseline (which reads them there)."""
     pages_dev, blocks_dev = pages.to(chunks.device), blocks.to(chunks.device)
 
-    def uva(cfg: tuple[int, int, int]) -> Copy:
+    def uva(cfg: tuple[int, int, int, int]) -> Copy:
         copier = UVAPageCopier(*cfg)
         return lambda to_dev: copier.copy(pool.pages, chunks, pages_dev, blocks_dev, to_dev)
 
     def memcpy(to_dev: bool) -> None:
         UVAPageCopier().copy_memcpy(pool.pages, chunks, pages, blocks, to_dev)
 
-    methods = {"uva threads={} ctas_per_chunk={} unroll={}".format(*cfg): uva(cfg)
+    methods = {"uva threads={} ctas_per_chunk={} unroll={} max_ctas={}".format(*cfg): uva(cfg)
                for cfg in CONFIGS}
     methods["memcpy per chunk"] = memcpy
     return methods

@@ -32,7 +32,8 @@ wanted page_copy && step page_copy python3 benchmarks/cuda/bench_page_copy.py --
 wanted check_engine && step check_engine python3 benchmarks/cuda/check_engine.py --out "$out"
 wanted check_greedy && step check_greedy python3 benchmarks/cuda/check_engine.py --out "$out" \
     --skip-conformance
-wanted engine_bench && step engine_bench python3 benchmarks/cuda/engine_bench.py --out "$out" $quick
+wanted engine_bench && step engine_bench python3 benchmarks/cuda/engine_bench.py --out "$out" $quick \
+    ${ENGINE_BENCH_ARGS:-}
 wanted mla_bench && step mla_bench python3 benchmarks/cuda/mla_bench.py --out "$out" $quick
 wanted check_moe && step check_moe python3 benchmarks/cuda/check_engine.py --out "$out" \
     --skip-conformance --families qwen3_moe mixtral deepseek_v3_moe
@@ -83,7 +84,7 @@ if wanted hit_ttft; then
            --max-model-len 36864 --block-size 128 --num-kv-blocks 300 --hicache-size-gb 12
            --max-num-batched-tokens 8192 --tokenizer-backend hf --generation-config none
            --served-model-name m)
-    step hit_ttft python3 "${hits[@]}" --profile-hits 10 --out "$out/hit_ttft" -- "${serve[@]}"
+    step hit_ttft python3 "${hits[@]}" ${HIT_ARGS:---profile-hits 10} --out "$out/hit_ttft" -- "${serve[@]}"
     # The same server from an older tree (AB_BASELINE=DIR) under this client, where one is given.
     [ -n "${AB_BASELINE:-}" ] && step hit_ttft_base baseline python3 "$PWD/${hits[0]}" \
         "${hits[@]:1}" --out "$out/hit_ttft_base" -- "${serve[@]}"
@@ -94,10 +95,11 @@ if wanted serve_overhead; then
     llama=$(python3 benchmarks/cuda/engine_bench.py --write-model /tmp/llama3-8b --max-len 8192 \
         | tail -n 1)
     step serve_overhead env DEEPINFER_ACCELERATOR=nvidia python3 benchmarks/serve_overhead.py \
-        --model "$llama" --load-format dummy --dtype bfloat16 --levels 1,64,256 \
-        --repeats "${SERVE_REPEATS:-1}" --prompt-len 512 --output-len 128 --max-num-seqs 256 \
-        --max-num-batched-tokens 8192 --num-kv-blocks 2048 \
-        --client-procs "${SERVE_CLIENT_PROCS:-8}" --out "$out/serve_overhead"
+        --model "$llama" --load-format dummy --dtype bfloat16 --levels "${SERVE_LEVELS:-1,64,256}" \
+        --repeats "${SERVE_REPEATS:-1}" --prompt-len 512 --output-len 128 \
+        --max-num-seqs "${SERVE_MAX_SEQS:-256}" --max-num-batched-tokens 8192 \
+        --num-kv-blocks "${SERVE_KV_BLOCKS:-2048}" --client-procs "${SERVE_CLIENT_PROCS:-8}" \
+        ${SERVE_ARGS:-} --out "$out/serve_overhead"
 fi
 # DeepSeek-V4: the engine on the GPU (decode graphs captured) against transformers on tiny
 # checkpoints, the batch-1 step's profile, then the V4-Flash-width benchmark.

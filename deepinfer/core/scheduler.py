@@ -11,6 +11,8 @@ pages through to the host.
 """
 from __future__ import annotations
 
+import functools
+
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -150,7 +152,7 @@ class Scheduler:
             drafts = self._num_drafts(req, budget - num_new) if sampled else 0
             ahead = self._lookahead(req, req.num_computed_tokens + num_new + drafts, sampled)
             self.kv.free_out_of_window(req)
-            while not self.kv.allocate(req, num_new + drafts + ahead):
+            while not self._allocate(req, num_new + drafts + ahead):
                 victim = self.running[-1]
                 if id(victim) in scheduled:
                     # Never preempt work already placed in this step's batch.
@@ -163,6 +165,18 @@ class Scheduler:
                 scheduled.add(id(req))
                 budget -= num_new + drafts
         return budget
+
+    def _allocate(self, req: Request, num_new_tokens: int,
+                  cached: list | None = None, loaded_pages: int = 0) -> bool:
+        """kv.allocate; when the pool is short while write-through stores hold blocks, those
+        stores are waited out first (they end on their own within milliseconds, where a
+        preemption or a stalled admission costs a recompute)."""
+        if self.kv.allocate(req, num_new_tokens, cached, loaded_pages):
+            return True
+        if self.hicache is None or not self.hicache.holds_blocks:
+            return False
+        self.hicache.poll(wait=True)
+        return self.kv.allocate(req, num_new_tokens, cached, loaded_pages)
 
     def _speculates(self, req: Request) -> bool:
         # A grammar's matcher cannot take back tokens, so constrained requests decode plainly.
@@ -215,7 +229,7 @@ class Scheduler:
             loaded = len(host.pages) if host is not None else 0
             sampled = hit_tokens + num_new == req.num_tokens
             ahead = self._lookahead(req, hit_tokens + num_new, sampled)
-            if not self.kv.allocate(req, host_tokens + num_new + ahead, cached, loaded):
+            if not self._allocate(req, host_tokens + num_new + ahead, cached, loaded):
                 break
             self.waiting.popleft()
             if host is not None:
@@ -372,8 +386,10 @@ class Scheduler:
         self.kv.cache_computed_pages(req)
         if self.hicache is not None and \
                 before < req.num_prompt_tokens <= req.num_computed_tokens:
-            # Write-through once the prompt is computed, before a stop can free the blocks.
-            self.hicache.store(req, self.kv.group_block_ids(req.request_id))
+            # Write-through once the prompt is computed, before a stop can free the blocks
+            # (the store holds the blocks it reads until its copy is done).
+            self.hicache.store(req, self.kv.group_block_ids(req.request_id),
+                               hold=functools.partial(self.kv.hold, req.request_id))
         if seq.sampled:
             self.spec_stats.record(seq.num_drafts, len(row.token_ids) - 1)
             req.draft_token_ids = row.proposals

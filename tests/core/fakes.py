@@ -14,7 +14,7 @@ import os
 import torch
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 from deepinfer.core.accelerator import Accelerator, Capabilities, HostPoolLayout, ModelInfo
 from deepinfer.core.batch import ModelBatch, SamplerOutput
@@ -58,14 +58,21 @@ def write_config(path: str, max_len: int = 4096) -> str:
 
 @dataclass
 class FakeCopy:
-    """An asynchronous copy that finishes only when the test says so."""
+    """An asynchronous copy that finishes only when the test says so; a deferred one moves
+    its data only then (a store on a stream of its own reads its blocks when it runs)."""
 
     finished: bool = False
+    run: Callable[[], None] | None = None
 
     def done(self) -> bool:
         return self.finished
 
     def wait(self) -> None:
+        self.finish()
+
+    def finish(self) -> None:
+        if not self.finished and self.run is not None:
+            self.run()
         self.finished = True
 
 
@@ -75,7 +82,8 @@ class PagedFakeAccelerator(Accelerator):
 
     def __init__(self, num_blocks: int | None = None, state_bytes: int = 0,
                  async_copies: bool = False, window: int | None = None,
-                 capabilities: Capabilities | None = None) -> None:
+                 capabilities: Capabilities | None = None,
+                 deferred_stores: bool = False) -> None:
         self.fixed_blocks = num_blocks
         # With a window, the 'model' is a sliding-window one: it reads only the last
         # `window` tokens (next_token needs 4), and the KV spec lets the manager free the rest.
@@ -89,7 +97,8 @@ class PagedFakeAccelerator(Accelerator):
         self.state_bytes = state_bytes  # > 0: describe a model that keeps per-request state
         self.host_state: dict[int, int] = {}  # state slot -> the token count it was saved at
         self.restored: list[tuple[str, int]] = []  # (request id, tokens) per state load
-        self.async_copies = async_copies
+        self.async_copies = async_copies or deferred_stores
+        self.deferred_stores = deferred_stores  # stores read their blocks when they finish
         self.copies: list[FakeCopy] = []
         self.copied_pages = {"to_device": 0, "to_host": 0}
 
@@ -119,8 +128,18 @@ class PagedFakeAccelerator(Accelerator):
                    to_device: bool) -> FakeCopy | None:
         (device_blocks,) = device_blocks  # one KV group
         assert len(host_pages) == len(device_blocks)
+        pairs = list(zip(host_pages, device_blocks))
+        self.copied_pages["to_device" if to_device else "to_host"] += len(host_pages)
+        if self.deferred_stores and not to_device:
+            handle = FakeCopy(run=lambda: self._move(pairs, to_device))
+            self.copies.append(handle)
+            return handle
+        self._move(pairs, to_device)
+        return self._handle()
+
+    def _move(self, pairs: list[tuple[int, int]], to_device: bool) -> None:
         bs = self.block_size
-        for page, block in zip(host_pages, device_blocks):
+        for page, block in pairs:
             if block == 0:  # a sliding window's freed page: left out where the backend can
                 assert self.capabilities.host_copy_skips_null, "the null block was copied"
                 continue
@@ -131,8 +150,6 @@ class PagedFakeAccelerator(Accelerator):
             else:
                 assert -1 not in dev.tolist(), "stored a block that was never written"
                 self.host[page].copy_(dev)
-        self.copied_pages["to_device" if to_device else "to_host"] += len(host_pages)
-        return self._handle()
 
     def copy_state(self, host_slot: int, request_id: str, num_tokens: int,
                    to_device: bool) -> FakeCopy | None:
@@ -152,7 +169,7 @@ class PagedFakeAccelerator(Accelerator):
 
     def finish_copies(self) -> None:
         for copy in self.copies:
-            copy.finished = True
+            copy.finish()
 
     def execute(self, batch: ModelBatch) -> SamplerOutput:
         self.steps.append(batch)

@@ -41,7 +41,10 @@ def _run(engine: Engine, rid: str, prompt: list[int], params=GREEDY, prefix_cach
 
 
 def _drop_device_cache(engine: Engine) -> None:
-    engine.kv.reset_prefix_cache()  # the device tier forgets; the host tier keeps its pages
+    # The device tier forgets (blocks a store still holds stay; finished stores let go
+    # here); the host tier keeps its pages.
+    engine.hicache.poll()
+    engine.kv.reset_prefix_cache()
 
 
 def _assert_host_clean(engine: Engine) -> None:
@@ -346,3 +349,31 @@ def test_sliding_window_needs_a_copy_that_skips_freed_pages(tmp_path):
                           cache=CacheConfig(block_size=4, num_blocks=8, hicache_size_gb=1.0))
     with pytest.raises(ValueError, match="sliding window's freed pages"):
         Engine(config, PagedFakeAccelerator(window=6), load_tokenizer=False)
+
+
+@pytest.mark.parametrize("window", [None, 8])
+def test_a_store_holds_its_device_blocks_until_it_has_run(tmp_path, window):
+    """A store that reads its blocks only when it runs (a backend's copy stream): the request
+    ends and later requests allocate meanwhile, but the stored pages' blocks stay out of the
+    pool until the copy is done, so the host tier gets the request's KV and a host hit serves
+    it (without the hold, c takes a's freed page blocks first and the hit is c's tokens). c
+    finds the pool short while a's and b's stores hold six blocks: the scheduler waits the
+    stores out instead of stalling."""
+    caps = SKIPS_NULL if window else None
+    engine = _engine(tmp_path, num_blocks=10, deferred_stores=True, window=window,
+                     capabilities=caps)
+    fake, pool = engine.accelerator, engine.kv.groups[0].pool
+    a, b, c = _prompt(40, 13), _prompt(41, 13), _prompt(42, 13)  # 3 full pages each
+    _run(engine, "a", a)
+    held = pool.num_usable - pool.num_free
+    assert held == 3  # the pages a's store copies
+    _run(engine, "b", b)
+    _run(engine, "c", c)  # the front of the free list: a's pages, had they been freed
+    fake.finish_copies()
+    engine.hicache.poll()
+    assert pool.num_free == pool.num_usable
+    _drop_device_cache(engine)
+    assert _run(engine, "a2", a).num_cached_tokens > 0
+    fake.finish_copies()
+    engine.hicache.poll()
+    _assert_host_clean(engine)

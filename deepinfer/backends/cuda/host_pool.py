@@ -7,10 +7,16 @@
 A page is one block of every KV group: the chunks' blocks back to back, in chunk order (see
 page_copy.py). A null block (id 0) in device_blocks[g][i] leaves group g of page i alone, as on
 the CPU backend (Capabilities.host_copy_skips_null): a sliding-window group's page that left its
-window is neither stored nor loaded, and block 0 is never written. Copies are enqueued on the
-current stream of the chunks' device (the engine's), so a step launched after a load reads the
-loaded pages in order without a host wait; the returned handle (an event) tells HiCache when a
-host page may be reused.
+window is neither stored nor loaded, and block 0 is never written.
+
+Loads are enqueued on the current stream of the chunks' device (the engine's), so a step
+launched after a load reads the loaded pages in order without a host wait. Stores (the
+write-through of a prompt just computed, gigabytes for a long one) run on a stream of their
+own, after the engine's work enqueued so far, with a capped grid: the steps that follow do not
+queue behind them, and they leave the SMs to those steps' kernels. That is safe because HiCache
+holds the stored blocks until the store's event has passed (nothing writes a full prompt page
+of a live request, and a held block is not handed out again). The returned handle (an event)
+tells HiCache when a host page may be reused and the blocks let go.
 """
 from __future__ import annotations
 
@@ -33,11 +39,18 @@ class EventHandle:
         self.event.synchronize()
 
 
+# CTAs of a store: each keeps 16 KiB of posted writes in flight, so a few saturate PCIe
+# (bench_page_copy's capped configurations) while the model's kernels keep the other SMs.
+STORE_CTAS = 16
+
+
 @dataclass
 class CUDAHostPool:
     pages: torch.Tensor  # pinned uint8 [num_pages, page_bytes]
     chunks: DeviceChunks
     copier: UVAPageCopier
+    store_copier: UVAPageCopier = UVAPageCopier(max_ctas=STORE_CTAS)
+    store_stream: torch.cuda.Stream | None = None  # None: stores on the engine's stream too
 
     @classmethod
     def allocate(cls, num_pages: int, chunks: DeviceChunks,
@@ -46,7 +59,8 @@ class CUDAHostPool:
             raise ValueError(f"num_pages must be >= 1, got {num_pages}")
         # Exactly the bytes asked for: torch's pinned allocator would round up to a power of two.
         pages = pinned_empty(num_pages * chunks.page_bytes, chunks.device)
-        return cls(pages.view(num_pages, chunks.page_bytes), chunks, copier or UVAPageCopier())
+        return cls(pages.view(num_pages, chunks.page_bytes), chunks, copier or UVAPageCopier(),
+                   store_stream=torch.cuda.Stream(chunks.device))
 
     @property
     def num_pages(self) -> int:
@@ -62,11 +76,22 @@ class CUDAHostPool:
         g, except where that block is the null block (group g of page i is left alone). Indices
         are range-checked on the host (tensors on the device read back first) and uploaded
         through pinned staging by the copier. None when there is nothing to copy."""
+        engine = torch.cuda.current_stream(self.chunks.device)
+        if to_device or self.store_stream is None:
+            return self._copy_on(engine, self.copier, host_pages, device_blocks, to_device)
+        # The blocks' contents are the engine's work enqueued so far: the store starts after it.
+        self.store_stream.wait_stream(engine)
+        with torch.cuda.stream(self.store_stream):
+            return self._copy_on(self.store_stream, self.store_copier, host_pages,
+                                 device_blocks, to_device)
+
+    def _copy_on(self, stream: torch.cuda.Stream, copier: UVAPageCopier, host_pages: Indices,
+                 device_blocks: GroupIndices, to_device: bool) -> EventHandle | None:
         # Validated even when empty, so a wrong group count fails on the first call.
-        self.copier.copy(self.pages, self.chunks, host_pages, device_blocks, to_device,
-                         skip_null=True)
+        copier.copy(self.pages, self.chunks, host_pages, device_blocks, to_device,
+                    skip_null=True)
         if len(host_pages) == 0:
             return None
         event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(self.chunks.device))
+        event.record(stream)
         return EventHandle(event)

@@ -69,33 +69,39 @@ struct Launch {
   int64_t ctas_per_chunk;
 };
 
-// ctas_per_chunk CTAs per (pair, chunk), chunk fastest: consecutive CTAs walk one host page in
-// order. Indices are trusted (the Python side range-checks those it uploads).
+// ctas_per_chunk CTAs' worth of work per (pair, chunk), chunk fastest: consecutive work items
+// walk one host page in order. A grid smaller than the work (max_ctas) strides over it, so a
+// copy that runs beside the model's kernels (a write-through on its own stream) holds a few SMs'
+// slots instead of flooding every SM until it is done. Indices are trusted (the Python side
+// range-checks those it uploads).
 template <int UNROLL>
 __global__ void page_copy_kernel(char* host, const int64_t* __restrict__ table,
                                  const int64_t* __restrict__ host_pages,
                                  const int64_t* __restrict__ device_blocks, Launch l,
                                  bool to_device) {
-  const int64_t task = blockIdx.x / l.ctas_per_chunk;
-  const int64_t part = blockIdx.x % l.ctas_per_chunk;
-  const int64_t pair = task / l.num_chunks;
-  const int64_t c = task % l.num_chunks;
-  const int64_t block_bytes = table[kBlockBytes * l.num_chunks + c];
-  const int64_t group = table[kGroup * l.num_chunks + c];
-  const int64_t block = device_blocks[group * l.num_pairs + pair];
-  char* dev = reinterpret_cast<char*>(static_cast<intptr_t>(table[kBase * l.num_chunks + c])) +
-              block * block_bytes;
-  char* hst = host + host_pages[pair] * l.page_bytes + table[kHostOffset * l.num_chunks + c];
-  const int64_t vecs = block_bytes / kVec;
-  const int64_t span = (vecs + l.ctas_per_chunk - 1) / l.ctas_per_chunk;
-  const int64_t begin = part * span < vecs ? part * span : vecs;
-  const int64_t end = begin + span < vecs ? begin + span : vecs;
-  auto* d = reinterpret_cast<uint4*>(dev);
-  auto* h = reinterpret_cast<uint4*>(hst);
-  if (to_device) {
-    copy_range<UNROLL>(h, d, begin, end);
-  } else {
-    copy_range<UNROLL>(d, h, begin, end);
+  const int64_t work = l.num_pairs * l.num_chunks * l.ctas_per_chunk;
+  for (int64_t item = blockIdx.x; item < work; item += gridDim.x) {
+    const int64_t task = item / l.ctas_per_chunk;
+    const int64_t part = item % l.ctas_per_chunk;
+    const int64_t pair = task / l.num_chunks;
+    const int64_t c = task % l.num_chunks;
+    const int64_t block_bytes = table[kBlockBytes * l.num_chunks + c];
+    const int64_t group = table[kGroup * l.num_chunks + c];
+    const int64_t block = device_blocks[group * l.num_pairs + pair];
+    char* dev = reinterpret_cast<char*>(static_cast<intptr_t>(table[kBase * l.num_chunks + c])) +
+                block * block_bytes;
+    char* hst = host + host_pages[pair] * l.page_bytes + table[kHostOffset * l.num_chunks + c];
+    const int64_t vecs = block_bytes / kVec;
+    const int64_t span = (vecs + l.ctas_per_chunk - 1) / l.ctas_per_chunk;
+    const int64_t begin = part * span < vecs ? part * span : vecs;
+    const int64_t end = begin + span < vecs ? begin + span : vecs;
+    auto* d = reinterpret_cast<uint4*>(dev);
+    auto* h = reinterpret_cast<uint4*>(hst);
+    if (to_device) {
+      copy_range<UNROLL>(h, d, begin, end);
+    } else {
+      copy_range<UNROLL>(d, h, begin, end);
+    }
   }
 }
 
@@ -135,8 +141,9 @@ char* host_device_pointer(const torch::Tensor& host_pool) {
 template <int UNROLL>
 void launch(char* host, const torch::Tensor& table, const torch::Tensor& pages,
             const torch::Tensor& blocks, const Launch& l, bool to_device, int threads,
-            cudaStream_t stream) {
-  const int64_t ctas = l.num_pairs * l.num_chunks * l.ctas_per_chunk;
+            int64_t max_ctas, cudaStream_t stream) {
+  int64_t ctas = l.num_pairs * l.num_chunks * l.ctas_per_chunk;
+  if (max_ctas > 0 && ctas > max_ctas) ctas = max_ctas;
   TORCH_CHECK(ctas <= INT32_MAX, "too many pages for one launch");
   page_copy_kernel<UNROLL><<<static_cast<unsigned>(ctas), threads, 0, stream>>>(
       host, table.data_ptr<int64_t>(), pages.data_ptr<int64_t>(), blocks.data_ptr<int64_t>(), l,
@@ -146,7 +153,7 @@ void launch(char* host, const torch::Tensor& table, const torch::Tensor& pages,
 
 void copy_uva(const torch::Tensor& host_pool, const torch::Tensor& table, int64_t page_bytes,
               const torch::Tensor& pages, const torch::Tensor& blocks, bool to_device,
-              int64_t threads, int64_t ctas_per_chunk, int64_t unroll) {
+              int64_t threads, int64_t ctas_per_chunk, int64_t unroll, int64_t max_ctas) {
   check_host_pool(host_pool, page_bytes);
   check_table(table);
   check_indices(pages, blocks);
@@ -155,6 +162,7 @@ void copy_uva(const torch::Tensor& host_pool, const torch::Tensor& table, int64_
               "the chunk table, host_pages and device_blocks must be on the chunks' device");
   TORCH_CHECK(threads >= 32 && threads <= 1024 && threads % 32 == 0 && ctas_per_chunk >= 1,
               "threads must be a multiple of 32 in [32, 1024], ctas_per_chunk >= 1");
+  TORCH_CHECK(max_ctas >= 0, "max_ctas must be >= 0 (0: one CTA per work item)");
   if (pages.size(0) == 0) return;
   const c10::cuda::CUDAGuard guard(table.device());
   char* host = host_device_pointer(host_pool);
@@ -163,10 +171,10 @@ void copy_uva(const torch::Tensor& host_pool, const torch::Tensor& table, int64_
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const int t = static_cast<int>(threads);
   switch (unroll) {
-    case 1: return launch<1>(host, table, pages, blocks, l, to_device, t, stream);
-    case 2: return launch<2>(host, table, pages, blocks, l, to_device, t, stream);
-    case 4: return launch<4>(host, table, pages, blocks, l, to_device, t, stream);
-    case 8: return launch<8>(host, table, pages, blocks, l, to_device, t, stream);
+    case 1: return launch<1>(host, table, pages, blocks, l, to_device, t, max_ctas, stream);
+    case 2: return launch<2>(host, table, pages, blocks, l, to_device, t, max_ctas, stream);
+    case 4: return launch<4>(host, table, pages, blocks, l, to_device, t, max_ctas, stream);
+    case 8: return launch<8>(host, table, pages, blocks, l, to_device, t, max_ctas, stream);
     default: TORCH_CHECK(false, "unroll must be 1, 2, 4 or 8, got ", unroll);
   }
 }
@@ -234,7 +242,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("copy_uva", &copy_uva, "Pinned host pages <-> device KV chunks in one UVA kernel",
         py::arg("host_pool"), py::arg("table"), py::arg("page_bytes"), py::arg("host_pages"),
         py::arg("device_blocks"), py::arg("to_device"), py::arg("threads"),
-        py::arg("ctas_per_chunk"), py::arg("unroll"));
+        py::arg("ctas_per_chunk"), py::arg("unroll"), py::arg("max_ctas") = 0);
   m.def("copy_memcpy", &copy_memcpy, "Pinned host pages <-> device KV chunks, a memcpy per chunk",
         py::arg("host_pool"), py::arg("table"), py::arg("page_bytes"), py::arg("host_pages"),
         py::arg("device_blocks"), py::arg("to_device"), py::arg("device_index"));

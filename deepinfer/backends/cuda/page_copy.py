@@ -74,11 +74,11 @@ def load_extension(capability: tuple[int, int]):
     from torch.utils.cpp_extension import load
 
     arch = f"{capability[0]}{capability[1]}"
-    # "page_copy2": the chunk-list kernel; a build of the older fixed-layout one is not reused.
+    # "page_copy3": the chunk-list kernel with a capped grid; an older build is not reused.
     build = os.path.join(cache_dir(), "extensions",
-                         f"page_copy2-torch{torch.__version__}-sm{arch}")
+                         f"page_copy3-torch{torch.__version__}-sm{arch}")
     os.makedirs(build, exist_ok=True)
-    return load(name="deepinfer_page_copy2", sources=[_SOURCE], build_directory=build,
+    return load(name="deepinfer_page_copy3", sources=[_SOURCE], build_directory=build,
                 extra_cflags=["-O3"],
                 extra_cuda_cflags=["-O3", f"-gencode=arch=compute_{arch},code=sm_{arch}"])
 
@@ -412,11 +412,16 @@ class UVAPageCopier:
     copy, at both the Llama-3-8B layout (64 chunks of 256 KiB a page) and an MLA layout (61
     latent chunks of 72 KiB), where a cudaMemcpyAsync per chunk reached 36/38 and 19/22 GB/s.
     The default was the fastest by a hair.
+
+    max_ctas caps the grid (0: one CTA per work item); the CTAs then stride over the work. A
+    copy beside the model's kernels (the write-through's own stream) is capped so that it
+    leaves the SMs to them.
     """
 
     threads: int = 256
     ctas_per_chunk: int = 1
     unroll: int = 4
+    max_ctas: int = 0
 
     def __post_init__(self) -> None:
         if not (32 <= self.threads <= 1024 and self.threads % 32 == 0):
@@ -425,6 +430,8 @@ class UVAPageCopier:
             raise ValueError(f"ctas_per_chunk must be >= 1, got {self.ctas_per_chunk}")
         if self.unroll not in (1, 2, 4, 8):
             raise ValueError(f"unroll must be 1, 2, 4 or 8, got {self.unroll}")
+        if self.max_ctas < 0:
+            raise ValueError(f"max_ctas must be >= 0, got {self.max_ctas}")
 
     def copy(self, host_pool: torch.Tensor, chunks: DeviceChunks, host_pages: Indices,
              device_blocks: GroupIndices, to_device: bool, skip_null: bool = False) -> None:
@@ -444,7 +451,7 @@ class UVAPageCopier:
         if pages.numel():
             _extension(chunks.device).copy_uva(host_pool, chunks.table, chunks.page_bytes, pages,
                                                blocks, to_device, self.threads,
-                                               self.ctas_per_chunk, self.unroll)
+                                               self.ctas_per_chunk, self.unroll, self.max_ctas)
 
     def _copy_parts(self, host_pool: torch.Tensor, chunks: DeviceChunks, pages: torch.Tensor,
                     blocks: torch.Tensor, parts: list[CopyPart], to_device: bool) -> None:
@@ -466,7 +473,7 @@ class UVAPageCopier:
             at += m + size
             extension.copy_uva(host_pool, chunks.table_of(part.chunks), chunks.page_bytes,
                                dev_pages, dev_blocks, to_device, self.threads,
-                               self.ctas_per_chunk, self.unroll)
+                               self.ctas_per_chunk, self.unroll, self.max_ctas)
 
     def copy_memcpy(self, host_pool: torch.Tensor, chunks: DeviceChunks, host_pages: Indices,
                     device_blocks: GroupIndices, to_device: bool, skip_null: bool = False) -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Callable, Protocol, Sequence
 
 from deepinfer.core.accelerator import Accelerator, CopyHandle, HostPoolLayout
 from deepinfer.core.config import CacheConfig
@@ -76,9 +77,18 @@ class _Commit:
     complete: bool  # every KV group's block was held (see HostPage.complete)
 
 
+class Held(Protocol):
+    def release(self) -> None: ...
+
+
+# A store's hold on the device blocks it reads (KVCacheManager.hold): page indices -> hold.
+Hold = Callable[[Sequence[int]], Held]
+
+
 @dataclass
 class _Copy:
-    """A copy in flight; its pages stay pinned and its index entries wait until it is done."""
+    """A copy in flight; its pages stay pinned and its index entries wait until it is done.
+    A store also holds the device blocks it reads until then."""
 
     handles: list[CopyHandle]
     pinned: list[HostPage]  # unpinned at the end, in eviction order (tails first)
@@ -86,6 +96,7 @@ class _Copy:
     started: float
     commits: list[_Commit] = field(default_factory=list)
     state: tuple[HostPage, int] | None = None
+    held: Held | None = None
 
 
 class HiCache:
@@ -202,10 +213,13 @@ class HiCache:
         self._stats.host_hit_tokens += host_hit_tokens
 
     # ---- write-through -------------------------------------------------------------------
-    def store(self, req: Request, device_blocks: list[list[int]]) -> None:
+    def store(self, req: Request, device_blocks: list[list[int]], hold: Hold | None = None
+              ) -> None:
         """Copy the request's full prompt pages the host lacks from device to host
         (device_blocks: the request's block table in each KV group; a sliding group's freed
-        pages are the null block there, which the copy leaves out)."""
+        pages are the null block there, which the copy leaves out). `hold` keeps the copied
+        pages' device blocks allocated until the copy is done, so a backend may store on a
+        stream of its own while the request ends and its blocks go back to the pool."""
         if not req.use_prefix_cache:
             return
         bs = self.block_size
@@ -232,6 +246,8 @@ class HiCache:
                                 tuple(req.token_slice(i * bs, (i + 1) * bs)),
                                 all(blocks[i] != NULL_BLOCK_ID for blocks in device_blocks))
                         for i, p in zip(missing, fresh)]
+        if fresh and hold is not None:
+            copy.held = hold(missing)
         try:
             if fresh:
                 copy.handles.append(self.accelerator.copy_pages(
@@ -290,6 +306,8 @@ class HiCache:
             else:
                 self.pool.release_state_slot(slot)
         self.pool.unpin(copy.pinned)  # uncommitted pages go back to the free list here
+        if copy.held is not None:
+            copy.held.release()
         elapsed = time.perf_counter() - copy.started
         if copy.to_device:
             self._stats.load_seconds += elapsed
@@ -299,6 +317,11 @@ class HiCache:
     @property
     def num_inflight(self) -> int:
         return len(self._inflight)
+
+    @property
+    def holds_blocks(self) -> bool:
+        """Whether a store in flight holds device blocks (KVCacheManager.hold)."""
+        return any(c.held is not None for c in self._inflight)
 
     # ---- admin ---------------------------------------------------------------------------
     def reset(self) -> int:

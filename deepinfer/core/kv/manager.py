@@ -22,6 +22,19 @@ class PrefixCacheStats:
     hits: int = 0  # prompt tokens served from the cache
 
 
+@dataclass
+class HeldBlocks:
+    """Blocks kept allocated past their request (KVCacheManager.hold); release once."""
+
+    manager: "KVCacheManager"
+    blocks: list[list[KVBlock]]  # per group
+
+    def release(self) -> None:
+        for g, blocks in zip(self.manager.groups, self.blocks):
+            g.pool.release(blocks[::-1])  # tail pages first, as a request's own free
+        self.blocks = [[] for _ in self.blocks]
+
+
 class _Group:
     """One KV group's pool and tables."""
 
@@ -248,6 +261,16 @@ class KVCacheManager:
         slot = self._slots.pop(req.request_id, None)
         if slot is not None:
             self._free_slots.append(slot)
+
+    def hold(self, request_id: str, pages: Sequence[int]) -> "HeldBlocks":
+        """Keep the request's blocks of these pages (in every group) allocated until the
+        returned hold is released, however the request ends: a copy still reading them
+        (HiCache's write-through on a stream of its own) must not see them handed out again."""
+        held = [[b for b in (g.tables[request_id][i] for i in pages) if b is not g.null]
+                for g in self.groups]
+        for g, blocks in zip(self.groups, held):
+            g.pool.touch(blocks)
+        return HeldBlocks(self, held)
 
     def num_request_blocks(self) -> int:
         return sum(len(t) for t in self.groups[0].tables.values())

@@ -218,6 +218,7 @@ def test_host_pool_of_any_dtype_is_bytes_up_to_placement():
     ({"threads": 2048}, "threads must be a multiple of 32"),
     ({"ctas_per_chunk": 0}, "ctas_per_chunk must be >= 1"),
     ({"unroll": 3}, "unroll must be 1, 2, 4 or 8"),
+    ({"max_ctas": -1}, "max_ctas must be >= 0"),
 ])
 def test_launch_config_errors(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -392,7 +393,7 @@ class _EmulatedKernel:
         self.launches: list[list[tuple[int, int, int, int]]] = []  # (pair, chunk, block, page)
 
     def copy_uva(self, host_pool, table, page_bytes, pages, blocks, to_device, threads,
-                 ctas_per_chunk, unroll) -> None:
+                 ctas_per_chunk, unroll, max_ctas=0) -> None:
         self._copy(host_pool, table, page_bytes, pages, blocks, to_device)
 
     def copy_memcpy(self, host_pool, table, page_bytes, pages, blocks, to_device,
@@ -484,7 +485,9 @@ LAYOUTS = {  # name: (spec, blocks per group)
 }
 PAGES = [3, 0, 4]
 BLOCKS = {1: [[5, 2, 1]], 2: [[5, 2, 1], [0, 2, 1]]}  # per number of groups
-CONFIGS = [UVAPageCopier(), UVAPageCopier(32, 3, 1), UVAPageCopier(128, 2, 8)]
+# The last two stride: fewer CTAs than work items (6 pairs' chunks x ctas_per_chunk).
+CONFIGS = [UVAPageCopier(), UVAPageCopier(32, 3, 1), UVAPageCopier(128, 2, 8),
+           UVAPageCopier(max_ctas=1), UVAPageCopier(64, 3, 2, max_ctas=5)]
 
 
 def _setup(name: str, seed: int = 0):
@@ -604,8 +607,10 @@ def _null_copy(method: str, chunks: DeviceChunks, host: torch.Tensor):
     """copy(pages, blocks, to_device) of one method, with skip_null, run to the end."""
     from deepinfer.backends.cuda.host_pool import CUDAHostPool
 
-    if method == "pool":  # what CUDAAccelerator.copy_pages calls
-        pool = CUDAHostPool(host, chunks, UVAPageCopier())
+    if method.startswith("pool"):  # what CUDAAccelerator.copy_pages calls
+        # "pool stream": stores on a stream of their own with a grid of 2 CTAs, as allocated.
+        stream = torch.cuda.Stream() if method == "pool stream" else None
+        pool = CUDAHostPool(host, chunks, UVAPageCopier(), UVAPageCopier(max_ctas=2), stream)
 
         def copy(pages, blocks, to_device):
             handle = pool.copy(pages, blocks, to_device)
@@ -623,7 +628,7 @@ def _null_copy(method: str, chunks: DeviceChunks, host: torch.Tensor):
 
 @needs_cuda
 @pytest.mark.parametrize("indices", ["lists", "device tensors"])
-@pytest.mark.parametrize("method", ["uva", "memcpy", "pool"])
+@pytest.mark.parametrize("method", ["uva", "memcpy", "pool", "pool stream"])
 def test_null_blocks_are_left_alone_on_the_gpu(method: str, indices: str):
     """Store: a pair's group whose device block is the null block leaves that group's bytes of
     the host page as they were (a pair with no block leaves the page whole); every other chunk
@@ -699,3 +704,31 @@ def test_host_tier_serves_a_sliding_window_model_on_the_gpu(tmp_path):
     stats = check_host_tier(path, Recording, vocab=250)
     assert stats.host_hit_tokens > 0 and stats.stored_pages > 0
     assert True in null_copies  # loads that left the null block alone
+
+
+@needs_cuda
+def test_store_on_its_own_stream_waits_for_the_engine_and_not_the_other_way():
+    """A store runs after the engine's work enqueued before it (it reads what a long kernel
+    is still writing), and the engine's later work does not wait for the store: its event is
+    not passed while the engine stream already is."""
+    from deepinfer.backends.cuda.host_pool import CUDAHostPool
+
+    chunks, _, blocks = _setup("llama", seed=3)
+    pool = CUDAHostPool.allocate(5, chunks)
+    assert pool.store_stream is not None and pool.store_copier.max_ctas > 0
+    torch.cuda.synchronize()
+    torch.cuda._sleep(50_000_000)  # the engine is busy for tens of ms, then writes the blocks
+    for t in chunks.tensors:
+        t.fill_(7)
+    handle = pool.copy(PAGES, blocks, to_device=False)
+    handle.wait()
+    assert bool((pool.pages[PAGES] == 7).all())
+    # Now a store that is still running while the engine has nothing ahead of it.
+    with torch.cuda.stream(pool.store_stream):
+        torch.cuda._sleep(200_000_000)
+    handle = pool.copy(PAGES, blocks, to_device=False)
+    mark = torch.cuda.Event()
+    mark.record()
+    mark.synchronize()
+    assert not handle.done()
+    handle.wait()
