@@ -14,12 +14,18 @@ contiguous pinned copy of the same bytes. GB/s are also given as a fraction of t
 one contiguous pinned copy reaches on an H200 (PCIe Gen5 x16), the ceiling for any page copy.
 The JSON keeps the llama8b layout's fields at the top level (plot.py reads them) and has every
 layout under "layouts".
+
+"store_overlap" (llama8b) times what a write-through costs the steps beside it: a model-like
+chunk (32 layers of a 128-token prefill over a 32K context at the Llama-3-8B width) alone, right
+after a store of --pages pages enqueued on the pool's own stream (as HiCache stores), and right
+after the same store on the engine's stream (where it would queue ahead of the chunk).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import statistics
+import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -160,11 +166,70 @@ def run_layout(layout: Layout, num_blocks: int, num_pages: int, n: int, check_pa
         dst, src = (flat_dev, flat_host) if to_dev else (flat_host, flat_dev)
         rows.append(_row("contiguous pinned copy", direction,
                          _time_ms(lambda: dst.copy_(src, non_blocking=True), reps), nbytes))
+    overlap = store_overlap(pool, chunks, pages, blocks, reps) if layout.name == "llama8b" \
+        else None
     return {"shape": layout.shape, "chunks": chunks.layout.num_chunks,
             "chunk_block_bytes": sorted(set(chunks.layout.block_bytes)),
             "page_bytes": chunks.page_bytes, "device_blocks": num_blocks,
             "host_pages": num_pages, "pages_copied": n, "bytes_per_copy": nbytes,
-            "results": rows}
+            "results": rows, "store_overlap": overlap}
+
+
+def _chunk_forward(device: torch.device, context: int = 32768, layers: int = 32) -> Callable[[], None]:
+    """A 128-token prefill chunk over `context` cached tokens at the Llama-3-8B width: the
+    GEMMs and attention of every layer (one set of weights, reused)."""
+    bf16 = dict(dtype=torch.bfloat16, device=device)
+    x = torch.randn(128, 4096, **bf16)
+    qkv, wo = torch.randn(4096, 6144, **bf16) / 64, torch.randn(4096, 4096, **bf16) / 64
+    w13, w2 = torch.randn(4096, 28672, **bf16) / 64, torch.randn(14336, 4096, **bf16) / 120
+    k = torch.randn(1, 32, context, 128, **bf16)
+    v = torch.randn(1, 32, context, 128, **bf16)
+
+    def forward() -> None:
+        h = x
+        for _ in range(layers):
+            q = (h @ qkv)[:, :4096].view(1, 128, 32, 128).transpose(1, 2)
+            a = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+            h = h + a.transpose(1, 2).reshape(128, 4096) @ wo
+            gate, up = (h @ w13).chunk(2, dim=-1)
+            h = h + (torch.nn.functional.silu(gate) * up) @ w2
+    return forward
+
+
+def _timed(forward: Callable[[], None], before: Callable[[], None]) -> tuple[float, float]:
+    """(GPU ms of forward on the current stream, host ms from its launch to its end) with
+    before() enqueued first."""
+    torch.cuda.synchronize()
+    before()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    t0 = time.perf_counter()
+    start.record()
+    forward()
+    end.record()
+    end.synchronize()
+    wall = (time.perf_counter() - t0) * 1e3
+    torch.cuda.synchronize()  # the store too, before the next repetition
+    return start.elapsed_time(end), wall
+
+
+def store_overlap(pool: CUDAHostPool, chunks: DeviceChunks, pages: torch.Tensor,
+                  blocks: torch.Tensor, reps: int) -> dict:
+    forward = _chunk_forward(chunks.device)
+    pages_l, blocks_l = pages.tolist(), blocks.tolist()
+    on_engine = CUDAHostPool(pool.pages, chunks, pool.copier, pool.store_copier, None)
+    arms = {"alone": lambda: None,
+            "store on its own stream": lambda: pool.copy(pages_l, blocks_l, to_device=False),
+            "store on the engine stream": lambda: on_engine.copy(pages_l, blocks_l,
+                                                                 to_device=False)}
+    for _ in range(2):
+        _timed(forward, arms["alone"])  # warm up cuBLAS and the copy kernel
+        _timed(forward, arms["store on its own stream"])
+    out = {}
+    for name, before in arms.items():
+        times = [_timed(forward, before) for _ in range(reps)]
+        out[name] = {"gpu_ms": statistics.median(t[0] for t in times),
+                     "wall_ms": statistics.median(t[1] for t in times)}
+    return out
 
 
 def _print_table(name: str, report: dict) -> None:
@@ -177,6 +242,8 @@ def _print_table(name: str, report: dict) -> None:
             print(f"{direction}  {r['method']:<40} {r['ms']:9.2f} ms {r['GBps']:7.1f} GB/s "
                   f"{r['of_ceiling']:5.2f}x {CEILING_GBPS:.0f} GB/s "
                   f"{r['GBps'] / contiguous['GBps']:5.2f}x contiguous")
+    for arm, t in (report["store_overlap"] or {}).items():
+        print(f"chunk forward, {arm:<28} GPU {t['gpu_ms']:7.2f} ms, wall {t['wall_ms']:7.2f} ms")
 
 
 def main() -> None:

@@ -377,3 +377,27 @@ def test_a_store_holds_its_device_blocks_until_it_has_run(tmp_path, window):
     fake.finish_copies()
     engine.hicache.poll()
     _assert_host_clean(engine)
+
+
+def test_a_prompt_back_before_its_store_is_done_is_not_stored_twice(tmp_path):
+    """The next turn (here: the same prompt, a device hit, then a longer one) arrives while
+    the first store is still copying: its store copies only the pages nobody is writing yet,
+    the pending pages are indexed once, and a host hit then serves all of them."""
+    engine = _engine(tmp_path, deferred_stores=True)
+    fake = engine.accelerator
+    a = _prompt(50, 13)  # 3 full pages
+    _run(engine, "a", a)
+    assert fake.copied_pages["to_host"] == 3
+    assert _run(engine, "a-again", a).num_cached_tokens == 12
+    assert fake.copied_pages["to_host"] == 3  # nothing new to store
+    longer = a + _prompt(51, 8)  # 5 full pages: 2 new
+    _run(engine, "a-longer", longer)
+    assert fake.copied_pages["to_host"] == 5
+    fake.finish_copies()
+    engine.hicache.poll()
+    assert engine.hicache.stats().stored_pages == 5
+    _drop_device_cache(engine)
+    assert _run(engine, "a-host", longer).num_cached_tokens == 20
+    fake.finish_copies()
+    engine.hicache.poll()
+    _assert_host_clean(engine)

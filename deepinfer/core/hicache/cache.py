@@ -117,6 +117,9 @@ class HiCache:
         self.pool = HostPagePool(layout.num_pages, layout.num_state_slots)
         self._stats = HiCacheStats(pages_total=layout.num_pages)
         self._inflight: list[_Copy] = []
+        # Pages a store in flight is writing, by hash: a prompt that comes back before its
+        # first store is done (the next turn, a device hit) is not stored a second time.
+        self._storing: dict[BlockHash, _Commit] = {}
 
     @classmethod
     def create(cls, accelerator: Accelerator, cache: CacheConfig,
@@ -229,8 +232,8 @@ class HiCache:
         extend_block_hashes(req.block_hashes, req.token_slice, num_full * bs, bs, req.cache_salt)
         chain: list[HostPage | None] = []  # per page: the host page holding it, or None
         for i in range(num_full):
-            page = self.pool.holder(req.block_hashes[i])
-            if page is not None and page.token_ids != tuple(req.token_slice(i * bs, (i + 1) * bs)):
+            page, tokens = self._holder(req.block_hashes[i])
+            if page is not None and tokens != tuple(req.token_slice(i * bs, (i + 1) * bs)):
                 break  # a hash collision: no hit can pass this page anyway
             chain.append(page)
         # Pin what the host holds first, so making room never evicts this chain's own pages.
@@ -272,7 +275,17 @@ class HiCache:
             self._finish(copy)
             raise
         self._stats.store_bytes += nbytes
+        self._storing.update((c.block_hash, c) for c in copy.commits)
         self._track(copy)
+
+    def _holder(self, block_hash: BlockHash) -> tuple[HostPage | None, tuple[int, ...] | None]:
+        """The host page that holds this hash, or that a store in flight is writing it to,
+        and its tokens (for the collision check)."""
+        page = self.pool.holder(block_hash)
+        if page is not None:
+            return page, page.token_ids
+        storing = self._storing.get(block_hash)
+        return (None, None) if storing is None else (storing.page, storing.tokens)
 
     # ---- copies in flight ----------------------------------------------------------------
     def _track(self, copy: _Copy) -> None:
@@ -297,6 +310,8 @@ class HiCache:
 
     def _finish(self, copy: _Copy) -> None:
         for c in copy.commits:
+            if self._storing.get(c.block_hash) is c:
+                del self._storing[c.block_hash]
             if self.pool.commit(c.page, c.block_hash, c.tokens, c.complete):
                 self._stats.stored_pages += 1
         if copy.state is not None:
