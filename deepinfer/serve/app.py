@@ -6,7 +6,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
@@ -14,6 +14,7 @@ from starlette.exceptions import HTTPException
 from deepinfer.serve.chat import ChatFormat
 from deepinfer.serve.engine_client import EngineClient, RankView
 from deepinfer.serve.errors import APIError, error_response, http_error_message, validation_message
+from deepinfer.serve.json_body import json_body
 from deepinfer.serve.guards import APIKeyMiddleware, BodyLimitMiddleware
 from deepinfer.serve.limits import RequestLimits
 from deepinfer.serve.metrics import ServerMetrics
@@ -89,12 +90,14 @@ def create_app(state: ServerState) -> FastAPI:
                                                     else frozenset()))
 
     @app.post("/v1/chat/completions")
-    async def _chat(body: ChatCompletionRequest, request: Request):
+    async def _chat(request: Request,
+                    body: ChatCompletionRequest = Depends(json_body(ChatCompletionRequest))):
         check_model(state, body.model)
         return await chat_completions(state, body, request)
 
     @app.post("/v1/completions")
-    async def _completions(body: CompletionRequest, request: Request):
+    async def _completions(request: Request,
+                           body: CompletionRequest = Depends(json_body(CompletionRequest))):
         check_model(state, body.model)
         return await completions(state, body, request)
 
