@@ -185,7 +185,9 @@ def per_request(t0s: list[float], times: list[list[float]]) -> tuple[list[float]
 
 # ---- CPU accounting ------------------------------------------------------------------------------
 class CpuMeter:
-    """CPU seconds of the API process, its rank(s), this process and everything else."""
+    """CPU seconds of the API process(es), its rank(s), this process and everything else. The
+    server's children that loaded torch are its ranks; the others are API processes
+    (--api-server-count) and multiprocessing's resource tracker (idle)."""
 
     def __init__(self, server_pid: int | None) -> None:
         import psutil
@@ -201,17 +203,29 @@ class CpuMeter:
         except self.psutil.Error:
             return 0.0
 
+    def _split(self) -> tuple[list, list]:
+        """(API processes, ranks) among the server's processes."""
+        if self.api is None:
+            return [], []
+        api, ranks = [self.api], []
+        for child in self.api.children(recursive=True):
+            (ranks if self._loaded_torch(child) else api).append(child)
+        return api, ranks
+
+    def _loaded_torch(self, p) -> bool:
+        try:
+            return any("libtorch" in m.path for m in p.memory_maps(grouped=True))
+        except self.psutil.Error:
+            return False
+
     def sample(self) -> dict:
-        ranks = 0.0
-        if self.api is not None:
-            for child in self.api.children(recursive=True):
-                ranks += self._proc(child)
+        api, ranks = self._split()
         t = self.psutil.cpu_times()
         busy = sum(t) - t.idle - getattr(t, "iowait", 0.0)
         # This process and its client processes (the server is a child too, counted above).
         clients = sum(self._proc(c) for c in self.me.children()
                       if self.api is None or c.pid != self.api.pid)
-        return {"api": self._proc(self.api) if self.api else 0.0, "rank": ranks,
+        return {"api": sum(map(self._proc, api)), "rank": sum(map(self._proc, ranks)),
                 "bench": self._proc(self.me) + clients, "system_busy": busy}
 
     @staticmethod
@@ -259,6 +273,8 @@ def start_server(model_dir: str, port: int, args: argparse.Namespace, log_path: 
         cmd += ["--num-kv-blocks", str(args.num_kv_blocks)]
     if args.stream_interval > 1:
         cmd += ["--stream-interval", str(args.stream_interval)]
+    if args.api_server_count > 1:
+        cmd += ["--api-server-count", str(args.api_server_count)]
     return _start(cmd, log_path, {TRACE_ENV: trace_dir})
 
 
@@ -684,6 +700,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="client processes the server's streams are spread over (one Python "
                         "client saturates its core at a few hundred streams)")
     p.add_argument("--port", type=int, default=0, help="0: a free port")
+    p.add_argument("--api-server-count", type=int, default=1,
+                   help="the server's --api-server-count (API processes on the port)")
     p.add_argument("--stream-interval", type=int, default=1,
                    help="the server's --stream-interval (tokens a streamed chunk gathers)")
     p.add_argument("--profile", action="store_true",
@@ -815,6 +833,7 @@ def main(argv: list[str] | None = None) -> int:
                      "kv_cache_memory_gb": args.kv_cache_memory_gb, "torch_threads": threads,
                      "load_format": args.load_format, "num_kv_blocks": args.num_kv_blocks,
                      "client_procs": args.client_procs, "stream_interval": args.stream_interval,
+                     "api_server_count": args.api_server_count,
                      "prefix_cache": "off per request (and every prompt differs)"},
         "elapsed_s": round(elapsed, 1),
         "method": {

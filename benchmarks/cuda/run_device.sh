@@ -103,15 +103,18 @@ if wanted serve_overhead; then
 fi
 # The API tier's own ceiling: the same server benchmark on a 2-layer model of the Llama-3-8B
 # width, whose steps are too short to be the limit, at up to 1,024 streams (a dropped stream
-# fails the run).
+# fails the run), with one and with two API processes (API_SERVERS).
 if wanted api_ceiling; then
     tiny=$(python3 benchmarks/cuda/engine_bench.py --write-model /tmp/llama3-2l --layers 2 \
         --max-len 8192 | tail -n 1)
-    step api_ceiling env DEEPINFER_ACCELERATOR=nvidia python3 benchmarks/serve_overhead.py \
-        --model "$tiny" --load-format dummy --dtype bfloat16 --levels "${API_LEVELS:-256,1024}" \
-        --repeats 1 --prompt-len 512 --output-len 128 --max-num-seqs 1024 \
-        --max-num-batched-tokens 16384 --num-kv-blocks 6000 --client-procs 8 \
-        ${SERVE_ARGS:-} --out "$out/api_ceiling"
+    for n in ${API_SERVERS:-1 2}; do
+        step "api_ceiling_$n" env DEEPINFER_ACCELERATOR=nvidia python3 \
+            benchmarks/serve_overhead.py --model "$tiny" --load-format dummy --dtype bfloat16 \
+            --levels "${API_LEVELS:-256,1024}" --repeats 1 --prompt-len 512 --output-len 128 \
+            --max-num-seqs 1024 --max-num-batched-tokens 16384 --num-kv-blocks 6000 \
+            --client-procs 8 --api-server-count "$n" ${SERVE_ARGS:-} \
+            --out "$out/api_ceiling_$n"
+    done
 fi
 # DeepSeek-V4: the engine on the GPU (decode graphs captured) against transformers on tiny
 # checkpoints, the batch-1 step's profile, then the V4-Flash-width benchmark.

@@ -114,6 +114,7 @@ def create_app(state: ServerState) -> FastAPI:
         detailed = not state.api_key or APIKeyMiddleware.authorized(request.scope,
                                                                     state.api_key)
         body = health_body(state.client.ranks(), detailed)
+        body["api_process"] = state.client.client_id  # which of --api-server-count answered
         return JSONResponse(body, status_code=200 if body["live"] else 503)
 
     @app.post("/tokenize")

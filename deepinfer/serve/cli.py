@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import os
+import shutil
 import signal
 import socket
 import sys
+import tempfile
 from collections.abc import Callable
 from typing import Any, Sequence, TypeAlias
 
@@ -77,6 +80,10 @@ def _server_args(p: Flags) -> None:
                         "header, user field or first user message) to one rank for its prefix "
                         "cache, falling back to the least-loaded rank when it is overloaded; "
                         "least-loaded picks the rank with the fewest queued + running tokens")
+    p.add_argument("--api-server-count", type=int, default=1,
+                   help="API processes serving the port, each talking to every rank (HTTP, "
+                        "JSON and SSE work spread over cores, as for many streams over "
+                        "several ranks); the first one also starts and watches the ranks")
     p.add_argument("--stream-interval", type=int, default=DEFAULT_STREAM_INTERVAL,
                    help="tokens a streamed sample gathers before the rank sends them (its "
                         "first token and its end go out at once): fewer, larger SSE chunks "
@@ -171,25 +178,19 @@ def rank_health(args: argparse.Namespace) -> RankHealthConfig:
 
 
 async def serve(args: argparse.Namespace, model_dir: str, listener: socket.socket) -> None:
-    import time
-
-    import uvicorn
-
-    from deepinfer.serve.app import ServerState, create_app
+    """API process 0: the ranks, the other API processes, and its own HTTP server."""
+    from deepinfer.serve.api_workers import start_workers, stop_workers
     from deepinfer.serve.engine_client import EngineClient
-    from deepinfer.serve.metrics import ServerMetrics
-    from deepinfer.serve.rank_metrics import RankCollector
-    from deepinfer.serve.moe_metrics import MoECollector
     from deepinfer.serve.tokenizer.hf import import_transformers
-    from deepinfer.serve.tokenizer_metrics import TokenizerCollector
 
-    name = args.served_model_name or os.path.basename(os.path.normpath(args.model or model_dir))
     import_transformers()  # torch-free, before the tokenizer's thread and the ranks start
     client = EngineClient(engine_config(args, model_dir), args.dp, routing=args.routing,
-                          health=rank_health(args), stream_interval=args.stream_interval)
+                          health=rank_health(args), stream_interval=args.stream_interval,
+                          api_servers=args.api_server_count)
     # The tokenizer loads and probes its backends (seconds) while the ranks start (longer):
     # this process only waits on them meanwhile.
     loading = asyncio.ensure_future(asyncio.to_thread(load_tokenizers, args, model_dir))
+    workers = []
     try:
         ready = await client.start()
         log.info("%d rank(s) ready on %s: %d KV blocks of %d tokens, context %d", len(ready),
@@ -199,27 +200,80 @@ async def serve(args: argparse.Namespace, model_dir: str, listener: socket.socke
             log.info("HiCache: %d host pages of %d tokens per rank", ready[0].hicache_pages,
                      ready[0].block_size)
         tokenizer, prompt_tokenizer = await loading
-        metrics = ServerMetrics(name)
-        metrics.registry.register(TokenizerCollector(prompt_tokenizer, name))
-        metrics.registry.register(RankCollector(client.ranks, client.router, name))
-        metrics.registry.register(MoECollector(client.ranks, name))
-        state = ServerState(client, tokenizer, name, model_dir, ready[0].max_model_len,
-                            metrics, args.api_key, int(time.time()),
-                            prompt_tokenizer=prompt_tokenizer, limits=request_limits(args),
-                            sampling_defaults=sampling_defaults(args, model_dir),
-                            metrics_public=args.metrics_public)
-        config = uvicorn.Config(create_app(state), host=args.host, port=args.port,
-                                log_level=args.log_level, timeout_graceful_shutdown=5)
-        # uvicorn handles SIGINT/SIGTERM while it serves, then restores the previous handlers
-        # and re-raises the signal; with the default handlers that kills the process before
-        # the `finally` below can stop the ranks (orphaned ranks, leaked IPC folder).
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, _swallow_signal)
-        await uvicorn.Server(config).serve(sockets=[listener])
+        workers = await start_workers(args, model_dir, client, ready, listener)
+        if workers:
+            log.info("%d API processes serve port %d", len(workers) + 1, args.port)
+        _stop_if_any_exits(workers)
+        await serve_http(args, model_dir, client, ready, tokenizer, prompt_tokenizer, listener)
     finally:
         listener.close()
+        for process in workers:
+            asyncio.get_running_loop().remove_reader(process.sentinel)  # stopped on purpose
+        await stop_workers(workers)
         await client.shutdown()
         await _close_tokenizers(loading)
+
+
+def _stop_if_any_exits(workers: list) -> None:
+    """An API process that dies takes the server down (its port share would go unserved)."""
+    loop = asyncio.get_running_loop()
+
+    def exited(process) -> None:
+        loop.remove_reader(process.sentinel)
+        process.join(timeout=1.0)  # over at once: the sentinel fires as the process ends
+        log.error("API process %s (pid %s) exited with code %s; stopping the server",
+                  process.name, process.pid, process.exitcode)
+        os.kill(os.getpid(), signal.SIGTERM)
+    for process in workers:
+        loop.add_reader(process.sentinel, exited, process)
+
+
+async def serve_http(args: argparse.Namespace, model_dir: str, client, ready: list,
+                     tokenizer, prompt_tokenizer, listener: socket.socket,
+                     observes_engine: bool = True) -> None:
+    """This API process's app on the listening socket until a signal stops it."""
+    import time
+
+    import uvicorn
+
+    from deepinfer.serve.app import ServerState, create_app
+    from deepinfer.serve.metrics import ServerMetrics
+    from deepinfer.serve.moe_metrics import MoECollector
+    from deepinfer.serve.rank_metrics import RankCollector
+    from deepinfer.serve.tokenizer_metrics import TokenizerCollector
+
+    name = args.served_model_name or os.path.basename(os.path.normpath(args.model or model_dir))
+    metrics = ServerMetrics(name, observes_engine)
+    metrics.registry.register(TokenizerCollector(prompt_tokenizer, name))
+    metrics.registry.register(RankCollector(client.ranks, client.router, name))
+    metrics.registry.register(MoECollector(client.ranks, name))
+    state = ServerState(client, tokenizer, name, model_dir, ready[0].max_model_len,
+                        metrics, args.api_key, int(time.time()),
+                        prompt_tokenizer=prompt_tokenizer, limits=request_limits(args),
+                        sampling_defaults=sampling_defaults(args, model_dir),
+                        metrics_public=args.metrics_public)
+    config = uvicorn.Config(create_app(state), host=args.host, port=args.port,
+                            log_level=args.log_level, timeout_graceful_shutdown=5)
+    # uvicorn handles SIGINT/SIGTERM while it serves, then restores the previous handlers
+    # and re-raises the signal; with the default handlers that kills the process before
+    # the caller's `finally` can stop the ranks (orphaned ranks, leaked IPC folder).
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _swallow_signal)
+    refresh = asyncio.ensure_future(_refresh_engine_metrics(metrics, client)) \
+        if metrics.multiprocess and observes_engine else None
+    try:
+        await uvicorn.Server(config).serve(sockets=[listener])
+    finally:
+        if refresh is not None:
+            refresh.cancel()
+
+
+async def _refresh_engine_metrics(metrics, client) -> None:
+    """Several API processes: the engine series in the shared files stay fresh whichever
+    process is scraped."""
+    while True:
+        metrics.observe_engine(client.stats())
+        await asyncio.sleep(1.0)
 
 
 async def _close_tokenizers(loading: asyncio.Future) -> None:
@@ -302,11 +356,31 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"deepinfer-serve: error: {exc}", file=sys.stderr)
         listener.close()
         return 2
-    _run(serve(args, model_dir, listener))
+    with _metrics_files(args.api_server_count):
+        run_event_loop(serve(args, model_dir, listener))
     return 0
 
 
-def _run(main_coro) -> None:
+@contextlib.contextmanager
+def _metrics_files(api_servers: int):
+    """Several API processes share their metrics through prometheus_client's multiprocess
+    files: the folder is named before any process imports the library (the others inherit
+    it) and removed at the end."""
+    from deepinfer.serve.metrics_env import MULTIPROC_ENV
+
+    if api_servers <= 1 or os.environ.get(MULTIPROC_ENV):
+        yield
+        return
+    folder = tempfile.mkdtemp(prefix="deepinfer-metrics-")
+    os.environ[MULTIPROC_ENV] = folder
+    try:
+        yield
+    finally:
+        os.environ.pop(MULTIPROC_ENV, None)
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def run_event_loop(main_coro) -> None:
     """Run on uvloop where it is installed (a faster event loop for many streams)."""
     try:
         import uvloop

@@ -33,7 +33,8 @@ from deepinfer.core.sampling import SamplingParams
 from deepinfer.models.registry import has_experts
 from deepinfer.serve.rank_entry import RankSpec, run_rank
 from deepinfer.serve.ipc import (AbortRequest, AddRequest, Control, ControlReply, EngineStats,
-                                 ExpertStats, Failed, Heartbeat, Ready, StepResult, TokenDelta)
+                                 ExpertStats, Failed, Heartbeat, RankEvent, Ready, StepResult,
+                                 TokenDelta)
 from deepinfer.serve.rank_health import RankHealthConfig, RankState, Verdict, judge
 from deepinfer.serve.stream_pacing import DEFAULT_STREAM_INTERVAL
 from deepinfer.serve.ranks import (EngineRequestError, RankDiedError, RankView, _Rank,
@@ -49,16 +50,23 @@ log = logging.getLogger("deepinfer.serve")
 class EngineClient:
     def __init__(self, config: EngineConfig, num_ranks: int = 1,
                  routing: str = "affinity", health: RankHealthConfig | None = None,
-                 stream_interval: int = DEFAULT_STREAM_INTERVAL) -> None:
+                 stream_interval: int = DEFAULT_STREAM_INTERVAL, api_servers: int = 1,
+                 client_id: int = 0, ipc_dir: str | None = None) -> None:
         self.config = config
         self.num_ranks = num_ranks
         self.stream_interval = stream_interval
         self.health = health or RankHealthConfig()
         self.router = Router(num_ranks, routing)
+        # API processes (--api-server-count): this one is client_id; process 0 owns the ranks.
+        self.api_servers, self.client_id = api_servers, client_id
         self._ctx = zmq.asyncio.Context()
-        self._dir = tempfile.mkdtemp(prefix="deepinfer-ipc-")
+        self._dir = ipc_dir or tempfile.mkdtemp(prefix="deepinfer-ipc-")
         self._output = self._ctx.socket(zmq.PULL)
-        self._output.bind(f"ipc://{self._dir}/output")
+        self._output.bind(output_addr(self._dir, client_id))
+        # Process 0 tells the others what becomes of the ranks (connected now, queued until
+        # they bind: nothing is lost while they start).
+        self._events = [self._connect_push(events_addr(self._dir, k))
+                        for k in range(1, api_servers)] if client_id == 0 else []
         self._ranks: list[_Rank] = []
         self._queues: dict[str, asyncio.Queue] = {}
         self._owner: dict[str, int] = {}  # request id -> rank
@@ -96,21 +104,57 @@ class EngineClient:
         self._group = parallel.ep and parallel.world_size > 1
 
     def _spawn(self, rank: int) -> _Rank:
-        inbox = self._ctx.socket(zmq.PUSH)
-        # No high-water mark: a send to a live rank never waits, so a send that cannot queue
-        # means the rank is gone (see _send).
-        inbox.setsockopt(zmq.SNDHWM, 0)
-        inbox.setsockopt(zmq.LINGER, 0)
-        addr = f"ipc://{self._dir}/input-{rank}-{next(self._spawns)}"
-        inbox.bind(addr)
-        spec = RankSpec(rank, self.num_ranks, self.config, addr, f"ipc://{self._dir}/output",
+        spawn = next(self._spawns)
+        inbox = self._bind_inbox(rank, spawn)
+        clients = range(self.api_servers)
+        spec = RankSpec(rank, self.num_ranks, self.config,
+                        tuple(input_addr(self._dir, rank, spawn, k) for k in clients),
+                        tuple(output_addr(self._dir, k) for k in clients),
                         self.health.heartbeat_interval_s,
                         logging.getLevelName(logging.getLogger().getEffectiveLevel()),
                         self._envs[rank], self.stream_interval)
         process = mp.get_context("spawn").Process(target=run_rank, args=(spec,),
                                                   name=f"deepinfer-rank{rank}", daemon=True)
         process.start()
-        return _Rank(process, inbox)
+        return _Rank(process, inbox, spawn=spawn)
+
+    def _bind_inbox(self, rank: int, spawn: int) -> zmq.asyncio.Socket:
+        inbox = self._ctx.socket(zmq.PUSH)
+        # No high-water mark: a send to a live rank never waits, so a send that cannot queue
+        # means the rank is gone (see _send).
+        inbox.setsockopt(zmq.SNDHWM, 0)
+        inbox.setsockopt(zmq.LINGER, 0)
+        inbox.bind(input_addr(self._dir, rank, spawn, self.client_id))
+        return inbox
+
+    def _connect_push(self, addr: str) -> zmq.asyncio.Socket:
+        push = self._ctx.socket(zmq.PUSH)
+        push.setsockopt(zmq.SNDHWM, 0)
+        push.setsockopt(zmq.LINGER, 0)
+        push.connect(addr)
+        return push
+
+    # ---- the other API processes ---------------------------------------------------------
+    @property
+    def ipc_dir(self) -> str:
+        return self._dir
+
+    def rank_events(self) -> list[RankEvent]:
+        """Every rank as it is now (what another API process starts from)."""
+        return [self._event(rank) for rank in range(len(self._ranks))]
+
+    def _event(self, rank: int) -> RankEvent:
+        r = self._ranks[rank]
+        return RankEvent(rank, r.state.value, r.spawn, r.process.pid, r.process.exitcode,
+                         r.kill_reason, r.restarts, r.lost_requests)
+
+    def _publish(self, rank: int) -> None:
+        """Tell the other API processes what became of the rank."""
+        if not self._events:
+            return
+        event = self._event(rank)
+        for push in self._events:
+            push.send_pyobj(event, flags=zmq.NOBLOCK)  # no high-water mark: never waits
 
     def _background(self, coro) -> None:
         task = asyncio.create_task(coro)
@@ -182,23 +226,29 @@ class EngineClient:
         was_starting = r.state is RankState.STARTING
         r.state = RankState.DEAD
         self.router.mark_dead(rank)
-        lost = [rid for rid, owner in self._owner.items() if owner == rank]
-        r.lost_requests += len(lost)
+        lost = self._fail_requests(rank, RankDiedError(rank, r.process.exitcode, r.kill_reason))
+        r.lost_requests += lost
         what = r.kill_reason or describe_exit(r.process.exitcode)
         log.error("engine rank %d (pid %s) %s; failing its %d in-flight request(s); %d "
-                  "rank(s) left", rank, r.process.pid, what, len(lost),
+                  "rank(s) left", rank, r.process.pid, what, lost,
                   len(self.router.live_ranks()))
+        self._publish(rank)
+        if self._group:
+            self._group_rank_died(rank, what, was_starting)
+        else:
+            self._schedule_restart([rank], failed_start=was_starting)
+
+    def _fail_requests(self, rank: int, error: Exception) -> int:
+        """End this process's requests and calls on the rank with `error`; how many."""
+        lost = [rid for rid, owner in self._owner.items() if owner == rank]
         for rid in lost:
-            self._queues[rid].put_nowait(RankDiedError(rank, r.process.exitcode, r.kill_reason))
+            self._queues[rid].put_nowait(error)
         for call_id, (owner, fut) in list(self._calls.items()):
             if owner == rank:
                 del self._calls[call_id]
                 if not fut.done():
                     fut.set_result(None)
-        if self._group:
-            self._group_rank_died(rank, what, was_starting)
-        else:
-            self._schedule_restart([rank], failed_start=was_starting)
+        return len(lost)
 
     def _group_rank_died(self, rank: int, what: str, failed_start: bool) -> None:
         """Expert parallel: the peers of a dead rank wait in its collectives (a gloo timeout
@@ -262,6 +312,7 @@ class EngineClient:
             new.ready, new.stats = old.ready, old.stats  # shown until the new process reports
             self._ranks[rank] = new
             self._watch_exit(rank)  # a restart that dies while loading is retried too
+            self._publish(rank)
 
     def _on_ready(self, message: Ready) -> None:
         """A restarted rank loaded its model: it serves again."""
@@ -273,6 +324,7 @@ class EngineClient:
         r.last_beat = r.serving_since = asyncio.get_running_loop().time()
         self.router.mark_alive(message.rank)
         log.info("engine rank %d (pid %s) restarted and serving", message.rank, r.process.pid)
+        self._publish(message.rank)
 
     # ---- heartbeats ----------------------------------------------------------------------
     def _on_heartbeat(self, beat: Heartbeat) -> None:
@@ -284,6 +336,7 @@ class EngineClient:
             r.state = RankState.SERVING
             self.router.mark_alive(beat.rank)
             log.warning("engine rank %d responds again; routing to it", beat.rank)
+            self._publish(beat.rank)
 
     async def _watchdog(self) -> None:
         loop = asyncio.get_running_loop()
@@ -300,6 +353,7 @@ class EngineClient:
             self.router.mark_dead(rank)
             log.warning("engine rank %d (pid %s) %s; routing around it", rank, r.process.pid,
                         reason)
+            self._publish(rank)
         elif verdict is Verdict.KILL and not r.kill_reason:
             r.kill_reason = f"stopped responding ({reason}) and was killed"
             log.error("engine rank %d (pid %s) %s; killing it", rank, r.process.pid, reason)
@@ -353,7 +407,7 @@ class EngineClient:
             self._queues[request_id] = queue
             self._owner[request_id] = rank
             await self._send(rank, AddRequest(request_id, prompt_token_ids, params, prefix_cache,
-                                              final_only))
+                                              final_only, self.client_id))
             held = None
             while finished < params.n:
                 item = held if held is not None else await queue.get()
@@ -380,7 +434,7 @@ class EngineClient:
             self._calls[call_id] = (rank, fut)
             futures.append(fut)
             try:
-                await self._send(rank, Control(command, call_id))
+                await self._send(rank, Control(command, call_id, self.client_id))
             except RankDiedError:
                 self._calls.pop(call_id, None)
                 fut.set_result(None)
@@ -486,3 +540,18 @@ def _with_rendezvous(config: EngineConfig, num_ranks: int) -> EngineConfig:
             probe.bind((parallel.master_addr, 0))
             parallel = dataclasses.replace(parallel, master_port=probe.getsockname()[1])
     return dataclasses.replace(config, parallel=parallel)
+
+
+def input_addr(ipc_dir: str, rank: int, spawn: int, client: int) -> str:
+    """Where API process `client` sends requests to start `spawn` of `rank`."""
+    return f"ipc://{ipc_dir}/input-{rank}-{spawn}" + (f"-{client}" if client else "")
+
+
+def output_addr(ipc_dir: str, client: int) -> str:
+    """Where the ranks send API process `client` its results."""
+    return f"ipc://{ipc_dir}/output" + (f"-{client}" if client else "")
+
+
+def events_addr(ipc_dir: str, client: int) -> str:
+    """Where API process `client` (> 0) hears from process 0 what becomes of the ranks."""
+    return f"ipc://{ipc_dir}/events-{client}"

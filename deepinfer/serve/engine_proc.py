@@ -20,10 +20,11 @@ from deepinfer.core.engine import Engine
 from deepinfer.core.outputs import RequestOutput
 from deepinfer.serve.ipc import (AbortRequest, AddRequest, Control, ControlReply, EngineStats,
                                  ExpertStats, Failed, Heartbeat, Ready, RequestError,
-                                 StepResult, TokenDelta)
+                                 TokenDelta)
 from deepinfer.serve.lockstep import (Lockstep, RebalanceTimer, init_rank_group,
                                       shutdown_group)
 from deepinfer.serve.rank_entry import RankSpec
+from deepinfer.serve.rank_outbox import RankOutbox
 from deepinfer.serve.stream_pacing import StreamPacer
 
 log = logging.getLogger("deepinfer.rank")
@@ -96,9 +97,11 @@ def run_rank(spec: RankSpec) -> None:
     parent = os.getppid()
     ctx = zmq.Context()
     inbox = ctx.socket(zmq.PULL)
-    inbox.connect(spec.input_addr)
-    outbox = ctx.socket(zmq.PUSH)
-    outbox.connect(spec.output_addr)
+    # API processes other than the first bind their input addresses after this connects.
+    inbox.setsockopt(zmq.RECONNECT_IVL, 20)
+    for addr in spec.input_addrs:  # one per API process; fair-queued
+        inbox.connect(addr)
+    outbox = RankOutbox(ctx, spec.output_addrs)
     from deepinfer.core.plugins import load_plugins
 
     registry = load_plugins()
@@ -106,11 +109,11 @@ def run_rank(spec: RankSpec) -> None:
         engine, lockstep = _start_engine(spec, registry)
         experts = _expert_reporter(engine, spec)
     except Exception:  # noqa: BLE001 - report any start-up failure to the API process
-        outbox.send_pyobj(Failed(spec.rank, traceback.format_exc()))
+        outbox.send(Failed(spec.rank, traceback.format_exc()))
         return
     registry.engine_started(spec.config)
     host_pages = engine.hicache.layout.num_pages if engine.hicache is not None else 0
-    outbox.send_pyobj(Ready(spec.rank, engine.kv.pool.num_usable + 1, engine.kv.block_size,
+    outbox.send(Ready(spec.rank, engine.kv.pool.num_usable + 1, engine.kv.block_size,
                             engine.token_limit(), engine.accelerator.name, host_pages,
                             _stats(engine)))
     clock, stop = StepClock(), threading.Event()
@@ -170,7 +173,7 @@ def _heartbeat(ctx: zmq.Context, spec: RankSpec, clock: StepClock,
     """Beat on a socket of this thread's own (ZMQ sockets are not thread-safe)."""
     out = ctx.socket(zmq.PUSH)
     out.setsockopt(zmq.LINGER, 0)
-    out.connect(spec.output_addr)
+    out.connect(spec.output_addrs[0])  # the API process that watches the ranks
     pid = os.getpid()
     try:
         while not stop.wait(spec.heartbeat_interval_s):
@@ -183,7 +186,7 @@ def _heartbeat(ctx: zmq.Context, spec: RankSpec, clock: StepClock,
         out.close()
 
 
-def _loop(engine: Engine, rank: int, inbox: zmq.Socket, outbox: zmq.Socket, parent: int,
+def _loop(engine: Engine, rank: int, inbox: zmq.Socket, outbox: RankOutbox, parent: int,
           clock: StepClock | None = None, lockstep: Lockstep | None = None,
           experts: ExpertReporter | None = None, pacer: StreamPacer | None = None) -> None:
     clock, pacer = clock or StepClock(), pacer or StreamPacer()
@@ -199,7 +202,7 @@ def _loop(engine: Engine, rank: int, inbox: zmq.Socket, outbox: zmq.Socket, pare
             timeout = 0
             message = inbox.recv_pyobj()
             if isinstance(message, Control) and message.command == "shutdown":
-                outbox.send_pyobj(ControlReply(message.call_id, True))
+                outbox.reply(message.client, ControlReply(message.call_id, True))
                 return
             _handle(engine, message, outbox, errors)
             _pace(pacer, message)
@@ -215,10 +218,10 @@ def _loop(engine: Engine, rank: int, inbox: zmq.Socket, outbox: zmq.Socket, pare
         # and after steps whose tokens the pacer holds: the API's gauges (running, KV usage)
         # would otherwise keep stale numbers, through a long non-streaming generation too.
         if outputs or errors or handled:
-            outbox.send_pyobj(StepResult(rank, deltas, errors, _stats(engine)))
+            outbox.step_result(rank, deltas, errors, _stats(engine))
         expert_stats = experts.due_stats() if experts is not None else None
         if expert_stats is not None:
-            outbox.send_pyobj(expert_stats)
+            outbox.broadcast(expert_stats)
 
 
 def _pace(pacer: StreamPacer, message: object) -> None:
@@ -254,9 +257,10 @@ def _step(engine: Engine, clock: StepClock, lockstep: Lockstep | None,
         clock.end()
 
 
-def _handle(engine: Engine, message: object, outbox: zmq.Socket,
+def _handle(engine: Engine, message: object, outbox: RankOutbox,
             errors: list[RequestError]) -> None:
     if isinstance(message, AddRequest):
+        outbox.admit(message.request_id, message.client, message.params.n)
         try:
             engine.add_request(message.request_id, message.prompt_token_ids, message.params,
                                prefix_cache=message.prefix_cache)
@@ -269,8 +273,10 @@ def _handle(engine: Engine, message: object, outbox: zmq.Socket,
                                        f"request: {type(exc).__name__}: {exc}", 500))
     elif isinstance(message, AbortRequest):
         engine.abort(message.request_id)
+        outbox.forget(message.request_id)
     elif isinstance(message, Control):
-        outbox.send_pyobj(ControlReply(message.call_id, _control(engine, message.command)))
+        outbox.reply(message.client, ControlReply(message.call_id,
+                                                  _control(engine, message.command)))
 
 
 def _control(engine: Engine, command: str) -> object:

@@ -20,6 +20,7 @@ class AddRequest:
     # The client reads the whole answer at its end (a non-streaming request): the rank sends
     # a sample's first token (time to first token) and then the rest when it ends.
     final_only: bool = False
+    client: int = 0  # the API process that sent it (--api-server-count): its results go there
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,7 @@ class Control:
 
     command: str
     call_id: int
+    client: int = 0  # the API process waiting for the reply
 
 
 @dataclass(frozen=True)
@@ -154,6 +156,21 @@ class Ready:
     accelerator: str
     hicache_pages: int = 0  # host-tier pages of block_size tokens (0: HiCache off)
     stats: EngineStats | None = None  # so an idle rank shows in the per-rank metrics at once
+
+
+@dataclass(frozen=True)
+class RankEvent:
+    """What became of a rank, from API process 0 (which alone starts and watches the ranks)
+    to the other API processes (--api-server-count); also their start-up snapshot."""
+
+    rank: int
+    state: str  # a RankState value
+    spawn: int  # which start of the rank (its input addresses carry it)
+    pid: int | None
+    exitcode: int | None = None
+    reason: str = ""  # why it died, when it did
+    restarts: int = 0
+    lost_requests: int = 0  # process 0's requests it took down
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,21 @@
 """Prometheus metrics of the API process, named as vLLM names them where they mean the same, so
 existing dashboards and scorers read them. Engine series are refreshed from rank stats at
-scrape time."""
+scrape time.
+
+With several API processes (--api-server-count) the metric values live in prometheus_client's
+multiprocess files (PROMETHEUS_MULTIPROC_DIR, set before any process imports the library), and
+any process's /metrics reads them all: request series are summed over the processes, engine
+series come from process 0 alone (every process sees the same rank stats; summing would count
+them once per process), and it refreshes them every second as well as when it is scraped.
+"""
 from __future__ import annotations
 
+import os
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.multiprocess import MultiProcessCollector
+
+from deepinfer.serve.metrics_env import MULTIPROC_ENV
 
 from deepinfer.serve.ipc import EngineStats
 
@@ -31,11 +43,19 @@ _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 
                     2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 
 
+def multiprocess_mode() -> bool:
+    return bool(os.environ.get(MULTIPROC_ENV))
+
+
 class ServerMetrics:
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, observes_engine: bool = True) -> None:
+        # The process's own collectors (ranks, tokenizer) go here; the metrics below too,
+        # unless they are multiprocess values (render reads those from the files).
         self.registry = CollectorRegistry()
         self.model_name = model_name
-        r, labels = self.registry, ["model_name"]
+        self.multiprocess = multiprocess_mode()
+        self.observes_engine = observes_engine  # False: another process exports engine series
+        r, labels = (None if self.multiprocess else self.registry), ["model_name"]
         self.requests = Counter("vllm:request_success", "Finished requests by finish reason",
                                 labels + ["finished_reason"], registry=r)
         self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens processed", labels,
@@ -48,11 +68,13 @@ class ServerMetrics:
                              labels, buckets=_LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Request latency end to end",
                              labels, buckets=_LATENCY_BUCKETS, registry=r)
+        # Gauges set by one process: the latest value wins across the multiprocess files.
+        gauge = dict(registry=r, multiprocess_mode="mostrecent")
         self.running = Gauge("vllm:num_requests_running", "Requests in a batch", labels,
-                             registry=r)
-        self.waiting = Gauge("vllm:num_requests_waiting", "Requests queued", labels, registry=r)
+                             **gauge)
+        self.waiting = Gauge("vllm:num_requests_waiting", "Requests queued", labels, **gauge)
         self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "Fraction of KV blocks in use",
-                              labels, registry=r)
+                              labels, **gauge)
         self.prefix_queries = Counter("vllm:prefix_cache_queries", "Prompt tokens looked up "
                                       "in the prefix cache", labels, registry=r)
         self.prefix_hits = Counter("vllm:prefix_cache_hits", "Prompt tokens served from the "
@@ -60,9 +82,9 @@ class ServerMetrics:
         self.preemptions = Counter("vllm:num_preemptions", "Requests preempted", labels,
                                    registry=r)
         self.hicache_pages_used = Gauge("deepinfer:hicache_pages_used", "Host KV pages "
-                                        "holding data, all ranks", labels, registry=r)
+                                        "holding data, all ranks", labels, **gauge)
         self.hicache_pages_total = Gauge("deepinfer:hicache_pages_total", "Host KV pages, all "
-                                         "ranks", labels, registry=r)
+                                         "ranks", labels, **gauge)
         self.hicache_hit_tokens = Counter("deepinfer:hicache_hit_tokens", "Prompt tokens served "
                                           "from a cache tier (device or host) where HiCache is "
                                           "on", labels + ["tier"], registry=r)
@@ -93,6 +115,8 @@ class ServerMetrics:
             metric.labels(m)
 
     def observe_engine(self, stats: list[EngineStats | None]) -> None:
+        if not self.observes_engine:
+            return
         live = [s for s in stats if s is not None]
         m = self.model_name
         self.running.labels(m).set(sum(s.running for s in live))
@@ -151,4 +175,8 @@ class ServerMetrics:
         self.e2e.labels(m).observe(e2e)
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        if not self.multiprocess:
+            return generate_latest(self.registry)
+        files = CollectorRegistry()
+        MultiProcessCollector(files)
+        return generate_latest(files) + generate_latest(self.registry)

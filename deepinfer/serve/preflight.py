@@ -23,6 +23,8 @@ def check_args(args: argparse.Namespace) -> None:
         raise PreflightError(f"--port must be in [0, 65535], got {args.port}")
     if not 0.0 <= args.tokenizer_verify_rate <= 1.0:
         raise PreflightError("--tokenizer-verify-rate must be in [0, 1]")
+    if args.api_server_count < 1:
+        raise PreflightError(f"--api-server-count must be >= 1, got {args.api_server_count}")
     if args.stream_interval < 1:
         raise PreflightError(f"--stream-interval must be >= 1, got {args.stream_interval}")
     try:

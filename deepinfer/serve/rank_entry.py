@@ -14,8 +14,10 @@ class RankSpec:
     rank: int
     world_size: int
     config: EngineConfig
-    input_addr: str  # the API process PUSHes requests here
-    output_addr: str  # the rank PUSHes results here
+    # One of each per API process (--api-server-count), process 0 first: each PUSHes its
+    # requests to its input address and reads its results at its output address.
+    input_addrs: tuple[str, ...]
+    output_addrs: tuple[str, ...]
     heartbeat_interval_s: float = 0.5
     log_level: str = "INFO"
     # Set before anything else in the rank (the backend's AcceleratorInfo.rank_env): e.g. the

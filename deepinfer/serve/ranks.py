@@ -44,7 +44,7 @@ def describe_exit(exitcode: int | None) -> str:
 
 @dataclass
 class _Rank:
-    process: mp.process.BaseProcess
+    process: "mp.process.BaseProcess | RemoteProcess"
     inbox: zmq.asyncio.Socket
     ready: Ready | None = None
     stats: EngineStats | None = None
@@ -57,6 +57,19 @@ class _Rank:
     kill_reason: str = ""  # why the watchdog killed it (for the failed requests' message)
     busy_s: float = 0.0  # how long its step in progress ran, as of the last heartbeat
     experts: ExpertStats | None = None  # MoE models: its latest expert load and EPLB report
+    spawn: int = 0  # which start of the rank this is (its input addresses carry it)
+
+
+@dataclass
+class RemoteProcess:
+    """A rank process as an API process that does not own it knows it (from RankEvents)."""
+
+    pid: int | None
+    exitcode: int | None = None
+    alive: bool = True
+
+    def is_alive(self) -> bool:
+        return self.alive
 
 
 @dataclass(frozen=True)

@@ -24,15 +24,21 @@ from deepinfer.serve.limits import RequestLimits
 from deepinfer.serve.protocol import ChatCompletionRequest, CompletionRequest
 
 RANK_HEADER = "x-deepinfer-rank"  # which engine rank(s) served the request
+API_PROCESS_HEADER = "x-deepinfer-api-process"  # which API process (--api-server-count) did
+
+
+def _served_by(state, routes: list[Route]) -> dict[str, str]:
+    return {RANK_HEADER: ",".join(str(r.rank) for r in routes),
+            API_PROCESS_HEADER: str(state.client.client_id)}
 
 
 class _RoutedStream(StreamingResponse):
     """A stream that releases its routes however it ends: a client gone before the first byte
     means the body is never iterated, and its rank's load would stay counted forever."""
 
-    def __init__(self, content: AsyncIterator[str], routes: list[Route]) -> None:
-        super().__init__(content, media_type="text/event-stream",
-                         headers={RANK_HEADER: ",".join(str(r.rank) for r in routes)})
+    def __init__(self, content: AsyncIterator[str], routes: list[Route],
+                 headers: dict[str, str]) -> None:
+        super().__init__(content, media_type="text/event-stream", headers=headers)
         self.routes = routes
 
     async def __call__(self, scope, receive, send) -> None:
@@ -168,7 +174,7 @@ async def chat_completions(state, body: ChatCompletionRequest, request: Request)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         chunks = _chat_chunks(state, rid, gen, stream, rendered.forced_prefix, names if use_tools
                               else None, include_usage, body.logprobs, mode)
-        return _RoutedStream(chunks, [route])
+        return _RoutedStream(chunks, [route], _served_by(state, [route]))
 
     async def collect() -> None:
         async for _ in stream:
@@ -182,7 +188,7 @@ async def chat_completions(state, body: ChatCompletionRequest, request: Request)
                             body.logprobs, mode) for c in gen.choices]
     return JSONResponse({"id": rid, "object": "chat.completion", "created": _now(),
                          "model": state.model_name, "choices": choices, "usage": usage([gen])},
-                        headers={RANK_HEADER: str(route.rank)})
+                        headers=_served_by(state, [route]))
 
 
 def _chat_choice(state, c: Choice, forced: str, tool_names: set[str] | None,
@@ -305,7 +311,7 @@ async def completions(state, body: CompletionRequest, request: Request):
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return _RoutedStream(
             _completion_chunks(state, rid, gens, streams, echo, params.n, include_usage,
-                               body.logprobs is not None), routes)
+                               body.logprobs is not None), routes, _served_by(state, routes))
 
     async def collect() -> None:
         async for _ in _merge(streams):
@@ -324,7 +330,7 @@ async def completions(state, body: CompletionRequest, request: Request):
                             if body.logprobs is not None else None})
     return JSONResponse({"id": rid, "object": "text_completion", "created": _now(),
                          "model": state.model_name, "choices": choices, "usage": usage(gens)},
-                        headers={RANK_HEADER: ",".join(str(r.rank) for r in routes)})
+                        headers=_served_by(state, routes))
 
 
 async def _completion_chunks(state, rid: str, gens: list[Generation], streams: list,

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import zmq
 
 from deepinfer.core.config import CacheConfig, EngineConfig, ModelSpec, SchedulerConfig
+from deepinfer.serve.rank_outbox import RankOutbox
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "core"))
 from fakes import PagedFakeAccelerator, write_config  # noqa: E402
@@ -21,19 +22,19 @@ class RankWires:
     ctx: zmq.Context
     to_rank: zmq.Socket  # the test sends requests here
     rank_in: zmq.Socket  # the loop's inbox
-    rank_out: zmq.Socket  # the loop's outbox
+    rank_out: RankOutbox  # the loop's outbox (one API process)
     from_rank: zmq.Socket  # the test reads results here (a broken loop times out, not hangs)
 
 
 def rank_wires(name: str) -> RankWires:
     ctx = zmq.Context()
     to_rank, rank_in = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
-    rank_out, from_rank = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
+    from_rank = ctx.socket(zmq.PULL)
     to_rank.bind(f"inproc://{name}-in")
     rank_in.connect(f"inproc://{name}-in")
     from_rank.setsockopt(zmq.RCVTIMEO, 10_000)
     from_rank.bind(f"inproc://{name}-out")
-    rank_out.connect(f"inproc://{name}-out")
+    rank_out = RankOutbox(ctx, (f"inproc://{name}-out",))
     return RankWires(ctx, to_rank, rank_in, rank_out, from_rank)
 
 

@@ -71,8 +71,8 @@ def test_spawned_rank_applies_its_env_before_choosing_a_backend(tmp_path):
     out = ctx.socket(zmq.PULL)
     out.setsockopt(zmq.RCVTIMEO, 60_000)
     out.bind(f"ipc://{tmp_path}/out")
-    spec = RankSpec(0, 1, EngineConfig(model=ModelSpec(str(tmp_path))), f"ipc://{tmp_path}/in",
-                    f"ipc://{tmp_path}/out", env={ENV_ACCELERATOR: "set-by-rank-env"})
+    spec = RankSpec(0, 1, EngineConfig(model=ModelSpec(str(tmp_path))), (f"ipc://{tmp_path}/in",),
+                    (f"ipc://{tmp_path}/out",), env={ENV_ACCELERATOR: "set-by-rank-env"})
     process = mp.get_context("spawn").Process(target=run_rank, args=(spec,), daemon=True)
     process.start()
     try:

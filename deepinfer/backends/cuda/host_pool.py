@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from deepinfer.backends.cuda.page_copy import (DeviceChunks, GroupIndices, Indices,
-                                               UVAPageCopier, pinned_empty)
+                                               PinnedStaging, UVAPageCopier, pinned_empty)
 
 
 @dataclass
@@ -51,6 +51,7 @@ class CUDAHostPool:
     copier: UVAPageCopier
     store_copier: UVAPageCopier = UVAPageCopier(max_ctas=STORE_CTAS)
     store_stream: torch.cuda.Stream | None = None  # None: stores on the engine's stream too
+    staging: PinnedStaging | None = None  # the copies' index uploads (None: pin_memory())
 
     @classmethod
     def allocate(cls, num_pages: int, chunks: DeviceChunks,
@@ -59,8 +60,11 @@ class CUDAHostPool:
             raise ValueError(f"num_pages must be >= 1, got {num_pages}")
         # Exactly the bytes asked for: torch's pinned allocator would round up to a power of two.
         pages = pinned_empty(num_pages * chunks.page_bytes, chunks.device)
+        # A copy moves at most one pair per host page: its indices are a page id and a block
+        # per KV group each.
+        staging = PinnedStaging(num_pages * (1 + len(chunks.layout.num_blocks)))
         return cls(pages.view(num_pages, chunks.page_bytes), chunks, copier or UVAPageCopier(),
-                   store_stream=torch.cuda.Stream(chunks.device))
+                   store_stream=torch.cuda.Stream(chunks.device), staging=staging)
 
     @property
     def num_pages(self) -> int:
@@ -75,7 +79,7 @@ class CUDAHostPool:
         """Pair i: host page host_pages[i] <-> block device_blocks[g][i] of every chunk of group
         g, except where that block is the null block (group g of page i is left alone). Indices
         are range-checked on the host (tensors on the device read back first) and uploaded
-        through pinned staging by the copier. None when there is nothing to copy."""
+        through the pool's pinned staging buffers. None when there is nothing to copy."""
         engine = torch.cuda.current_stream(self.chunks.device)
         if to_device or self.store_stream is None:
             return self._copy_on(engine, self.copier, host_pages, device_blocks, to_device)
@@ -89,7 +93,7 @@ class CUDAHostPool:
                  device_blocks: GroupIndices, to_device: bool) -> EventHandle | None:
         # Validated even when empty, so a wrong group count fails on the first call.
         copier.copy(self.pages, self.chunks, host_pages, device_blocks, to_device,
-                    skip_null=True)
+                    skip_null=True, staging=self.staging)
         if len(host_pages) == 0:
             return None
         event = torch.cuda.Event()

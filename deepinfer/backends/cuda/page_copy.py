@@ -362,12 +362,45 @@ def pinned_empty(nbytes: int, device: torch.device) -> torch.Tensor:
     return _extension(device).pinned_empty(nbytes, device.index)
 
 
-def _upload(ids: torch.Tensor, device: torch.device) -> torch.Tensor:
+def _upload(ids: torch.Tensor, device: torch.device,
+            staging: "PinnedStaging | None" = None) -> torch.Tensor:
     # Pinned staging keeps the upload asynchronous (the caching host allocator keeps the
     # staging buffer alive until the copy has run). Nothing to copy: nothing to upload.
     if ids.numel() == 0:
         return ids
+    if staging is not None:
+        return staging.upload(ids, device)
     return ids.pin_memory().to(device, non_blocking=True)
+
+
+class PinnedStaging:
+    """Pinned int64 buffers for the index uploads of copies, allocated once and each reused
+    when the upload that last used it has run (its event). pin_memory() allocates with
+    cudaHostAlloc whenever torch's host cache has no free block of the size, and that call
+    takes the driver's global lock: a load or store that needed one would wait there behind
+    the copies in flight (a 32K-token store moves 4 GB, ~80 ms). When every buffer is busy
+    (or too small) the upload falls back to pin_memory()."""
+
+    def __init__(self, capacity: int, count: int = 8) -> None:
+        self.buffers = [torch.empty(capacity, dtype=torch.int64, pin_memory=True)
+                        for _ in range(count)]
+        self.events: list[torch.cuda.Event | None] = [None] * count
+        self.turn = 0
+        self.fallbacks = 0  # uploads that found no free buffer
+
+    def upload(self, ids: torch.Tensor, device: torch.device) -> torch.Tensor:
+        for _ in range(len(self.buffers)):
+            i, self.turn = self.turn, (self.turn + 1) % len(self.buffers)
+            event = self.events[i]
+            if self.buffers[i].numel() >= ids.numel() and (event is None or event.query()):
+                host = self.buffers[i][:ids.numel()]
+                host.copy_(ids)
+                out = host.to(device, non_blocking=True)
+                self.events[i] = torch.cuda.Event()
+                self.events[i].record()
+                return out
+        self.fallbacks += 1
+        return ids.pin_memory().to(device, non_blocking=True)
 
 
 def _rows_on_device(ids: GroupIndices, device: torch.device) -> bool:
@@ -434,7 +467,8 @@ class UVAPageCopier:
             raise ValueError(f"max_ctas must be >= 0, got {self.max_ctas}")
 
     def copy(self, host_pool: torch.Tensor, chunks: DeviceChunks, host_pages: Indices,
-             device_blocks: GroupIndices, to_device: bool, skip_null: bool = False) -> None:
+             device_blocks: GroupIndices, to_device: bool, skip_null: bool = False,
+             staging: PinnedStaging | None = None) -> None:
         """Enqueue the copy on the current stream: one kernel for every pair and chunk. With
         skip_null, group g of pair i is left alone where device_blocks[g][i] is the null block:
         one kernel per part of copy_parts, the indices checked on the host (device tensors
@@ -444,7 +478,8 @@ class UVAPageCopier:
             pages = host_page_indices(host_pages, num_pages)
             blocks = block_indices(device_blocks, chunks.layout, pages.numel())
             self._copy_parts(host_pool, chunks, pages, blocks,
-                             copy_parts(blocks, chunks.layout, skip_null=True), to_device)
+                             copy_parts(blocks, chunks.layout, skip_null=True), to_device,
+                             staging)
             return
         pages = _device_pages(host_pages, chunks.device, num_pages)
         blocks = _device_blocks(device_blocks, chunks.device, chunks.layout, pages.numel())
@@ -454,7 +489,8 @@ class UVAPageCopier:
                                                self.ctas_per_chunk, self.unroll, self.max_ctas)
 
     def _copy_parts(self, host_pool: torch.Tensor, chunks: DeviceChunks, pages: torch.Tensor,
-                    blocks: torch.Tensor, parts: list[CopyPart], to_device: bool) -> None:
+                    blocks: torch.Tensor, parts: list[CopyPart], to_device: bool,
+                    staging: PinnedStaging | None = None) -> None:
         """One kernel per part. pages [n] and blocks [num_groups, n] are checked CPU tensors;
         every part's pages [m], then its blocks [num_groups, m], go up in one upload and each
         launch takes its contiguous slices (a part's blocks keep every group's row: the kernel
@@ -463,7 +499,7 @@ class UVAPageCopier:
             return
         indices = [(pages[part.pairs], blocks[:, part.pairs]) for part in parts]
         flat = _upload(torch.cat([t.reshape(-1) for pair in indices for t in pair]),
-                       chunks.device)
+                       chunks.device, staging)
         extension = _extension(chunks.device)
         at = 0
         for part, (part_pages, part_blocks) in zip(parts, indices):

@@ -735,3 +735,25 @@ def test_store_on_its_own_stream_waits_for_the_engine_and_not_the_other_way():
     mark.synchronize()
     assert not handle.done()
     handle.wait()
+
+
+@needs_cuda
+def test_pinned_staging_reuses_its_buffers_and_falls_back_while_they_are_busy():
+    from deepinfer.backends.cuda.page_copy import PinnedStaging
+
+    staging = PinnedStaging(capacity=64, count=2)
+    device = torch.device("cuda")
+    first = staging.upload(torch.arange(10), device)
+    torch.cuda.synchronize()
+    for k in range(6):  # each upload's event has passed: no new pinned memory
+        assert torch.equal(staging.upload(torch.arange(k, k + 50), device).cpu(),
+                           torch.arange(k, k + 50))
+        torch.cuda.synchronize()
+    assert staging.fallbacks == 0 and torch.equal(first.cpu(), torch.arange(10))
+    torch.cuda._sleep(50_000_000)  # both buffers' uploads queue behind this
+    busy = [staging.upload(torch.full((8,), v), device) for v in (1, 2)]
+    late = staging.upload(torch.full((8,), 3), device)  # neither buffer free yet
+    big = staging.upload(torch.arange(100), device)  # larger than any buffer
+    assert staging.fallbacks == 2
+    torch.cuda.synchronize()
+    assert [int(t[0]) for t in busy + [late]] == [1, 2, 3] and int(big[-1]) == 99

@@ -1,0 +1,187 @@
+"""More API processes on the same port (--api-server-count N, as vLLM's): processes 1..N-1.
+
+One API process is a single event loop: at hundreds of streams over several ranks its HTTP,
+JSON and SSE work becomes the limit. Each extra process accepts on the listening socket that
+process 0 bound (the kernel hands every connection to one of them), talks to every rank
+directly over sockets of its own (its requests go in on its own input address of each rank, its
+results come back on its own output address: rank_outbox.py) and serves /health and /metrics
+too. Process 0 alone starts, watches and restarts the ranks; it tells the others what becomes
+of each rank (RankEvent): a rank that dies fails their requests on it as well, and a restarted
+rank is served through the new input addresses its spawn number names. If an API process dies,
+process 0 stops the server; if process 0 dies, the others exit.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import multiprocessing as mp
+import os
+import signal
+import socket
+from dataclasses import dataclass
+
+import zmq
+import zmq.asyncio
+
+from deepinfer.serve.engine_client import EngineClient, events_addr
+from deepinfer.serve.ipc import RankEvent, Ready
+from deepinfer.serve.rank_health import RankState
+from deepinfer.serve.ranks import RankDiedError, RemoteProcess, _Rank
+
+log = logging.getLogger("deepinfer.serve")
+PARENT_CHECK_S = 1.0
+CONNECT_GRACE_S = 2.0  # how long a send waits for a serving rank to connect to a new inbox
+
+
+class AttachedEngineClient(EngineClient):
+    """EngineClient of an API process that does not own the ranks: their lives come from
+    process 0's RankEvents instead of their processes."""
+
+    async def attach(self, events: list[RankEvent], ready: list[Ready]) -> list[Ready]:
+        self._event_inbox = self._ctx.socket(zmq.PULL)
+        self._event_inbox.bind(events_addr(self._dir, self.client_id))
+        self._own_lost = [0] * self.num_ranks
+        self._ranks = [_Rank(RemoteProcess(e.pid), None, ready=ready[e.rank],
+                             stats=ready[e.rank].stats) for e in events]
+        for event in events:
+            self._apply(event)
+        self._background(self._receive())
+        self._background(self._follow())
+        return ready
+
+    async def _follow(self) -> None:
+        while True:
+            self._apply(await self._event_inbox.recv_pyobj())
+
+    def _apply(self, event: RankEvent) -> None:
+        r = self._ranks[event.rank]
+        if r.inbox is None or event.spawn != r.spawn:  # a new process: its own addresses
+            if r.inbox is not None:
+                r.inbox.close(linger=0)
+            r.inbox, r.spawn = self._bind_inbox(event.rank, event.spawn), event.spawn
+        state = RankState(event.state)
+        r.process = RemoteProcess(event.pid, event.exitcode, state is not RankState.DEAD)
+        r.restarts, r.kill_reason = event.restarts, event.reason
+        if state is RankState.DEAD and r.state is not RankState.DEAD:
+            error = RankDiedError(event.rank, event.exitcode, event.reason)
+            self._own_lost[event.rank] += self._fail_requests(event.rank, error)
+        r.lost_requests = event.lost_requests + self._own_lost[event.rank]
+        r.state = state
+        if state is RankState.SERVING:
+            self.router.mark_alive(event.rank)
+        else:
+            self.router.mark_dead(event.rank)
+
+    def _check_alive(self) -> None:
+        pass  # process 0 watches the ranks and says when one dies
+
+    async def _send(self, rank: int, message: object, missing_ok: bool = False) -> None:
+        """A rank connects to a freshly bound input address within its reconnect interval: a
+        send that cannot queue yet is retried for a moment while the rank serves."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + CONNECT_GRACE_S
+        while True:
+            try:
+                await self._ranks[rank].inbox.send_pyobj(message, flags=zmq.NOBLOCK)
+                return
+            except zmq.Again:
+                r = self._ranks[rank]
+                if r.state is RankState.DEAD or loop.time() > deadline:
+                    if missing_ok:
+                        return
+                    raise RankDiedError(rank, r.process.exitcode, r.kill_reason) from None
+            await asyncio.sleep(0.01)
+
+    async def shutdown(self) -> None:
+        self._closing = True
+        for task in list(self._tasks):
+            task.cancel()
+        self._ctx.destroy(linger=0)  # the ranks and the IPC folder are process 0's
+
+
+@dataclass
+class WorkerSpec:
+    client_id: int
+    args: argparse.Namespace
+    model_dir: str
+    client: dict  # EngineClient's settings (config, ranks, routing, health, intervals, dir)
+    ranks: list[RankEvent]
+    ready: list[Ready]
+    listener: socket.socket  # process 0's, shared
+    started: "mp.synchronize.Event"  # set once it attached to the ranks and loaded its tokenizer
+
+
+async def start_workers(args: argparse.Namespace, model_dir: str, client: EngineClient,
+                        ready: list[Ready], listener: socket.socket
+                        ) -> list[mp.process.BaseProcess]:
+    """Processes 1..N-1, returned once each serves (so /health answers only when all do);
+    RuntimeError if one exits first."""
+    spawn = mp.get_context("spawn")
+    settings = dict(config=client.config, num_ranks=client.num_ranks,
+                    routing=client.router.policy, health=client.health,
+                    stream_interval=client.stream_interval, api_servers=client.api_servers,
+                    ipc_dir=client.ipc_dir)
+    workers, started = [], []
+    for k in range(1, client.api_servers):
+        started.append(spawn.Event())
+        spec = WorkerSpec(k, args, model_dir, settings, client.rank_events(), ready, listener,
+                          started[-1])
+        process = spawn.Process(target=run_worker, args=(spec,), name=f"deepinfer-api{k}",
+                                daemon=True)
+        process.start()
+        workers.append(process)
+    for process, event in zip(workers, started):
+        while not await asyncio.to_thread(event.wait, 0.2):
+            if not process.is_alive():
+                await stop_workers(workers)
+                raise RuntimeError(f"API process {process.name} exited during start-up "
+                                   f"with code {process.exitcode}")
+    return workers
+
+
+async def stop_workers(workers: list[mp.process.BaseProcess]) -> None:
+    for process in workers:
+        if process.is_alive():
+            process.terminate()  # SIGTERM: uvicorn drains its connections and stops
+    for process in workers:
+        await asyncio.to_thread(process.join, 10)
+        if process.is_alive():
+            process.kill()
+            await asyncio.to_thread(process.join, 5)
+
+
+def run_worker(spec: WorkerSpec) -> None:
+    """Entry point of API process spec.client_id (multiprocessing spawn target)."""
+    from deepinfer.serve.cli import run_event_loop
+
+    logging.basicConfig(level=spec.args.log_level.upper(),
+                        format=f"%(levelname)s %(name)s[api {spec.client_id}]: %(message)s")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # process 0 stops us (SIGTERM)
+    run_event_loop(_serve(spec))
+
+
+async def _serve(spec: WorkerSpec) -> None:
+    from deepinfer.serve.cli import load_tokenizers, serve_http
+
+    client = AttachedEngineClient(client_id=spec.client_id, **spec.client)
+    await client.attach(spec.ranks, spec.ready)
+    tokenizer, prompt_tokenizer = await asyncio.to_thread(load_tokenizers, spec.args,
+                                                          spec.model_dir)
+    spec.started.set()
+    watch = asyncio.ensure_future(_exit_with_parent(os.getppid()))
+    try:
+        await serve_http(spec.args, spec.model_dir, client, spec.ready, tokenizer,
+                         prompt_tokenizer, spec.listener, observes_engine=False)
+    finally:
+        watch.cancel()
+        spec.listener.close()
+        await client.shutdown()
+        prompt_tokenizer.close()
+
+
+async def _exit_with_parent(parent: int) -> None:
+    while os.getppid() == parent:
+        await asyncio.sleep(PARENT_CHECK_S)
+    log.error("API process 0 is gone; stopping")
+    os.kill(os.getpid(), signal.SIGTERM)
