@@ -330,7 +330,8 @@ def build_prompt_tokenizer(args: argparse.Namespace, tokenizer):
 
 def main(argv: Sequence[str] | None = None) -> int:
     from deepinfer.core.plugins import load_plugins
-    from deepinfer.serve.preflight import PreflightError, bind_listener, check_args
+    from deepinfer.serve.preflight import (PreflightError, bind_listener, check_args,
+                                           raise_open_file_limit)
 
     registry = load_plugins()
     parser = build_parser()
@@ -344,6 +345,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     from deepinfer.models.default_model import resolve_model_path
 
+    files = raise_open_file_limit()
+    if files < 4096:
+        log.warning("at most %d open files (ulimit -n): fewer concurrent streams", files)
     try:
         check_args(args)
         listener = bind_listener(args.host, args.port)

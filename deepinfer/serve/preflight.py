@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import socket
 import subprocess
 import sys
@@ -107,6 +108,21 @@ def _probe(name: str) -> int:
         print(str(exc).splitlines()[0])
         return 1
     return 0
+
+
+def raise_open_file_limit(wanted: int = 65536) -> int:
+    """Every stream holds a socket, and the common soft limit of 1,024 open files would stop
+    a server from accepting its 1,024th stream (with the rank sockets, fewer). Raise the soft
+    limit toward the hard one, as vLLM does; returns the soft limit in force."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError):
+            pass  # kept as it is: the server still runs, with fewer possible streams
+    return soft
 
 
 def bind_listener(host: str, port: int) -> socket.socket:
