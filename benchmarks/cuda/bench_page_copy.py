@@ -204,39 +204,77 @@ def _chunk_forward(device: torch.device, context: int = 32768, layers: int = 32)
     return forward
 
 
-def _timed(forward: Callable[[], None], before: Callable[[], None]) -> tuple[float, float]:
-    """(GPU ms of forward on the current stream, host ms from its launch to its end) with
-    before() enqueued first."""
+def _timed(forward: Callable[[], None], before: Callable[[], None],
+           side: torch.cuda.Stream) -> tuple[float, float, float]:
+    """(GPU ms of forward on the current stream, host ms from its launch to its end, GPU ms of
+    the copy that before() enqueued on `side` first, 0 if none)."""
     torch.cuda.synchronize()
-    before()
+    marks = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
+    marks[2].record(side)
+    with torch.cuda.stream(side):
+        before()
+    marks[3].record(side)
+    t0 = time.perf_counter()
+    marks[0].record()
+    forward()
+    marks[1].record()
+    marks[1].synchronize()
+    wall = (time.perf_counter() - t0) * 1e3
+    torch.cuda.synchronize()  # the copy too, before the next repetition
+    return marks[0].elapsed_time(marks[1]), wall, marks[2].elapsed_time(marks[3])
+
+
+def _behind(forward: Callable[[], None], copy: Callable[[], None]) -> tuple[float, float]:
+    """(GPU ms of forward, host ms from the copy's launch to the forward's end) with the copy
+    enqueued ahead of it on the same stream."""
+    torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     t0 = time.perf_counter()
+    copy()
     start.record()
     forward()
     end.record()
     end.synchronize()
-    wall = (time.perf_counter() - t0) * 1e3
-    torch.cuda.synchronize()  # the store too, before the next repetition
-    return start.elapsed_time(end), wall
+    return start.elapsed_time(end), (time.perf_counter() - t0) * 1e3
 
 
 def store_overlap(pool: CUDAHostPool, chunks: DeviceChunks, pages: torch.Tensor,
                   blocks: torch.Tensor, reps: int) -> dict:
-    forward = _chunk_forward(chunks.device)
+    """The chunk forward alone and beside a device -> host copy of the same bytes on another
+    stream, for each way of copying: the UVA kernel at several grid caps (the write-through's
+    is STORE_CTAS), a cudaMemcpyAsync per (page, chunk) (the copy engines), one contiguous
+    copy; and the UVA store on the engine's own stream (ahead of the chunk)."""
+    forward, side = _chunk_forward(chunks.device), torch.cuda.Stream(chunks.device)
     pages_l, blocks_l = pages.tolist(), blocks.tolist()
+    nbytes = pages.numel() * chunks.page_bytes
+    flat_host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    flat_dev = torch.empty(nbytes, dtype=torch.uint8, device=chunks.device)
+
+    def uva(ctas: int) -> Callable[[], None]:
+        copier = UVAPageCopier(max_ctas=ctas)
+        return lambda: copier.copy(pool.pages, chunks, pages_l, blocks_l, False, skip_null=True)
+    arms = {"alone": lambda: None}
+    arms.update({f"uva max_ctas={c}, own stream": uva(c) for c in (16, 4, 2, 1)})
+    arms["memcpy per chunk, own stream"] = lambda: UVAPageCopier().copy_memcpy(
+        pool.pages, chunks, pages_l, blocks_l, False)
+    arms["contiguous copy, own stream"] = lambda: flat_host.copy_(flat_dev, non_blocking=True)
     on_engine = CUDAHostPool(pool.pages, chunks, pool.copier, pool.store_copier, None)
-    arms = {"alone": lambda: None,
-            "store on its own stream": lambda: pool.copy(pages_l, blocks_l, to_device=False),
-            "store on the engine stream": lambda: on_engine.copy(pages_l, blocks_l,
-                                                                 to_device=False)}
-    for _ in range(2):
-        _timed(forward, arms["alone"])  # warm up cuBLAS and the copy kernel
-        _timed(forward, arms["store on its own stream"])
+    engine_store = lambda: on_engine.copy(pages_l, blocks_l, to_device=False)  # noqa: E731
+    for _ in range(2):  # warm up cuBLAS and the copies
+        for before in arms.values():
+            _timed(forward, before, side)
     out = {}
     for name, before in arms.items():
-        times = [_timed(forward, before) for _ in range(reps)]
+        times = [_timed(forward, before, side) for _ in range(reps)]
         out[name] = {"gpu_ms": statistics.median(t[0] for t in times),
-                     "wall_ms": statistics.median(t[1] for t in times)}
+                     "wall_ms": statistics.median(t[1] for t in times),
+                     "copy_ms": statistics.median(t[2] for t in times),
+                     "copy_GBps": nbytes / statistics.median(t[2] for t in times) / 1e6
+                     if name != "alone" else None}
+    gpu, wall = zip(*(_behind(forward, engine_store) for _ in range(reps)))
+    out["uva store on the engine stream"] = {"gpu_ms": statistics.median(gpu),
+                                             "wall_ms": statistics.median(wall),
+                                             "copy_ms": None, "copy_GBps": None}
     return out
 
 
@@ -251,7 +289,10 @@ def _print_table(name: str, report: dict) -> None:
                   f"{r['of_ceiling']:5.2f}x {CEILING_GBPS:.0f} GB/s "
                   f"{r['GBps'] / contiguous['GBps']:5.2f}x contiguous")
     for arm, t in (report["store_overlap"] or {}).items():
-        print(f"chunk forward, {arm:<28} GPU {t['gpu_ms']:7.2f} ms, wall {t['wall_ms']:7.2f} ms")
+        copy = f", copy {t['copy_ms']:6.2f} ms ({t['copy_GBps']:.1f} GB/s)" if t["copy_GBps"] \
+            else ""
+        print(f"chunk forward, {arm:<32} GPU {t['gpu_ms']:7.2f} ms, wall {t['wall_ms']:7.2f} ms"
+              + copy)
 
 
 def main() -> None:

@@ -12,11 +12,11 @@ window is neither stored nor loaded, and block 0 is never written.
 Loads are enqueued on the current stream of the chunks' device (the engine's), so a step
 launched after a load reads the loaded pages in order without a host wait. Stores (the
 write-through of a prompt just computed, gigabytes for a long one) run on a stream of their
-own, after the engine's work enqueued so far, with a capped grid: the steps that follow do not
-queue behind them, and they leave the SMs to those steps' kernels. That is safe because HiCache
-holds the stored blocks until the store's event has passed (nothing writes a full prompt page
-of a live request, and a held block is not handed out again). The returned handle (an event)
-tells HiCache when a host page may be reused and the blocks let go.
+own, after the engine's work enqueued so far, with a grid just below PCIe saturation
+(STORE_CTAS): the steps that follow neither queue behind them nor slow down. That is safe
+because HiCache holds the stored blocks until the store's event has passed (nothing writes a
+full prompt page of a live request, and a held block is not handed out again). The returned
+handle (an event) tells HiCache when a host page may be reused and the blocks let go.
 """
 from __future__ import annotations
 
@@ -39,9 +39,13 @@ class EventHandle:
         self.event.synchronize()
 
 
-# CTAs of a store: each keeps 16 KiB of posted writes in flight, so a few saturate PCIe
-# (bench_page_copy's capped configurations) while the model's kernels keep the other SMs.
-STORE_CTAS = 16
+# CTAs of a store (256 threads, 4 loads in flight each: 16 KiB of writes to host memory per
+# CTA). Measured on an H200 beside a model's prefill chunk (bench_page_copy store_overlap,
+# results/cuda/page_copy_store_sweep.txt): 2 CTAs store at 49 GB/s and slow the chunk by 2%;
+# 3 or 4 CTAs reach the PCIe limit (52 GB/s), and the writes queued behind it then stall the
+# model's own memory traffic: the chunk takes 1.5-1.8x as long, and with 16 CTAs it waits
+# out the whole copy (85.6 against 18.7 ms).
+STORE_CTAS = 2
 
 
 @dataclass

@@ -423,7 +423,7 @@ class _EmulatedKernel:
 def emulated(monkeypatch) -> _EmulatedKernel:
     kernel = _EmulatedKernel()
     monkeypatch.setattr(page_copy, "_extension", lambda device: kernel)
-    monkeypatch.setattr(page_copy, "_upload", lambda ids, device: ids.clone())
+    monkeypatch.setattr(page_copy, "_upload", lambda ids, device, staging=None: ids.clone())
     # CPU memory stands in for the pinned pool: every check but pinning.
     monkeypatch.setattr(page_copy, "validate_host_pool",
                         lambda pool, page_bytes: pool.view(-1).view(torch.uint8).numel()
