@@ -195,6 +195,7 @@ class CpuMeter:
         self.psutil = psutil
         self.me = psutil.Process()
         self.api = psutil.Process(server_pid) if server_pid else None
+        self._is_rank: dict[int, bool] = {}
 
     def _proc(self, p) -> float:
         try:
@@ -209,7 +210,9 @@ class CpuMeter:
             return [], []
         api, ranks = [self.api], []
         for child in self.api.children(recursive=True):
-            (ranks if self._loaded_torch(child) else api).append(child)
+            if child.pid not in self._is_rank:  # read once: a process's maps are long
+                self._is_rank[child.pid] = self._loaded_torch(child)
+            (ranks if self._is_rank[child.pid] else api).append(child)
         return api, ranks
 
     def _loaded_torch(self, p) -> bool:
