@@ -30,9 +30,13 @@ class _SteppedEngine(Engine):
         self.gate.acquire()
         return super().step()
 
+    def wait_entered(self) -> None:
+        # A loop that died never enters: fail in seconds rather than hang.
+        assert self.entered.acquire(timeout=30), "the rank loop stopped stepping"
+
     def run_one(self, outbox: zmq.Socket) -> list[str]:
         """Let the step the loop waits in run; the ids it produced tokens for."""
-        self.entered.acquire()
+        self.wait_entered()
         self.gate.release()
         return [d.request_id for d in _results(outbox).deltas]
 
@@ -58,7 +62,7 @@ def test_request_sent_mid_decode_starts_in_the_next_step(tmp_path):
             assert engine.run_one(from_rank) == ["busy"]
         # The loop has drained its inbox and waits inside the next step: "new" arrives
         # during that step, so the step after it must carry its first token.
-        engine.entered.acquire()
+        engine.wait_entered()
         to_rank.send_pyobj(AddRequest("new", list(range(1, 30)), LONG))
         engine.entered.release()
         assert engine.run_one(from_rank) == ["busy"]
