@@ -296,3 +296,32 @@ def test_host_pools_take_memory_as_they_are_written():
     assert pool[12345].eq(0).all() and pool[-1].eq(0).all()
     pool[7] = 3.0
     assert pool[7].eq(3.0).all() and pool[8].eq(0).all()
+
+
+@pytest.mark.parametrize("qtype", [GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0],
+                         ids=lambda t: t.name)
+def test_gemm_in_bfloat16_multiplies_the_rounded_weight_and_input(qtype):
+    """A prefill's GEMM with bf16 (CPUs with native bfloat16): x and the dequantized weight are
+    rounded to bfloat16 and multiplied, float32 out; batch 1 (the GEMV) is unchanged."""
+    w = _blocks(48, 576, qtype, seed=3)
+    reference = w.dequantize()
+    x = torch.randn(MAX_GEMV_ROWS + 8, 576, generator=torch.Generator().manual_seed(7))
+    y = gguf_linear(x, w.blocks, w.qtype, 576, bf16=True)
+    assert y.dtype == torch.float32
+    rounded = x.bfloat16().float() @ reference.bfloat16().float().T
+    torch.testing.assert_close(y, rounded, rtol=2e-2, atol=2e-2)
+    assert not torch.equal(y, gguf_linear(x, w.blocks, w.qtype, 576))  # it did round
+    torch.testing.assert_close(y, x @ reference.T, rtol=0.05, atol=0.15)
+    one = x[:1]
+    assert torch.equal(gguf_linear(one, w.blocks, w.qtype, 576, bf16=True),
+                       gguf_linear(one, w.blocks, w.qtype, 576))
+
+
+def test_bfloat16_gemms_only_where_the_cpu_multiplies_bfloat16(monkeypatch):
+    from deepinfer.backends.cpu import kernels
+
+    monkeypatch.setattr(kernels, "_cpu_flags", lambda: {"avx2", "fma", "avx512f", "avx512bw"})
+    assert not kernels.native_bf16_gemm()
+    for flag in ("avx512_bf16", "amx_bf16"):
+        monkeypatch.setattr(kernels, "_cpu_flags", lambda: {"avx512f", flag})
+        assert kernels.native_bf16_gemm()

@@ -10,7 +10,7 @@ import torch
 
 from deepinfer.backends.cpu.attention import CPUPagedAttention
 from deepinfer.backends.cpu.kernels import (GGUF_KINDS, MAX_GEMV_ROWS, extension, fusable,
-                                            gguf_linear)
+                                            gguf_linear, native_bf16_gemm)
 from deepinfer.backends.paged_cache import PagedCache
 from deepinfer.models.ops import ModelOps, QKNorm
 from deepinfer.models.quant.packed import GGUFWeight, PackedWeight
@@ -49,6 +49,8 @@ class CPUOps(ModelOps):
         self.paged = CPUPagedAttention(self.kernels)
         # GGUF blocks stay packed only where their kernels built.
         self.packed_kinds = GGUF_KINDS if self.kernels is not None else ()
+        # A prefill's GGUF GEMMs in bfloat16 where the CPU has it (kernels.native_bf16_gemm).
+        self.bf16_gemm = native_bf16_gemm()
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         if fusable(self.kernels, x, weight):
@@ -89,7 +91,8 @@ class CPUOps(ModelOps):
             y = self.kernels.gemv(x, weight.blocks, weight.qtype)  # decode: the common call
         else:
             y = gguf_linear(x.reshape(-1, x.shape[-1]), weight.blocks, weight.qtype,
-                            weight.shape[1]).to(x.dtype).view(*x.shape[:-1], weight.shape[0])
+                            weight.shape[1], self.bf16_gemm
+                            ).to(x.dtype).view(*x.shape[:-1], weight.shape[0])
         return y if bias is None else y + bias
 
     def gated_mlp(self, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
