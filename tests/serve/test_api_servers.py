@@ -101,6 +101,7 @@ def test_metrics_count_the_requests_of_every_process(api2):
         total = sum(float(line.split()[-1]) for line in text.splitlines()
                     if line.startswith("vllm:request_success_total{"))
         assert total - before == len(served), which
+        conn.close()
     api2.wait_idle()
 
 

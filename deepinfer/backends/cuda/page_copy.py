@@ -364,8 +364,9 @@ def pinned_empty(nbytes: int, device: torch.device) -> torch.Tensor:
 
 def _upload(ids: torch.Tensor, device: torch.device,
             staging: "PinnedStaging | None" = None) -> torch.Tensor:
-    # Pinned staging keeps the upload asynchronous (the caching host allocator keeps the
-    # staging buffer alive until the copy has run). Nothing to copy: nothing to upload.
+    # Pinned staging keeps the upload asynchronous: the pool's PinnedStaging buffers, or
+    # pin_memory() (torch's caching host allocator keeps that block until the copy has run).
+    # Nothing to copy: nothing to upload.
     if ids.numel() == 0:
         return ids
     if staging is not None:
