@@ -33,6 +33,11 @@ DECODE_CASES = [(1, 1024, 0), (1, 8192, 0), (1, 32768, 0), (64, 2048, 0), (256, 
 PREFILL_CASES = [("1x8192", [(0, 8192)], 0), ("4x2048", [(0, 2048)] * 4, 0),
                  ("2048 over 6144", [(6144, 2048)], 0), ("1x8192 w4096", [(0, 8192)], 4096),
                  ("2048/30720 w4096", [(30720, 2048)], 4096)]
+# Split-K prefill (a prefix-cache hit's last chunk) and a mixed step's decodes apart from its
+# prefill: each (name, chunks) runs the way before (one prefill launch, no splits) and now.
+SPLIT_CASES = [("128 over 32640", [(32640, 128)]),
+               ("255 decodes + 512", [(575, 1)] * 255 + [(0, 512)]),
+               ("64 decodes + 128/32640", [(2047, 1)] * 64 + [(32640, 128)])]
 # MLA, weight-absorbed, at DeepSeek-V2-Lite's width: 16 heads over one [512 + 64] latent.
 MLA_HEADS, MLA_LORA, MLA_ROPE = 16, 512, 64
 MLA_SCALE = (128 + MLA_ROPE) ** -0.5  # the model's qk_nope_head_dim + qk_rope_head_dim
@@ -270,8 +275,15 @@ def _visible_pairs(prefix: int, qlen: int, window: int) -> float:
     return ramp + max(0, prefix + qlen - max(prefix, ramp_end)) * window
 
 
-def bench_prefill(name: str, chunks: list[tuple[int, int]], window: int, device: str) -> dict:
-    from deepinfer.backends.cuda.kernels.prefill_attention import paged_prefill_attention
+def bench_prefill(name: str, chunks: list[tuple[int, int]], window: int, device: str,
+                  split: bool = False) -> dict:
+    """One prefill launch over every chunk, or (split) as CUDAOps runs a step: leading
+    one-token chunks through the decode kernel, the rest with choose_prefill_splits' splits."""
+    from deepinfer.backends.cuda.kernels.decode_attention import (choose_num_splits,
+                                                                  paged_decode_attention)
+    from deepinfer.backends.cuda.kernels.prefill_attention import (choose_prefill_splits,
+                                                                   paged_prefill_attention)
+    from deepinfer.backends.cuda.step_inputs import leading_decodes
 
     first_seen = [_first_seen(p, window) for p, _ in chunks] if window else None
     kv = _paged([p + n for p, n in chunks], device, first_seen)
@@ -280,19 +292,28 @@ def bench_prefill(name: str, chunks: list[tuple[int, int]], window: int, device:
         starts.append(starts[-1] + n)
     q = _fused_q(starts[-1], device)
     query_starts = torch.tensor(starts, dtype=torch.int32, device=device)
-    max_qlen = max(n for _, n in chunks)
+    max_qlen, longest = max(n for _, n in chunks), max(p + n for p, n in chunks)
     out = torch.full(q.shape, float("nan"), dtype=q.dtype, device=device)
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    d = leading_decodes([n for _, n in chunks]) if split else 0
+    splits = choose_prefill_splits(len(chunks) - d, Q_HEADS, max_qlen, longest, sms) \
+        if split else 1
+    d_splits = choose_num_splits(d, KV_HEADS, longest, sms)
 
     def run() -> torch.Tensor:
-        return paged_prefill_attention(q, kv.k_cache, kv.v_cache, kv.block_tables, query_starts,
-                                       kv.seq_lens, max_qlen, BLOCK_SIZE, SCALE, out=out,
-                                       window=window)
+        if d:
+            paged_decode_attention(q[:d], kv.k_cache, kv.v_cache, kv.block_tables[:d],
+                                   kv.seq_lens[:d], BLOCK_SIZE, SCALE, d_splits, out=out[:d])
+        paged_prefill_attention(q[d:], kv.k_cache, kv.v_cache, kv.block_tables[d:],
+                                query_starts[d:], kv.seq_lens[d:], max_qlen, BLOCK_SIZE, SCALE,
+                                out=out[d:], window=window, num_splits=splits)
+        return out
 
     err = _rel_err(run(), _prefill_reference(q, kv, chunks, window))
     ms = _time_ms(run)
     flops = sum(4 * Q_HEADS * HEAD_DIM * _visible_pairs(p, n, window) for p, n in chunks)
-    return dict(kernel="prefill", case=name, window=window, rel_err=err, ms=ms,
-                tflops=flops / ms / 1e9)
+    return dict(kernel="prefill_split" if split else "prefill", case=name, window=window,
+                num_splits=splits, decodes_apart=d, rel_err=err, ms=ms, tflops=flops / ms / 1e9)
 
 
 def bench_sdpa(seq: int, device: str) -> dict:
@@ -311,6 +332,8 @@ def run_all(device: str = "cuda") -> list[dict]:
     rows = [bench_decode(b, c, w, device) for b, c, w in DECODE_CASES]
     rows += [bench_mla_decode(b, c, device) for b, c in MLA_DECODE_CASES]
     rows += [bench_prefill(name, chunks, w, device) for name, chunks, w in PREFILL_CASES]
+    rows += [bench_prefill(name, chunks, 0, device, split) for name, chunks in SPLIT_CASES
+             for split in (False, True)]
     rows += [bench_mla_prefill(name, chunks, device) for name, chunks in MLA_PREFILL_CASES]
     rows.append(bench_sdpa(8192, device))
     return rows
@@ -327,8 +350,10 @@ def _print(rows: list[dict]) -> None:
                   f" {PEAK_GB_PER_S / 1000:.1f} TB/s)  (eager {r['eager_ms'] * 1e3:6.1f} us)")
         else:
             err = f" err={r['rel_err']:.2e}" if "rel_err" in r else " " * 14
-            print(f"{r['kernel']:<11} {r['case']:<16}{err}  {r['ms']:8.3f} ms"
-                  f"  {r['tflops']:6.0f} TFLOP/s")
+            split = f"  splits={r['num_splits']} decodes apart={r['decodes_apart']}" \
+                if r["kernel"] == "prefill_split" else ""
+            print(f"{r['kernel']:<13} {r['case']:<22}{err}  {r['ms']:8.3f} ms"
+                  f"  {r['tflops']:6.0f} TFLOP/s{split}")
 
 
 def main(argv: list[str] | None = None) -> None:

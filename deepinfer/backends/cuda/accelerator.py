@@ -107,7 +107,7 @@ class CUDAAccelerator(Accelerator):
         # GEMV kernel is measured against (benchmarks/cuda/profile_steps.py).
         use_gemv = os.environ.get("DEEPINFER_CUDA_GEMV", "1") != "0"
         self.runner = TorchRunner(self.device, self.capabilities,
-                                  lambda cache: CUDAOps(cache, use_gemv=use_gemv), self.seed)
+                                  lambda cache: CUDAOps(cache, use_gemv, self.num_sms), self.seed)
         self.runner.ops.parallel = self.parallel
         self.runner.num_speculative_tokens = self.num_speculative_tokens
         self.speculator = MTPSpeculator(self.runner, self._step_meta)

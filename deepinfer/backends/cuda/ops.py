@@ -14,7 +14,8 @@ import os
 import torch
 
 from deepinfer.backends.cuda.kernels.activation import silu_and_mul
-from deepinfer.backends.cuda.kernels.decode_attention import paged_decode_attention
+from deepinfer.backends.cuda.kernels.decode_attention import (choose_num_splits,
+                                                              paged_decode_attention)
 from deepinfer.backends.cuda.kernels.fp8_gemm import fp8_linear
 from deepinfer.backends.cuda.kernels.fused_moe import fused_experts
 from deepinfer.backends.cuda.kernels.gemv import gemv
@@ -23,7 +24,8 @@ from deepinfer.backends.cuda.kernels.moe_router import softmax_topk
 from deepinfer.backends.cuda.kernels.mla_attention import (paged_mla_decode, paged_mla_prefill,
                                                            store_latent)
 from deepinfer.backends.cuda.kernels.norm import add_rms_norm, rms_norm
-from deepinfer.backends.cuda.kernels.prefill_attention import paged_prefill_attention
+from deepinfer.backends.cuda.kernels.prefill_attention import (choose_prefill_splits,
+                                                               paged_prefill_attention)
 from deepinfer.backends.cuda.kernels.rotary import apply_rotary_, rotary_store_kv_
 from deepinfer.backends.cuda.kernels.rotary_decode import SplitCounters, rotary_decode_attention
 from deepinfer.backends.cuda.step_inputs import AttentionMeta
@@ -37,8 +39,9 @@ from deepinfer.models.quant.packed import FP8Weight, PackedWeight
 class CUDAOps(ModelOps):
     packed_kinds = ("fp8",)
 
-    def __init__(self, cache: PagedCache, use_gemv: bool = True) -> None:
+    def __init__(self, cache: PagedCache, use_gemv: bool = True, num_sms: int = 8) -> None:
         self.cache = cache
+        self.num_sms = num_sms  # sizes split-K where a step has too few programs for the GPU
         self.use_gemv = use_gemv  # off: every projection goes to cuBLAS (for comparison)
         self.split_counters = SplitCounters()  # the one-kernel decode's merge tickets
         # DEEPINFER_CUDA_FUSED_DECODE=0: rotary + KV write, then split-K attention, then the
@@ -139,15 +142,30 @@ class CUDAOps(ModelOps):
         return fused_experts(x, w13, w2, weights, slots, swiglu_limit=swiglu_limit)
 
     def _attend(self, q: torch.Tensor, layer: int, meta: AttentionMeta) -> torch.Tensor:
-        """Attention over the layer's cache, which already holds this step's K and V."""
+        """Attention over the layer's cache, which already holds this step's K and V. A mixed
+        step's leading decodes go to the decode kernel (the prefill kernel would spend a
+        BLOCK_M-row tile on each one-token query), the rest to the prefill kernel."""
         k_cache, v_cache = self.cache.layer(layer)
         bs, scale, window = self.cache.block_size, 1.0 / math.sqrt(q.shape[-1]), self._window(layer)
         if meta.decode:
             return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                                           bs, scale, meta.num_splits, window=window)
-        return paged_prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.query_starts,
-                                       meta.seq_lens, meta.max_query_len, bs, scale,
-                                       window=window)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        n, seqs = meta.num_decodes, meta.seq_lens.shape[0]
+        if n:
+            splits = choose_num_splits(n, k_cache.shape[1], meta.max_seq_len, self.num_sms)
+            paged_decode_attention(q[:n], k_cache, v_cache, meta.block_tables[:n],
+                                   meta.seq_lens[:n], bs, scale, splits, out=out[:n],
+                                   window=window)
+        if n < seqs:
+            splits = 1 if window else choose_prefill_splits(
+                seqs - n, q.shape[1], meta.max_query_len, meta.max_seq_len, self.num_sms,
+                q.shape[-1], q.dtype)
+            paged_prefill_attention(q[n:], k_cache, v_cache, meta.block_tables[n:],
+                                    meta.query_starts[n:], meta.seq_lens[n:],
+                                    meta.max_query_len, bs, scale, out=out[n:], window=window,
+                                    num_splits=splits)
+        return out
 
     def hyper_collapse(self, logits: torch.Tensor, streams: torch.Tensor, scale: torch.Tensor,
                        base: torch.Tensor, iters: int, eps: float

@@ -8,7 +8,7 @@ buffer whose first B rows are the live batch.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -33,6 +33,10 @@ class AttentionMeta:
     max_query_len: int
     decode: bool
     num_splits: int = 1  # split-K of the decode kernel
+    max_seq_len: int = 0  # the longest sequence (host int: sizes split-K without a sync)
+    # A mixed step's leading sequences with one new token each (decodes, scheduled first):
+    # the decode kernel serves them, the prefill kernel the rest.
+    num_decodes: int = 0
 
 
 @dataclass
@@ -128,6 +132,16 @@ def pack_batch(batch: ModelBatch) -> tuple[np.ndarray, int]:
     return out, width
 
 
+def leading_decodes(query_lens: Sequence[int]) -> int:
+    """How many sequences at the head of a step have one new token each."""
+    count = 0
+    for n in query_lens:
+        if n != 1:
+            break
+        count += 1
+    return count
+
+
 def unpack_batch(flat: torch.Tensor, batch: ModelBatch, width: int,
                  num_splits: int) -> StepInputs:
     t, n, s = batch.num_tokens, batch.num_seqs, len(batch.sample_indices)
@@ -141,5 +155,6 @@ def unpack_batch(flat: torch.Tensor, batch: ModelBatch, width: int,
     meta = AttentionMeta(
         slot_mapping=flat[2 * t:3 * t], block_tables=tables, seq_lens=seq_lens,
         query_starts=None if decode else starts, max_query_len=max(batch.query_lens),
-        decode=decode, num_splits=num_splits)
+        decode=decode, num_splits=num_splits, max_seq_len=max(batch.seq_lens),
+        num_decodes=0 if decode else leading_decodes(batch.query_lens))
     return StepInputs(flat[:t], flat[t:2 * t], meta, logits_index)

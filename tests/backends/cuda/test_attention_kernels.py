@@ -17,7 +17,8 @@ import torch
 from deepinfer.backends.cuda.kernels import decode_attention, prefill_attention
 from deepinfer.backends.cuda.kernels.decode_attention import (choose_num_splits,
                                                               paged_decode_attention)
-from deepinfer.backends.cuda.kernels.prefill_attention import paged_prefill_attention
+from deepinfer.backends.cuda.kernels.prefill_attention import (choose_prefill_splits,
+                                                               paged_prefill_attention)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -224,6 +225,68 @@ def test_prefill_matches_reference(q_heads, kv_heads, head_dim, block_size, dtyp
     ref = torch.cat([_reference(q[starts[i]:starts[i + 1]], kv, i, scale)
                      for i in range(len(chunks))])
     _assert_close(out, ref, dtype)
+
+
+# (num_splits, block_size, dtype): more splits than a short sequence has key tiles (empty
+# splits), 32-key blocks whose tiles arrive whole, bfloat16.
+SPLIT_PREFILL_CASES = [(2, 16, torch.float32), (4, 32, torch.float32), (8, 16, torch.float32),
+                       (4, 16, torch.bfloat16)]
+
+
+@pytest.mark.parametrize("num_splits,block_size,dtype", SPLIT_PREFILL_CASES)
+def test_prefill_split_keys_match_reference(num_splits, block_size, dtype):
+    """Split-K prefill: a few new tokens over long prefixes (a prefix-cache hit's last chunk),
+    chunks whose early query tiles see fewer key tiles than there are splits, a fresh prompt."""
+    gen = torch.Generator().manual_seed(num_splits * 31 + block_size)
+    chunks = [(300, 20), (0, 37), (250, 1), (5, 60), (130, 33)]
+    seq_lens = [p + n for p, n in chunks]
+    kv = _paged_kv(seq_lens, 2, 32, block_size, dtype, gen)
+    starts = [0]
+    for _, n in chunks:
+        starts.append(starts[-1] + n)
+    q = _strided_q(starts[-1], 8, 2, 32, dtype, gen)
+    out = torch.full(q.shape, float("nan"), dtype=dtype, device=DEVICE)
+    query_starts = torch.tensor(starts, dtype=torch.int32, device=DEVICE)
+    paged_prefill_attention(q, kv.k_cache, kv.v_cache, kv.block_tables, query_starts,
+                            kv.seq_lens, 60, block_size, 0.2, out=out, num_splits=num_splits)
+    ref = torch.cat([_reference(q[starts[i]:starts[i + 1]], kv, i, 0.2)
+                     for i in range(len(chunks))])
+    _assert_close(out, ref, dtype)
+
+
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_prefill_of_a_step_s_later_sequences(num_splits):
+    """Sequences 2.. of a step on slices of its q and out (query_starts[0] is the slice's first
+    row): rows before the slice are left alone."""
+    gen = torch.Generator().manual_seed(7 + num_splits)
+    chunks = [(40, 1), (90, 1), (200, 17), (0, 30)]
+    kv = _paged_kv([p + n for p, n in chunks], 2, 32, 16, torch.float32, gen)
+    starts = [0, 1, 2, 19, 49]
+    q = _strided_q(starts[-1], 4, 2, 32, torch.float32, gen)
+    out = torch.full(q.shape, float("nan"), device=DEVICE)
+    query_starts = torch.tensor(starts, dtype=torch.int32, device=DEVICE)
+    paged_prefill_attention(q[2:], kv.k_cache, kv.v_cache, kv.block_tables[2:],
+                            query_starts[2:], kv.seq_lens[2:], 30, 16, 0.2, out=out[2:],
+                            num_splits=num_splits)
+    assert out[:2].isnan().all()
+    ref = torch.cat([_reference(q[starts[i]:starts[i + 1]], kv, i, 0.2) for i in (2, 3)])
+    _assert_close(out[2:], ref, torch.float32)
+
+
+def test_choose_prefill_splits(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the GPU's tiles and split sizes
+    # A 128-token chunk over 32K keys: 32 programs on 132 SMs -> 16 splits of 2K keys.
+    assert choose_prefill_splits(1, 32, 128, 32768, 132) == 16
+    assert choose_prefill_splits(1, 32, 8192, 8192, 132) == 1  # 2,048 programs fill the GPU
+    assert choose_prefill_splits(1, 32, 128, 600, 132) == 1  # too few keys to split
+    assert choose_prefill_splits(2, 32, 128, 4096, 132) == 4  # bounded by the keys
+    with pytest.raises(ValueError, match="window"):
+        cache = torch.empty(64, 2, 32, device="meta")
+        lens = torch.empty(1, dtype=torch.int32, device="meta")
+        paged_prefill_attention(torch.empty(3, 4, 32, device="meta"), cache, cache,
+                                torch.empty(1, 4, dtype=torch.int32, device="meta"),
+                                torch.empty(2, dtype=torch.int32, device="meta"), lens, 3, 16,
+                                0.1, window=8, num_splits=2)
 
 
 # (block_size, window, dtype): 16-key blocks are gathered, 32-key ones (the interpreted tile)
