@@ -316,15 +316,33 @@ def bench_prefill(name: str, chunks: list[tuple[int, int]], window: int, device:
                 num_splits=splits, decodes_apart=d, rel_err=err, ms=ms, tflops=flops / ms / 1e9)
 
 
-def bench_sdpa(seq: int, device: str) -> dict:
-    """The peer: torch SDPA (flash backend) on contiguous [1, H, S, D], causal, GQA."""
+def bench_sdpa(seq: int, device: str, backend: str) -> dict:
+    """The peer: torch SDPA on one backend (flash, cuDNN, memory-efficient) on contiguous
+    [1, H, S, D], causal, GQA."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
     q = torch.randn(1, Q_HEADS, seq, HEAD_DIM, dtype=torch.bfloat16, device=device)
     k = torch.randn(1, KV_HEADS, seq, HEAD_DIM, dtype=torch.bfloat16, device=device)
     v = torch.randn_like(k)
-    ms = _time_ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                                         enable_gqa=True))
     flops = 4 * Q_HEADS * HEAD_DIM * seq * seq / 2
-    return dict(kernel="torch_sdpa", case=f"1x{seq}", ms=ms, tflops=flops / ms / 1e9)
+    row = dict(kernel="torch_sdpa", case=f"1x{seq} {backend}")
+
+    def run(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        with sdpa_kernel(getattr(SDPBackend, backend)):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                  enable_gqa=k.shape[1] != Q_HEADS)
+
+    # A backend without GQA gets K/V repeated to every query head (not counted in the time).
+    for kv_heads in (KV_HEADS, Q_HEADS):
+        group = Q_HEADS // kv_heads
+        kk, vv = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+        try:
+            ms = _time_ms(lambda: run(kk, vv))
+        except RuntimeError as exc:  # this backend does not take these inputs here
+            row["error"] = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            continue
+        return dict(row, kv_heads=kv_heads, ms=ms, tflops=flops / ms / 1e9)
+    return dict(row, ms=float("nan"), tflops=float("nan"))
 
 
 def run_all(device: str = "cuda") -> list[dict]:
@@ -335,7 +353,8 @@ def run_all(device: str = "cuda") -> list[dict]:
     rows += [bench_prefill(name, chunks, 0, device, split) for name, chunks in SPLIT_CASES
              for split in (False, True)]
     rows += [bench_mla_prefill(name, chunks, device) for name, chunks in MLA_PREFILL_CASES]
-    rows.append(bench_sdpa(8192, device))
+    rows += [bench_sdpa(8192, device, b)
+             for b in ("FLASH_ATTENTION", "CUDNN_ATTENTION", "EFFICIENT_ATTENTION")]
     return rows
 
 

@@ -100,6 +100,47 @@ def run_all(engine: Engine, prompts: list[list[int]], max_tokens: int,
     return time.perf_counter() - start, steps
 
 
+def prefill_8k(engine: Engine, vocab: int, reps: int = 5) -> float:
+    """Median seconds of an 8192-token prompt's prefill (and its one sampled token)."""
+    prefill = []
+    for rep in range(reps):
+        # The whole run, not its first step: under async scheduling a step returns once the
+        # next is launched, before the GPU has finished it.
+        seconds, _ = run_all(engine, random_prompts(1, 8192, vocab, 10 + rep), 1)
+        prefill.append(seconds)
+    return statistics.median(prefill)
+
+
+def prefill_attention_ab(engine: Engine, vocab: int) -> dict:
+    """The 8K prefill with each attention for a fresh prompt (DEEPINFER_CUDA_SDPA_PREFILL's
+    choices: "0" the paged Triton kernel, else SDPA backends), then the default again."""
+    from deepinfer.backends.cuda.ops import sdpa_backends
+
+    ops = engine.accelerator.runner.ops
+    default, rates = ops.sdpa_backends, {}
+    for name in ("0", "FLASH_ATTENTION", "CUDNN_ATTENTION", "EFFICIENT_ATTENTION"):
+        ops.sdpa_backends = sdpa_backends(name)
+        refused = _sdpa_refuses(ops.sdpa_backends)
+        rates[name] = refused or 8192 / prefill_8k(engine, vocab, reps=3)
+    ops.sdpa_backends = default
+    return rates
+
+
+def _sdpa_refuses(backends: tuple) -> str | None:
+    """Why these SDPA backends refuse the model's attention (GQA, bf16, D=128), or None."""
+    from torch.nn.attention import sdpa_kernel
+
+    q = torch.randn(1, 32, 256, 128, dtype=torch.bfloat16, device="cuda")
+    k = torch.randn(1, 8, 256, 128, dtype=torch.bfloat16, device="cuda")
+    try:
+        with sdpa_kernel(list(backends), set_priority=True):
+            torch.nn.functional.scaled_dot_product_attention(q, k, k, is_causal=True,
+                                                             enable_gqa=True)
+    except RuntimeError as exc:
+        return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    return None
+
+
 def bench_ours(path: str, vocab: int, quick: bool, quantization: str = "auto") -> dict:
     engine = make_engine(path, max_len=16384, util=0.85, quantization=quantization)
     out: dict = {"kv_blocks": engine.kv.pool.num_usable}
@@ -114,14 +155,9 @@ def bench_ours(path: str, vocab: int, quick: bool, quantization: str = "auto") -
     out["batch256_seconds"] = seconds
     out["batch256_output_tok_s"] = n_req * 128 / seconds
     out["batch256_steps"] = len(steps)
-    prefill = []
-    for rep in range(5):
-        # The whole run, not its first step: under async scheduling a step returns once the
-        # next is launched, before the GPU has finished it.
-        seconds, _ = run_all(engine, random_prompts(1, 8192, vocab, 10 + rep), 1)
-        prefill.append(seconds)
-    out["prefill8k_s"] = statistics.median(prefill)
+    out["prefill8k_s"] = prefill_8k(engine, vocab)
     out["prefill8k_tok_s"] = 8192 / out["prefill8k_s"]
+    out["prefill8k_tok_s_by_attention"] = prefill_attention_ab(engine, vocab)
     weights = engine.accelerator.memory_stats().weights_bytes
     out["weights_bytes"] = weights
     engine.shutdown()
@@ -249,6 +285,10 @@ def print_table(result: dict) -> None:
     for name, a, b, c in rows:
         ratio = f"{a / b:.1f}x" if b else "-"
         print(f"{name:32s} {a:10.1f} {b or 0:10.1f} {ratio:>7s} {c:10.1f} {100 * a / c:5.1f}%")
+    for name, rate in ours.get("prefill8k_tok_s_by_attention", {}).items():
+        label = "paged Triton kernel" if name == "0" else f"SDPA {name}"
+        shown = f"{rate:10.1f}" if isinstance(rate, float) else f"refused: {rate}"
+        print(f"  8K prefill, fresh-prompt attention {label}: {shown}")
 
 
 if __name__ == "__main__":

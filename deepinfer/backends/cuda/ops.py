@@ -1,6 +1,9 @@
 """ModelOps on the GPU: every op is one Triton kernel, rotary fused into the KV cache write.
 Sliding-window layers pass their window to the attention kernels; MLA layers attend a paged
 latent cache with the MLA kernels.
+A prompt's only chunk with no cached prefix (one sequence, full attention) goes to torch's SDPA
+(FlashAttention; DEEPINFER_CUDA_SDPA_PREFILL names the backends in order, 0 for the Triton
+kernel, the baseline), which is faster than the paged kernel on long prompts.
 Projections go to cuBLAS via torch, except one-token ones (batch-1 decode), which go to the
 Triton GEMV (kernels/gemv.py): 9% less time over a decode step's weights on an H200. FP8
 weights (DeepSeek's block-scaled checkpoints, or --quantization fp8) stay FP8 and go to
@@ -36,6 +39,20 @@ from deepinfer.models.ops import ModelOps, QKNorm
 from deepinfer.models.quant.packed import FP8Weight, PackedWeight
 
 
+def sdpa_backends(names: str) -> tuple:
+    """DEEPINFER_CUDA_SDPA_PREFILL's SDPA backends in order ("" the default: FlashAttention;
+    "0": none, every prefill on the Triton kernel)."""
+    from torch.nn.attention import SDPBackend
+
+    if names.strip() == "0":
+        return ()
+    return tuple(getattr(SDPBackend, n.strip().upper())
+                 for n in (names or "FLASH_ATTENTION").split(",") if n.strip())
+
+
+SDPA_MIN_TOKENS = 1024  # below it the paged kernel is as fast: few key tiles, and no gather
+
+
 class CUDAOps(ModelOps):
     packed_kinds = ("fp8",)
 
@@ -47,6 +64,7 @@ class CUDAOps(ModelOps):
         # DEEPINFER_CUDA_FUSED_DECODE=0: rotary + KV write, then split-K attention, then the
         # merge, as three kernels (the baseline the one-kernel decode is measured against).
         self.fused_decode = os.environ.get("DEEPINFER_CUDA_FUSED_DECODE", "1") != "0"
+        self.sdpa_backends = sdpa_backends(os.environ.get("DEEPINFER_CUDA_SDPA_PREFILL", ""))
 
     def _window(self, layer: int) -> int:
         return self.cache.spec.layers[layer].sliding_window or 0
@@ -157,6 +175,8 @@ class CUDAOps(ModelOps):
             paged_decode_attention(q[:n], k_cache, v_cache, meta.block_tables[:n],
                                    meta.seq_lens[:n], bs, scale, splits, out=out[:n],
                                    window=window)
+        if self._fresh_prompt(q, meta, window):
+            return self._sdpa_prefill(q, k_cache, v_cache, meta.slot_mapping, scale)
         if n < seqs:
             splits = 1 if window else choose_prefill_splits(
                 seqs - n, q.shape[1], meta.max_query_len, meta.max_seq_len, self.num_sms,
@@ -166,6 +186,33 @@ class CUDAOps(ModelOps):
                                     meta.max_query_len, bs, scale, out=out[n:], window=window,
                                     num_splits=splits)
         return out
+
+    def _fresh_prompt(self, q: torch.Tensor, meta: AttentionMeta, window: int) -> bool:
+        """The step is one sequence's first and only chunk, unpadded, under full attention, in
+        a dtype FlashAttention takes and long enough for it to win (under the interpreter, in
+        CI: at any length and dtype, so that the path meets transformers in the engine
+        tests)."""
+        one_fresh = (bool(self.sdpa_backends) and not window and meta.seq_lens.shape[0] == 1
+                     and meta.max_seq_len == meta.max_query_len == q.shape[0])
+        if os.environ.get("TRITON_INTERPRET") == "1":
+            return one_fresh
+        return (one_fresh and q.is_cuda and q.dtype != torch.float32
+                and q.shape[0] >= SDPA_MIN_TOKENS)
+
+    def _sdpa_prefill(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      slots: torch.Tensor, scale: float) -> torch.Tensor:
+        """q [T, Hq, D] over the rotated K/V the step just wrote (gathered back from the
+        cache: 2 x T x Hk x D elements, a few microseconds). FlashAttention returns [T, Hq, D]
+        rows contiguous, as the output projection wants them."""
+        from torch.nn.attention import sdpa_kernel
+
+        q4 = q.transpose(0, 1).unsqueeze(0)
+        k4 = k_cache[slots].transpose(0, 1).unsqueeze(0)
+        v4 = v_cache[slots].transpose(0, 1).unsqueeze(0)
+        with sdpa_kernel(list(self.sdpa_backends), set_priority=True):
+            out = torch.nn.functional.scaled_dot_product_attention(
+                q4, k4, v4, is_causal=True, scale=scale, enable_gqa=k4.shape[1] != q4.shape[1])
+        return out[0].transpose(0, 1).contiguous()
 
     def hyper_collapse(self, logits: torch.Tensor, streams: torch.Tensor, scale: torch.Tensor,
                        base: torch.Tensor, iters: int, eps: float
