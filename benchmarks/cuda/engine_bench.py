@@ -120,7 +120,7 @@ def prefill_attention_ab(engine: Engine, vocab: int) -> dict:
     default, rates = ops.sdpa_backends, {}
     for name in ("0", "FLASH_ATTENTION", "CUDNN_ATTENTION", "EFFICIENT_ATTENTION"):
         ops.sdpa_backends = sdpa_backends(name)
-        refused = _sdpa_refuses(ops.sdpa_backends)
+        refused = ops.sdpa_backends and _sdpa_refuses(ops.sdpa_backends)
         rates[name] = refused or 8192 / prefill_8k(engine, vocab, reps=3)
     ops.sdpa_backends = default
     return rates

@@ -22,8 +22,9 @@ from typing import Sequence
 
 import torch
 
-from deepinfer.backends.cuda.dummy_batches import (profile_batch, profile_row, warmup_batch,
-                                                  warmup_token_counts)
+from deepinfer.backends.cuda.dummy_batches import (profile_batch, profile_row,
+                                                  split_warmup_batch, split_warmup_contexts,
+                                                  warmup_batch, warmup_token_counts)
 from deepinfer.backends.cuda.graphs import DecodeGraphs, RowLayout
 from deepinfer.backends.cuda.group_inputs import GroupedDecodeRows, grouped_inputs
 from deepinfer.backends.cuda.spec_graphs import GraphSpeculator
@@ -198,14 +199,22 @@ class CUDAAccelerator(Accelerator):
                         continue
                     batch = warmup_batch(tokens, offset, block_size, self.cache.num_blocks,
                                          spec.num_groups, spec.state_bytes > 0)
-                    self.runner.begin_step(batch.num_tokens, 0)  # no real token: no load
-                    inputs = self._eager_inputs(batch)
-                    self.runner.logits(self._forward(inputs)[inputs.logits_index])
+                    self._warm_up_step(batch)
+            if not self.grouped:  # the attention kernels' split counts (one KV group only)
+                for context in split_warmup_contexts(self.max_model_len):
+                    self._warm_up_step(split_warmup_batch(
+                        context, block_size, self.cache.num_blocks, spec.num_groups,
+                        spec.state_bytes > 0))
         if self.on_gpu:
             torch.cuda.synchronize(self.device)
         self.cache.zero_()
         log.info("prefill kernels warmed up for chunks of %d..%d tokens in %.1f s",
                  counts[0], counts[-1], time.perf_counter() - t0)
+
+    def _warm_up_step(self, batch: ModelBatch) -> None:
+        self.runner.begin_step(batch.num_tokens, 0)  # no real token: counts in no load
+        inputs = self._eager_inputs(batch)
+        self.runner.logits(self._forward(inputs)[inputs.logits_index])
 
     @property
     def graphable(self) -> bool:

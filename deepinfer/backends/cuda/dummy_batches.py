@@ -7,7 +7,10 @@ fused MoE's route sort takes a power of two of the routes, for one). Compiled on
 path, each new class stalls that request for seconds: a 128-token chunk after a 128K-token
 prefix hit waited 2 s on the H200 for its route sort. The warm-up runs one chunk of every class
 a step can take, from position 0 and after a page of prefix, so that compiles happen at start
-(and land in Triton's on-disk cache for the next start).
+(and land in Triton's on-disk cache for the next start). The attention kernels' split-K counts
+depend on the context length instead: a decode and a short chunk over each power-of-two context
+compile every count a long prefix hit or a mixed step can take (a 32K-token hit's first chunk
+waited ~80 ms on the H200 for its compiles).
 """
 from __future__ import annotations
 
@@ -48,6 +51,28 @@ def warmup_batch(tokens: int, offset: int, block_size: int, num_blocks: int,
         query_lens=[tokens], seq_lens=[offset + tokens],
         groups=(GroupBatch([table], slots),) * num_groups, block_size=block_size,
         sample_indices=[0], sampling=[profile_row()], state_slots=[0] if stateful else [])
+
+
+def split_warmup_batch(context: int, block_size: int, num_blocks: int, num_groups: int = 1,
+                       stateful: bool = False) -> ModelBatch:
+    """A mixed step at `context` tokens: one decode, then a SMALL_CHUNKS-token chunk ending at
+    the same length (both over the same wrapped blocks; the values are never read)."""
+    chunk = min(SMALL_CHUNKS, context - 1)
+    table, slots = _sequence(context - 1, context, 1, block_size, num_blocks - 1)
+    _, chunk_slots = _sequence(context - chunk, context, 1, block_size, num_blocks - 1)
+    return ModelBatch(
+        input_ids=[0] * (1 + chunk), positions=[context - 1] + list(range(context - chunk,
+                                                                           context)),
+        query_lens=[1, chunk], seq_lens=[context, context],
+        groups=(GroupBatch([table, table], slots + chunk_slots),) * num_groups,
+        block_size=block_size, sample_indices=[0, 1], sampling=[profile_row()] * 2,
+        state_slots=[0, 0] if stateful else [])
+
+
+def split_warmup_contexts(max_len: int) -> list[int]:
+    """Powers of two from 128 to 32K (every split count from 1 to 32 at both kernels' sizes)
+    that fit the context."""
+    return [1 << k for k in range(7, 16) if 1 << k <= max_len]
 
 
 def warmup_token_counts(max_tokens: int) -> list[int]:

@@ -2,8 +2,9 @@
 Sliding-window layers pass their window to the attention kernels; MLA layers attend a paged
 latent cache with the MLA kernels.
 A prompt's only chunk with no cached prefix (one sequence, full attention) goes to torch's SDPA
-(FlashAttention; DEEPINFER_CUDA_SDPA_PREFILL names the backends in order, 0 for the Triton
-kernel, the baseline), which is faster than the paged kernel on long prompts.
+(cuDNN's fused attention, then FlashAttention; DEEPINFER_CUDA_SDPA_PREFILL names the backends in
+order, 0 for the Triton kernel, the baseline): on an H200, 8K tokens at D=128 with GQA took
+cuDNN 1.01 ms a layer, the paged kernel 1.18 and FlashAttention 1.71.
 Projections go to cuBLAS via torch, except one-token ones (batch-1 decode), which go to the
 Triton GEMV (kernels/gemv.py): 9% less time over a decode step's weights on an H200. FP8
 weights (DeepSeek's block-scaled checkpoints, or --quantization fp8) stay FP8 and go to
@@ -40,14 +41,14 @@ from deepinfer.models.quant.packed import FP8Weight, PackedWeight
 
 
 def sdpa_backends(names: str) -> tuple:
-    """DEEPINFER_CUDA_SDPA_PREFILL's SDPA backends in order ("" the default: FlashAttention;
-    "0": none, every prefill on the Triton kernel)."""
+    """DEEPINFER_CUDA_SDPA_PREFILL's SDPA backends in order ("" the default: cuDNN, then
+    FlashAttention; "0": none, every prefill on the Triton kernel)."""
     from torch.nn.attention import SDPBackend
 
     if names.strip() == "0":
         return ()
     return tuple(getattr(SDPBackend, n.strip().upper())
-                 for n in (names or "FLASH_ATTENTION").split(",") if n.strip())
+                 for n in (names or "CUDNN_ATTENTION,FLASH_ATTENTION").split(",") if n.strip())
 
 
 SDPA_MIN_TOKENS = 1024  # below it the paged kernel is as fast: few key tiles, and no gather
@@ -189,7 +190,7 @@ class CUDAOps(ModelOps):
 
     def _fresh_prompt(self, q: torch.Tensor, meta: AttentionMeta, window: int) -> bool:
         """The step is one sequence's first and only chunk, unpadded, under full attention, in
-        a dtype FlashAttention takes and long enough for it to win (under the interpreter, in
+        a dtype and head size both backends take and long enough for them to win (under the interpreter, in
         CI: at any length and dtype, so that the path meets transformers in the engine
         tests)."""
         one_fresh = (bool(self.sdpa_backends) and not window and meta.seq_lens.shape[0] == 1
@@ -197,7 +198,7 @@ class CUDAOps(ModelOps):
         if os.environ.get("TRITON_INTERPRET") == "1":
             return one_fresh
         return (one_fresh and q.is_cuda and q.dtype != torch.float32
-                and q.shape[0] >= SDPA_MIN_TOKENS)
+                and q.shape[-1] in (64, 128) and q.shape[0] >= SDPA_MIN_TOKENS)
 
     def _sdpa_prefill(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       slots: torch.Tensor, scale: float) -> torch.Tensor:

@@ -273,6 +273,47 @@ def test_prefill_of_a_step_s_later_sequences(num_splits):
     _assert_close(out[2:], ref, torch.float32)
 
 
+@pytest.mark.parametrize("q_heads,kv_heads", [(32, 8), (64, 8), (8, 8), (4, 1)])
+def test_warm_up_contexts_meet_every_split_count(monkeypatch, q_heads, kv_heads):
+    """Every split count a step can choose (any sequences, chunk sizes and context lengths)
+    is one the start-up's mixed steps choose: none compiles on a request's path."""
+    from deepinfer.backends.cuda.dummy_batches import SMALL_CHUNKS, split_warmup_contexts
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the GPU's tiles and split sizes
+    sms, max_len = 132, 131072
+    lengths = range(1, max_len + 1, 61)
+    prefill = {choose_prefill_splits(seqs, q_heads, tokens, n, sms) for n in lengths
+               for seqs in (1, 2, 3, 8) for tokens in (1, 16, 128, 129, 512)}
+    decode = {choose_num_splits(seqs, kv_heads, n, sms) for n in lengths
+              for seqs in (1, 2, 3, 5, 9, 17, 33, 64)}
+    contexts = split_warmup_contexts(max_len)
+    assert prefill <= {choose_prefill_splits(1, q_heads, SMALL_CHUNKS, n, sms) for n in contexts}
+    assert decode <= {choose_num_splits(1, kv_heads, n, sms) for n in contexts}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fresh_prompt_sdpa_equals_the_paged_kernel(dtype):
+    """A fresh prompt's attention through SDPA (K/V gathered back from the paged cache, GQA)
+    equals the paged kernel's; on a GPU with the default backends (cuDNN, then flash)."""
+    from deepinfer.backends.cuda.ops import CUDAOps, sdpa_backends
+
+    gen = torch.Generator().manual_seed(11)
+    n, block_size = 200, 16
+    kv = _paged_kv([n], 2, 64, block_size, dtype, gen)
+    q = _strided_q(n, 8, 2, 64, dtype, gen)
+    starts = torch.tensor([0, n], dtype=torch.int32, device=DEVICE)
+    table = kv.block_tables[0].long()
+    positions = torch.arange(n, device=DEVICE)
+    slots = table[positions // block_size] * block_size + positions % block_size
+    ops = CUDAOps(cache=None)
+    assert ops.sdpa_backends == sdpa_backends("")
+    got = ops._sdpa_prefill(q, kv.k_cache, kv.v_cache, slots, 0.125)
+    assert got.is_contiguous() and got.shape == q.shape
+    ref = paged_prefill_attention(q, kv.k_cache, kv.v_cache, kv.block_tables, starts,
+                                  kv.seq_lens, n, block_size, 0.125)
+    _assert_close(got, ref.double().cpu(), dtype)
+
+
 def test_choose_prefill_splits(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the GPU's tiles and split sizes
     # A 128-token chunk over 32K keys: 32 programs on 132 SMs -> 16 splits of 2K keys.

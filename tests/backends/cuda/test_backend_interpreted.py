@@ -182,9 +182,11 @@ def test_graph_logits_keep_only_the_sampled_rows():
 
 def test_warm_up_runs_every_chunk_class_and_leaves_the_pool_clean(tmp_path, monkeypatch):
     """The start-up warm-up runs a chunk of each size class, from position 0 and after a page
-    of prefix, within a pool smaller than its longest chunk, and leaves every page as a new
-    pool's (zeros): requests after it see what they would without it."""
-    from deepinfer.backends.cuda.dummy_batches import warmup_batch, warmup_token_counts
+    of prefix, then mixed steps over growing contexts (split-K classes), within a pool smaller
+    than its longest chunk, and leaves every page as a new pool's (zeros): requests after it
+    see what they would without it."""
+    from deepinfer.backends.cuda.dummy_batches import (SMALL_CHUNKS, split_warmup_contexts,
+                                                      warmup_batch, warmup_token_counts)
     from tests.checkpoints import make_checkpoint
 
     assert warmup_token_counts(17) == [1, 2, 3, 4, 5, 6, 7, 8, 16, 17]
@@ -205,6 +207,9 @@ def test_warm_up_runs_every_chunk_class_and_leaves_the_pool_clean(tmp_path, monk
     for _, tensor in acc.cache.chunk_tensors():
         tensor.fill_(1.0)
     acc.warm_up(16)
-    assert chunks == [(offset, n) for n in warmup_token_counts(17) for offset in (0, 16)]
+    splits = [(context - 1, 1 + SMALL_CHUNKS) for context in
+              split_warmup_contexts(acc.max_model_len)]  # a decode and a chunk, as one step
+    assert len(splits) >= 2
+    assert chunks == [(offset, n) for n in warmup_token_counts(17) for offset in (0, 16)] + splits
     assert all(not tensor.any() for _, tensor in acc.cache.chunk_tensors())
     acc.shutdown()
