@@ -389,6 +389,12 @@ def _send_wave(base: str, model: str, prompts: list[list[int]], output_len: int,
     return min(d[0] for d in done), max(d[1] for d in done), results
 
 
+def _print_tail(path: str, lines: int = 40) -> None:
+    with open(path, errors="replace") as f:
+        tail = [line for line in f if " 200 OK" not in line][-lines:]
+    log(f"last lines of {path} (request logs left out):\n" + "".join(tail))
+
+
 def server_wave(base: str, model: str, prompts: list[list[int]], output_len: int, level: int,
                 repeat: int, client_kind: str, meter: CpuMeter, trace_dir: str,
                 clients: ClientProcesses | None = None, paced: bool = False) -> Wave:
@@ -818,6 +824,9 @@ def main(argv: list[str] | None = None) -> int:
         elapsed = time.perf_counter() - t_start
         env = environment(model_dir, threads, args.client, args.dtype)
         llm.engine.shutdown()
+    except BaseException:
+        _print_tail(server_log)  # what the server saw of a failed wave
+        raise
     finally:
         if clients is not None:
             clients.pool.terminate()

@@ -65,6 +65,13 @@ def _model_args(p: Flags) -> None:
                         "requests that leave them unset; none: the OpenAI defaults")
 
 
+# uvicorn's own 5 s dropped streams at 1,024 at once: on uvloop a turn runs due timers before
+# it reads the sockets, so an idle connection's keep-alive timer closed it with the client's
+# next request already in its buffer, after a turn of ~1,000 requests' handlers took seconds
+# (httpx.ReadError before any header; 1-3 of 1,024 on a 2-core machine, none at 60 s).
+DEFAULT_KEEP_ALIVE_S = 60.0
+
+
 def _server_args(p: Flags) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=8000, help="port to listen on")
@@ -88,6 +95,10 @@ def _server_args(p: Flags) -> None:
                    help="tokens a streamed sample gathers before the rank sends them (its "
                         "first token and its end go out at once): fewer, larger SSE chunks "
                         "and less API work per token under many streams")
+    p.add_argument("--timeout-keep-alive", type=float, default=DEFAULT_KEEP_ALIVE_S,
+                   help="seconds an idle keep-alive connection stays open; keep it well above "
+                        "the longest event-loop turn (a burst of requests can make one last "
+                        "seconds), or a request may arrive just as its idle connection closes")
 
 
 def _engine_args(p: Flags) -> None:
@@ -253,7 +264,8 @@ async def serve_http(args: argparse.Namespace, model_dir: str, client, ready: li
                         sampling_defaults=sampling_defaults(args, model_dir),
                         metrics_public=args.metrics_public)
     config = uvicorn.Config(create_app(state), host=args.host, port=args.port,
-                            log_level=args.log_level, timeout_graceful_shutdown=5)
+                            log_level=args.log_level, timeout_graceful_shutdown=5,
+                            timeout_keep_alive=args.timeout_keep_alive)
     # uvicorn handles SIGINT/SIGTERM while it serves, then restores the previous handlers
     # and re-raises the signal; with the default handlers that kills the process before
     # the caller's `finally` can stop the ranks (orphaned ranks, leaked IPC folder).

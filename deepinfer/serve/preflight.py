@@ -28,6 +28,9 @@ def check_args(args: argparse.Namespace) -> None:
         raise PreflightError(f"--api-server-count must be >= 1, got {args.api_server_count}")
     if args.stream_interval < 1:
         raise PreflightError(f"--stream-interval must be >= 1, got {args.stream_interval}")
+    if not args.timeout_keep_alive > 0:
+        raise PreflightError(f"--timeout-keep-alive must be > 0 seconds, got "
+                             f"{args.timeout_keep_alive}")
     try:
         engine_config(args, args.model or ".")
         request_limits(args)

@@ -23,7 +23,7 @@ from typing import Sequence
 import torch
 
 from deepinfer.backends.cuda.dummy_batches import (profile_batch, profile_row,
-                                                  split_warmup_batch, split_warmup_contexts,
+                                                  split_warmup_batches, split_warmup_contexts,
                                                   warmup_batch, warmup_token_counts)
 from deepinfer.backends.cuda.graphs import DecodeGraphs, RowLayout
 from deepinfer.backends.cuda.group_inputs import GroupedDecodeRows, grouped_inputs
@@ -202,9 +202,9 @@ class CUDAAccelerator(Accelerator):
                     self._warm_up_step(batch)
             if not self.grouped:  # the attention kernels' split counts (one KV group only)
                 for context in split_warmup_contexts(self.max_model_len):
-                    self._warm_up_step(split_warmup_batch(
-                        context, block_size, self.cache.num_blocks, spec.num_groups,
-                        spec.state_bytes > 0))
+                    for batch in split_warmup_batches(context, block_size, self.cache.num_blocks,
+                                                      spec.num_groups, spec.state_bytes > 0):
+                        self._warm_up_step(batch)
         if self.on_gpu:
             torch.cuda.synchronize(self.device)
         self.cache.zero_()

@@ -8,9 +8,9 @@ path, each new class stalls that request for seconds: a 128-token chunk after a 
 prefix hit waited 2 s on the H200 for its route sort. The warm-up runs one chunk of every class
 a step can take, from position 0 and after a page of prefix, so that compiles happen at start
 (and land in Triton's on-disk cache for the next start). The attention kernels' split-K counts
-depend on the context length instead: a decode and a short chunk over each power-of-two context
-compile every count a long prefix hit or a mixed step can take (a 32K-token hit's first chunk
-waited ~80 ms on the H200 for its compiles).
+depend on the context length instead: a short chunk over each power-of-two context, alone and
+behind a decode, compiles every count a long prefix hit or a mixed step can take (the first
+32K-token hit on the H200 waited 2.2 s for its compiles).
 """
 from __future__ import annotations
 
@@ -53,20 +53,22 @@ def warmup_batch(tokens: int, offset: int, block_size: int, num_blocks: int,
         sample_indices=[0], sampling=[profile_row()], state_slots=[0] if stateful else [])
 
 
-def split_warmup_batch(context: int, block_size: int, num_blocks: int, num_groups: int = 1,
-                       stateful: bool = False) -> ModelBatch:
-    """A mixed step at `context` tokens: one decode, then a SMALL_CHUNKS-token chunk ending at
-    the same length (both over the same wrapped blocks; the values are never read)."""
+def split_warmup_batches(context: int, block_size: int, num_blocks: int, num_groups: int = 1,
+                         stateful: bool = False) -> list[ModelBatch]:
+    """A SMALL_CHUNKS-token chunk ending at `context` tokens alone, then in a mixed step behind
+    a decode (both over the same wrapped blocks; the values are never read). Both: Triton also
+    specializes on pointer alignment, and a step's later sequences start 4 bytes into its
+    int32 lengths."""
     chunk = min(SMALL_CHUNKS, context - 1)
+    alone = warmup_batch(chunk, context - chunk, block_size, num_blocks, num_groups, stateful)
     table, slots = _sequence(context - 1, context, 1, block_size, num_blocks - 1)
-    _, chunk_slots = _sequence(context - chunk, context, 1, block_size, num_blocks - 1)
-    return ModelBatch(
-        input_ids=[0] * (1 + chunk), positions=[context - 1] + list(range(context - chunk,
-                                                                           context)),
+    mixed = ModelBatch(
+        input_ids=[0] * (1 + chunk), positions=[context - 1] + alone.positions,
         query_lens=[1, chunk], seq_lens=[context, context],
-        groups=(GroupBatch([table, table], slots + chunk_slots),) * num_groups,
+        groups=(GroupBatch([table, table], slots + alone.slot_mapping),) * num_groups,
         block_size=block_size, sample_indices=[0, 1], sampling=[profile_row()] * 2,
         state_slots=[0, 0] if stateful else [])
+    return [alone, mixed]
 
 
 def split_warmup_contexts(max_len: int) -> list[int]:

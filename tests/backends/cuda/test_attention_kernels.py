@@ -297,6 +297,8 @@ def test_fresh_prompt_sdpa_equals_the_paged_kernel(dtype):
     equals the paged kernel's; on a GPU with the default backends (cuDNN, then flash)."""
     from deepinfer.backends.cuda.ops import CUDAOps, sdpa_backends
 
+    if DEVICE == "cuda" and dtype == torch.float32:
+        pytest.skip("cuDNN and flash take 16-bit inputs; float32 stays on the paged kernel")
     gen = torch.Generator().manual_seed(11)
     n, block_size = 200, 16
     kv = _paged_kv([n], 2, 64, block_size, dtype, gen)

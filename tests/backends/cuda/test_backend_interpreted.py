@@ -207,8 +207,9 @@ def test_warm_up_runs_every_chunk_class_and_leaves_the_pool_clean(tmp_path, monk
     for _, tensor in acc.cache.chunk_tensors():
         tensor.fill_(1.0)
     acc.warm_up(16)
-    splits = [(context - 1, 1 + SMALL_CHUNKS) for context in
-              split_warmup_contexts(acc.max_model_len)]  # a decode and a chunk, as one step
+    splits = [step for context in split_warmup_contexts(acc.max_model_len)  # a chunk alone,
+              for step in ((context - SMALL_CHUNKS, SMALL_CHUNKS),  # then behind a decode
+                           (context - 1, 1 + SMALL_CHUNKS))]
     assert len(splits) >= 2
     assert chunks == [(offset, n) for n in warmup_token_counts(17) for offset in (0, 16)] + splits
     assert all(not tensor.any() for _, tensor in acc.cache.chunk_tensors())
