@@ -47,8 +47,12 @@ def sdpa_backends(names: str) -> tuple:
 
     if names.strip() == "0":
         return ()
-    return tuple(getattr(SDPBackend, n.strip().upper())
-                 for n in (names or "CUDNN_ATTENTION,FLASH_ATTENTION").split(",") if n.strip())
+    wanted = [n.strip().upper() for n in (names or "CUDNN_ATTENTION,FLASH_ATTENTION").split(",")]
+    unknown = [n for n in wanted if n and not hasattr(SDPBackend, n)]
+    if unknown:
+        raise ValueError(f"DEEPINFER_CUDA_SDPA_PREFILL: no SDPA backend {unknown[0]!r} (say "
+                         "CUDNN_ATTENTION, FLASH_ATTENTION, EFFICIENT_ATTENTION or 0)")
+    return tuple(getattr(SDPBackend, n) for n in wanted if n)
 
 
 SDPA_MIN_TOKENS = 1024  # below it the paged kernel is as fast: few key tiles, and no gather
@@ -169,6 +173,8 @@ class CUDAOps(ModelOps):
         if meta.decode:
             return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                                           bs, scale, meta.num_splits, window=window)
+        if self._fresh_prompt(q, meta, window):
+            return self._sdpa_prefill(q, k_cache, v_cache, meta.slot_mapping, scale)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         n, seqs = meta.num_decodes, meta.seq_lens.shape[0]
         if n:
@@ -176,8 +182,6 @@ class CUDAOps(ModelOps):
             paged_decode_attention(q[:n], k_cache, v_cache, meta.block_tables[:n],
                                    meta.seq_lens[:n], bs, scale, splits, out=out[:n],
                                    window=window)
-        if self._fresh_prompt(q, meta, window):
-            return self._sdpa_prefill(q, k_cache, v_cache, meta.slot_mapping, scale)
         if n < seqs:
             splits = 1 if window else choose_prefill_splits(
                 seqs - n, q.shape[1], meta.max_query_len, meta.max_seq_len, self.num_sms,
@@ -190,9 +194,9 @@ class CUDAOps(ModelOps):
 
     def _fresh_prompt(self, q: torch.Tensor, meta: AttentionMeta, window: int) -> bool:
         """The step is one sequence's first and only chunk, unpadded, under full attention, in
-        a dtype and head size both backends take and long enough for them to win (under the interpreter, in
-        CI: at any length and dtype, so that the path meets transformers in the engine
-        tests)."""
+        a dtype and head size both backends take and long enough for them to win (under the
+        interpreter, in CI: at any length and dtype, so that the path meets transformers in the
+        engine tests)."""
         one_fresh = (bool(self.sdpa_backends) and not window and meta.seq_lens.shape[0] == 1
                      and meta.max_seq_len == meta.max_query_len == q.shape[0])
         if os.environ.get("TRITON_INTERPRET") == "1":
@@ -203,8 +207,8 @@ class CUDAOps(ModelOps):
     def _sdpa_prefill(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       slots: torch.Tensor, scale: float) -> torch.Tensor:
         """q [T, Hq, D] over the rotated K/V the step just wrote (gathered back from the
-        cache: 2 x T x Hk x D elements, a few microseconds). FlashAttention returns [T, Hq, D]
-        rows contiguous, as the output projection wants them."""
+        cache: 2 x T x Hk x D elements, a few microseconds), returned row-contiguous [T, Hq, D]
+        for the output projection (a copy only where a backend laid its output out otherwise)."""
         from torch.nn.attention import sdpa_kernel
 
         q4 = q.transpose(0, 1).unsqueeze(0)

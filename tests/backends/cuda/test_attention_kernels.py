@@ -308,7 +308,9 @@ def test_fresh_prompt_sdpa_equals_the_paged_kernel(dtype):
     positions = torch.arange(n, device=DEVICE)
     slots = table[positions // block_size] * block_size + positions % block_size
     ops = CUDAOps(cache=None)
-    assert ops.sdpa_backends == sdpa_backends("")
+    assert ops.sdpa_backends == sdpa_backends("") and sdpa_backends("0") == ()
+    with pytest.raises(ValueError, match="no SDPA backend 'FLASH'"):
+        sdpa_backends("cudnn_attention,flash")
     got = ops._sdpa_prefill(q, kv.k_cache, kv.v_cache, slots, 0.125)
     assert got.is_contiguous() and got.shape == q.shape
     ref = paged_prefill_attention(q, kv.k_cache, kv.v_cache, kv.block_tables, starts,

