@@ -203,28 +203,50 @@ PREFILL_CASES = [
 ]
 
 
+@dataclass
+class PrefillCase:
+    """Chunks (cached prefix, new tokens) of several sequences, packed as one step."""
+
+    chunks: list[tuple[int, int]]
+    q_heads: int = 4
+    kv_heads: int = 2
+    head_dim: int = 32
+    block_size: int = 16
+    dtype: torch.dtype = torch.float32
+    window: int = 0
+
+
+def _check_prefill(case: PrefillCase, gen: torch.Generator, scale: float,
+                   num_splits: int = 1) -> None:
+    """Run the kernel over the case's paged K/V (poisoned output, strided q; keys out of a
+    window dropped as the engine frees them) and compare with the dense reference."""
+    kv = _paged_kv([p + n for p, n in case.chunks], case.kv_heads, case.head_dim,
+                   case.block_size, case.dtype, gen)
+    if case.window:
+        _drop_out_of_window(kv, [p for p, _ in case.chunks], case.window)
+    starts = [0]
+    for _, n in case.chunks:
+        starts.append(starts[-1] + n)
+    q = _strided_q(starts[-1], case.q_heads, case.kv_heads, case.head_dim, case.dtype, gen)
+    out = torch.full(q.shape, float("nan"), dtype=case.dtype, device=DEVICE)
+    query_starts = torch.tensor(starts, dtype=torch.int32, device=DEVICE)
+    got = paged_prefill_attention(q, kv.k_cache, kv.v_cache, kv.block_tables, query_starts,
+                                  kv.seq_lens, max(n for _, n in case.chunks), case.block_size,
+                                  scale, out=out, window=case.window, num_splits=num_splits)
+    assert got is out
+    ref = torch.cat([_reference(q[starts[i]:starts[i + 1]], kv, i, scale, case.window)
+                     for i in range(len(case.chunks))])
+    _assert_close(out, ref, case.dtype)
+
+
 @pytest.mark.parametrize("q_heads,kv_heads,head_dim,block_size,dtype", PREFILL_CASES)
 def test_prefill_matches_reference(q_heads, kv_heads, head_dim, block_size, dtype):
     gen = torch.Generator().manual_seed(hash((q_heads, kv_heads, head_dim, block_size)) % 2**31)
     # (cached prefix, new tokens): none, partial block, several blocks, a single new token;
     # prefix 14 puts a query tile one key short of a key-tile edge.
     chunks = [(0, 37), (5, 1), (40, 70), (100, 16), (0, 1), (33, 20), (14, 40)]
-    seq_lens = [p + n for p, n in chunks]
-    kv = _paged_kv(seq_lens, kv_heads, head_dim, block_size, dtype, gen)
-    starts = [0]
-    for _, n in chunks:
-        starts.append(starts[-1] + n)
-    q = _strided_q(starts[-1], q_heads, kv_heads, head_dim, dtype, gen)
-    out = torch.full(q.shape, float("nan"), dtype=dtype, device=DEVICE)
-    scale = head_dim ** -0.5
-    query_starts = torch.tensor(starts, dtype=torch.int32, device=DEVICE)
-    got = paged_prefill_attention(q, kv.k_cache, kv.v_cache, kv.block_tables, query_starts,
-                                  kv.seq_lens, max(n for _, n in chunks), block_size, scale,
-                                  out=out)
-    assert got is out
-    ref = torch.cat([_reference(q[starts[i]:starts[i + 1]], kv, i, scale)
-                     for i in range(len(chunks))])
-    _assert_close(out, ref, dtype)
+    _check_prefill(PrefillCase(chunks, q_heads, kv_heads, head_dim, block_size, dtype), gen,
+                   head_dim ** -0.5)
 
 
 # (num_splits, block_size, dtype): more splits than a short sequence has key tiles (empty
@@ -239,19 +261,7 @@ def test_prefill_split_keys_match_reference(num_splits, block_size, dtype):
     chunks whose early query tiles see fewer key tiles than there are splits, a fresh prompt."""
     gen = torch.Generator().manual_seed(num_splits * 31 + block_size)
     chunks = [(300, 20), (0, 37), (250, 1), (5, 60), (130, 33)]
-    seq_lens = [p + n for p, n in chunks]
-    kv = _paged_kv(seq_lens, 2, 32, block_size, dtype, gen)
-    starts = [0]
-    for _, n in chunks:
-        starts.append(starts[-1] + n)
-    q = _strided_q(starts[-1], 8, 2, 32, dtype, gen)
-    out = torch.full(q.shape, float("nan"), dtype=dtype, device=DEVICE)
-    query_starts = torch.tensor(starts, dtype=torch.int32, device=DEVICE)
-    paged_prefill_attention(q, kv.k_cache, kv.v_cache, kv.block_tables, query_starts,
-                            kv.seq_lens, 60, block_size, 0.2, out=out, num_splits=num_splits)
-    ref = torch.cat([_reference(q[starts[i]:starts[i + 1]], kv, i, 0.2)
-                     for i in range(len(chunks))])
-    _assert_close(out, ref, dtype)
+    _check_prefill(PrefillCase(chunks, 8, 2, 32, block_size, dtype), gen, 0.2, num_splits)
 
 
 @pytest.mark.parametrize("num_splits", [1, 4])
@@ -353,20 +363,8 @@ def test_prefill_sliding_window(block_size, window, dtype):
     # (cached prefix, new tokens): a fresh prompt, chunks after a prefix longer and shorter
     # than the window, one new token, query tiles that start mid key tile.
     chunks = [(0, 70), (5, 1), (40, 70), (100, 16), (33, 20), (14, 40), (90, 3)]
-    seq_lens = [p + n for p, n in chunks]
-    kv = _paged_kv(seq_lens, 2, 32, block_size, dtype, gen)
-    _drop_out_of_window(kv, [p for p, _ in chunks], window)
-    starts = [0]
-    for _, n in chunks:
-        starts.append(starts[-1] + n)
-    q = _strided_q(starts[-1], 4, 2, 32, dtype, gen)
-    out = torch.full(q.shape, float("nan"), dtype=dtype, device=DEVICE)
-    query_starts = torch.tensor(starts, dtype=torch.int32, device=DEVICE)
-    paged_prefill_attention(q, kv.k_cache, kv.v_cache, kv.block_tables, query_starts,
-                            kv.seq_lens, 70, block_size, 0.2, out=out, window=window)
-    ref = torch.cat([_reference(q[starts[i]:starts[i + 1]], kv, i, 0.2, window)
-                     for i in range(len(chunks))])
-    _assert_close(out, ref, dtype)
+    _check_prefill(PrefillCase(chunks, block_size=block_size, dtype=dtype, window=window), gen,
+                   0.2)
 
 
 def test_window_must_be_a_non_negative_int():
