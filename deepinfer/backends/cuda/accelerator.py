@@ -27,6 +27,7 @@ from deepinfer.backends.cuda.dummy_batches import (profile_batch, profile_row,
                                                   warmup_batch, warmup_token_counts)
 from deepinfer.backends.cuda.graphs import DecodeGraphs, RowLayout
 from deepinfer.backends.cuda.group_inputs import GroupedDecodeRows, grouped_inputs
+from deepinfer.backends.cuda.prefill_graphs import PrefillGraphs
 from deepinfer.backends.cuda.spec_graphs import GraphSpeculator
 from deepinfer.backends.cuda.memory import GIB, kv_budget
 from deepinfer.backends.cuda.step_inputs import DecodeRows, StepInputs, pack_batch, unpack_batch
@@ -60,6 +61,7 @@ class CUDAAccelerator(Accelerator):
         self.runner: TorchRunner | None = None
         self.info: ModelInfo | None = None
         self.graphs: DecodeGraphs | None = None
+        self.prefill_graphs: PrefillGraphs | None = None  # short chunks of one sequence
         self.host_pool = None
         self.host_tokens: HostTokenBuffers | None = None  # launch()'s readback, on a GPU
         self.speculator: MTPSpeculator | None = None  # built with the runner
@@ -222,6 +224,14 @@ class CUDAAccelerator(Accelerator):
         only device tensors (group_inputs.GroupedDecodeRows)."""
         return not self.grouped or getattr(self.runner.model, "graph_decode", False)
 
+    @property
+    def prefill_graphable(self) -> bool:
+        """A short chunk of one sequence can be captured: one KV group of keys and values,
+        no MoE (its exchanges and counts follow the real tokens), no speculation."""
+        entries = self.info.kv_spec.groups[0].kind.entries
+        return (not self.grouped and len(entries) == 2 and self.runner.moe is None
+                and not self.num_speculative_tokens)
+
     def capture_graphs(self, block_size: int) -> None:
         """Decode graphs for every batch bucket (without a GPU: recorded at each run, which
         is how the tests run them), and speculative decoding's (spec_graphs.py)."""
@@ -230,6 +240,14 @@ class CUDAAccelerator(Accelerator):
         with torch.inference_mode():
             self.graphs.capture(self._capture_forward)
         log.info("captured decode graphs for batch sizes %s", self.graphs.buckets)
+        if self.prefill_graphable:
+            self.prefill_graphs = PrefillGraphs(self.max_num_batched_tokens, layout.max_blocks,
+                                                self.max_model_len, self.device)
+            with torch.inference_mode():
+                self.prefill_graphs.capture(
+                    lambda inputs: self.runner.logits(self._forward(inputs)[inputs.logits_index]))
+            log.info("captured prefill graphs for one sequence's chunks of up to %s tokens",
+                     self.prefill_graphs.buckets)
         if self.num_speculative_tokens:
             self.speculator = GraphSpeculator(self.runner, self._step_meta,
                                               self.num_speculative_tokens, self.max_num_seqs,
@@ -292,6 +310,9 @@ class CUDAAccelerator(Accelerator):
                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """forward_logits', and the greedy ids of those rows where a decode graph computed
         them (None otherwise)."""
+        if not all_tokens and self.prefill_graphs is not None and \
+                self.prefill_graphs.can_run(batch):
+            return sampled_rows(self.prefill_graphs.run(batch), batch), None
         graphable = not all_tokens and self.graphs is not None and self.graphs.can_run(batch)
         padded, graphable = self._agree(batch, graphable)
         if graphable:
@@ -385,7 +406,7 @@ class CUDAAccelerator(Accelerator):
         return self.runner.memory_stats(total, extra)
 
     def shutdown(self) -> None:
-        self.graphs = None
+        self.graphs = self.prefill_graphs = None
         self.speculator = None  # its graphs and static buffers hold device memory
         if self.runner is not None:
             self.runner.shutdown()

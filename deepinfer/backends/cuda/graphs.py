@@ -111,7 +111,7 @@ class DecodeGraphs:
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream), _no_collection():
+        with torch.cuda.stream(stream), no_collection():
             for batch, context in self._keys():
                 self.record(forward, batch, context)  # warm-up: compiles the kernels
                 graph = torch.cuda.CUDAGraph()
@@ -172,7 +172,7 @@ class DecodeGraphs:
 
 
 @contextmanager
-def _no_collection() -> Iterator[None]:
+def no_collection() -> Iterator[None]:
     """No garbage collection while graphs are captured: a collection there may finalize an
     older engine's graphs, events or pinned buffers, CUDA calls a capture does not allow (the
     likely cause of one invalidated capture in a test process that built engine after

@@ -83,6 +83,52 @@ def test_engine_greedy_equals_transformers(tmp_path, family):
     engine.shutdown()
 
 
+def test_short_chunks_of_one_sequence_run_the_prefill_graphs(tmp_path, monkeypatch):
+    """Prefill graphs (without a GPU recorded afresh from the static buffer a replay reads):
+    a prompt alone, then again behind a prefix hit (its last chunk over the cached pages), then
+    beside another prompt (eager, two sequences): every greedy token equals transformers', and
+    the lone chunks went through the graphs, padded to their buckets."""
+    import transformers
+
+    from deepinfer.backends.cuda.prefill_graphs import PrefillGraphs
+    from tests.checkpoints import make_checkpoint
+
+    path = make_checkpoint(str(tmp_path / "llama"), "llama", torch.float32)
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    g = torch.Generator().manual_seed(5)
+    first, second = (torch.randint(3, 250, (n,), generator=g).tolist() for n in (40, 23))
+    new = 5
+    expected = {tuple(p): model.generate(torch.tensor([p]), max_new_tokens=new,
+                                         min_new_tokens=new, do_sample=False,
+                                         pad_token_id=0)[0, len(p):].tolist()
+                for p in (first, second)}
+    config = EngineConfig(model=ModelSpec(path, dtype="float32"),
+                          cache=CacheConfig(block_size=16, num_blocks=32),
+                          scheduler=SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4))
+    engine = Engine(config, accelerator=_interpreted_cls()(), load_tokenizer=False)
+    engine.accelerator.capture_graphs(16)
+    assert engine.accelerator.prefill_graphs.buckets == (16, 32, 64)
+    chunks = []
+    run = PrefillGraphs.run
+    monkeypatch.setattr(PrefillGraphs, "run", lambda self, batch: chunks.append(
+        (batch.num_tokens, batch.seq_lens[0])) or run(self, batch))
+    params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
+    for round_, prompts in enumerate([[first], [first], [first, second]]):
+        for i, prompt in enumerate(prompts):
+            engine.add_request(f"{round_}-{i}", prompt, params)
+        got = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    got[out.request_id] = list(out.token_ids)
+        assert [got[f"{round_}-{i}"] for i in range(len(prompts))] == \
+            [expected[tuple(p)] for p in prompts], f"round {round_}"
+    # The prompt (40 tokens, bucket 64); its last 8 tokens over 32 cached (bucket 16).
+    assert chunks[:2] == [(40, 40), (8, 40)]
+    assert engine.kv.pool.num_free == engine.kv.pool.num_usable
+    engine.shutdown()
+
+
 def test_one_token_steps_run_the_gemv(tmp_path, monkeypatch):
     """A lone request decodes one row a step: its projections and LM head go through the GEMV
     kernel (counted), and its greedy tokens still equal transformers'."""
@@ -198,7 +244,7 @@ def test_warm_up_runs_every_chunk_class_and_leaves_the_pool_clean(tmp_path, monk
     acc = _interpreted_cls()()
     acc.init_device()
     acc.max_num_batched_tokens = 17
-    acc.load_model(ModelSpec(path, dtype="float32"))
+    acc.load_model(ModelSpec(path, dtype="float32", max_model_len=256))  # split contexts 128, 256
     acc.allocate_kv_cache(2, 16)  # one usable block: every chunk past 16 tokens wraps
     chunks = []
     forward = acc._forward
