@@ -8,7 +8,8 @@ unpacks them on the device, runs the model and the LM head, and leaves float32 l
 static output and each row's argmax in one static id buffer that every bucket shares. A greedy
 step needs nothing more; and a row whose input id the step in flight sampled (async
 scheduling) reads it from that buffer inside the graph, so a greedy decode step launches no
-kernel outside its graph. Prefill and mixed steps stay eager.
+kernel outside its graph. Mixed steps stay eager; a short chunk of one sequence has graphs of
+its own (prefill_graphs.py).
 
 Without a GPU (the Triton interpreter in CI) nothing is captured and each run records its
 bucket afresh from the same rows: the tests run exactly what a graph would hold.

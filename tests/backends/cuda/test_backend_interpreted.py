@@ -46,6 +46,19 @@ class TestConformance(AcceleratorConformance):
         super().setup_class()
 
 
+def _greedy_round(engine: Engine, prompts: list[list[int]], params: SamplingParams,
+                  round_: int) -> list[list[int]]:
+    """The prompts submitted together, stepped to the end: each one's tokens, in order."""
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"{round_}-{i}", prompt, params)
+    got = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                got[out.request_id] = list(out.token_ids)
+    return [got[f"{round_}-{i}"] for i in range(len(prompts))]
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_engine_greedy_equals_transformers(tmp_path, family):
     """Chunked prefill (16-token budget over a 16-token block size), mixed prefill + decode
@@ -71,14 +84,7 @@ def test_engine_greedy_equals_transformers(tmp_path, family):
     engine = Engine(config, accelerator=_interpreted_cls()(), load_tokenizer=False)
     params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
     for round_ in range(2):
-        for i, prompt in enumerate(prompts):
-            engine.add_request(f"{round_}-{i}", prompt, params)
-        got = {}
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                if out.finished:
-                    got[out.request_id] = list(out.token_ids)
-        assert [got[f"{round_}-{i}"] for i in range(4)] == expected, f"round {round_}"
+        assert _greedy_round(engine, prompts, params, round_) == expected, f"round {round_}"
     assert engine.kv.pool.num_free == engine.kv.pool.num_usable
     engine.shutdown()
 
@@ -114,14 +120,7 @@ def test_short_chunks_of_one_sequence_run_the_prefill_graphs(tmp_path, monkeypat
         (batch.num_tokens, batch.seq_lens[0])) or run(self, batch))
     params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
     for round_, prompts in enumerate([[first], [first], [first, second]]):
-        for i, prompt in enumerate(prompts):
-            engine.add_request(f"{round_}-{i}", prompt, params)
-        got = {}
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                if out.finished:
-                    got[out.request_id] = list(out.token_ids)
-        assert [got[f"{round_}-{i}"] for i in range(len(prompts))] == \
+        assert _greedy_round(engine, prompts, params, round_) == \
             [expected[tuple(p)] for p in prompts], f"round {round_}"
     # The prompt (40 tokens, bucket 64); its last 8 tokens over 32 cached (bucket 16).
     assert chunks[:2] == [(40, 40), (8, 40)]
