@@ -10,7 +10,9 @@ expanded to the per-row scales the kernels take. Per projection shape:
 2. M = 1, 2, 4, 8, 16, 32: fp8_linear's two paths forced, where the GEMV is allowed (M <= 8):
    the data GEMV_MAX_M is to be chosen from.
 3. M = 8192 (prefill): fp8_linear (activation quantization + w8a8 GEMM) against bf16
-   torch.matmul, and the quantization alone.
+   torch.matmul, and the quantization alone. The w8a8 GEMM three ways: cuBLAS (torch's
+   scaled_mm) with the weight's 128 x 128 block scales, cuBLAS with one scale per row and 128
+   columns, and the Triton kernel; the crossover (2.) times cuBLAS beside the Triton GEMM.
 
 Every call is timed as bench_gemv does: a CUDA graph of one call per distinct weight copy (so
 the L2, 50 MB, holds none of them), CUDA events around the replays, the median over replays.
@@ -41,6 +43,8 @@ from deepinfer.backends.cuda.kernels.fp8_gemm import (  # noqa: E402
     GEMV_MAX_M,
     GROUP,
     Fp8GemmConfig,
+    cublas_block_scaled,
+    cublas_weight_scale,
     Fp8GemvConfig,
     fp8_gemm,
     fp8_gemv,
@@ -55,7 +59,7 @@ from deepinfer.backends.cuda.kernels.gemv import gemv  # noqa: E402
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
           "down": (4096, 14336)}  # (N, K)
 DECODE_COPIES, PREFILL_COPIES, PREFILL_M = 16, 2, 8192
-CROSSOVER_M = (1, 2, 4, 8, 16, 32)
+CROSSOVER_M = (1, 2, 4, 8, 16, 32, 64, 256, 1024)
 
 
 class Weights:
@@ -67,6 +71,14 @@ class Weights:
                      / k ** 0.5 for _ in range(copies)]
         self.fp8 = [block_quantize(w) for w in self.bf16]
         self.n, self.k = n, k
+        cublas = cublas_block_scaled(torch.device("cuda"))
+        # cuBLAS's layouts of the same scales: the 128 x 128 grid, and one per row.
+        self.blocks = [cublas_weight_scale(s, k) for _, s in self.fp8] if cublas else None
+        self.rows = [s.t().contiguous().t() for _, s in self.fp8] if cublas else None
+
+    def cublas_us(self, x: torch.Tensor, scales: list[torch.Tensor], reps: int) -> float:
+        return _us(lambda: [fp8_linear(x, q, s, path="gemm", kernel_scale=c)
+                            for (q, s), c in zip(self.fp8, scales)], len(self.fp8), reps)
 
     def fp8_bytes(self) -> int:
         wq, ws = self.fp8[0]
@@ -111,15 +123,15 @@ def _rates(us: float, weight_bytes: int, m: int, n: int, k: int) -> dict:
     return {"us": us, "tbs": weight_bytes / us / 1e6, "tflops": 2 * m * n * k / us / 1e6}
 
 
-def accuracy(w: Weights, m: int) -> dict:
+def accuracy(w: Weights, m: int, kernel_scale: torch.Tensor | None = None) -> dict:
     """Relative errors of fp8_linear at M rows: against float32 on the fp8 weights (the
     kernel's own error; the GEMM path includes activation quantization) and on the bf16
     weights they came from (what a model sees); and of bf16 F.linear against its float32."""
     g = torch.Generator(device="cuda").manual_seed(m)
     x = torch.randn(m, w.k, device="cuda", dtype=torch.bfloat16, generator=g)
     wq, ws = w.fp8[0]
-    out = fp8_linear(x, wq, ws, out=torch.full((m, w.n), float("nan"), device="cuda",
-                                                dtype=torch.bfloat16))
+    out = fp8_linear(x, wq, ws, kernel_scale=kernel_scale,
+                     out=torch.full((m, w.n), float("nan"), device="cuda", dtype=torch.bfloat16))
     ref = fp8_linear_reference(x.float(), wq, ws)
     ref_bf16 = x.float() @ w.bf16[0].float().T
     return {"fp8_vs_fp32": _rel(out, ref), "fp8_vs_bf16_weights": _rel(out, ref_bf16),
@@ -151,6 +163,8 @@ def crossover(w: Weights, reps: int) -> dict:
         x = torch.randn(m, w.k, device="cuda", dtype=torch.bfloat16)
         row = {"gemm_us": _us(lambda: [fp8_linear(x, q, s, path="gemm") for q, s in w.fp8],
                               copies, reps)}
+        if w.blocks is not None:
+            row["cublas_us"] = w.cublas_us(x, w.blocks, reps)
         if m <= GEMV_MAX_M:
             row["gemv_us"] = _us(lambda: [fp8_linear(x, q, s, path="gemv") for q, s in w.fp8],
                                  copies, reps)
@@ -169,10 +183,19 @@ def prefill(w: Weights, reps: int) -> dict:
            "bf16_matmul": _rates(bf16, w.bf16_bytes(), m, w.n, w.k),
            "speedup_vs_bf16": bf16 / fp8, "config": str(gemm_config_for(m, w.n, w.k)),
            "error": accuracy(w, m)}
-    print(f"  M={m} fp8 {fp8:8.1f} us ({row['fp8']['tflops']:5.0f} TFLOP/s, quantize "
+    print(f"  M={m} fp8 Triton {fp8:8.1f} us ({row['fp8']['tflops']:5.0f} TFLOP/s, quantize "
           f"{quant:6.1f} us) | bf16 matmul {bf16:8.1f} us ({row['bf16_matmul']['tflops']:5.0f} "
           f"TFLOP/s) | {row['speedup_vs_bf16']:.2f}x | rel err "
           f"{row['error']['fp8_vs_fp32']:.1e}", flush=True)
+    for name, scales in (("cublas_blocks", w.blocks), ("cublas_rows", w.rows)):
+        if scales is None:
+            continue
+        us = w.cublas_us(x, scales, reps)
+        row[name] = {**_rates(us, w.fp8_bytes(), m, w.n, w.k), "speedup_vs_bf16": bf16 / us,
+                     "error": accuracy(w, m, scales[0])}
+        print(f"    {name:13s} {us:8.1f} us ({row[name]['tflops']:5.0f} TFLOP/s) | "
+              f"{row[name]['speedup_vs_bf16']:.2f}x bf16 | rel err "
+              f"{row[name]['error']['fp8_vs_fp32']:.1e}", flush=True)
     return row
 
 
@@ -227,23 +250,29 @@ def plot(report: dict, path: str) -> None:
         bars = axes[0].bar([x + i * width for x in range(len(names))], values, width, label=label)
         axes[0].bar_label(bars, fmt="%.0f", fontsize=7)
     axes[0].set_title("M = 1: us per projection (lower is better)", fontsize=10)
-    for i, (key, label) in enumerate((("bf16_matmul", "torch.matmul bf16"),
-                                      ("fp8", "fp8 w8a8 (+ quantize)"))):
+    kinds = [(k, label) for k, label in (("bf16_matmul", "torch.matmul bf16"),
+                                          ("fp8", "fp8 Triton (+ quantize)"),
+                                          ("cublas_blocks", "fp8 cuBLAS, 128x128 scales"),
+                                          ("cublas_rows", "fp8 cuBLAS, row scales"))
+             if all(k in r["prefill"] for r in rows)]
+    for i, (key, label) in enumerate(kinds):
         values = [r["prefill"][key]["tflops"] for r in rows]
-        bars = axes[1].bar([x + i * width for x in range(len(names))], values, width, label=label)
-        axes[1].bar_label(bars, fmt="%.0f", fontsize=7)
+        bars = axes[1].bar([x + i * width * 3 / len(kinds) for x in range(len(names))], values,
+                           width * 3 / len(kinds), label=label)
+        axes[1].bar_label(bars, fmt="%.0f", fontsize=6)
     axes[1].set_title(f"M = {PREFILL_M}: TFLOP/s (higher is better)", fontsize=10)
     for ax in axes[:2]:
         ax.set_xticks([x + width for x in range(len(names))], names)
         ax.legend(fontsize=8)
     for name, r in zip(names, rows):
-        for key, style in (("gemv_us", "-"), ("gemm_us", "--")):
+        for key, style in (("gemv_us", "-"), ("gemm_us", "--"), ("cublas_us", ":")):
             ms = [int(m) for m in r["crossover"] if isinstance(r["crossover"][m].get(key), float)]
             axes[2].plot(ms, [r["crossover"][str(m)][key] for m in ms], style, marker="o",
                          label=f"{name} {key[:4]}")
     axes[2].set_xscale("log", base=2)
     axes[2].set_xlabel("M")
-    axes[2].set_title("fp8 paths by M: us (GEMV solid, GEMM dashed)", fontsize=10)
+    axes[2].set_title("fp8 paths by M: us (GEMV solid, Triton GEMM dashed, cuBLAS dotted)",
+                      fontsize=9)
     axes[2].legend(fontsize=7, ncol=2)
     fig.suptitle(f"FP8 block-scaled projections, Llama-3-8B shapes, {report['gpu']}")
     fig.tight_layout()

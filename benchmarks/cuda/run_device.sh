@@ -51,6 +51,9 @@ wanted fp8 && step fp8_engine python3 benchmarks/cuda/engine_bench.py --out "$ou
     --quick --quantization fp8
 wanted fp8 && step fp8_engine_bf16 python3 benchmarks/cuda/engine_bench.py --out "$out/bf16" \
     --skip-hf --quick
+# The same FP8 engine with its prefill GEMMs on the Triton kernel instead of cuBLAS.
+wanted fp8 && step fp8_engine_triton env DEEPINFER_CUDA_FP8_CUBLAS=0 python3 \
+    benchmarks/cuda/engine_bench.py --out "$out/triton" --skip-hf --quick --quantization fp8
 wanted gemv_preload && step gemv_tests python3 -m pytest -q -p no:cacheprovider \
     tests/backends/cuda/test_gemv_kernels.py tests/backends/cuda/test_fused_moe.py
 wanted gemv_preload && step gemv_chain python3 benchmarks/cuda/bench_gemv.py --moe-chain \

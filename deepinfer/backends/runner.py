@@ -100,6 +100,7 @@ class TorchRunner:
         else:
             model.load_weights(source.tensors(set(self.packed.values())))
         model.init_buffers(self.device)
+        self.ops.prepare_weights(model)
         self.model = model.eval()
         self.cache.spec = model.kv_spec()
         self.info = ModelInfo(

@@ -146,6 +146,10 @@ class ModelOps(ABC):
             return self.packed_linear(x, weight, bias)
         return F.linear(x, weight, bias)
 
+    def prepare_weights(self, model: torch.nn.Module) -> None:
+        """Called once the model's weights are loaded (and again after weights move): a backend
+        lays out again what its kernels read. The reference reads the weights as loaded."""
+
     def packed_linear(self, x: torch.Tensor, weight: PackedWeight,
                       bias: torch.Tensor | None = None) -> torch.Tensor:
         """x @ a quantized weight (one of packed_kinds), in x.dtype; the reference

@@ -96,3 +96,19 @@ def test_row_scaled_quantization_bounds_the_error():
     assert (err <= bound).all()
     assert q.scale[7, 1].item() == pytest.approx(80.0 / 448)
     assert q.scale[7, 0] < q.scale[7, 1] / 4 and q.scale[7, 2] < q.scale[7, 1] / 4
+
+
+def test_block_quantization_shares_a_scale_per_block():
+    """block_rows = 16 on 40 rows: blocks of rows 0-15, 16-31 and 32-39 (a partial one), each
+    with one scale per 128 columns, spread to its rows."""
+    w = torch.randn(40, 300, generator=torch.Generator().manual_seed(1))
+    w[7, 200] = 80.0
+    q = RowScaledFP8.quantize(w, block_rows=16)
+    assert q.scale.shape == (40, 3)
+    for start, end in ((0, 16), (16, 32), (32, 40)):
+        assert torch.equal(q.scale[start:end], q.scale[start].expand(end - start, 3))
+        amax = torch.stack([w[start:end, c:c + 128].abs().max() for c in (0, 128, 256)])
+        torch.testing.assert_close(q.scale[start], amax / 448, rtol=0, atol=0)
+    assert q.scale[0, 1].item() == pytest.approx(80.0 / 448)
+    bound = q.scale.repeat_interleave(128, 1)[:, :300] * 448 / 16
+    assert ((q.dequantize() - w).abs() <= bound).all()

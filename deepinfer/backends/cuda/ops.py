@@ -9,7 +9,8 @@ Projections go to cuBLAS via torch, except one-token ones (batch-1 decode), whic
 Triton GEMV (kernels/gemv.py): 9% less time over a decode step's weights on an H200. FP8
 weights (DeepSeek's block-scaled checkpoints, or --quantization fp8) stay FP8 and go to
 kernels/fp8_gemm.py: a weight-only GEMV for decode, a block-scaled tensor-core GEMM for more
-tokens."""
+tokens (cuBLAS through torch's scaled_mm where it takes block scales; DEEPINFER_CUDA_FP8_CUBLAS=0
+for the Triton GEMM, the baseline)."""
 from __future__ import annotations
 
 import math
@@ -20,7 +21,8 @@ import torch
 from deepinfer.backends.cuda.kernels.activation import silu_and_mul
 from deepinfer.backends.cuda.kernels.decode_attention import (choose_num_splits,
                                                               paged_decode_attention)
-from deepinfer.backends.cuda.kernels.fp8_gemm import fp8_linear
+from deepinfer.backends.cuda.kernels.fp8_gemm import (cublas_block_scaled, cublas_weight_scale,
+                                                      fp8_linear)
 from deepinfer.backends.cuda.kernels.fused_moe import fused_experts
 from deepinfer.backends.cuda.kernels.gemv import gemv
 from deepinfer.backends.cuda.kernels.kv_write import store_kv
@@ -70,6 +72,7 @@ class CUDAOps(ModelOps):
         # merge, as three kernels (the baseline the one-kernel decode is measured against).
         self.fused_decode = os.environ.get("DEEPINFER_CUDA_FUSED_DECODE", "1") != "0"
         self.sdpa_backends = sdpa_backends(os.environ.get("DEEPINFER_CUDA_SDPA_PREFILL", ""))
+        self.fp8_cublas = os.environ.get("DEEPINFER_CUDA_FP8_CUBLAS", "1") != "0"
 
     def _window(self, layer: int) -> int:
         return self.cache.spec.layers[layer].sliding_window or 0
@@ -138,10 +141,18 @@ class CUDAOps(ModelOps):
             return gemv(x, weight, bias)
         return super().linear(x, weight, bias)
 
+    def prepare_weights(self, model: torch.nn.Module) -> None:
+        """FP8 weights get their scales in cuBLAS's layout, where scaled_mm takes them."""
+        fp8 = [m for m in model.modules() if isinstance(m, FP8Weight) and m.weight.is_cuda]
+        if fp8 and self.fp8_cublas and cublas_block_scaled(fp8[0].weight.device):
+            for weight in fp8:
+                weight.kernel_scale = cublas_weight_scale(weight.scale, weight.shape[1])
+
     def packed_linear(self, x: torch.Tensor, weight: PackedWeight,
                       bias: torch.Tensor | None = None) -> torch.Tensor:
         if isinstance(weight, FP8Weight) and self._on_triton(x):
-            return fp8_linear(x, weight.weight, weight.scale, bias)
+            return fp8_linear(x, weight.weight, weight.scale, bias,
+                              kernel_scale=weight.kernel_scale)
         return super().packed_linear(x, weight, bias)
 
     def route(self, logits: torch.Tensor, spec: RouterSpec, bias: torch.Tensor | None = None,

@@ -83,7 +83,9 @@ class GGUFWeight(PackedWeight):
 
 class FP8Weight(PackedWeight):
     """float8_e4m3fn [N, K] with float32 scales per row and 128-column group [N, ceil(K/128)];
-    loads DeepSeek's block-scaled tensors, or quantizes a float weight (--quantization fp8)."""
+    loads DeepSeek's block-scaled tensors, or quantizes a float weight in DeepSeek's 128 x 128
+    blocks (--quantization fp8). kernel_scale: the scales again in the layout a backend's GEMM
+    reads, set by the backend once the weights are loaded (ModelOps.prepare_weights)."""
 
     kind = "fp8"
     group = 128
@@ -93,11 +95,12 @@ class FP8Weight(PackedWeight):
         n, k = shape
         self.register_buffer("weight", torch.empty(n, k, dtype=torch.float8_e4m3fn))
         self.register_buffer("scale", torch.empty(n, -(-k // self.group), dtype=torch.float32))
+        self.kernel_scale: torch.Tensor | None = None
 
     def load_rows(self, tensor: torch.Tensor | QuantizedTensor,
                   rows: tuple[int, int] | None) -> None:
         if isinstance(tensor, torch.Tensor):
-            tensor = RowScaledFP8.quantize(tensor, self.group)
+            tensor = RowScaledFP8.quantize(tensor, self.group, block_rows=self.group)
         if getattr(tensor, "kind", None) != "fp8":
             raise TypeError(f"an fp8 weight loads FP8 or float tensors, not {tensor.kind}")
         part = tensor.rows(0, tensor.shape[0])
@@ -106,6 +109,7 @@ class FP8Weight(PackedWeight):
         start, end = rows or (0, self.shape[0])
         self.weight[start:end].copy_(part.weight)
         self.scale[start:end].copy_(part.scale)
+        self.kernel_scale = None  # made again from the new scales by prepare_weights
 
     def dequantize(self) -> torch.Tensor:
         return RowScaledFP8(self.weight, self.scale, self.group).dequantize()

@@ -88,15 +88,19 @@ class RowScaledFP8:
         return self.weight.float() * scale
 
     @classmethod
-    def quantize(cls, weight: torch.Tensor, group: int = 128) -> "RowScaledFP8":
-        """A float weight [N, K] to FP8 with one scale per row and column group (amax / 448),
-        as `--quantization fp8` does at load."""
+    def quantize(cls, weight: torch.Tensor, group: int = 128, block_rows: int = 1
+                 ) -> "RowScaledFP8":
+        """A float weight [N, K] to FP8, one scale (amax / 448) per block of block_rows rows
+        (from row 0) and `group` columns, spread to every row of its block. block_rows = group
+        is DeepSeek's checkpoint format, which `--quantization fp8` writes at load."""
         n, k = weight.shape
-        pad = -k % group
-        w = torch.nn.functional.pad(weight.float(), (0, pad)).view(n, -1, group)
-        scale = (w.abs().amax(dim=-1) / FP8_MAX).clamp(min=1e-12)
-        q = (w / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-        return cls(q.view(n, -1)[:, :k].contiguous(), scale, group)
+        rows = -(-n // block_rows) * block_rows
+        w = torch.nn.functional.pad(weight.float(), (0, -k % group, 0, rows - n))
+        blocks = w.view(rows // block_rows, block_rows, -1, group)
+        scale = (blocks.abs().amax(dim=(1, 3)) / FP8_MAX).clamp(min=1e-12)  # [row blocks, groups]
+        q = (blocks / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+        scale = scale.repeat_interleave(block_rows, dim=0)[:n].contiguous()
+        return cls(q.view(rows, -1)[:n, :k].contiguous(), scale, group)
 
 
 QuantizedTensor = GGUFTensor | FP8BlockTensor | RowScaledFP8

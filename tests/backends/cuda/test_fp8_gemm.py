@@ -22,6 +22,8 @@ from deepinfer.backends.cuda.kernels.fp8_gemm import (
     GEMV_MAX_M,
     Fp8GemmConfig,
     Fp8GemvConfig,
+    cublas_block_scaled,
+    cublas_weight_scale,
     dequantize_weight,
     fp8_gemm,
     fp8_gemv,
@@ -154,6 +156,19 @@ def test_quantize_tokens_matches_torch(m: int, k: int, dtype: torch.dtype) -> No
     assert (err <= bound).all(), f"round trip off by {(err / bound).max():.3g} of the bound"
 
 
+def test_quantize_tokens_for_cublas() -> None:
+    """Column-major scales over padded rows (what scaled_mm reads): the first M rows equal the
+    row-major result; the strides are (1, rows)."""
+    g = torch.Generator().manual_seed(12)
+    x = torch.randn(3, 384, generator=g).to(DEVICE)
+    q, scales = quantize_tokens_fp8(x)
+    q_cm, scales_cm = quantize_tokens_fp8(x, column_major=True, rows=16)
+    assert q_cm.shape == (16, 384) and scales_cm.shape == (16, 3)
+    assert scales_cm.stride() == (1, 16)
+    assert torch.equal(scales_cm[:3], scales)
+    assert torch.equal(q_cm[:3].view(torch.uint8), q.view(torch.uint8))
+
+
 def _configs(configs: list, m: int, n: int) -> list:
     """Both test configs, with and without a bias, in an order that turns with the shape; on
     a GPU also the default (config_for's tiles)."""
@@ -198,6 +213,47 @@ def test_gemm_equals_reference(m: int, n: int, k: int, dtype: torch.dtype) -> No
             _check_result(out, wide, exact - shift, tol)
         rel = ((out.float() - (ref - shift)).norm() / (ref - shift).norm()).item()
         assert rel < 4e-2, f"relative error to the float32 reference {rel:.3g}"
+
+
+def _block_weight(g: torch.Generator, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One weight in 128 x 128 blocks from row 0 (no fused parts): cuBLAS's block layout."""
+    q, s = _block_quantize(torch.randn(n, k, generator=g) / k ** 0.5)
+    return q.to(DEVICE), s.to(DEVICE)
+
+
+def test_cublas_weight_scale_layouts() -> None:
+    g = torch.Generator().manual_seed(11)
+    _, blocks = _block_weight(g, 256, 640)  # 5 groups: padded to 8
+    grid = cublas_weight_scale(blocks, 640)
+    assert grid.shape == (8, 2) and grid.stride() == (1, 8)
+    assert torch.equal(grid[:5], blocks[::128].T) and torch.equal(grid[5:].cpu(), torch.ones(3, 2))
+    _, fused = _weight(g, 256, 640)  # parts at row 40: one scale per row
+    rows = cublas_weight_scale(fused, 640)
+    assert rows.shape == (256, 5) and rows.stride() == (1, 256) and torch.equal(rows, fused)
+    assert cublas_weight_scale(fused[:, :2], 200) is None  # K not a multiple of 128
+    assert cublas_weight_scale(fused[:100], 640) is None  # N not a multiple of 16
+
+
+@pytest.mark.skipif(not ON_GPU or not cublas_block_scaled(DEVICE),
+                    reason="needs scaled_mm with block scales (cuBLAS 12.9+, Hopper)")
+@pytest.mark.parametrize("layout", ["blocks", "rows"])
+@pytest.mark.parametrize("m,n,k", [(2, 256, 640), (33, 6144, 4096), (517, 256, 640),
+                                   (517, 4096, 14336)])
+def test_cublas_gemm_equals_reference(m: int, n: int, k: int, layout: str) -> None:
+    g = torch.Generator().manual_seed(m + n + k)
+    x = torch.randn(m, k, generator=g).to(dtype=torch.bfloat16, device=DEVICE)
+    bias = torch.randn(n, generator=g).to(dtype=torch.bfloat16, device=DEVICE)
+    wq, w_scale = (_block_weight if layout == "blocks" else _weight)(g, n, k)
+    kernel_scale = cublas_weight_scale(w_scale, k)
+    assert kernel_scale.shape[1] == (n // 128 if layout == "blocks" else k // 128)
+    exact = _w8a8_reference(x, wq, w_scale, bias)
+    ref = fp8_linear_reference(x.float(), wq, w_scale, bias.float())
+    out, wide = _poisoned(m, n, torch.bfloat16)
+    assert fp8_linear(x, wq, w_scale, bias, out=out, kernel_scale=kernel_scale) is out
+    _check_result(out, wide, exact, None)
+    for target, bound in ((exact, 1e-2), (ref, 4e-2)):
+        rel = ((out.float() - target).norm() / target.norm()).item()
+        assert rel < bound, f"relative error {rel:.3g}"
 
 
 def test_fp8_linear_picks_the_path_by_m() -> None:
@@ -275,3 +331,23 @@ def test_gemv_in_a_cuda_graph() -> None:
     out.fill_(float("nan"))
     graph.replay()
     torch.testing.assert_close(out, fp8_gemv(x, wq, w_scale, bias), rtol=0, atol=0)
+
+
+@pytest.mark.skipif(not ON_GPU or not cublas_block_scaled(DEVICE),
+                    reason="needs scaled_mm with block scales (cuBLAS 12.9+, Hopper)")
+def test_cublas_gemm_in_a_cuda_graph() -> None:
+    """A decode batch's projection (M = 8) through cuBLAS, captured as the decode graphs are."""
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(8, 4096, generator=g).to(dtype=torch.bfloat16, device=DEVICE)
+    wq, w_scale = _block_weight(g, 4096, 4096)
+    kernel_scale = cublas_weight_scale(w_scale, 4096)
+    out = torch.empty(8, 4096, dtype=torch.bfloat16, device=DEVICE)
+    fp8_gemm(x, wq, w_scale, out=out, kernel_scale=kernel_scale)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fp8_gemm(x, wq, w_scale, out=out, kernel_scale=kernel_scale)
+    x.copy_(torch.randn(8, 4096, generator=g).to(DEVICE))
+    out.fill_(float("nan"))
+    graph.replay()
+    expected = fp8_gemm(x, wq, w_scale, kernel_scale=kernel_scale)
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)

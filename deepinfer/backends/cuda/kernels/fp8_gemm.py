@@ -15,9 +15,13 @@ Two paths, by M (fp8_linear picks; GEMV_MAX_M):
   tile. Nothing is allocated but the output and nothing is read back: CUDA-graph safe.
 - prefill, larger M: w8a8. quantize_tokens_fp8 quantizes x per token and 128-column group
   (vLLM's and SGLang's per_token_group_quant_fp8), then a tensor-core GEMM on the fp8
-  operands takes one 128-wide K step per scale group, acc += dot * a_scale * w_scale in
-  float32 (vLLM's _w8a8_triton_block_scaled_mm; one dot per 128 of K is also the interval
-  at which DeepGEMM promotes the fp8 accumulator to float32).
+  operands. Where torch's scaled_mm takes block scales (cuBLAS 12.9+ on Hopper) and the
+  backend laid the weight's scales out for it (cublas_weight_scale, a weight's kernel_scale),
+  cuBLAS runs it: on an H200 at M = 8192, 1.2-1.27 PFLOP/s with DeepSeek's 128 x 128 weight
+  blocks, 0.87-1.03 with per-row scales, against bf16's 0.78-0.80. Else a Triton GEMM takes one
+  128-wide K step per scale group, acc += dot * a_scale * w_scale in float32 (vLLM's
+  _w8a8_triton_block_scaled_mm; one dot per 128 of K is also the interval at which DeepGEMM
+  promotes the fp8 accumulator to float32): 0.50-0.57 PFLOP/s.
 
 Tiles are fixed per shape class (gemv_config_for, gemm_config_for), not autotuned: the GEMV
 tiles follow gemv.py's H200 sweep at equal elements per tile, the GEMM tiles vLLM's tuned H200
@@ -42,6 +46,7 @@ GEMV_MAX_M = 8  # the largest M the weight-only GEMV takes
 # The largest M fp8_linear sends to the GEMV by itself: on the H200 the GEMM beats the
 # several-row GEMV from M = 2 on (qkv at M = 2: 17 vs 70 us; bench_fp8.json).
 GEMV_AUTO_M = 1
+CUBLAS_M = 16  # cuBLAS's block-scaled GEMM takes M in multiples of this (_cublas_gemm)
 _GROUP_M = tl.constexpr(8)  # GEMM row tiles that sweep the N tiles together (L2 reuse of W)
 
 
@@ -101,7 +106,7 @@ def gemm_config_for(m: int, n: int, k: int) -> Fp8GemmConfig:
 
 # ---- activation quantization -----------------------------------------------------------------
 @triton.jit
-def _quantize_kernel(x_ptr, q_ptr, s_ptr, M, K, KG, sx, sq, ss, ROWS: tl.constexpr,
+def _quantize_kernel(x_ptr, q_ptr, s_ptr, M, K, KG, sx, sq, ss, ssg, ROWS: tl.constexpr,
                      GROUPS: tl.constexpr):
     """Rows [ROWS * program_id(0), + ROWS), groups [GROUPS * program_id(1), + GROUPS):
     scale = max(|x|, EPS) / 448 per row and 128 columns, q = clamp(x / scale, -448, 448) in
@@ -120,29 +125,35 @@ def _quantize_kernel(x_ptr, q_ptr, s_ptr, M, K, KG, sx, sq, ss, ROWS: tl.constex
     q = tl.clamp(q, -_FP8_MAX, _FP8_MAX)
     tl.store(q_ptr + offs * sq + col[None, :, :], q.to(q_ptr.dtype.element_ty), mask=ok)
     s_ok = (row < M)[:, None] & (g < KG)[None, :]
-    tl.store(s_ptr + row.to(tl.int64)[:, None] * ss + g[None, :], scale, mask=s_ok)
+    tl.store(s_ptr + row.to(tl.int64)[:, None] * ss + g[None, :] * ssg, scale, mask=s_ok)
 
 
-def quantize_tokens_fp8(x: torch.Tensor, group: int = GROUP) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_tokens_fp8(x: torch.Tensor, group: int = GROUP, column_major: bool = False,
+                        rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] (bf16, fp16 or fp32, contiguous last dim) -> (q float8_e4m3fn [M, K], scales
     float32 [M, ceil(K/group)]) with x ~= q * scale per token and group of columns (the last
-    group may be partial). group must be 128."""
+    group may be partial). group must be 128. column_major: the scales with strides (1, M),
+    as scaled_mm reads them. rows (>= M): q and scales get that many rows, the ones past M
+    left unwritten."""
     if group != GROUP:
         raise ValueError(f"only {GROUP}-column groups are supported, got {group}")
     if x.dim() != 2 or x.stride(1) != 1:
         raise ValueError(f"x must be [M, K] with a contiguous last dim, got {tuple(x.shape)}")
     m, k = x.shape
-    kg = triton.cdiv(k, GROUP)
-    q = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
-    scales = torch.empty((m, kg), dtype=torch.float32, device=x.device)
+    kg, rows = triton.cdiv(k, GROUP), rows or m
+    q = torch.empty((rows, k), dtype=torch.float8_e4m3fn, device=x.device)
+    if column_major:
+        scales = torch.empty((kg, rows), dtype=torch.float32, device=x.device).t()
+    else:
+        scales = torch.empty((rows, kg), dtype=torch.float32, device=x.device)
     if m == 0 or k == 0:
         return q, scales
     # 32 groups (4096 values) a program: up to 8 groups of a row, and 4 or more rows.
     groups = min(8, triton.next_power_of_2(kg))
     rows = min(32 // groups, triton.next_power_of_2(m))
     _quantize_kernel[(triton.cdiv(m, rows), triton.cdiv(kg, groups))](
-        x, q, scales, m, k, kg, x.stride(0), q.stride(0), scales.stride(0), ROWS=rows,
-        GROUPS=groups, num_warps=4)
+        x, q, scales, m, k, kg, x.stride(0), q.stride(0), scales.stride(0), scales.stride(1),
+        ROWS=rows, GROUPS=groups, num_warps=4)
     return q, scales
 
 
@@ -319,10 +330,15 @@ def _gemm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, M, N, K, sa, sas, s
 
 def fp8_gemm(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
              bias: torch.Tensor | None = None, config: Fp8GemmConfig | None = None,
-             out: torch.Tensor | None = None) -> torch.Tensor:
+             out: torch.Tensor | None = None, kernel_scale: torch.Tensor | None = None
+             ) -> torch.Tensor:
     """The prefill path of fp8_linear (see there): x quantized by quantize_tokens_fp8, then a
-    w8a8 tensor-core GEMM with float32 accumulation per scale group."""
+    w8a8 tensor-core GEMM with float32 accumulation per scale group: cuBLAS where kernel_scale
+    (cublas_weight_scale) is given and x is 16-bit, else the Triton kernel (config: its
+    tiles)."""
     m, n, k = _check(x, wq, w_scale, bias)
+    if kernel_scale is not None and x.dtype != torch.float32 and config is None and m > 0:
+        return _cublas_gemm(x, wq, kernel_scale, bias, out)
     out = _output(x, n, out)
     if m == 0:
         return out
@@ -335,6 +351,64 @@ def fp8_gemm(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
         HAS_BIAS=bias is not None, EVEN_K=k % GROUP == 0, BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
+
+
+# ---- prefill on cuBLAS: torch's scaled_mm with block scales -------------------------------------
+def cublas_weight_scale(w_scale: torch.Tensor, k: int) -> torch.Tensor | None:
+    """A weight's per-row scales [N, ceil(K/128)] in the layout scaled_mm reads: DeepSeek's
+    128 x 128 blocks ([L4, N/128] with strides (1, L4), L4 = K/128 rounded up to 4) where every
+    128-row block from row 0 shares its scales, else one per row ([N, K/128], strides (1, N)).
+    None where scaled_mm takes no such weight (K not a multiple of 128, N of 16)."""
+    n, kg = w_scale.shape
+    if k % GROUP or n % 16:
+        return None
+    if n % GROUP == 0:
+        blocks = w_scale.view(n // GROUP, GROUP, kg)
+        if torch.equal(blocks, blocks[:, :1].expand_as(blocks)):
+            grid = torch.ones(n // GROUP, -(-kg // 4) * 4, dtype=torch.float32,
+                              device=w_scale.device)  # the padding scales no column
+            grid[:, :kg] = blocks[:, 0]
+            return grid.t()
+    return w_scale.t().contiguous().t()
+
+
+def _cublas_gemm(x: torch.Tensor, wq: torch.Tensor, kernel_scale: torch.Tensor,
+                 bias: torch.Tensor | None, out: torch.Tensor | None) -> torch.Tensor:
+    from torch.nn.functional import ScalingType, scaled_mm
+
+    (m, _), (n, k) = x.shape, wq.shape
+    per_row = kernel_scale.shape == (n, k // GROUP)
+    # cuBLAS finds no block-scaled algorithm for an M that is not a multiple of 16 (CUDA 13.0,
+    # H200): the rows past M are computed from unwritten codes and dropped.
+    xq, xs = quantize_tokens_fp8(x, column_major=True, rows=-(-m // CUBLAS_M) * CUBLAS_M)
+    y = scaled_mm(xq, wq.t(), xs, ScalingType.BlockWise1x128, kernel_scale,
+                  ScalingType.BlockWise1x128 if per_row else ScalingType.BlockWise128x128,
+                  output_dtype=x.dtype)[:m]
+    if bias is not None:
+        y += bias
+    if out is None:
+        return y
+    _output(x, n, out).copy_(y)
+    return out
+
+
+def cublas_block_scaled(device: torch.device) -> bool:
+    """Whether torch's scaled_mm runs block-scaled FP8 on this device (it needs cuBLAS 12.9+
+    and a Hopper GPU): one small product of each weight layout, tried."""
+    if torch.device(device).type != "cuda" or not hasattr(torch.nn.functional, "scaled_mm"):
+        return False
+    x = torch.ones(16, 256, device=device, dtype=torch.bfloat16)
+    wq = torch.ones(256, 256, device=device).to(torch.float8_e4m3fn)
+    try:
+        for scale in (torch.ones(256, 2, device=device), torch.ones(256, 2, device=device)[:16]):
+            kernel_scale = cublas_weight_scale(scale, 256)
+            if not torch.equal(_cublas_gemm(x, wq[:scale.shape[0]], kernel_scale, None, None),
+                               torch.full((16, scale.shape[0]), 256.0, device=device,
+                                          dtype=torch.bfloat16)):
+                return False
+    except (RuntimeError, NotImplementedError):
+        return False
+    return True
 
 
 # ---- entry points ------------------------------------------------------------------------------
@@ -370,17 +444,20 @@ def _output(x: torch.Tensor, n: int, out: torch.Tensor | None) -> torch.Tensor:
 
 def fp8_linear(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
                bias: torch.Tensor | None = None, path: str | None = None,
-               out: torch.Tensor | None = None) -> torch.Tensor:
+               out: torch.Tensor | None = None, kernel_scale: torch.Tensor | None = None
+               ) -> torch.Tensor:
     """x [M, K] (bf16, fp16 or fp32) @ (wq * w_scale).T (+ bias [N]) -> [M, N] in x's dtype.
     wq: float8_e4m3fn [N, K]; w_scale: float32 [N, ceil(K/128)], row n's scale for columns
-    [128 j, 128 (j + 1)) at [n, j]. path: "gemv" (weight-only, M <= GEMV_MAX_M, graph-safe) or
-    "gemm" (w8a8); by default the GEMV up to GEMV_AUTO_M rows, the GEMM above."""
+    [128 j, 128 (j + 1)) at [n, j]; kernel_scale: the same scales for cuBLAS
+    (cublas_weight_scale), or None for the Triton GEMM. path: "gemv" (weight-only,
+    M <= GEMV_MAX_M, graph-safe) or "gemm" (w8a8); by default the GEMV up to GEMV_AUTO_M
+    rows, the GEMM above."""
     if path is None:
         path = "gemv" if x.shape[0] <= GEMV_AUTO_M else "gemm"
     if path == "gemv":
         return fp8_gemv(x, wq, w_scale, bias, out=out)
     if path == "gemm":
-        return fp8_gemm(x, wq, w_scale, bias, out=out)
+        return fp8_gemm(x, wq, w_scale, bias, out=out, kernel_scale=kernel_scale)
     raise ValueError(f"path must be 'gemv', 'gemm' or None, got {path!r}")
 
 
