@@ -263,13 +263,14 @@ def plot(report: dict, path: str) -> None:
     axes[1].set_title(f"M = {PREFILL_M}: TFLOP/s (higher is better)", fontsize=10)
     for ax in axes[:2]:
         ax.set_xticks([x + width for x in range(len(names))], names)
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=7, loc="lower right")
     for name, r in zip(names, rows):
         for key, style in (("gemv_us", "-"), ("gemm_us", "--"), ("cublas_us", ":")):
             ms = [int(m) for m in r["crossover"] if isinstance(r["crossover"][m].get(key), float)]
             axes[2].plot(ms, [r["crossover"][str(m)][key] for m in ms], style, marker="o",
                          label=f"{name} {key[:4]}")
     axes[2].set_xscale("log", base=2)
+    axes[2].set_yscale("log")
     axes[2].set_xlabel("M")
     axes[2].set_title("fp8 paths by M: us (GEMV solid, Triton GEMM dashed, cuBLAS dotted)",
                       fontsize=9)

@@ -1,6 +1,7 @@
 """Where a step's GPU time goes: torch.profiler over decode steps of the Llama-3-8B shape.
 
     python benchmarks/cuda/profile_steps.py [--out DIR] [--batches 1 256] [--tag NAME]
+        [--quantization fp8]
     DEEPINFER_CUDA_GEMV=0 python benchmarks/cuda/profile_steps.py --batches 1 --tag unfused
 
 For each batch size, runs a few warm decode steps (CUDA graphs replayed as in serving) under
@@ -56,10 +57,11 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 256])
     parser.add_argument("--tag", default="", help="suffix of the JSON file name")
+    parser.add_argument("--quantization", default="auto", choices=("auto", "fp8"))
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as path:
         write_config(path, LLAMA3_8B["num_hidden_layers"])
-        engine = make_engine(path, max_len=16384, util=0.45)
+        engine = make_engine(path, max_len=16384, util=0.45, quantization=args.quantization)
         report = [decode_profile(engine, b) for b in args.batches]
         engine.shutdown()
     for r in report:
