@@ -37,6 +37,7 @@ class Request:
     num_computed_tokens: int = 0
     num_cached_tokens: int = -1  # prefix-cache hit at first schedule; -1 until scheduled
     block_hashes: list[bytes] = field(default_factory=list)
+    num_host_pages: int = 0  # prompt pages HiCache's write-through has taken (or given up on)
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None  # the stop string or token that ended it

@@ -384,12 +384,14 @@ class Scheduler:
         # sampled or the model's own after the drafts, is computed by the next step).
         req.num_computed_tokens += max(0, n - 1)
         self.kv.cache_computed_pages(req)
-        if self.hicache is not None and \
-                before < req.num_prompt_tokens <= req.num_computed_tokens:
-            # Write-through once the prompt is computed, before a stop can free the blocks
-            # (the store holds the blocks it reads until its copy is done).
+        if self.hicache is not None and before < req.num_prompt_tokens:
+            # Write-through of each prefill chunk's full pages as they are computed, so the
+            # prompt's store ends soon after the prompt does (a host-tier hit on a pool that
+            # needs those blocks waits for it); the store holds the blocks it reads until its
+            # copy is done, however the request ends.
             self.hicache.store(req, self.kv.group_block_ids(req.request_id),
-                               hold=functools.partial(self.kv.hold, req.request_id))
+                               hold=functools.partial(self.kv.hold, req.request_id),
+                               upto=req.num_computed_tokens)
         if seq.sampled:
             self.spec_stats.record(seq.num_drafts, len(row.token_ids) - 1)
             req.draft_token_ids = row.proposals

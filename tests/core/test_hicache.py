@@ -256,13 +256,15 @@ def test_abort_during_a_chunked_prefill_after_a_host_load(tmp_path):
     _drop_device_cache(engine)
     engine.add_request("b", prompt + _prompt(19, 12), GREEDY)
     engine.step()  # admitted: 7 pages loaded (copy still in flight), first 4-token chunk
-    assert engine.hicache.pool.num_pinned == 7
-    engine.step()
+    # ... whose page (7) the write-through stores at once (in flight too)
+    assert engine.hicache.pool.num_pinned == 8
+    engine.step()  # page 8
     engine.abort("b")
-    assert engine.hicache.pool.num_pinned == 7  # the copy still runs: its pages stay pinned
+    assert engine.hicache.pool.num_pinned == 9  # the copies still run: their pages stay pinned
     engine.accelerator.finish_copies()
     engine.hicache.poll()
     assert engine.hicache.stats().host_hit_tokens == 28
+    assert engine.hicache.stats().stored_pages == 9  # a's 7, then b's two chunks
     _assert_host_clean(engine)
 
 
@@ -328,19 +330,45 @@ def test_sliding_window_hit_loads_only_the_window(tmp_path):
     _assert_host_clean(engine)
 
 
-@pytest.mark.parametrize("keep, hit", [(1, 20), (3, 16), (7, 0), (11, 0)])
-def test_sliding_window_hit_snaps_to_pages_stored_whole(tmp_path, keep, hit):
-    """8-token chunks: the last chunk starts at 16, so pages 0 and 1 had left the window and
-    were freed before the write-through; pages 2-4 are stored whole. A hit ending at p pages
-    needs the pages the window reads there ((4p - 5) // 4 ..): 5 and 4 pages can resume, 3
-    and 2 pages cannot (they need page 1 / page 0), 1 page needs page 0."""
+@pytest.mark.parametrize("keep, hit", [(1, 20), (3, 16), (7, 12), (11, 8)])
+def test_sliding_window_chunks_are_stored_before_they_leave_the_window(tmp_path, keep, hit):
+    """8-token chunks: each chunk's pages are stored right after it runs, before the next step
+    frees what left the 6-token window, so every page is stored whole and a hit resumes at
+    any page end the keep_tokens cap allows (22 - keep, down to a page end)."""
     engine = _engine(tmp_path, window=6, capabilities=SKIPS_NULL, budget=8, keep=keep)
     prompt = _prompt(21, 22)
     _run(engine, "a", prompt)
-    assert [p.complete for p in engine.hicache.pool.pages[:5]] == [False, False, True, True,
-                                                                   True]
+    assert _stored_whole(engine, prompt) == [True] * 5
     _drop_device_cache(engine)
     assert _run(engine, "b", prompt).num_cached_tokens == hit
+    _assert_host_clean(engine)
+
+
+def _stored_whole(engine: Engine, prompt: list[int]) -> list[bool]:
+    """Per full page of the prompt, whether the host page holding its tokens is complete."""
+    pages = {p.token_ids: p for p in engine.hicache.pool.pages if p.block_hash is not None}
+    return [pages[tuple(prompt[i:i + 4])].complete for i in range(0, len(prompt) - 3, 4)]
+
+
+def test_sliding_window_hit_snaps_to_pages_stored_whole(tmp_path):
+    """Pages whose window blocks were freed before the host got them are stored without them.
+    a runs with 8-token chunks; the host tier then forgets it (the device keeps its pages);
+    b, the same prompt, is a device hit of 20 tokens whose table holds only the pages the
+    6-token window reads there (3 and 4): its write-through stores pages 0-2 incomplete.
+    After the device forgets too, c (the same prompt) resumes from the host at 20 (it needs
+    pages 3 and 4), and d, which shares only the first 4 pages, gets no hit: ending at 4 pages
+    needs page 2, at 3 page 1, ..., all incomplete."""
+    engine = _engine(tmp_path, window=6, capabilities=SKIPS_NULL, budget=8)
+    prompt = _prompt(21, 22)
+    _run(engine, "a", prompt)
+    engine.hicache.poll()
+    engine.hicache.reset()
+    assert _run(engine, "b", prompt).num_cached_tokens == 20
+    assert _stored_whole(engine, prompt) == [False] * 3 + [True] * 2
+    _drop_device_cache(engine)
+    assert _run(engine, "c", prompt).num_cached_tokens == 20
+    _drop_device_cache(engine)
+    assert _run(engine, "d", prompt[:16] + _prompt(22, 6)).num_cached_tokens == 0
     _assert_host_clean(engine)
 
 

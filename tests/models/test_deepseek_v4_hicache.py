@@ -122,12 +122,12 @@ class HostModel:
         return tuple(prompt[:(page + 1) * PAGE])
 
     def store(self, prompt: list[int], hit: int) -> None:
-        """The write-through after a prefill from `hit` in BUDGET-token chunks: the window
-        group still holds the pages a query from the last chunk's start sees."""
-        last_chunk = hit + (len(prompt) - 1 - hit) // BUDGET * BUDGET
-        held_from = max(0, last_chunk - WINDOW + 1) // PAGE
+        """The write-through of a prefill from `hit`: each chunk's full pages right after the
+        chunk ran, while the window group still holds them (it frees what left the window
+        at the next step), so every page is stored whole; the pages before `hit` came from
+        the host (the device tier forgets before every request)."""
         for p in range(len(prompt) // PAGE):  # a page the host holds already stays as it is
-            self.whole.setdefault(self._key(prompt, p), p >= held_from)
+            self.whole.setdefault(self._key(prompt, p), True)
 
 
 # ---- the runs ---------------------------------------------------------------------------------
@@ -169,9 +169,9 @@ def test_host_hits_follow_the_snap_and_cap_rule(runs):
     cached = {rid: r.cached for rid, r in runs.runs.items()}
     assert cached == runs.expected
     # What the rule gives here: a miss; the cap (the host holds 3 pages, 460 - 140 allows 2);
-    # a snap past page 0, which had left the window before the write-through; the turns: the
-    # first prompt's 3 pages, then a fourth page that the second turn stored.
-    assert list(cached.values()) == [0, 256, 0, 384, 512]
+    # the cap again (300 - 140 allows 1); the turns: the first prompt's 3 pages, then a
+    # fourth page that the second turn stored.
+    assert list(cached.values()) == [0, 256, 128, 384, 512]
     assert runs.engine.hicache.layout.num_state_slots == 0
     assert not runs.engine.hicache.restores_state
     stats = runs.engine.hicache.stats()

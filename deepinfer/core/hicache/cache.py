@@ -1,7 +1,7 @@
 """HiCache: a per-rank host-memory tier of KV pages behind the device prefix cache.
 
-Write-through: when a request's prompt is fully computed, its full prompt pages the host does
-not hold yet are copied device -> host. Load-on-hit: at admission, matching continues from where
+Write-through: as a request's prompt is computed, chunk by chunk, its full prompt pages the
+host does not hold yet are copied device -> host. Load-on-hit: at admission, matching continues from where
 the device hit ended, capped so keep_tokens are recomputed, snapped to a page end a prefill can
 resume from (a stored state slot, for models with state slots; the pages a sliding window reads
 there stored whole, for sliding-window models); the pages are copied into freshly allocated
@@ -9,8 +9,10 @@ device blocks and count as computed. The core never touches tensors: copies are 
 calls by page-id lists.
 
 Sliding-window models (DeepSeek-V4's window group, Mistral): a windowed group frees its blocks
-as they leave the window during a prefill, so the write-through stores their pages without that
-group's bytes (`HostPage.complete` False; the page copy skips the null block). A hit loads no
+as they leave the window, and a device hit's table holds only the pages the window reads. Each
+prefill chunk's pages are stored right after it runs, before they can leave the window; pages a
+device hit left out are stored without that group's bytes (`HostPage.complete` False; the page
+copy skips the null block). A hit loads no
 block of such a group out of the window at the hit's end (the manager gives the null block),
 so what the window reads there must come from complete pages. Models that keep their state in
 their pages (`KVSpec.state_in_pages`: DeepSeek-V4's page_state entries) need no state slots.
@@ -216,33 +218,40 @@ class HiCache:
         self._stats.host_hit_tokens += host_hit_tokens
 
     # ---- write-through -------------------------------------------------------------------
-    def store(self, req: Request, device_blocks: list[list[int]], hold: Hold | None = None
-              ) -> None:
-        """Copy the request's full prompt pages the host lacks from device to host
-        (device_blocks: the request's block table in each KV group; a sliding group's freed
-        pages are the null block there, which the copy leaves out). `hold` keeps the copied
-        pages' device blocks allocated until the copy is done, so a backend may store on a
-        stream of its own while the request ends and its blocks go back to the pool."""
+    def store(self, req: Request, device_blocks: list[list[int]], hold: Hold | None = None,
+              upto: int | None = None) -> None:
+        """Copy the request's full prompt pages up to token `upto` (default: the whole prompt)
+        that the host lacks from device to host (device_blocks: the request's block table in
+        each KV group; a sliding group's freed pages are the null block there, which the copy
+        leaves out). The scheduler calls it after each prefill chunk, so a long prompt's store
+        runs while the rest of it is computed; pages an earlier call took are skipped
+        (req.num_host_pages). `hold` keeps the copied pages' device blocks allocated until the
+        copy is done, so a backend may store on a stream of its own while the request ends
+        and its blocks go back to the pool."""
         if not req.use_prefix_cache:
             return
-        bs = self.block_size
-        num_full = min(req.num_prompt_tokens // bs, *(len(b) for b in device_blocks))
-        if num_full == 0:
+        bs, first = self.block_size, req.num_host_pages
+        upto = req.num_prompt_tokens if upto is None else min(upto, req.num_prompt_tokens)
+        num_full = min(upto // bs, *(len(b) for b in device_blocks))
+        if num_full <= first:
             return
         extend_block_hashes(req.block_hashes, req.token_slice, num_full * bs, bs, req.cache_salt)
-        chain: list[HostPage | None] = []  # per page: the host page holding it, or None
-        for i in range(num_full):
+        chain: list[HostPage | None] = []  # per page from `first`: its host page, or None
+        for i in range(first, num_full):
             page, tokens = self._holder(req.block_hashes[i])
             if page is not None and tokens != tuple(req.token_slice(i * bs, (i + 1) * bs)):
                 break  # a hash collision: no hit can pass this page anyway
             chain.append(page)
         # Pin what the host holds first, so making room never evicts this chain's own pages.
         self.pool.pin(p for p in chain if p is not None)
-        missing = [i for i, p in enumerate(chain) if p is None]
+        missing = [first + j for j, p in enumerate(chain) if p is None]
         fresh = self.pool.allocate(len(missing))
         missing = missing[:len(fresh)]  # short of room: the leading missing pages go first
         for i, page in zip(missing, fresh):
-            chain[i] = page
+            chain[i - first] = page
+        whole = all(p is not None for p in chain) and len(chain) == num_full - first
+        # A collision or a full host pool ends the chain: pages after a gap are never hit.
+        req.num_host_pages = num_full if whole else req.num_prompt_tokens // bs + 1
         pages = [p for p in chain if p is not None]
         copy = _Copy([], list(reversed(pages)), False, time.perf_counter())
         copy.commits = [_Commit(p, req.block_hashes[i],
@@ -257,8 +266,8 @@ class HiCache:
                     [p.page_id for p in fresh],
                     [[blocks[i] for i in missing] for blocks in device_blocks], to_device=False))
             nbytes = len(fresh) * self.layout.page_bytes
-            whole = len(pages) == num_full  # every prompt page is (or will be) on the host
-            if self.restores_state and whole and chain[-1].state_slot is None:
+            last = num_full == req.num_prompt_tokens // bs  # the prompt's last full page
+            if self.restores_state and whole and last and chain[-1].state_slot is None:
                 # The prompt's last full page carries the state a later turn resumes from.
                 slot = self.pool.take_state_slot()
                 if slot is not None:

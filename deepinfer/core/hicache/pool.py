@@ -21,9 +21,9 @@ class HostPage:
     token_ids: tuple[int, ...] | None = None  # kept to reject hash collisions on a hit
     state_slot: int | None = None  # layer state as of this page's end (stateful models)
     # Every KV group's block was stored. A sliding-window group frees the blocks that leave
-    # its window during a prefill, so the write-through at its end finds them gone: such a
-    # page's bytes for that group were never written, and no hit may resume where the window
-    # would read them.
+    # its window, and a device hit's table holds only the window's pages: a write-through
+    # that finds a page's block gone never wrote that group's bytes, and no hit may resume
+    # where the window would read them.
     complete: bool = True
 
 
