@@ -1,21 +1,21 @@
 """HiCache: a per-rank host-memory tier of KV pages behind the device prefix cache.
 
-Write-through: as a request's prompt is computed, chunk by chunk, its full prompt pages the
-host does not hold yet are copied device -> host. Load-on-hit: at admission, matching continues from where
-the device hit ended, capped so keep_tokens are recomputed, snapped to a page end a prefill can
-resume from (a stored state slot, for models with state slots; the pages a sliding window reads
-there stored whole, for sliding-window models); the pages are copied into freshly allocated
-device blocks and count as computed. The core never touches tensors: copies are accelerator
-calls by page-id lists.
+Write-through: as a request's prompt is computed, chunk by chunk, its full prompt pages the host
+does not hold yet are copied device -> host. Load-on-hit: at admission, matching continues from
+where the device hit ended, capped so keep_tokens are recomputed, snapped to a page end a
+prefill can resume from (a stored state slot, for models with state slots; the pages a sliding
+window reads there stored whole, for sliding-window models); the pages are copied into freshly
+allocated device blocks and count as computed. The core never touches tensors: copies are
+accelerator calls by page-id lists.
 
 Sliding-window models (DeepSeek-V4's window group, Mistral): a windowed group frees its blocks
 as they leave the window, and a device hit's table holds only the pages the window reads. Each
 prefill chunk's pages are stored right after it runs, before they can leave the window; pages a
 device hit left out are stored without that group's bytes (`HostPage.complete` False; the page
-copy skips the null block). A hit loads no
-block of such a group out of the window at the hit's end (the manager gives the null block),
-so what the window reads there must come from complete pages. Models that keep their state in
-their pages (`KVSpec.state_in_pages`: DeepSeek-V4's page_state entries) need no state slots.
+copy skips the null block). A hit loads no block of such a group out of the window at the hit's
+end (the manager gives the null block), so what the window reads there must come from complete
+pages. Models that keep their state in their pages (`KVSpec.state_in_pages`: DeepSeek-V4's
+page_state entries) need no state slots.
 """
 from __future__ import annotations
 

@@ -100,7 +100,8 @@ def test_quantize_at_load(tmp_path):
     with torch.no_grad():  # the reference holds the weights as FP8 rounded them
         for name, module in reference.named_modules():
             if name.endswith("_proj") and ".layers." in f".{name}":
-                module.weight.copy_(RowScaledFP8.quantize(module.weight, block_rows=128).dequantize())
+                blocks = RowScaledFP8.quantize(module.weight, block_rows=128)
+                module.weight.copy_(blocks.dequantize())
     engine.accelerator.allocate_kv_cache(8, 16)
     _assert_close(_prefill_logits(engine), _reference_logits(reference, PROMPT))
     engine.shutdown()
