@@ -153,6 +153,23 @@ def test_tiny_gguf_is_served_packed(tmp_path, tokenizer):  # noqa: F811
     assert logits.argmax(-1).tolist() == plain
 
 
+def test_packed_gguf_with_the_host_tier(tmp_path, tokenizer):  # noqa: F811
+    """Packed weights change nothing about the KV caches: a multi-turn conversation whose
+    device pages are evicted between turns decodes the same greedy tokens with HiCache on and
+    off on a Q4_1 GGUF kept packed, with hits served from the host (testing/hicache.py)."""
+    from deepinfer.backends.cpu.accelerator import CPUAccelerator
+    from deepinfer.testing.hicache import check_host_tier, make_engine
+
+    original = tiny_model("llama", tokenizer.get_vocab_size(), tied=True)
+    write_gguf(tmp_path / "tiny.gguf", original, tokenizer, GGMLQuantizationType.Q4_1)
+    folder = convert_gguf(str(tmp_path / "tiny.gguf"), str(tmp_path / "out"), progress=False)
+    engine = make_engine(folder, CPUAccelerator(), host_pages=4)
+    assert any(isinstance(m, GGUFWeight) for m in engine.accelerator.runner.model.modules())
+    engine.shutdown()
+    stats = check_host_tier(folder, CPUAccelerator, vocab=tokenizer.get_vocab_size())
+    assert stats.stored_pages > 0
+
+
 def _q4_k_centred(n: int, k: int, seed: int, d: float) -> np.ndarray:
     """Q4_K super-blocks whose values centre on 0 (random bytes would all lean positive, and
     a model of them answers one token whatever it is asked): sub-block scales 1..8, each min
