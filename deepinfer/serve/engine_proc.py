@@ -30,6 +30,7 @@ from deepinfer.serve.stream_pacing import StreamPacer
 log = logging.getLogger("deepinfer.rank")
 IDLE_POLL_MS = 200  # how often an idle rank checks that its parent is alive
 EXPERT_STATS_EVERY_S = 1.0  # expert load is L x E numbers: reported at most this often
+REPORT_LINGER_MS = 10_000  # how long a failed start-up waits for its report to be sent
 
 
 class StepClock:
@@ -110,6 +111,9 @@ def run_rank(spec: RankSpec) -> None:
         experts = _expert_reporter(engine, spec)
     except Exception:  # noqa: BLE001 - report any start-up failure to the API process
         outbox.send(Failed(spec.rank, traceback.format_exc()))
+        # The sockets drop unsent messages when they close (LINGER 0) and the process ends
+        # right after this: wait for the report to leave (a loaded machine lost it).
+        ctx.destroy(linger=REPORT_LINGER_MS)
         return
     registry.engine_started(spec.config)
     host_pages = engine.hicache.layout.num_pages if engine.hicache is not None else 0
