@@ -29,6 +29,7 @@ tables for fp8 block-scaled GEMMs. bench_fp8.py times both on a GPU.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -38,6 +39,7 @@ from triton.language.extra.cuda import gdc_wait
 
 from deepinfer.backends.cuda.kernels.pdl import launch_kwargs
 
+log = logging.getLogger(__name__)
 GROUP = 128  # columns per scale group: DeepSeek's block width
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 EPS = 1e-10  # floor of a group's absolute max, so an all-zero group gets a finite scale
@@ -405,10 +407,15 @@ def cublas_block_scaled(device: torch.device) -> bool:
             if not torch.equal(_cublas_gemm(x, wq[:scale.shape[0]], kernel_scale, None, None),
                                torch.full((16, scale.shape[0]), 256.0, device=device,
                                           dtype=torch.bfloat16)):
-                return False
-    except (RuntimeError, NotImplementedError):
-        return False
+                return _refused("a wrong product")
+    except (RuntimeError, NotImplementedError) as exc:  # what torch raises for no such GEMM
+        return _refused(f"{type(exc).__name__}: {str(exc).splitlines()[0]}")
     return True
+
+
+def _refused(why: str) -> bool:
+    log.info("FP8 GEMMs on the Triton kernel: scaled_mm with block scales refused (%s)", why)
+    return False
 
 
 # ---- entry points ------------------------------------------------------------------------------
