@@ -197,10 +197,10 @@ class ModelOps(ABC):
             counts.add(ids)
         return weights, ids
 
-    def fused_experts(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                      weights: torch.Tensor, slots: torch.Tensor,
-                      capacity: int | None = None, swiglu_limit: float | None = None
-                      ) -> torch.Tensor:
+    def fused_experts(self, x: torch.Tensor, w13: torch.Tensor | PackedWeight,
+                      w2: torch.Tensor | PackedWeight, weights: torch.Tensor,
+                      slots: torch.Tensor, capacity: int | None = None,
+                      swiglu_limit: float | None = None) -> torch.Tensor:
         """sum over k of weights[t, k] * down(silu(gate) * up)(x[t]) by the expert in slot
         slots[t, k] of this rank (w13 [S, 2F, H] gate rows then up rows, w2 [S, H, F]);
         slot -1 routes are served elsewhere and skipped. Returns [T, H] in x.dtype.
@@ -208,7 +208,10 @@ class ModelOps(ABC):
         grouped layout of that size; the caller guarantees that no slot overflows it. None: no
         limit. The reference (and every dynamic-shape backend) ignores it.
         swiglu_limit (DeepSeek-V4): silu(min(gate, limit)) * clamp(up, -limit, limit) instead
-        of silu(gate) * up; None: no clamp."""
+        of silu(gate) * up; None: no clamp. Packed experts (FP8Experts, a backend that runs
+        fp8): the reference dequantizes them."""
+        w13, w2 = (w.dequantize().to(device=x.device, dtype=x.dtype)
+                   if isinstance(w, PackedWeight) else w for w in (w13, w2))
         return fused_experts_reference(x, w13, w2, weights, slots, swiglu_limit)
 
     def expert_exchange(self, group: Any, rank: int, world_size: int,

@@ -131,8 +131,7 @@ def load_mapped(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
 def _copy(name: str, tensor: torch.Tensor | QuantizedTensor, param: torch.Tensor | PackedWeight,
           where: tuple[int, int] | SlotRows | None) -> None:
     if isinstance(param, PackedWeight):
-        rows = where or (0, param.shape[0])
-        _check_shape(name, tensor.shape, (rows[1] - rows[0], param.shape[1]))
+        _check_shape(name, tensor.shape, param.part_shape(where))
         param.load_rows(tensor, where)
         return
     dest = _destination(param, where)

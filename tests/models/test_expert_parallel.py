@@ -148,3 +148,52 @@ def test_rebalance_mid_generation_keeps_every_token(checkpoints):
     # every rank decided the same placement, and it is not the initial one
     assert results[0].placements[1] == results[1].placements[1]
     assert results[0].placements[0] != results[0].placements[1]
+
+
+def _fp8_slot_contents(seed: int, slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every physical slot's w13 in FP8 (codes as bytes, scales): what rank r holds first is
+    slots [2r, 2r + 2)."""
+    from deepinfer.models.quant.tensors import RowScaledFP8
+    g = torch.Generator().manual_seed(seed)
+    parts = [RowScaledFP8.quantize(torch.randn(64, 256, generator=g), block_rows=128)
+             for _ in range(slots)]
+    return (torch.stack([p.weight.view(torch.uint8) for p in parts]),
+            torch.stack([p.scale for p in parts]))
+
+
+def _move_fp8_experts(rank: int, port: int, sources: list[int], out: mp.Queue) -> None:
+    import torch.distributed as dist
+
+    from deepinfer.models.moe.layer import MoEBlock, MoEDims
+    from deepinfer.models.moe.routing import RouterSpec
+    from deepinfer.models.moe.runtime import ExpertRuntime
+    from deepinfer.models.quant.plan import apply_plan
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2)
+    runtime = ExpertRuntime(1, 4, ParallelContext(rank, 2, dist.group.WORLD, True, 0))
+    block = MoEBlock(MoEDims(256, 32, RouterSpec(4, 2)), 0, None, runtime)  # no ops: nothing runs
+    apply_plan(block, {"w13": "fp8", "w2": "fp8"})
+    codes, scales = _fp8_slot_contents(0, 4)
+    mine = slice(2 * rank, 2 * rank + 2)
+    block.w13.weight.view(torch.uint8).copy_(codes[mine])
+    block.w13.scale.copy_(scales[mine])
+    block.move_experts(torch.tensor(sources[mine]), runtime)
+    # numpy: a tensor on the queue would be shared memory the exiting rank takes with it
+    out.put((rank, (block.w13.weight.view(torch.uint8).numpy(), block.w13.scale.numpy(),
+                    str(block.w13.weight.dtype))))
+    dist.destroy_process_group()
+
+
+def test_fp8_experts_move_as_fp8_under_eplb():
+    """A rebalance moves FP8 experts between ranks (gloo) as they are: each slot gets the
+    codes and scales of the old slot it takes, and stays float8."""
+    sources = [3, 0, 2, 1]  # new slot i takes old physical slot sources[i]
+    port = _port()
+    results = spawn_ranks(_move_fp8_experts, [(r, port, sources) for r in range(2)], 60)
+    codes, scales = _fp8_slot_contents(0, 4)
+    for rank, (got_codes, got_scales, dtype) in enumerate(results):
+        assert dtype == str(torch.float8_e4m3fn)
+        taken = sources[2 * rank:2 * rank + 2]
+        assert torch.equal(torch.from_numpy(got_codes), codes[taken])
+        assert torch.equal(torch.from_numpy(got_scales), scales[taken])

@@ -21,8 +21,8 @@ import torch
 from deepinfer.backends.cuda.kernels.activation import silu_and_mul
 from deepinfer.backends.cuda.kernels.decode_attention import (choose_num_splits,
                                                               paged_decode_attention)
-from deepinfer.backends.cuda.kernels.fp8_gemm import (cublas_block_scaled, cublas_weight_scale,
-                                                      fp8_linear)
+from deepinfer.backends.cuda.kernels.fp8_gemm import (Scaled, cublas_block_scaled,
+                                                      cublas_weight_scale, fp8_linear)
 from deepinfer.backends.cuda.kernels.fused_moe import fused_experts
 from deepinfer.backends.cuda.kernels.gemv import gemv
 from deepinfer.backends.cuda.kernels.kv_write import store_kv
@@ -39,7 +39,7 @@ from deepinfer.backends.paged_cache import PagedCache
 from deepinfer.models.moe.routing import RouteCounts, RouterSpec
 from deepinfer.models.deepseek_v4.paged_ops import DecodeLens, DecodeTarget, PagedRows
 from deepinfer.models.ops import ModelOps, QKNorm
-from deepinfer.models.quant.packed import FP8Weight, PackedWeight
+from deepinfer.models.quant.packed import FP8Experts, FP8Weight, PackedWeight
 
 
 def sdpa_backends(names: str) -> tuple:
@@ -172,7 +172,9 @@ class CUDAOps(ModelOps):
                       weights: torch.Tensor, slots: torch.Tensor,
                       capacity: int | None = None, swiglu_limit: float | None = None
                       ) -> torch.Tensor:
-        # No capacity: shapes are dynamic.
+        # No capacity: shapes are dynamic. FP8 experts go to the kernels as codes and scales.
+        w13, w2 = (Scaled(w.weight, w.scale) if isinstance(w, FP8Experts) else w
+                   for w in (w13, w2))
         return fused_experts(x, w13, w2, weights, slots, swiglu_limit=swiglu_limit)
 
     def _attend(self, q: torch.Tensor, layer: int, meta: AttentionMeta) -> torch.Tensor:

@@ -23,6 +23,7 @@ from deepinfer.models.decoder import GatedMLP
 from deepinfer.models.moe.routing import RouterSpec
 from deepinfer.models.moe.runtime import ExpertRuntime
 from deepinfer.models.ops import ModelOps
+from deepinfer.models.quant.packed import FP8Experts
 from deepinfer.models.weights import SlotRows, Target
 
 # checkpoint projection -> (our stacked weight, which half of w13: 0 gate, 1 up; None: w2)
@@ -61,6 +62,10 @@ class ClampedSharedExperts(GatedMLP):
 
 
 class MoEBlock(nn.Module):
+    # Stacked expert weights a checkpoint's FP8 experts (or --quantization fp8) keep packed
+    # (quant/plan.py): w13 and w2 are then FP8Experts modules, passed to ops the same way.
+    packable_experts = ("w13", "w2")
+
     def __init__(self, dims: MoEDims, layer: int, ops: ModelOps, runtime: ExpertRuntime) -> None:
         super().__init__()
         self.dims, self.layer, self.ops, self.runtime = dims, layer, ops, runtime
@@ -145,10 +150,20 @@ class MoEBlock(nn.Module):
 
     @torch.no_grad()
     def move_experts(self, sources: torch.Tensor, runtime: ExpertRuntime) -> None:
-        """EPLB: this rank's slots take the weights of the given old physical slots."""
+        """EPLB: this rank's slots take the weights of the given old physical slots (FP8
+        experts: their codes and scales, as they are)."""
         for weight in (self.w13, self.w2):
-            everything = runtime.gather_slots(weight.data)
-            weight.data.copy_(everything[sources.to(everything.device)])
+            for tensor in _slot_tensors(weight):
+                everything = runtime.gather_slots(tensor)
+                tensor.copy_(everything[sources.to(everything.device)])
+
+
+def _slot_tensors(weight: nn.Parameter | FP8Experts) -> tuple[torch.Tensor, ...]:
+    """The [S, ...] tensors of a stacked expert weight. FP8 codes travel as bytes: the
+    collectives (gloo) have no float8 types."""
+    if isinstance(weight, FP8Experts):
+        return weight.weight.view(torch.uint8), weight.scale
+    return (weight.data,)
 
 
 def moe_checkpoint_target(layers: nn.ModuleList, name: str) -> list[Target] | None:

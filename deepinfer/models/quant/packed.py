@@ -1,13 +1,15 @@
 """Modules that hold a quantized weight inside a model.
 
-A PackedWeight takes the place of an nn.Linear's `weight` (or of an embedding table): the model
-still calls ops.linear(x, self.proj.weight), and the backend's ops see the packed weight and
-run their kernel for its format. Built on the meta device with the rest of the model; to_empty
+A PackedWeight takes the place of an nn.Linear's `weight` (or of an embedding table, or of an
+MoE layer's stacked experts): the model still calls ops.linear(x, self.proj.weight) (or
+ops.fused_experts), and the backend's ops see the packed weight and run their kernel for its
+format. Built on the meta device with the rest of the model; to_empty
 allocates the buffers and the loader fills them with load_rows.
 """
 from __future__ import annotations
 
 from abc import ABCMeta, abstractmethod
+from typing import TYPE_CHECKING
 
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
@@ -15,10 +17,13 @@ from torch import nn
 
 from deepinfer.models.quant.tensors import GGUFTensor, QuantizedTensor, RowScaledFP8
 
+if TYPE_CHECKING:
+    from deepinfer.models.weights import SlotRows
 
 
 class PackedWeight(nn.Module, metaclass=ABCMeta):
-    """A linear weight [N, K] kept quantized; `kind` names the format ("gguf:Q4_1", "fp8")."""
+    """A linear weight [N, K] kept quantized (FP8Experts: an MoE layer's stacked experts);
+    `kind` names the format ("gguf:Q4_1", "fp8")."""
 
     kind: str
 
@@ -30,6 +35,11 @@ class PackedWeight(nn.Module, metaclass=ABCMeta):
     def load_rows(self, tensor: torch.Tensor | QuantizedTensor,
                   rows: tuple[int, int] | None) -> None:
         """Rows [start, end) of the weight (all of it for None) from a checkpoint tensor."""
+
+    def part_shape(self, rows: tuple[int, int] | None) -> tuple[int, ...]:
+        """The shape of the checkpoint tensor that load_rows takes for these rows."""
+        start, end = rows or (0, self.shape[0])
+        return end - start, self.shape[1]
 
     @abstractmethod
     def dequantize(self) -> torch.Tensor:
@@ -99,13 +109,7 @@ class FP8Weight(PackedWeight):
 
     def load_rows(self, tensor: torch.Tensor | QuantizedTensor,
                   rows: tuple[int, int] | None) -> None:
-        if isinstance(tensor, torch.Tensor):
-            tensor = RowScaledFP8.quantize(tensor, self.group, block_rows=self.group)
-        if getattr(tensor, "kind", None) != "fp8":
-            raise TypeError(f"an fp8 weight loads FP8 or float tensors, not {tensor.kind}")
-        part = tensor.rows(0, tensor.shape[0])
-        if part.group != self.group:  # other block widths: regrouped for the kernels
-            part = RowScaledFP8.quantize(part.dequantize(), self.group)
+        part = fp8_rows(tensor, self.group)
         start, end = rows or (0, self.shape[0])
         self.weight[start:end].copy_(part.weight)
         self.scale[start:end].copy_(part.scale)
@@ -122,6 +126,65 @@ class FP8Weight(PackedWeight):
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
         ids = ids.reshape(-1)
         return RowScaledFP8(self.weight[ids], self.scale[ids], self.group).dequantize()
+
+
+class FP8Experts(PackedWeight):
+    """An MoE layer's stacked expert weights [S, N, K] (w13 or w2, one row block per expert
+    slot) in FP8: float8_e4m3fn codes and float32 scales [S, N, ceil(K/128)], FP8Weight's
+    layout for each slot, which the fused MoE kernels read as they are. Checkpoints name
+    experts one by one: each expert's tensor (or its gate or up half) loads into rows of one
+    slot (weights.SlotRows). EPLB moves slots as they are, codes and scales."""
+
+    kind = "fp8"
+    group = 128
+
+    def __init__(self, shape: tuple[int, int, int]) -> None:
+        super().__init__(shape)
+        s, n, k = shape
+        self.register_buffer("weight", torch.empty(s, n, k, dtype=torch.float8_e4m3fn))
+        self.register_buffer("scale", torch.empty(s, n, -(-k // self.group),
+                                                  dtype=torch.float32))
+
+    def part_shape(self, where: SlotRows) -> tuple[int, ...]:
+        start, end = where.rows or (0, self.shape[1])
+        return end - start, self.shape[2]
+
+    def load_rows(self, tensor: torch.Tensor | QuantizedTensor, where: SlotRows) -> None:
+        self._store(where.slot, where.rows, fp8_rows(tensor, self.group))
+
+    def _store(self, slot: int, rows: tuple[int, int] | None, part: RowScaledFP8) -> None:
+        start, end = rows or (0, self.shape[1])
+        self.weight[slot, start:end].copy_(part.weight)
+        self.scale[slot, start:end].copy_(part.scale)
+
+    def dequantize(self) -> torch.Tensor:
+        s, n, k = self.shape
+        flat = RowScaledFP8(self.weight.reshape(s * n, k), self.scale.reshape(s * n, -1),
+                            self.group)
+        return flat.dequantize().view(s, n, k)
+
+    def init_dummy(self, generator: torch.Generator, std: float) -> None:
+        for slot in range(self.shape[0]):  # a slot at a time: one slot's float32 at most
+            w = torch.empty(self.shape[1:], device=self.weight.device)
+            self._store(slot, None, fp8_rows(w.normal_(0.0, std, generator=generator),
+                                             self.group))
+
+    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        raise TypeError("expert weights are not an embedding table")
+
+
+def fp8_rows(tensor: torch.Tensor | QuantizedTensor, group: int) -> RowScaledFP8:
+    """A checkpoint tensor as FP8 rows with `group`-column scales: FP8 as it is (regrouped if
+    its blocks are another width), a float tensor quantized in DeepSeek's group x group
+    blocks (--quantization fp8)."""
+    if isinstance(tensor, torch.Tensor):
+        return RowScaledFP8.quantize(tensor, group, block_rows=group)
+    if getattr(tensor, "kind", None) != "fp8":
+        raise TypeError(f"an fp8 weight loads FP8 or float tensors, not {tensor.kind}")
+    part = tensor.rows(0, tensor.shape[0])
+    if part.group != group:  # other block widths: regrouped for the kernels
+        part = RowScaledFP8.quantize(part.dequantize(), group)
+    return part
 
 
 class PackedEmbedding(nn.Module):

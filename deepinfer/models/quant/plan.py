@@ -2,9 +2,10 @@
 
 The plan is made on the meta-device model before its memory exists: every checkpoint tensor's
 kind ("float", "gguf:Q4_1", "fp8") is mapped through the model's own checkpoint names onto its
-parameters. A linear or embedding weight stays packed when all of its sources share one kind
-that the backend runs; everything else is dequantized as it loads. With `quantization="fp8"`
-the float linear weights of the decoder layers are quantized to FP8 at load as well.
+parameters. A linear or embedding weight (or an MoE layer's stacked experts, FP8 only) stays
+packed when all of its sources share one kind that the backend runs; everything else is
+dequantized as it loads. With `quantization="fp8"` the float linear weights and experts of the
+decoder layers are quantized to FP8 at load as well.
 """
 from __future__ import annotations
 
@@ -16,8 +17,8 @@ from gguf import GGMLQuantizationType
 from torch import nn
 
 from deepinfer.core.config import QUANTIZATION_MODES
-from deepinfer.models.quant.packed import (FP8Weight, GGUFWeight, PackedEmbedding,
-                                           PackedWeight)
+from deepinfer.models.quant.packed import (FP8Experts, FP8Weight, GGUFWeight,
+                                           PackedEmbedding, PackedWeight)
 from deepinfer.models.weights import Mapper
 
 def plan_packed(model: nn.Module, kinds: Mapping[str, str], mapper: Mapper,
@@ -36,9 +37,11 @@ def plan_packed(model: nn.Module, kinds: Mapping[str, str], mapper: Mapper,
     for name, module in _packable(model):
         found = sources.get(name, set())
         kind = next(iter(found)) if len(found) == 1 else None
-        if kind is not None and kind != "float" and kind in runs:
+        stacked = not isinstance(module, (nn.Linear, nn.Embedding))  # experts: FP8 only
+        if kind not in (None, "float") and kind in runs and (kind == "fp8" or not stacked):
             plan[name] = kind
-        elif mode == "fp8" and isinstance(module, nn.Linear) and name.startswith("layers."):
+        elif mode == "fp8" and not isinstance(module, nn.Embedding) \
+                and name.startswith("layers."):
             plan[name] = "fp8"
     return plan
 
@@ -53,9 +56,13 @@ def _source_kinds(kinds: Mapping[str, str], mapper: Mapper) -> dict[str, set[str
 
 
 def _packable(model: nn.Module) -> Iterable[tuple[str, nn.Module]]:
+    """(parameter name, its module): linear and embedding weights, and the stacked expert
+    weights a module lists in `packable_experts`."""
     for name, module in model.named_modules():
         if isinstance(module, (nn.Linear, nn.Embedding)):
             yield f"{name}.weight", module
+        for attr in getattr(module, "packable_experts", ()):
+            yield f"{name}.{attr}", module
 
 
 def apply_plan(model: nn.Module, plan: Mapping[str, str],
@@ -63,20 +70,20 @@ def apply_plan(model: nn.Module, plan: Mapping[str, str],
     """Swap each planned weight for its PackedWeight (an embedding for a PackedEmbedding)."""
     make = make or packed_weight
     for name, kind in plan.items():
-        owner_name = name.removesuffix(".weight")
+        owner_name, _, attr = name.rpartition(".")
         owner = model.get_submodule(owner_name)
-        weight = make(kind, tuple(owner.weight.shape))
+        weight = make(kind, tuple(getattr(owner, attr).shape))
         if isinstance(owner, nn.Embedding):
             parent_name, _, child = owner_name.rpartition(".")
             setattr(model.get_submodule(parent_name), child, PackedEmbedding(weight))
         else:
-            del owner._parameters["weight"]
-            owner.weight = weight  # registered as a submodule: its buffers load and move
+            del owner._parameters[attr]
+            setattr(owner, attr, weight)  # registered as a submodule: its buffers load and move
 
 
-def packed_weight(kind: str, shape: tuple[int, int]) -> PackedWeight:
+def packed_weight(kind: str, shape: tuple[int, ...]) -> PackedWeight:
     if kind == "fp8":
-        return FP8Weight(shape)
+        return FP8Experts(shape) if len(shape) == 3 else FP8Weight(shape)
     if kind.startswith("gguf:"):  # a type the backend's packed_kinds lists
         return GGUFWeight(shape, int(GGMLQuantizationType[kind.removeprefix("gguf:")]))
     raise ValueError(f"no packed weight for {kind!r}")

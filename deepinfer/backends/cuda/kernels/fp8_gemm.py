@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import triton
@@ -50,6 +51,13 @@ GEMV_MAX_M = 8  # the largest M the weight-only GEMV takes
 GEMV_AUTO_M = 1
 CUBLAS_M = 16  # cuBLAS's block-scaled GEMM takes M in multiples of this (_cublas_gemm)
 _GROUP_M = tl.constexpr(8)  # GEMM row tiles that sweep the N tiles together (L2 reuse of W)
+
+
+class Scaled(NamedTuple):
+    """An operand in FP8: float8_e4m3fn codes and float32 scales per row and GROUP columns
+    of the last dimension (codes [..., K], scales [..., ceil(K/GROUP)])."""
+    codes: torch.Tensor
+    scales: torch.Tensor
 
 
 @dataclass(frozen=True)

@@ -39,6 +39,7 @@ import triton
 import triton.language as tl
 
 from deepinfer.backends.cuda.kernels import moe_gemv
+from deepinfer.backends.cuda.kernels.fp8_gemm import GROUP, Scaled, quantize_tokens_fp8
 from deepinfer.backends.cuda.kernels.moe_gemv import limit_constexpr as _limit
 from deepinfer.backends.cuda.kernels.moe_gemv import swiglu
 
@@ -223,12 +224,16 @@ def _tile(num_blocks, n_cols, BLOCK_N: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["n_routes", "top_k", "num_blocks"])
-def _gate_up_kernel(x_ptr, w_ptr, routes_ptr, block_slots_ptr, h_ptr, n_routes, top_k, F, H,
-                    num_blocks, sx, sw_e, sw_n, sh, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                    PRECISION: tl.constexpr, LIMIT: tl.constexpr = None):
+def _gate_up_kernel(x_ptr, w_ptr, routes_ptr, block_slots_ptr, h_ptr, xs_ptr, ws_ptr, n_routes,
+                    top_k, F, H, num_blocks, sx, sw_e, sw_n, sh, sxs, sws_e, sws_n,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    EVEN_K: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr,
+                    LIMIT: tl.constexpr = None):
     """h[row] = silu(x[t] @ gate.T) * (x[t] @ up.T) for the route in each sorted row; with a
-    LIMIT, silu(min(gate, LIMIT)) * clamp(up, -LIMIT, LIMIT)."""
+    LIMIT, silu(min(gate, LIMIT)) * clamp(up, -LIMIT, LIMIT). FP8: x and the weights are
+    float8 codes with one scale per row and 128 columns (xs [T, groups], ws [S, 2F, groups])
+    and BLOCK_K is 128: each step's product is scaled in float32 as it is added (vLLM's
+    block-scaled fused MoE)."""
     pid_m, pid_n = _tile(num_blocks, F, BLOCK_N)
     slot = tl.load(block_slots_ptr + pid_m)
     if slot < 0:
@@ -244,6 +249,9 @@ def _gate_up_kernel(x_ptr, w_ptr, routes_ptr, block_slots_ptr, h_ptr, n_routes, 
     # extra columns are dropped at the store.
     g_ptrs = w_ptr + slot.to(tl.int64) * sw_e + (cols % F)[None, :] * sw_n + ks[:, None]
     u_ptrs = g_ptrs + F * sw_n
+    xs_ptrs = xs_ptr + token * sxs  # FP8 only, as the two below
+    gs_ptrs = ws_ptr + slot.to(tl.int64) * sws_e + (cols % F) * sws_n
+    us_ptrs = gs_ptrs + F * sws_n
     gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
@@ -256,8 +264,13 @@ def _gate_up_kernel(x_ptr, w_ptr, routes_ptr, block_slots_ptr, h_ptr, n_routes, 
             a = tl.load(a_ptrs, mask=live[:, None] & k_ok[None, :], other=0.0)
             g = tl.load(g_ptrs, mask=k_ok[:, None], other=0.0)
             u = tl.load(u_ptrs, mask=k_ok[:, None], other=0.0)
-        gate = tl.dot(a, g, gate, input_precision=PRECISION)
-        up = tl.dot(a, u, up, input_precision=PRECISION)
+        if FP8:
+            a_scale = tl.load(xs_ptrs + k0 // BLOCK_K)[:, None]
+            gate += tl.dot(a, g) * (a_scale * tl.load(gs_ptrs + k0 // BLOCK_K)[None, :])
+            up += tl.dot(a, u) * (a_scale * tl.load(us_ptrs + k0 // BLOCK_K)[None, :])
+        else:
+            gate = tl.dot(a, g, gate, input_precision=PRECISION)
+            up = tl.dot(a, u, up, input_precision=PRECISION)
         a_ptrs += BLOCK_K
         g_ptrs += BLOCK_K
         u_ptrs += BLOCK_K
@@ -267,11 +280,12 @@ def _gate_up_kernel(x_ptr, w_ptr, routes_ptr, block_slots_ptr, h_ptr, n_routes, 
 
 
 @triton.jit(do_not_specialize=["n_routes", "num_blocks"])
-def _down_kernel(h_ptr, w_ptr, routes_ptr, block_slots_ptr, weights_ptr, y_ptr, n_routes, H,
-                 F, num_blocks, sh, sw_e, sw_n, sy, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                 PRECISION: tl.constexpr):
-    """y[route] = weight[route] * (h[row] @ w2[slot].T) for the route in each sorted row."""
+def _down_kernel(h_ptr, w_ptr, routes_ptr, block_slots_ptr, weights_ptr, y_ptr, hs_ptr, ws_ptr,
+                 n_routes, H, F, num_blocks, sh, sw_e, sw_n, sy, shs, sws_e, sws_n,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 EVEN_K: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr):
+    """y[route] = weight[route] * (h[row] @ w2[slot].T) for the route in each sorted row. FP8:
+    as in _gate_up_kernel, h's scales hs [rows, groups] and w2's ws [S, H, groups]."""
     pid_m, pid_n = _tile(num_blocks, H, BLOCK_N)
     slot = tl.load(block_slots_ptr + pid_m)
     if slot < 0:
@@ -284,6 +298,8 @@ def _down_kernel(h_ptr, w_ptr, routes_ptr, block_slots_ptr, weights_ptr, y_ptr, 
     # The gate-up kernel wrote every row of a used block (zeros for padding): no row mask.
     a_ptrs = h_ptr + rows.to(tl.int64)[:, None] * sh + ks[None, :]
     b_ptrs = w_ptr + slot.to(tl.int64) * sw_e + (cols % H)[None, :] * sw_n + ks[:, None]
+    hs_ptrs = hs_ptr + rows.to(tl.int64) * shs  # FP8 only, as the one below
+    bs_ptrs = ws_ptr + slot.to(tl.int64) * sws_e + (cols % H) * sws_n
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, F, BLOCK_K):
         if EVEN_K:
@@ -293,7 +309,11 @@ def _down_kernel(h_ptr, w_ptr, routes_ptr, block_slots_ptr, weights_ptr, y_ptr, 
             k_ok = ks < F - k0
             a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
             b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
-        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        if FP8:
+            scale = tl.load(hs_ptrs + k0 // BLOCK_K)[:, None] * tl.load(bs_ptrs + k0 // BLOCK_K)
+            acc += tl.dot(a, b) * scale
+        else:
+            acc = tl.dot(a, b, acc, input_precision=PRECISION)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
     acc *= tl.load(weights_ptr + route, mask=live, other=0.0)[:, None]
@@ -324,37 +344,67 @@ def _precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def moe_gate_up(x: torch.Tensor, w13: torch.Tensor, al: Alignment, top_k: int,
-                tiles: Tiles, swiglu_limit: float | None = None) -> torch.Tensor:
+def _codes(t: torch.Tensor | Scaled) -> torch.Tensor:
+    return t.codes if isinstance(t, Scaled) else t
+
+
+def _scale_args(a: torch.Tensor | Scaled, w: torch.Tensor | Scaled) -> tuple[list, list]:
+    """The FP8 scale pointers (a's, w's) and strides (a's rows, w's slots and rows) of a
+    GEMM; for a float GEMM, placeholders the FP8 constexpr never reads."""
+    if not isinstance(w, Scaled):
+        return [w, w], [0, 0, 0]
+    return ([a.scales, w.scales],
+            [a.scales.stride(0), w.scales.stride(0), w.scales.stride(1)])
+
+
+def fp8_tiles(tiles: Tiles, block_m: int, b_tiles: int) -> Tiles:
+    """The tiles of an FP8 GEMM: one K step per scale group, fitted in shared memory."""
+    fitted = fit_tiles(dataclasses.replace(tiles, block_k=GROUP), block_m, 1, b_tiles)
+    if fitted.block_k != GROUP:
+        raise ValueError(f"FP8 tiles {tiles} with BLOCK_M {block_m} do not fit in shared memory")
+    return fitted
+
+
+def moe_gate_up(x: torch.Tensor | Scaled, w13: torch.Tensor | Scaled, al: Alignment,
+                top_k: int, tiles: Tiles, swiglu_limit: float | None = None,
+                out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """The first GEMM: silu(gate) * up of each aligned row's route, [rows, F] in x's dtype
-    (gate and up clamped first under a swiglu_limit)."""
-    f, h = w13.shape[1] // 2, w13.shape[2]
+    or out_dtype (gate and up clamped first under a swiglu_limit). x and w13 Scaled: the FP8
+    GEMM, whose tiles must have BLOCK_K 128 (fp8_tiles)."""
+    xq, wq = _codes(x), _codes(w13)
+    f, h = wq.shape[1] // 2, wq.shape[2]
     blocks = al.block_slots.numel()
-    out = torch.empty((al.routes.numel(), f), dtype=x.dtype, device=x.device)
+    scales, strides = _scale_args(x, w13)
+    out = torch.empty((al.routes.numel(), f), dtype=out_dtype or xq.dtype, device=xq.device)
     grid = (blocks * triton.cdiv(f, tiles.block_n),)
     _gate_up_kernel[grid](
-        x, w13, al.routes, al.block_slots, out, top_k * x.shape[0], top_k, f, h, blocks,
-        x.stride(0), w13.stride(0), w13.stride(1), out.stride(0), BLOCK_M=al.block_m,
-        BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, EVEN_K=h % tiles.block_k == 0,
-        PRECISION=_precision(x.dtype), LIMIT=_limit(swiglu_limit), num_warps=tiles.num_warps,
+        xq, wq, al.routes, al.block_slots, out, *scales, top_k * xq.shape[0], top_k, f, h,
+        blocks, xq.stride(0), wq.stride(0), wq.stride(1), out.stride(0), *strides,
+        BLOCK_M=al.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+        EVEN_K=h % tiles.block_k == 0, PRECISION=_precision(xq.dtype),
+        FP8=isinstance(w13, Scaled), LIMIT=_limit(swiglu_limit), num_warps=tiles.num_warps,
         num_stages=tiles.num_stages)
     return out
 
 
-def moe_down(inter: torch.Tensor, w2: torch.Tensor, al: Alignment, weights: torch.Tensor,
-             tiles: Tiles) -> torch.Tensor:
+def moe_down(inter: torch.Tensor | Scaled, w2: torch.Tensor | Scaled, al: Alignment,
+             weights: torch.Tensor, tiles: Tiles, out_dtype: torch.dtype | None = None
+             ) -> torch.Tensor:
     """The second GEMM: weight * (row @ w2[slot].T) into row t*k + j of [T*k, H] (weights
-    flat [T*k]); rows of routes not served here are left unwritten."""
-    h, f = w2.shape[1], w2.shape[2]
+    flat [T*k]), in inter's dtype or out_dtype; rows of routes not served here are left
+    unwritten. inter and w2 Scaled: the FP8 GEMM (tiles from fp8_tiles)."""
+    iq, wq = _codes(inter), _codes(w2)
+    h, f = wq.shape[1], wq.shape[2]
     blocks = al.block_slots.numel()
-    out = torch.empty((weights.numel(), h), dtype=inter.dtype, device=inter.device)
+    scales, strides = _scale_args(inter, w2)
+    out = torch.empty((weights.numel(), h), dtype=out_dtype or iq.dtype, device=iq.device)
     grid = (blocks * triton.cdiv(h, tiles.block_n),)
     _down_kernel[grid](
-        inter, w2, al.routes, al.block_slots, weights, out, weights.numel(), h, f, blocks,
-        inter.stride(0), w2.stride(0), w2.stride(1), out.stride(0), BLOCK_M=al.block_m,
-        BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, EVEN_K=f % tiles.block_k == 0,
-        PRECISION=_precision(inter.dtype), num_warps=tiles.num_warps,
-        num_stages=tiles.num_stages)
+        iq, wq, al.routes, al.block_slots, weights, out, *scales, weights.numel(), h, f,
+        blocks, iq.stride(0), wq.stride(0), wq.stride(1), out.stride(0), *strides,
+        BLOCK_M=al.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+        EVEN_K=f % tiles.block_k == 0, PRECISION=_precision(iq.dtype),
+        FP8=isinstance(w2, Scaled), num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     return out
 
 
@@ -369,16 +419,25 @@ def _sum_routes(y: torch.Tensor, slots: torch.Tensor, num_slots: int) -> torch.T
     return out
 
 
-def _check(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-           slots: torch.Tensor) -> None:
+def _check(x: torch.Tensor, w13: torch.Tensor | Scaled, w2: torch.Tensor | Scaled,
+           weights: torch.Tensor, slots: torch.Tensor) -> None:
     if x.dim() != 2 or x.stride(1) != 1:
         raise ValueError(f"x must be [T, H] with a contiguous last dim, got {tuple(x.shape)}")
+    fp8 = isinstance(w13, Scaled)
+    if fp8 != isinstance(w2, Scaled):
+        raise ValueError("w13 and w2 must both be FP8 (Scaled) or neither")
+    if fp8:
+        _check_scaled(w13, "w13")
+        _check_scaled(w2, "w2")
+    w13, w2 = _codes(w13), _codes(w2)
     s, f2, h = w13.shape
     if h != x.shape[1] or f2 % 2 or w2.shape != (s, h, f2 // 2):
         raise ValueError(f"w13 {tuple(w13.shape)} and w2 {tuple(w2.shape)} must be [S, 2F, H] "
                          f"and [S, H, F] with H = {x.shape[1]}")
-    if w13.stride(2) != 1 or w2.stride(2) != 1 or w13.dtype != x.dtype or w2.dtype != x.dtype:
-        raise ValueError("w13 and w2 must have a contiguous last dim and x's dtype")
+    dtype = torch.float8_e4m3fn if fp8 else x.dtype
+    if w13.stride(2) != 1 or w2.stride(2) != 1 or w13.dtype != dtype or w2.dtype != dtype:
+        raise ValueError("w13 and w2 must have a contiguous last dim and x's dtype (FP8: "
+                         "float8_e4m3fn codes)")
     if slots.shape != weights.shape or slots.shape[0] != x.shape[0]:
         raise ValueError(f"slots {tuple(slots.shape)} and weights {tuple(weights.shape)} must "
                          f"both be [T, k] with T = {x.shape[0]}")
@@ -386,16 +445,27 @@ def _check(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.
         raise ValueError("slots must be int32 and weights float32")
 
 
-def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-                  slots: torch.Tensor, config: MoeConfig | None = None,
+def _check_scaled(w: Scaled, name: str) -> None:
+    groups = triton.cdiv(w.codes.shape[-1], GROUP)
+    if w.scales.shape != (*w.codes.shape[:-1], groups) or w.scales.dtype != torch.float32 \
+            or w.scales.stride(-1) != 1:
+        raise ValueError(f"{name}'s scales must be float32 {(*w.codes.shape[:-1], groups)} "
+                         f"with a contiguous last dim, got {tuple(w.scales.shape)}")
+
+
+def fused_experts(x: torch.Tensor, w13: torch.Tensor | Scaled, w2: torch.Tensor | Scaled,
+                  weights: torch.Tensor, slots: torch.Tensor, config: MoeConfig | None = None,
                   swiglu_limit: float | None = None) -> torch.Tensor:
     """sum over j of weights[t, j] * w2[s] @ (silu(w13[s, :F] @ x[t]) * (w13[s, F:] @ x[t])),
     s = slots[t, j], routes with s = -1 skipped. x [T, H]; w13 [S, 2F, H]; w2 [S, H, F];
     weights [T, k] float32; slots [T, k] int32. Returns [T, H] in x's dtype. No host sync.
-    swiglu_limit: silu(min(gate, limit)) * clamp(up, -limit, limit) instead (DeepSeek-V4)."""
+    swiglu_limit: silu(min(gate, limit)) * clamp(up, -limit, limit) instead (DeepSeek-V4).
+    w13 and w2 Scaled (FP8 codes and scales per row and 128 columns): x and the intermediate
+    are quantized per token and 128 columns, and both GEMMs run in FP8 (w8a8); a few tokens
+    (moe_gemv) read the FP8 weights with x as it is."""
     _check(x, w13, w2, weights, slots)
     tokens, top_k = slots.shape
-    num_slots = w13.shape[0]
+    num_slots = _codes(w13).shape[0]
     if tokens == 0 or top_k == 0 or num_slots == 0:
         return torch.zeros_like(x)
     slots, weights = slots.contiguous(), weights.contiguous()
@@ -403,8 +473,15 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
         return moe_gemv.moe_gemv(x, w13, w2, weights, slots, swiglu_limit=swiglu_limit)
     cfg = config or config_for(tokens, top_k, num_slots)
     al = align_routes(slots, num_slots, cfg.block_m)
-    size = x.element_size()
-    inter = moe_gate_up(x, w13, al, top_k, fit_tiles(cfg.gate_up, cfg.block_m, size, 2),
-                        swiglu_limit)
-    y = moe_down(inter, w2, al, weights.reshape(-1), fit_tiles(cfg.down, cfg.block_m, size, 1))
+    if not isinstance(w13, Scaled):
+        size = x.element_size()
+        inter = moe_gate_up(x, w13, al, top_k, fit_tiles(cfg.gate_up, cfg.block_m, size, 2),
+                            swiglu_limit)
+        y = moe_down(inter, w2, al, weights.reshape(-1),
+                     fit_tiles(cfg.down, cfg.block_m, size, 1))
+        return _sum_routes(y, slots, num_slots)
+    inter = moe_gate_up(Scaled(*quantize_tokens_fp8(x)), w13, al, top_k,
+                        fp8_tiles(cfg.gate_up, cfg.block_m, 2), swiglu_limit, x.dtype)
+    y = moe_down(Scaled(*quantize_tokens_fp8(inter)), w2, al, weights.reshape(-1),
+                 fp8_tiles(cfg.down, cfg.block_m, 1), x.dtype)
     return _sum_routes(y, slots, num_slots)

@@ -32,7 +32,10 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from deepinfer.backends.cuda.kernels.fp8_gemm import GROUP, Scaled
 from deepinfer.backends.cuda.kernels.pdl import launch_kwargs
+
+_GROUP = tl.constexpr(GROUP)
 
 
 @dataclass(frozen=True)
@@ -92,11 +95,25 @@ def _slot_of(slots_ptr, route, S):
 
 
 @triton.jit
-def _gate_up_gemv_kernel(x_ptr, w_ptr, slots_ptr, h_ptr, F, H, S, sx, sw_e, sw_n, sh,
-                         TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         EVEN_K: tl.constexpr, PDL: tl.constexpr, LIMIT: tl.constexpr = None):
+def _group_scales(s_rows, k0, K, ok, BLOCK_K: tl.constexpr):
+    """Each column's scale in a [R, BLOCK_K] FP8 weight tile at columns k0: the rows' scales
+    per 128 columns (s_rows: [R, 1] pointers to each row's first), each spread over its 128
+    columns. BLOCK_K is a multiple of 128."""
+    GROUPS: tl.constexpr = BLOCK_K // _GROUP
+    g = k0 // _GROUP + tl.arange(0, GROUPS)[None, :]
+    s = tl.load(s_rows + g, mask=ok & (g < tl.cdiv(K, _GROUP)), other=0.0)
+    spread = tl.broadcast_to(s[:, :, None], (s.shape[0], GROUPS, _GROUP))
+    return tl.reshape(spread, (s.shape[0], BLOCK_K))
+
+
+@triton.jit
+def _gate_up_gemv_kernel(x_ptr, w_ptr, slots_ptr, h_ptr, ws_ptr, F, H, S, sx, sw_e, sw_n, sh,
+                         sws_e, sws_n, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr,
+                         FP8: tl.constexpr, LIMIT: tl.constexpr = None):
     """h[route, rows] = silu(x[t] . gate rows) * (x[t] . up rows) of the route's expert
-    (gate and up clamped first under a LIMIT)."""
+    (gate and up clamped first under a LIMIT). FP8: the weights are float8 codes, each
+    times its row's scale for its 128 columns (ws [S, 2F, groups]); x is not quantized."""
     if PDL:  # wait for the one ahead (see pdl.py), then let the down kernel launch
         gdc_wait()
         gdc_launch_dependents()
@@ -109,6 +126,8 @@ def _gate_up_gemv_kernel(x_ptr, w_ptr, slots_ptr, h_ptr, F, H, S, sx, sw_e, sw_n
     cols = tl.arange(0, BLOCK_K)[None, :]
     g_rows = w_ptr + slot.to(tl.int64) * sw_e + rows.to(tl.int64)[:, None] * sw_n
     u_rows = g_rows + F * sw_n
+    gs_rows = ws_ptr + slot.to(tl.int64) * sws_e + rows.to(tl.int64)[:, None] * sws_n
+    us_rows = gs_rows + F * sws_n
     x_row = x_ptr + (route // TOP_K).to(tl.int64) * sx
     gate = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
@@ -116,8 +135,13 @@ def _gate_up_gemv_kernel(x_ptr, w_ptr, slots_ptr, h_ptr, F, H, S, sx, sw_e, sw_n
         c = k0 + cols
         mask = row_ok if EVEN_K else row_ok & (c < H)
         x = tl.load(x_row + c, mask=c < H, other=0.0).to(tl.float32)
-        gate += tl.load(g_rows + c, mask=mask, other=0.0).to(tl.float32) * x
-        up += tl.load(u_rows + c, mask=mask, other=0.0).to(tl.float32) * x
+        g = tl.load(g_rows + c, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(u_rows + c, mask=mask, other=0.0).to(tl.float32)
+        if FP8:
+            g *= _group_scales(gs_rows, k0, H, row_ok, BLOCK_K)
+            u *= _group_scales(us_rows, k0, H, row_ok, BLOCK_K)
+        gate += g * x
+        up += u * x
     g = tl.sum(gate, axis=1)
     u = tl.sum(up, axis=1)
     h = swiglu(g, u, LIMIT)
@@ -125,10 +149,12 @@ def _gate_up_gemv_kernel(x_ptr, w_ptr, slots_ptr, h_ptr, F, H, S, sx, sw_e, sw_n
 
 
 @triton.jit
-def _down_gemv_kernel(h_ptr, w_ptr, slots_ptr, weights_ptr, y_ptr, H, F, S, sh, sw_e, sw_n, sy,
-                      TOP_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr):
-    """y[t, rows] = sum over the token's routes j of weight_j * (h[t*k + j] . w2[slot_j] rows)."""
+def _down_gemv_kernel(h_ptr, w_ptr, slots_ptr, weights_ptr, y_ptr, ws_ptr, H, F, S, sh, sw_e,
+                      sw_n, sy, sws_e, sws_n, TOP_K: tl.constexpr, BLOCK_R: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                      PDL: tl.constexpr, FP8: tl.constexpr):
+    """y[t, rows] = sum over the token's routes j of weight_j * (h[t*k + j] . w2[slot_j] rows).
+    FP8: as in _gate_up_gemv_kernel (ws [S, H, groups])."""
     if PDL:
         gdc_launch_dependents()
     t = tl.program_id(0).to(tl.int64)
@@ -141,8 +167,9 @@ def _down_gemv_kernel(h_ptr, w_ptr, slots_ptr, weights_ptr, y_ptr, H, F, S, sh, 
     slot = tl.load(slots_ptr + route, mask=j < TOP_K, other=-1)
     here = (slot >= 0) & (slot < S)
     weight = tl.load(weights_ptr + route, mask=here, other=0.0)
-    w_rows = (w_ptr + tl.where(here, slot, 0).to(tl.int64)[:, None, None] * sw_e
-              + rows.to(tl.int64)[None, :, None] * sw_n)
+    slot64 = tl.where(here, slot, 0).to(tl.int64)[:, None, None]
+    w_rows = w_ptr + slot64 * sw_e + rows.to(tl.int64)[None, :, None] * sw_n
+    s_rows = ws_ptr + slot64 * sws_e + rows.to(tl.int64)[None, :, None] * sws_n
     h_rows = h_ptr + route[:, None, None] * sh
     row_ok = here[:, None, None] & (rows[None, :, None] < H)
     cols = tl.arange(0, BLOCK_K)[None, None, :]
@@ -150,35 +177,62 @@ def _down_gemv_kernel(h_ptr, w_ptr, slots_ptr, weights_ptr, y_ptr, H, F, S, sh, 
     if PDL:
         gdc_wait()
     h0 = tl.load(h_rows + cols, mask=here[:, None, None] & (cols < F), other=0.0)
-    acc = w0.to(tl.float32) * h0.to(tl.float32)
+    w0 = w0.to(tl.float32)
+    if FP8:
+        w0 *= _group_scales_3d(s_rows, 0, F, row_ok, BLOCK_K)
+    acc = w0 * h0.to(tl.float32)
     for k0 in range(BLOCK_K, F, BLOCK_K):
         c = k0 + cols
         mask = row_ok if EVEN_K else row_ok & (c < F)
         h = tl.load(h_rows + c, mask=here[:, None, None] & (c < F), other=0.0).to(tl.float32)
-        acc += tl.load(w_rows + c, mask=mask, other=0.0).to(tl.float32) * h
+        w = tl.load(w_rows + c, mask=mask, other=0.0).to(tl.float32)
+        if FP8:
+            w *= _group_scales_3d(s_rows, k0, F, row_ok, BLOCK_K)
+        acc += w * h
     y = tl.sum(tl.sum(acc, axis=2) * weight[:, None], axis=0)
     tl.store(y_ptr + t * sy + rows, y.to(y_ptr.dtype.element_ty), mask=rows < H)
 
 
-def moe_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-             slots: torch.Tensor, config: MoeGemvConfig = CONFIG,
+@triton.jit
+def _group_scales_3d(s_rows, k0, K, ok, BLOCK_K: tl.constexpr):
+    """_group_scales for a [R, N, BLOCK_K] tile (s_rows and ok [R, N, 1])."""
+    GROUPS: tl.constexpr = BLOCK_K // _GROUP
+    g = k0 // _GROUP + tl.arange(0, GROUPS)[None, None, :]
+    s = tl.load(s_rows + g, mask=ok & (g < tl.cdiv(K, _GROUP)), other=0.0)
+    spread = tl.broadcast_to(s[:, :, :, None], (s.shape[0], s.shape[1], GROUPS, _GROUP))
+    return tl.reshape(spread, (s.shape[0], s.shape[1], BLOCK_K))
+
+
+def moe_gemv(x: torch.Tensor, w13: torch.Tensor | Scaled, w2: torch.Tensor | Scaled,
+             weights: torch.Tensor, slots: torch.Tensor, config: MoeGemvConfig = CONFIG,
              swiglu_limit: float | None = None) -> torch.Tensor:
     """fused_experts for small T (checked by the caller): x [T, H]; w13 [S, 2F, H];
-    w2 [S, H, F]; weights [T, k] float32 and slots [T, k] int32, both contiguous."""
+    w2 [S, H, F]; weights [T, k] float32 and slots [T, k] int32, both contiguous. w13 and
+    w2 Scaled (FP8): the config's BLOCK_Ks must be multiples of 128."""
+    fp8 = isinstance(w13, Scaled)
+    (w13, s13), (w2, s2) = (_with_scales(w) for w in (w13, w2))
     tokens, top_k = slots.shape
     num_slots, f2, h = w13.shape
     f = f2 // 2
     inter = torch.empty((tokens * top_k, f), dtype=x.dtype, device=x.device)
     out = torch.empty_like(x)
     up, down, pdl = config.gate_up, config.down, launch_kwargs(x.device)
+    if fp8 and (up.block_k % GROUP or down.block_k % GROUP):
+        raise ValueError(f"FP8 experts need BLOCK_Ks in multiples of {GROUP}, got {config}")
     _gate_up_gemv_kernel[(tokens * top_k, triton.cdiv(f, up.block_n))](
-        x, w13, slots, inter, f, h, num_slots, x.stride(0), w13.stride(0), w13.stride(1),
-        inter.stride(0), TOP_K=top_k, BLOCK_N=up.block_n, BLOCK_K=up.block_k,
-        EVEN_K=h % up.block_k == 0, LIMIT=limit_constexpr(swiglu_limit),
-        num_warps=up.num_warps, **pdl)
+        x, w13, slots, inter, s13, f, h, num_slots, x.stride(0), w13.stride(0), w13.stride(1),
+        inter.stride(0), s13.stride(0), s13.stride(1), TOP_K=top_k, BLOCK_N=up.block_n,
+        BLOCK_K=up.block_k, EVEN_K=h % up.block_k == 0, FP8=fp8,
+        LIMIT=limit_constexpr(swiglu_limit), num_warps=up.num_warps, **pdl)
     _down_gemv_kernel[(tokens, triton.cdiv(h, down.block_n))](
-        inter, w2, slots, weights, out, h, f, num_slots, inter.stride(0), w2.stride(0),
-        w2.stride(1), out.stride(0), TOP_K=top_k, BLOCK_R=triton.next_power_of_2(top_k),
-        BLOCK_N=down.block_n, BLOCK_K=down.block_k, EVEN_K=f % down.block_k == 0,
-        num_warps=down.num_warps, **pdl)
+        inter, w2, slots, weights, out, s2, h, f, num_slots, inter.stride(0), w2.stride(0),
+        w2.stride(1), out.stride(0), s2.stride(0), s2.stride(1), TOP_K=top_k,
+        BLOCK_R=triton.next_power_of_2(top_k), BLOCK_N=down.block_n, BLOCK_K=down.block_k,
+        EVEN_K=f % down.block_k == 0, FP8=fp8, num_warps=down.num_warps, **pdl)
     return out
+
+
+def _with_scales(w: torch.Tensor | Scaled) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes and scales of an FP8 weight; a float weight and itself in place of scales the
+    kernels never read."""
+    return (w.codes, w.scales) if isinstance(w, Scaled) else (w, w)
