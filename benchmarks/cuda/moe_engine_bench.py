@@ -3,6 +3,7 @@ transformers' Qwen3MoeForCausalLM on the same config in the same run, with the a
 roofline.
 
     python benchmarks/cuda/moe_engine_bench.py --out benchmarks/results/cuda [--quick] [--skip-hf]
+        [--quantization fp8]   (every linear weight and expert FP8 at load: moe_engine_fp8.json)
 
 A batch-1 decode step reads the weights every token needs (attention, norms, the router, the
 LM head and the embedding row) plus its top-k experts in every layer: the "active" bytes. The
@@ -53,8 +54,10 @@ def write_config(path: str, layers: int) -> str:
     return path
 
 
-def active_bytes(batch: int, layers: int) -> float:
-    """Bytes a decode step of `batch` tokens reads (bf16), experts at their expected count."""
+def active_bytes(batch: int, layers: int, layer_bytes: float = 2.0) -> float:
+    """Bytes a decode step of `batch` tokens reads, experts at their expected count: the
+    layers' weights at layer_bytes a value (1 for FP8, whose scales add ~3% and are left
+    out), the LM head and the embedding row in bf16."""
     c = QWEN3_30B_A3B
     h, heads, kv, d = c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"], \
         c["head_dim"]
@@ -63,13 +66,15 @@ def active_bytes(batch: int, layers: int) -> float:
     touched = experts * (1 - (1 - k / experts) ** batch)
     per_expert = 3 * h * c["moe_intermediate_size"]
     per_layer = attention + experts * h + touched * per_expert
-    return 2 * (layers * per_layer + c["vocab_size"] * h + batch * h)
+    return layer_bytes * layers * per_layer + 2 * (c["vocab_size"] * h + batch * h)
 
 
 # ---- DeepInfer ---------------------------------------------------------------------------
-def bench_ours(path: str, quick: bool, async_scheduling: bool = True) -> dict:
+def bench_ours(path: str, quick: bool, async_scheduling: bool = True,
+               quantization: str = "auto") -> dict:
     config = EngineConfig(
-        model=ModelSpec(path, dtype="bfloat16", max_model_len=16384, load_format="dummy"),
+        model=ModelSpec(path, dtype="bfloat16", max_model_len=16384, load_format="dummy",
+                        quantization=quantization),
         cache=CacheConfig(gpu_memory_utilization=0.85),
         scheduler=SchedulerConfig(max_num_batched_tokens=PREFILL, max_num_seqs=64,
                                   async_scheduling=async_scheduling),
@@ -157,11 +162,16 @@ def _hf_generate(model, ids: torch.Tensor):
 # ---- report ------------------------------------------------------------------------------
 def roofline(result: dict, layers: int) -> dict:
     bandwidth = result["device"]["copy_bytes_per_s"]
-    out = {f"batch{b}_tok_s": b * bandwidth / active_bytes(b, layers) for b in BATCHES}
+    fp8 = result.get("quantization") == "fp8"
+    out = {f"batch{b}_tok_s": b * bandwidth / active_bytes(b, layers, 1.0 if fp8 else 2.0)
+           for b in BATCHES}
     c = QWEN3_30B_A3B
     flops_per_token = 2 * active_bytes(1, layers) / 2  # 2 FLOPs per active weight
     attention = 4 * c["num_attention_heads"] * c["head_dim"] * PREFILL / 2 * layers
-    out["prefill_tok_s"] = result["device"]["bf16_gemm_flops"] / (flops_per_token + attention)
+    # FP8 projections at twice bf16's measured GEMM rate (the tensor cores' FP8 rate is
+    # 1,979 vs 989 TFLOP/s dense); attention stays bf16.
+    rate = result["device"]["bf16_gemm_flops"]
+    out["prefill_tok_s"] = 1 / (flops_per_token / (rate * (2 if fp8 else 1)) + attention / rate)
     return out
 
 
@@ -169,7 +179,8 @@ def plot(result: dict, path: str) -> None:
     keys = [f"batch{b}_tok_s" for b in BATCHES] + ["prefill_tok_s"]
     labels = [f"decode b{b}" for b in BATCHES] + [f"{PREFILL // 1024}K prefill"]
     peer_bars(path, result, keys, labels, "tokens/s",
-              f"Qwen3-30B-A3B shape ({result['layers']} layers), H200 bf16")
+              f"Qwen3-30B-A3B shape ({result['layers']} layers), H200, "
+              + ("FP8" if result.get("quantization") == "fp8" else "bf16") + " weights")
 
 
 def main() -> None:
@@ -182,13 +193,16 @@ def main() -> None:
                         help="also run the engine with async scheduling off (ours_sync)")
     parser.add_argument("--no-async-scheduling", action="store_true",
                         help="run the engine with async scheduling off")
+    parser.add_argument("--quantization", default="auto", choices=("auto", "fp8"))
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     result: dict = {"config": QWEN3_30B_A3B, "layers": args.layers, "context": CONTEXT,
                     "device": ceilings()}
     with tempfile.TemporaryDirectory() as tmp:
         path = write_config(tmp, args.layers)
-        result["ours"] = bench_ours(path, args.quick, not args.no_async_scheduling)
+        result["ours"] = bench_ours(path, args.quick, not args.no_async_scheduling,
+                                    args.quantization)
+        result["quantization"] = args.quantization
         if args.compare_sync:
             gc.collect()  # the first engine's weights, cache and graphs (reference cycles)
             torch.cuda.empty_cache()
@@ -202,9 +216,10 @@ def main() -> None:
         print(f"{key:16s}: ours {ours:10.1f} = {ours / top:.0%} of the roofline {top:10.1f}"
               + (f"; transformers {hf:9.1f} (x{ours / hf:.1f})" if hf else "")
               + (f"; async scheduling off {sync:9.1f}" if sync else ""))
-    with open(os.path.join(args.out, "moe_engine.json"), "w") as f:
+    name = "moe_engine" if args.quantization == "auto" else "moe_engine_fp8"
+    with open(os.path.join(args.out, f"{name}.json"), "w") as f:
         json.dump(result, f, indent=2)
-    plot(result, os.path.join(args.out, "moe_engine.png"))
+    plot(result, os.path.join(args.out, f"{name}.png"))
 
 
 if __name__ == "__main__":

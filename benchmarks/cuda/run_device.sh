@@ -54,6 +54,20 @@ wanted fp8 && step fp8_engine_bf16 python3 benchmarks/cuda/engine_bench.py --out
 # The same FP8 engine with its prefill GEMMs on the Triton kernel instead of cuBLAS.
 wanted fp8 && step fp8_engine_triton env DEEPINFER_CUDA_FP8_CUBLAS=0 python3 \
     benchmarks/cuda/engine_bench.py --out "$out/triton" --skip-hf --quick --quantization fp8
+# FP8 experts: the kernels' tests on the GPU, the MoE layer in FP8 against bf16 (tile sweep
+# first), the Qwen3-30B-A3B-shape engine with --quantization fp8 and without.
+wanted fp8_moe && step fp8_moe_tests python3 -m pytest -q -p no:cacheprovider \
+    tests/backends/cuda/test_fused_moe_fp8.py tests/backends/cuda/test_fused_moe.py
+wanted fp8_moe && step fp8_moe_bench python3 benchmarks/cuda/bench_moe_fp8.py --sweep \
+    --out "$out/fused_moe_fp8.json"
+wanted fp8_moe && step fp8_moe_engine python3 benchmarks/cuda/moe_engine_bench.py --skip-hf \
+    --quick --quantization fp8 --out "$out"
+wanted fp8_moe && step fp8_moe_engine_bf16 python3 benchmarks/cuda/moe_engine_bench.py \
+    --skip-hf --quick --out "$out/moe_bf16"
+# Top-1 agreement of FP8 with bf16 on a real model: FP8_AGREEMENT_MODEL, SmolLM2's GGUF.
+wanted fp8_agreement && step fp8_agreement python3 benchmarks/cuda/fp8_agreement.py \
+    --model "${FP8_AGREEMENT_MODEL:?set FP8_AGREEMENT_MODEL to a .gguf or HF folder}" \
+    --out "$out"
 wanted gemv_preload && step gemv_tests python3 -m pytest -q -p no:cacheprovider \
     tests/backends/cuda/test_gemv_kernels.py tests/backends/cuda/test_fused_moe.py
 wanted gemv_preload && step gemv_chain python3 benchmarks/cuda/bench_gemv.py --moe-chain \

@@ -112,3 +112,25 @@ def test_block_quantization_shares_a_scale_per_block():
     assert q.scale[0, 1].item() == pytest.approx(80.0 / 448)
     bound = q.scale.repeat_interleave(128, 1)[:, :300] * 448 / 16
     assert ((q.dequantize() - w).abs() <= bound).all()
+
+
+def test_fp8_weights_take_gguf_rows_through_their_float_values():
+    """--quantization fp8 on a GGUF checkpoint: a Q8_0 tensor's rows are quantized from its
+    dequantized values in 128 x 128 blocks, into a linear weight and into an expert slot."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize as gguf_quantize
+
+    from deepinfer.models.quant.packed import FP8Experts, FP8Weight
+    from deepinfer.models.quant.tensors import GGUFTensor
+    from deepinfer.models.weights import SlotRows
+
+    w = torch.randn(160, 256, generator=torch.Generator().manual_seed(2))
+    blocks = gguf_quantize(w.numpy(), GGMLQuantizationType.Q8_0)
+    tensor = GGUFTensor(torch.from_numpy(blocks), int(GGMLQuantizationType.Q8_0), (160, 256))
+    expected = RowScaledFP8.quantize(tensor.dequantize(), block_rows=128).dequantize()
+    linear = FP8Weight((160, 256))
+    linear.load_rows(tensor, None)
+    assert torch.equal(linear.dequantize(), expected)
+    experts = FP8Experts((2, 320, 256))
+    experts.load_rows(tensor, SlotRows(1, (160, 320)))
+    assert torch.equal(experts.dequantize()[1, 160:], expected)

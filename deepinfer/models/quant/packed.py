@@ -175,12 +175,12 @@ class FP8Experts(PackedWeight):
 
 def fp8_rows(tensor: torch.Tensor | QuantizedTensor, group: int) -> RowScaledFP8:
     """A checkpoint tensor as FP8 rows with `group`-column scales: FP8 as it is (regrouped if
-    its blocks are another width), a float tensor quantized in DeepSeek's group x group
-    blocks (--quantization fp8)."""
+    its blocks are another width), anything else (float, a GGUF quant) quantized in
+    DeepSeek's group x group blocks (--quantization fp8)."""
+    if not isinstance(tensor, torch.Tensor) and tensor.kind != "fp8":
+        tensor = tensor.dequantize()  # another format (a GGUF quant) requantized to FP8
     if isinstance(tensor, torch.Tensor):
         return RowScaledFP8.quantize(tensor, group, block_rows=group)
-    if getattr(tensor, "kind", None) != "fp8":
-        raise TypeError(f"an fp8 weight loads FP8 or float tensors, not {tensor.kind}")
     part = tensor.rows(0, tensor.shape[0])
     if part.group != group:  # other block widths: regrouped for the kernels
         part = RowScaledFP8.quantize(part.dequantize(), group)

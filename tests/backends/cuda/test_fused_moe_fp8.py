@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from deepinfer.backends.cuda.kernels.fp8_gemm import Scaled
-from deepinfer.backends.cuda.kernels.fused_moe import MoeConfig, Tiles, fused_experts
+from deepinfer.backends.cuda.kernels.fused_moe import (FP8_MOE_CONFIGS, MoeConfig, Tiles,
+                                                       config_for, fp8_tiles, fused_experts)
 from deepinfer.backends.cuda.kernels.moe_gemv import GemvTiles, MoeGemvConfig, moe_gemv, takes
 from deepinfer.models.moe.experts import fused_experts_reference, swiglu
 from deepinfer.models.quant.tensors import RowScaledFP8
@@ -147,3 +148,13 @@ def test_fp8_routes_served_elsewhere_and_bad_inputs() -> None:
     with pytest.raises(ValueError, match="multiples of 128"):
         moe_gemv(x, w13, w2, weights, slots, MoeGemvConfig(GemvTiles(8, 64, 2),
                                                            GemvTiles(8, 128, 2)))
+
+
+def test_fp8_configs_take_one_scale_group_a_step():
+    """Every FP8 config fits shared memory with BLOCK_K 128 (fp8_tiles raises otherwise), and
+    the table covers every batch."""
+    for bound, cfg in FP8_MOE_CONFIGS:
+        assert fp8_tiles(cfg.gate_up, cfg.block_m, 2).block_k == 128
+        assert fp8_tiles(cfg.down, cfg.block_m, 1).block_k == 128
+    assert FP8_MOE_CONFIGS[-1][0] == float("inf")
+    assert config_for(8192, 8, 128, fp8=True) in [cfg for _, cfg in FP8_MOE_CONFIGS]

@@ -88,6 +88,16 @@ MOE_CONFIGS: tuple[tuple[float, MoeConfig], ...] = (
 )
 
 
+# FP8 experts (w8a8, BLOCK_K 128 = one scale group a step): each step's dot is scaled before
+# it is added, so a program holds its accumulators and as many dot results; the tiles are
+# smaller than bf16's (vLLM's tuned H200 tables for fp8_w8a8 with 128 x 128 blocks: BLOCK_M 16
+# with 128-wide N tiles while weight reads dominate, 64 x 128 beyond).
+FP8_MOE_CONFIGS: tuple[tuple[float, MoeConfig], ...] = (
+    (16, MoeConfig(16, Tiles(64, 128, 4, 4), Tiles(128, 128, 4, 4))),
+    (float("inf"), MoeConfig(64, Tiles(64, 128, 4, 3), Tiles(128, 128, 4, 3))),
+)
+
+
 # Shared memory a block's pipelined tiles may take: under the H200's 227 KB, with room for what
 # the compiler adds. The table above is tuned in bf16; float32 doubles every tile.
 SHARED_MEMORY_BYTES = 200 * 1024
@@ -106,10 +116,12 @@ def fit_tiles(tiles: Tiles, block_m: int, element_bytes: int, b_tiles: int) -> T
     return tiles
 
 
-def config_for(tokens: int, top_k: int, slots: int) -> MoeConfig:
-    """Tiles for T tokens routed k ways over S expert slots, from MOE_CONFIGS."""
+def config_for(tokens: int, top_k: int, slots: int, fp8: bool = False) -> MoeConfig:
+    """Tiles for T tokens routed k ways over S expert slots, from MOE_CONFIGS (FP8 experts:
+    FP8_MOE_CONFIGS)."""
     per_slot = tokens * top_k / max(slots, 1)
-    return next(cfg for bound, cfg in MOE_CONFIGS if per_slot <= bound)
+    return next(cfg for bound, cfg in (FP8_MOE_CONFIGS if fp8 else MOE_CONFIGS)
+                if per_slot <= bound)
 
 
 class Alignment(NamedTuple):
@@ -471,7 +483,7 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor | Scaled, w2: torch.Tensor 
     slots, weights = slots.contiguous(), weights.contiguous()
     if config is None and moe_gemv.takes(tokens, top_k, num_slots):
         return moe_gemv.moe_gemv(x, w13, w2, weights, slots, swiglu_limit=swiglu_limit)
-    cfg = config or config_for(tokens, top_k, num_slots)
+    cfg = config or config_for(tokens, top_k, num_slots, fp8=isinstance(w13, Scaled))
     al = align_routes(slots, num_slots, cfg.block_m)
     if not isinstance(w13, Scaled):
         size = x.element_size()
