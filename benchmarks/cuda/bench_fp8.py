@@ -7,9 +7,8 @@ expanded to the per-row scales the kernels take. Per projection shape:
 
 1. M = 1 (decode): fp8_linear (its weight-only GEMV) against the bf16 GEMV (kernels/gemv.py)
    and cuBLAS (F.linear) in bf16.
-2. M = 1 to 1024: fp8_linear's paths forced where each is allowed (the GEMV to M = 8, the
-   skinny w8a16 GEMM to SKINNY_MAX_M at 16, 32 and 64 weight rows a program, the Triton and
-   cuBLAS w8a8 GEMMs): the data GEMV_MAX_M, SKINNY_MAX_M and SKINNY_BLOCK_N come from.
+2. M = 1, 2, 4, 8, 16, 32: fp8_linear's two paths forced, where the GEMV is allowed (M <= 8):
+   the data GEMV_MAX_M is to be chosen from.
 3. M = 8192 (prefill): fp8_linear (activation quantization + w8a8 GEMM) against bf16
    torch.matmul, and the quantization alone. The w8a8 GEMM three ways: cuBLAS (torch's
    scaled_mm) with the weight's 128 x 128 block scales, cuBLAS with one scale per row and 128
@@ -42,7 +41,6 @@ from bench_gemv import _graph_ms  # noqa: E402
 from deepinfer.backends.cuda.kernels.fp8_gemm import (  # noqa: E402
     FP8_MAX,
     GEMV_MAX_M,
-    SKINNY_MAX_M,
     GROUP,
     Fp8GemmConfig,
     cublas_block_scaled,
@@ -52,7 +50,6 @@ from deepinfer.backends.cuda.kernels.fp8_gemm import (  # noqa: E402
     fp8_gemv,
     fp8_linear,
     fp8_linear_reference,
-    fp8_skinny,
     gemm_config_for,
     gemv_config_for,
     quantize_tokens_fp8,
@@ -171,11 +168,6 @@ def crossover(w: Weights, reps: int) -> dict:
         if m <= GEMV_MAX_M:
             row["gemv_us"] = _us(lambda: [fp8_linear(x, q, s, path="gemv") for q, s in w.fp8],
                                  copies, reps)
-        if 1 < m <= SKINNY_MAX_M:
-            for block_n in (16, 32, 64):
-                row[f"skinny{block_n}_us"] = _us(
-                    lambda b=block_n: [fp8_skinny(x, q, s, block_n=b) for q, s in w.fp8],
-                    copies, reps)
         out[str(m)] = row
         print(f"  M={m:<4d} " + " | ".join(f"{k} {v:7.1f}" for k, v in row.items()), flush=True)
     return out
@@ -273,16 +265,15 @@ def plot(report: dict, path: str) -> None:
         ax.set_xticks([x + width for x in range(len(names))], names)
         ax.legend(fontsize=7, loc="lower right")
     for name, r in zip(names, rows):
-        for key, style in (("gemv_us", "-"), ("gemm_us", "--"), ("cublas_us", ":"),
-                           ("skinny16_us", "-.")):
+        for key, style in (("gemv_us", "-"), ("gemm_us", "--"), ("cublas_us", ":")):
             ms = [int(m) for m in r["crossover"] if isinstance(r["crossover"][m].get(key), float)]
             axes[2].plot(ms, [r["crossover"][str(m)][key] for m in ms], style, marker="o",
                          label=f"{name} {key[:4]}")
     axes[2].set_xscale("log", base=2)
     axes[2].set_yscale("log")
     axes[2].set_xlabel("M")
-    axes[2].set_title("fp8 paths by M: us (GEMV solid, Triton GEMM dashed, cuBLAS dotted, "
-                      "skinny dash-dot)", fontsize=9)
+    axes[2].set_title("fp8 paths by M: us (GEMV solid, Triton GEMM dashed, cuBLAS dotted)",
+                      fontsize=9)
     axes[2].legend(fontsize=7, ncol=2)
     fig.suptitle(f"FP8 block-scaled projections, Llama-3-8B shapes, {report['gpu']}")
     fig.tight_layout()

@@ -20,7 +20,6 @@ from deepinfer.backends.cuda.kernels.fp8_gemm import (
     FP8_MAX,
     GEMV_AUTO_M,
     GEMV_MAX_M,
-    SKINNY_MAX_M,
     Fp8GemmConfig,
     Fp8GemvConfig,
     cublas_block_scaled,
@@ -30,7 +29,6 @@ from deepinfer.backends.cuda.kernels.fp8_gemm import (
     fp8_gemv,
     fp8_linear,
     fp8_linear_reference,
-    fp8_skinny,
     gemm_config_for,
     gemv_config_for,
     quantize_tokens_fp8,
@@ -191,19 +189,6 @@ def test_gemv_equals_reference(m: int, n: int, k: int, dtype: torch.dtype) -> No
         _check_result(out, wide, ref if b is not None else ref - bias.float(), tol)
 
 
-@pytest.mark.parametrize("m,n,k,dtype", _cases([2, 17, SKINNY_MAX_M]), ids=_id)
-def test_skinny_equals_reference(m: int, n: int, k: int, dtype: torch.dtype) -> None:
-    """Weight-only like the GEMV: x is not quantized; bf16 rounds the dequantized weights."""
-    g = torch.Generator().manual_seed(m * n * k + 2)
-    x, wq, w_scale, bias = _problem(g, m, n, k, dtype)
-    ref = fp8_linear_reference(x.float(), wq, w_scale, bias.float())
-    tol = (1e-5 if k <= 1024 else 1e-4) if dtype == torch.float32 else 1e-2
-    for block_n, b in zip((16, 32, None), (bias, None, bias)):
-        out, wide = _poisoned(m, n, dtype)
-        assert fp8_skinny(x, wq, w_scale, b, block_n, out=out) is out
-        _check_result(out, wide, ref if b is not None else ref - bias.float(), tol)
-
-
 @pytest.mark.parametrize("m,n,k,dtype", _cases([1, 33] + [517] * ON_GPU), ids=_id)
 def test_gemm_equals_reference(m: int, n: int, k: int, dtype: torch.dtype) -> None:
     g = torch.Generator().manual_seed(m * n * k + 1)
@@ -273,17 +258,15 @@ def test_cublas_gemm_equals_reference(m: int, n: int, k: int, layout: str) -> No
 
 def test_fp8_linear_picks_the_path_by_m() -> None:
     g = torch.Generator().manual_seed(5)
-    x, wq, w_scale, bias = _problem(g, SKINNY_MAX_M + 1, 16, 200, torch.float32)
-    small, few, large = x[:GEMV_AUTO_M], x[:GEMV_AUTO_M + 2], x
+    x, wq, w_scale, bias = _problem(g, GEMV_MAX_M + 1, 16, 200, torch.float32)
+    small, large = x[:GEMV_AUTO_M], x[:GEMV_AUTO_M + 2]
     assert torch.equal(fp8_linear(small, wq, w_scale, bias), fp8_gemv(small, wq, w_scale, bias))
-    assert torch.equal(fp8_linear(few, wq, w_scale, bias), fp8_skinny(few, wq, w_scale, bias))
     assert torch.equal(fp8_linear(large, wq, w_scale, bias), fp8_gemm(large, wq, w_scale, bias))
+    large = x
     forced = fp8_linear(small, wq, w_scale, bias, path="gemm")
     assert torch.equal(forced, fp8_gemm(small, wq, w_scale, bias))
     with pytest.raises(ValueError, match="at most"):
         fp8_linear(large, wq, w_scale, bias, path="gemv")
-    with pytest.raises(ValueError, match="at most"):
-        fp8_linear(large, wq, w_scale, bias, path="skinny")
     with pytest.raises(ValueError, match="path"):
         fp8_linear(small, wq, w_scale, path="cublas")
     assert fp8_linear(x[:0], wq, w_scale).shape == (0, 16)
@@ -348,21 +331,6 @@ def test_gemv_in_a_cuda_graph() -> None:
     out.fill_(float("nan"))
     graph.replay()
     torch.testing.assert_close(out, fp8_gemv(x, wq, w_scale, bias), rtol=0, atol=0)
-
-
-@pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a GPU")
-def test_skinny_in_a_cuda_graph() -> None:
-    g = torch.Generator().manual_seed(10)
-    x, wq, w_scale, bias = _problem(g, 32, 4096, 4096, torch.bfloat16)
-    out = torch.empty(32, 4096, dtype=torch.bfloat16, device=DEVICE)
-    fp8_skinny(x, wq, w_scale, bias, out=out)  # compile outside the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fp8_skinny(x, wq, w_scale, bias, out=out)
-    x.copy_(torch.randn(32, 4096, generator=g).to(DEVICE))
-    out.fill_(float("nan"))
-    graph.replay()
-    torch.testing.assert_close(out, fp8_skinny(x, wq, w_scale, bias), rtol=0, atol=0)
 
 
 @pytest.mark.skipif(not ON_GPU or not cublas_block_scaled(DEVICE),

@@ -50,11 +50,6 @@ GEMV_MAX_M = 8  # the largest M the weight-only GEMV takes
 # several-row GEMV from M = 2 on (qkv at M = 2: 17 vs 70 us; bench_fp8.json).
 GEMV_AUTO_M = 1
 CUBLAS_M = 16  # cuBLAS's block-scaled GEMM takes M in multiples of this (_cublas_gemm)
-# Rows fp8_linear sends to the skinny w8a16 GEMM (above GEMV_AUTO_M): there cuBLAS's
-# block-scaled GEMM has a floor of ~17 us per projection (128 x 128 tiles; the qkv projection
-# of Llama-3-8B at M = 32 reads its 25 MB in the time bf16 reads 50 MB).
-SKINNY_MAX_M = 64
-SKINNY_BLOCK_N = 16  # weight rows per program: 256+ programs for a 4096-row projection
 _GROUP_M = tl.constexpr(8)  # GEMM row tiles that sweep the N tiles together (L2 reuse of W)
 
 
@@ -295,63 +290,6 @@ def fp8_gemv(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
     return out
 
 
-# ---- a few rows (decode batches): w8a16 GEMM ---------------------------------------------------
-@triton.jit
-def _skinny_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, sx, sw, ss, sy,
-                   HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
-    """y[:, cols] for BLOCK_N weight columns and every row of x (M <= BLOCK_M): each 128-column
-    group of the weight tile is dequantized in registers (codes times its row's scale, to x's
-    dtype) and goes through the tensor cores with x as it is, so the weight is read once, in
-    FP8, by one program."""
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows = tl.arange(0, BLOCK_M)
-    c = (cols % N).to(tl.int64)  # wrapped, not masked: dropped at the store
-    ks = tl.arange(0, _GROUP)
-    row_ok = (rows < M)[:, None]
-    x_ptrs = x_ptr + rows.to(tl.int64)[:, None] * sx + ks[None, :]
-    w_ptrs = w_ptr + c[None, :] * sw + ks[:, None]  # [128, BLOCK_N]: W.T's tile
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for g in range(0, tl.cdiv(K, _GROUP)):
-        if EVEN_K:
-            w = tl.load(w_ptrs)
-            x = tl.load(x_ptrs, mask=row_ok, other=0.0)
-        else:
-            k_ok = ks < K - g * _GROUP
-            w = tl.load(w_ptrs, mask=k_ok[:, None], other=0.0)
-            x = tl.load(x_ptrs, mask=row_ok & k_ok[None, :], other=0.0)
-        scale = tl.load(s_ptr + c * ss + g)
-        w = (w.to(tl.float32) * scale[None, :]).to(x_ptr.dtype.element_ty)
-        acc = tl.dot(x, w, acc, input_precision=PRECISION)
-        x_ptrs += _GROUP
-        w_ptrs += _GROUP
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + c).to(tl.float32)[None, :]
-    y_ptrs = y_ptr + rows.to(tl.int64)[:, None] * sy + cols[None, :]
-    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_ok & (cols < N)[None, :])
-
-
-def fp8_skinny(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
-               bias: torch.Tensor | None = None, block_n: int | None = None,
-               out: torch.Tensor | None = None) -> torch.Tensor:
-    """The few-rows path of fp8_linear, M <= SKINNY_MAX_M: weight-only like the GEMV (x is not
-    quantized) but on the tensor cores, every row of x against each weight tile. block_n:
-    weight rows per program (SKINNY_BLOCK_N). No allocation but the output: graph-safe."""
-    m, n, k = _check(x, wq, w_scale, bias)
-    if m > SKINNY_MAX_M:
-        raise ValueError(f"the fp8 skinny GEMM takes at most {SKINNY_MAX_M} rows, got {m}")
-    out = _output(x, n, out)
-    if m == 0:
-        return out
-    block_n = block_n or SKINNY_BLOCK_N
-    _skinny_kernel[(triton.cdiv(n, block_n),)](
-        x, wq, w_scale, bias if bias is not None else w_scale, out, m, n, k, x.stride(0),
-        wq.stride(0), w_scale.stride(0), out.stride(0), HAS_BIAS=bias is not None,
-        EVEN_K=k % GROUP == 0, BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=block_n,
-        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=4, num_stages=4)
-    return out
-
-
 # ---- prefill: w8a8 block-scaled GEMM -----------------------------------------------------------
 @triton.jit
 def _tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -527,19 +465,15 @@ def fp8_linear(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
     wq: float8_e4m3fn [N, K]; w_scale: float32 [N, ceil(K/128)], row n's scale for columns
     [128 j, 128 (j + 1)) at [n, j]; kernel_scale: the same scales for cuBLAS
     (cublas_weight_scale), or None for the Triton GEMM. path: "gemv" (weight-only,
-    M <= GEMV_MAX_M, graph-safe), "skinny" (weight-only on the tensor cores, M <=
-    SKINNY_MAX_M, graph-safe) or "gemm" (w8a8); by default the GEMV up to GEMV_AUTO_M rows,
-    the skinny GEMM up to SKINNY_MAX_M, the GEMM above."""
+    M <= GEMV_MAX_M, graph-safe) or "gemm" (w8a8); by default the GEMV up to GEMV_AUTO_M
+    rows, the GEMM above."""
     if path is None:
-        m = x.shape[0]
-        path = "gemv" if m <= GEMV_AUTO_M else "skinny" if m <= SKINNY_MAX_M else "gemm"
+        path = "gemv" if x.shape[0] <= GEMV_AUTO_M else "gemm"
     if path == "gemv":
         return fp8_gemv(x, wq, w_scale, bias, out=out)
-    if path == "skinny":
-        return fp8_skinny(x, wq, w_scale, bias, out=out)
     if path == "gemm":
         return fp8_gemm(x, wq, w_scale, bias, out=out, kernel_scale=kernel_scale)
-    raise ValueError(f"path must be 'gemv', 'skinny', 'gemm' or None, got {path!r}")
+    raise ValueError(f"path must be 'gemv', 'gemm' or None, got {path!r}")
 
 
 def dequantize_weight(wq: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
