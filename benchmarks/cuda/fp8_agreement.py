@@ -113,8 +113,8 @@ def plot(result: dict, path: str) -> None:
            title=f"teacher-forced, {result['positions']} positions")
     same = result["free_running_tokens_before_first_difference"]
     bx.bar(range(len(same)), same)
-    bx.set(xlabel="prompt", ylabel="tokens", ylim=(0, result["new_tokens"] + 5),
-           title="free-running: FP8 tokens equal to bf16's before the first difference")
+    bx.set(xlabel="prompt", ylabel="tokens", ylim=(0, result["new_tokens"] + 5))
+    bx.set_title("free-running: FP8 = bf16 tokens before the first difference", fontsize=10)
     fig.suptitle(f"{result['model']}, FP8 (128x128 blocks) vs bf16, {result['gpu']}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)

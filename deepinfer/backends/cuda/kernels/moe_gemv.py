@@ -14,6 +14,9 @@ align and the sum are pure latency. Here:
    sums weight * dot over the k routes in float32 before the one store: no [T*k, H]
    intermediate, no atomics, the same sum order every run.
 
+FP8 experts (Scaled codes and scales) are read as they are: each code times its row's scale
+for its 128 columns, in float32, and x is not quantized (weight-only, as fp8_gemm's GEMV).
+
 DeepSeek-V4's swiglu_limit clamps gate and up before the product (a constexpr, None for the
 other models). Routes with slot -1 (served by another rank) or out of range are skipped. Both
 kernels launch with PDL (pdl.py). The gate-up kernel reads no weight before its wait: its slot
