@@ -31,7 +31,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 from bench_gemv import _graph_ms  # noqa: E402
 from moe_bench import (HBM_BYTES_PER_S, ROUTINGS, SHAPES, TOKENS, Problem, Shape,  # noqa: E402
-                       flops, make_problem, make_weights)
+                       flops, label_axes, make_problem, make_weights,
+                       shape_panels)
 
 from deepinfer.backends.cuda.kernels.fp8_gemm import Scaled  # noqa: E402
 from deepinfer.backends.cuda.kernels.fused_moe import (MoeConfig, Tiles,  # noqa: E402
@@ -145,13 +146,8 @@ def sweep(shape: Shape, fp8: tuple) -> list[dict]:
 
 
 def plot(result: dict, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, len(result["shapes"]), figsize=(13, 4.5))
-    for ax, (name, entry) in zip(axes, result["shapes"].items()):
+    fig, panels = shape_panels(result)
+    for ax, (name, entry) in panels:
         rows = entry["bench"]
         tokens = [r["tokens"] for r in rows]
         ax.plot(tokens, [r["bf16_us"] for r in rows], "s-", label="bf16 weights")
@@ -161,11 +157,7 @@ def plot(result: dict, path: str) -> None:
         for r in rows:
             ax.annotate(f"x{r['speedup']:.2f}", (r["tokens"], r["fp8_us"]), fontsize=8,
                         textcoords="offset points", xytext=(0, -12), ha="center")
-        s = entry["shape"]
-        ax.set(xscale="log", yscale="log", xlabel="tokens", ylabel="us per MoE layer",
-               title=f"{name}: H {s['hidden']}, F {s['ffn']}, {s['experts']} experts, "
-                     f"top-{s['top_k']}")
-        ax.legend(fontsize=8)
+        label_axes(ax, name, entry["shape"])
     fig.suptitle(f"Fused MoE, FP8 vs bf16 weights, {result['gpu']} (x = bf16 time / FP8 time)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)

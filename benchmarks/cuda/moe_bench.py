@@ -238,14 +238,28 @@ def bench(shape: Shape, w13: torch.Tensor, w2: torch.Tensor) -> list[dict]:
     return rows
 
 
-def plot(result: dict, path: str) -> None:
+def shape_panels(result: dict):
+    """A figure with a panel per shape of the result: (figure, [(axes, (name, entry))])."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, len(result["shapes"]), figsize=(13, 4.5))
-    for ax, (name, entry) in zip(axes, result["shapes"].items()):
+    return fig, list(zip(axes, result["shapes"].items()))
+
+
+def label_axes(ax, name: str, shape: dict) -> None:
+    """Log-log axes of us per MoE layer by tokens, titled with the layer's shape."""
+    ax.set(xscale="log", yscale="log", xlabel="tokens", ylabel="us per MoE layer",
+           title=f"{name}: H {shape['hidden']}, F {shape['ffn']}, {shape['experts']} experts, "
+                 f"top-{shape['top_k']}")
+    ax.legend(fontsize=8)
+
+
+def plot(result: dict, path: str) -> None:
+    fig, panels = shape_panels(result)
+    for ax, (name, entry) in panels:
         rows = entry["bench"]
         tokens = [r["tokens"] for r in rows]
         roof = [max(r["bytes_roofline_us"], r["flops_roofline_us"]) for r in rows]
@@ -256,11 +270,7 @@ def plot(result: dict, path: str) -> None:
         for r in rows:
             ax.annotate(f"{r['pct_of_roofline']:.0f}%", (r["tokens"], r["us"]), fontsize=8,
                         textcoords="offset points", xytext=(0, 6), ha="center")
-        s = entry["shape"]
-        ax.set(xscale="log", yscale="log", xlabel="tokens", ylabel="us per MoE layer",
-               title=f"{name}: H {s['hidden']}, F {s['ffn']}, {s['experts']} experts, "
-                     f"top-{s['top_k']}")
-        ax.legend(fontsize=8)
+        label_axes(ax, name, entry["shape"])
     fig.suptitle(f"Fused MoE, bf16, {result['gpu']} (% = share of the roofline reached)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
