@@ -6,9 +6,8 @@ bf16, on the H200, at moe_bench.py's two shapes and token counts:
 Per T, both as a CUDA graph of one call for each of 4 routings (moe_bench's method):
 - bf16: fused_experts on bf16 weights;
 - fp8: the same weights quantized (codes + scales per row and 128 columns), few tokens through
-  the weight-only GEMVs, more through the grouped GEMMs: w8a8 (x and the intermediate
-  quantized per token and 128 columns, inside the call) up to W8A8_MAX_ROUTES_PER_SLOT, w8a16
-  above; where the grouped GEMMs serve, both forced as well;
+  the weight-only GEMVs, more through the w8a8 grouped GEMMs (x and the intermediate quantized
+  per token and 128 columns, inside the call);
 - the FP8 rooflines: the distinct experts' FP8 bytes (scales included) over 4.8 TB/s, or the
   FLOPs over 1,979 TFLOP/s (H200 datasheet, dense FP8), whichever is longer;
 - the error of each against the reference loop in float32 on the weights it was given.
@@ -70,9 +69,8 @@ def fp8_bytes(shape: Shape, problem: Problem) -> float:
     return statistics.mean(torch.unique(s).numel() * expert + io for _, s in problem.routings)
 
 
-def _time(x, w13, w2, problem: Problem, **kwargs) -> float:
-    calls = [lambda w=w, s=s: fused_experts(x, w13, w2, w, s, **kwargs)
-             for w, s in problem.routings]
+def _time(x, w13, w2, problem: Problem) -> float:
+    calls = [lambda w=w, s=s: fused_experts(x, w13, w2, w, s) for w, s in problem.routings]
     return _graph_ms(lambda: [c() for c in calls], reps=10) * 1e3 / ROUTINGS
 
 
@@ -88,9 +86,6 @@ def bench_point(shape: Shape, bf16: tuple, fp8: tuple, exact_fp8: tuple, tokens:
     x = problem.x
     row = {"tokens": tokens, "bf16_us": _time(x, *bf16, problem),
            "fp8_us": _time(x, *fp8, problem),
-           **({} if takes(tokens, shape.top_k, shape.experts) else {
-               "fp8_w8a8_us": _time(x, *fp8, problem, w8a8=True),
-               "fp8_w8a16_us": _time(x, *fp8, problem, w8a8=False)}),
            "bf16_rel_err": _error(x, *bf16, [w.float() for w in bf16], problem),
            "fp8_rel_err": _error(x, *fp8, exact_fp8, problem)}
     nbytes, nflops = fp8_bytes(shape, problem), flops(shape, tokens)
@@ -116,9 +111,7 @@ def bench(shape: Shape, with_sweep: bool = False) -> dict:
         print(f"  T={tokens:5d}: bf16 {row['bf16_us']:8.1f} us, fp8 {row['fp8_us']:8.1f} us "
               f"(x{row['speedup']:.2f}) = {row['fp8_pct_of_roofline']:5.1f}% of the FP8 "
               f"{row['bound']} roofline; errors bf16 {row['bf16_rel_err']:.1e} "
-              f"fp8 {row['fp8_rel_err']:.1e}" + (
-                  f"; w8a8 {row['fp8_w8a8_us']:.1f} us, w8a16 {row['fp8_w8a16_us']:.1f} us"
-                  if "fp8_w8a8_us" in row else ""), flush=True)
+              f"fp8 {row['fp8_rel_err']:.1e}", flush=True)
         rows.append(row)
     return entry
 

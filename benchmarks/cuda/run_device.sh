@@ -58,7 +58,7 @@ wanted fp8 && step fp8_engine_triton env DEEPINFER_CUDA_FP8_CUBLAS=0 python3 \
 # first), the Qwen3-30B-A3B-shape engine with --quantization fp8 and without.
 wanted fp8_moe && step fp8_moe_tests python3 -m pytest -q -p no:cacheprovider \
     tests/backends/cuda/test_fused_moe_fp8.py tests/backends/cuda/test_fused_moe.py
-wanted fp8_moe && step fp8_moe_bench python3 benchmarks/cuda/bench_moe_fp8.py ${FP8_MOE_ARGS---sweep} \
+wanted fp8_moe && step fp8_moe_bench python3 benchmarks/cuda/bench_moe_fp8.py --sweep \
     --out "$out/fused_moe_fp8.json"
 wanted fp8_moe && step fp8_moe_engine python3 benchmarks/cuda/moe_engine_bench.py --skip-hf \
     --quick --quantization fp8 --out "$out"

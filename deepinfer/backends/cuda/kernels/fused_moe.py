@@ -54,7 +54,6 @@ _ALIGN_CHUNK = 1024  # routes one align program sorts in registers
 _ALIGN_BLOCKS = 32  # blocks one align program labels per iteration
 _GROUP_M = tl.constexpr(8)  # row blocks that sweep the N tiles together, so their A rows stay in L2
 _SUM_BLOCK = 1024
-_GROUP = tl.constexpr(GROUP)  # columns per FP8 scale group
 # Route and block counts change every step: the kernels do not specialise on them (== 1,
 # multiple of 16), so each config compiles once.
 
@@ -104,13 +103,6 @@ FP8_MOE_CONFIGS: tuple[tuple[float, MoeConfig], ...] = (
     (16, MoeConfig(16, Tiles(64, 128, 4, 4), Tiles(128, 128, 4, 4))),
     (float("inf"), MoeConfig(64, Tiles(64, 128, 4, 3), Tiles(128, 128, 4, 3))),
 )
-
-
-# FP8 experts past this many routes per slot (FLOPs dominate) run w8a16 on the float GEMM's
-# tiles: the weight tile is scaled in registers and the dots accumulate as bf16's do, where
-# the w8a8 GEMM scales every 128-wide step's dot before adding it. On the H200 w8a8 was
-# 1.18-1.57x bf16 up to 32 routes per slot and 0.71-0.84x from 128 (bench_moe_fp8.py).
-W8A8_MAX_ROUTES_PER_SLOT = 64
 
 
 # Shared memory a block's pipelined tiles may take: under the H200's 227 KB, with room for what
@@ -254,15 +246,13 @@ def _tile(num_blocks, n_cols, BLOCK_N: tl.constexpr):
 def _gate_up_kernel(x_ptr, w_ptr, routes_ptr, block_slots_ptr, h_ptr, xs_ptr, ws_ptr, n_routes,
                     top_k, F, H, num_blocks, sx, sw_e, sw_n, sh, sxs, sws_e, sws_n,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    EVEN_K: tl.constexpr, PRECISION: tl.constexpr, W_SCALED: tl.constexpr,
-                    A_SCALED: tl.constexpr, LIMIT: tl.constexpr = None):
+                    EVEN_K: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr,
+                    LIMIT: tl.constexpr = None):
     """h[row] = silu(x[t] @ gate.T) * (x[t] @ up.T) for the route in each sorted row; with a
-    LIMIT, silu(min(gate, LIMIT)) * clamp(up, -LIMIT, LIMIT). W_SCALED: the weights are
-    float8 codes with one scale per row and 128 columns (ws [S, 2F, groups]); A_SCALED: so is
-    x (xs [T, groups]), BLOCK_K is 128 and each step's FP8 product is scaled in float32 as it
-    is added (w8a8, vLLM's block-scaled fused MoE); W_SCALED alone: each weight tile is
-    scaled to x's dtype in registers and the product accumulates as bf16's does (w8a16;
-    BLOCK_K divides 128)."""
+    LIMIT, silu(min(gate, LIMIT)) * clamp(up, -LIMIT, LIMIT). FP8: x and the weights are
+    float8 codes with one scale per row and 128 columns (xs [T, groups], ws [S, 2F, groups])
+    and BLOCK_K is 128: each step's product is scaled in float32 as it is added (vLLM's
+    block-scaled fused MoE)."""
     pid_m, pid_n = _tile(num_blocks, F, BLOCK_N)
     slot = tl.load(block_slots_ptr + pid_m)
     if slot < 0:
@@ -278,7 +268,7 @@ def _gate_up_kernel(x_ptr, w_ptr, routes_ptr, block_slots_ptr, h_ptr, xs_ptr, ws
     # extra columns are dropped at the store.
     g_ptrs = w_ptr + slot.to(tl.int64) * sw_e + (cols % F)[None, :] * sw_n + ks[:, None]
     u_ptrs = g_ptrs + F * sw_n
-    xs_ptrs = xs_ptr + token * sxs  # A_SCALED only; the two below W_SCALED only
+    xs_ptrs = xs_ptr + token * sxs  # FP8 only, as the two below
     gs_ptrs = ws_ptr + slot.to(tl.int64) * sws_e + (cols % F) * sws_n
     us_ptrs = gs_ptrs + F * sws_n
     gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -293,14 +283,11 @@ def _gate_up_kernel(x_ptr, w_ptr, routes_ptr, block_slots_ptr, h_ptr, xs_ptr, ws
             a = tl.load(a_ptrs, mask=live[:, None] & k_ok[None, :], other=0.0)
             g = tl.load(g_ptrs, mask=k_ok[:, None], other=0.0)
             u = tl.load(u_ptrs, mask=k_ok[:, None], other=0.0)
-        if A_SCALED:
+        if FP8:
             a_scale = tl.load(xs_ptrs + k0 // BLOCK_K)[:, None]
             gate += tl.dot(a, g) * (a_scale * tl.load(gs_ptrs + k0 // BLOCK_K)[None, :])
             up += tl.dot(a, u) * (a_scale * tl.load(us_ptrs + k0 // BLOCK_K)[None, :])
         else:
-            if W_SCALED:
-                g = _scaled(g, gs_ptrs, k0, a.dtype)
-                u = _scaled(u, us_ptrs, k0, a.dtype)
             gate = tl.dot(a, g, gate, input_precision=PRECISION)
             up = tl.dot(a, u, up, input_precision=PRECISION)
         a_ptrs += BLOCK_K
@@ -315,11 +302,9 @@ def _gate_up_kernel(x_ptr, w_ptr, routes_ptr, block_slots_ptr, h_ptr, xs_ptr, ws
 def _down_kernel(h_ptr, w_ptr, routes_ptr, block_slots_ptr, weights_ptr, y_ptr, hs_ptr, ws_ptr,
                  n_routes, H, F, num_blocks, sh, sw_e, sw_n, sy, shs, sws_e, sws_n,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 EVEN_K: tl.constexpr, PRECISION: tl.constexpr, W_SCALED: tl.constexpr,
-                 A_SCALED: tl.constexpr):
-    """y[route] = weight[route] * (h[row] @ w2[slot].T) for the route in each sorted row.
-    W_SCALED, A_SCALED: as in _gate_up_kernel, w2's scales ws [S, H, groups] and h's hs
-    [rows, groups]."""
+                 EVEN_K: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr):
+    """y[route] = weight[route] * (h[row] @ w2[slot].T) for the route in each sorted row. FP8:
+    as in _gate_up_kernel, h's scales hs [rows, groups] and w2's ws [S, H, groups]."""
     pid_m, pid_n = _tile(num_blocks, H, BLOCK_N)
     slot = tl.load(block_slots_ptr + pid_m)
     if slot < 0:
@@ -332,7 +317,7 @@ def _down_kernel(h_ptr, w_ptr, routes_ptr, block_slots_ptr, weights_ptr, y_ptr, 
     # The gate-up kernel wrote every row of a used block (zeros for padding): no row mask.
     a_ptrs = h_ptr + rows.to(tl.int64)[:, None] * sh + ks[None, :]
     b_ptrs = w_ptr + slot.to(tl.int64) * sw_e + (cols % H)[None, :] * sw_n + ks[:, None]
-    hs_ptrs = hs_ptr + rows.to(tl.int64) * shs  # A_SCALED only; the one below W_SCALED only
+    hs_ptrs = hs_ptr + rows.to(tl.int64) * shs  # FP8 only, as the one below
     bs_ptrs = ws_ptr + slot.to(tl.int64) * sws_e + (cols % H) * sws_n
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, F, BLOCK_K):
@@ -343,25 +328,16 @@ def _down_kernel(h_ptr, w_ptr, routes_ptr, block_slots_ptr, weights_ptr, y_ptr, 
             k_ok = ks < F - k0
             a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
             b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
-        if A_SCALED:
+        if FP8:
             scale = tl.load(hs_ptrs + k0 // BLOCK_K)[:, None] * tl.load(bs_ptrs + k0 // BLOCK_K)
             acc += tl.dot(a, b) * scale
         else:
-            if W_SCALED:
-                b = _scaled(b, bs_ptrs, k0, a.dtype)
             acc = tl.dot(a, b, acc, input_precision=PRECISION)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
     acc *= tl.load(weights_ptr + route, mask=live, other=0.0)[:, None]
     y_ptrs = y_ptr + route.to(tl.int64)[:, None] * sy + cols[None, :]
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=live[:, None] & (cols[None, :] < H))
-
-
-@triton.jit
-def _scaled(w, s_ptrs, k0, dtype):
-    """A [BLOCK_K, BLOCK_N] tile of FP8 codes times each column's (weight row's) scale for the
-    128-column group at k0, in dtype (BLOCK_K divides 128: the tile is in one group)."""
-    return (w.to(tl.float32) * tl.load(s_ptrs + k0 // _GROUP)[None, :]).to(dtype)
 
 
 @triton.jit
@@ -391,34 +367,20 @@ def _codes(t: torch.Tensor | Scaled) -> torch.Tensor:
     return t.codes if isinstance(t, Scaled) else t
 
 
-def _scale_args(a: torch.Tensor | Scaled, w: torch.Tensor | Scaled) -> tuple[list, list, dict]:
+def _scale_args(a: torch.Tensor | Scaled, w: torch.Tensor | Scaled) -> tuple[list, list]:
     """The FP8 scale pointers (a's, w's) and strides (a's rows, w's slots and rows) of a
-    GEMM, placeholders where an operand is not FP8 (its constexpr keeps them unread), and
-    the two constexprs."""
-    flags = dict(W_SCALED=isinstance(w, Scaled), A_SCALED=isinstance(a, Scaled))
-    if isinstance(a, Scaled) and not isinstance(w, Scaled):
-        raise ValueError("FP8 activations need FP8 weights")
+    GEMM; for a float GEMM, placeholders the FP8 constexpr never reads."""
     if not isinstance(w, Scaled):
-        return [w, w], [0, 0, 0], flags
-    a_scales, a_stride = (a.scales, a.scales.stride(0)) if isinstance(a, Scaled) else (w.scales, 0)
-    return ([a_scales, w.scales], [a_stride, w.scales.stride(0), w.scales.stride(1)], flags)
+        return [w, w], [0, 0, 0]
+    return ([a.scales, w.scales],
+            [a.scales.stride(0), w.scales.stride(0), w.scales.stride(1)])
 
 
 def fp8_tiles(tiles: Tiles, block_m: int, b_tiles: int) -> Tiles:
-    """The tiles of a w8a8 GEMM: one K step per scale group, fitted in shared memory."""
+    """The tiles of an FP8 GEMM: one K step per scale group, fitted in shared memory."""
     fitted = fit_tiles(dataclasses.replace(tiles, block_k=GROUP), block_m, 1, b_tiles)
     if fitted.block_k != GROUP:
         raise ValueError(f"FP8 tiles {tiles} with BLOCK_M {block_m} do not fit in shared memory")
-    return fitted
-
-
-def w8a16_tiles(tiles: Tiles, block_m: int, element_bytes: int, b_tiles: int) -> Tiles:
-    """The tiles of a w8a16 GEMM: the float GEMM's, fitted (the weight tile is converted to
-    x's dtype on its way to the tensor cores), with K steps inside one scale group."""
-    fitted = fit_tiles(dataclasses.replace(tiles, block_k=min(tiles.block_k, GROUP)), block_m,
-                       element_bytes, b_tiles)
-    if GROUP % fitted.block_k:
-        raise ValueError(f"w8a16 tiles need a BLOCK_K that divides {GROUP}, got {fitted}")
     return fitted
 
 
@@ -426,12 +388,12 @@ def moe_gate_up(x: torch.Tensor | Scaled, w13: torch.Tensor | Scaled, al: Alignm
                 top_k: int, tiles: Tiles, swiglu_limit: float | None = None,
                 out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """The first GEMM: silu(gate) * up of each aligned row's route, [rows, F] in x's dtype
-    or out_dtype (gate and up clamped first under a swiglu_limit). w13 Scaled: FP8 weights,
-    w8a8 with x Scaled too (tiles from fp8_tiles), else w8a16 (tiles from w8a16_tiles)."""
+    or out_dtype (gate and up clamped first under a swiglu_limit). x and w13 Scaled: the FP8
+    GEMM, whose tiles must have BLOCK_K 128 (fp8_tiles)."""
     xq, wq = _codes(x), _codes(w13)
     f, h = wq.shape[1] // 2, wq.shape[2]
     blocks = al.block_slots.numel()
-    scales, strides, flags = _scale_args(x, w13)
+    scales, strides = _scale_args(x, w13)
     out = torch.empty((al.routes.numel(), f), dtype=out_dtype or xq.dtype, device=xq.device)
     grid = (blocks * triton.cdiv(f, tiles.block_n),)
     _gate_up_kernel[grid](
@@ -439,8 +401,8 @@ def moe_gate_up(x: torch.Tensor | Scaled, w13: torch.Tensor | Scaled, al: Alignm
         blocks, xq.stride(0), wq.stride(0), wq.stride(1), out.stride(0), *strides,
         BLOCK_M=al.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
         EVEN_K=h % tiles.block_k == 0, PRECISION=_precision(xq.dtype),
-        LIMIT=_limit(swiglu_limit), num_warps=tiles.num_warps, num_stages=tiles.num_stages,
-        **flags)
+        FP8=isinstance(w13, Scaled), LIMIT=_limit(swiglu_limit), num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages)
     return out
 
 
@@ -449,11 +411,11 @@ def moe_down(inter: torch.Tensor | Scaled, w2: torch.Tensor | Scaled, al: Alignm
              ) -> torch.Tensor:
     """The second GEMM: weight * (row @ w2[slot].T) into row t*k + j of [T*k, H] (weights
     flat [T*k]), in inter's dtype or out_dtype; rows of routes not served here are left
-    unwritten. w2 Scaled: FP8 weights, as in moe_gate_up."""
+    unwritten. inter and w2 Scaled: the FP8 GEMM (tiles from fp8_tiles)."""
     iq, wq = _codes(inter), _codes(w2)
     h, f = wq.shape[1], wq.shape[2]
     blocks = al.block_slots.numel()
-    scales, strides, flags = _scale_args(inter, w2)
+    scales, strides = _scale_args(inter, w2)
     out = torch.empty((weights.numel(), h), dtype=out_dtype or iq.dtype, device=iq.device)
     grid = (blocks * triton.cdiv(h, tiles.block_n),)
     _down_kernel[grid](
@@ -461,7 +423,7 @@ def moe_down(inter: torch.Tensor | Scaled, w2: torch.Tensor | Scaled, al: Alignm
         blocks, iq.stride(0), wq.stride(0), wq.stride(1), out.stride(0), *strides,
         BLOCK_M=al.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
         EVEN_K=f % tiles.block_k == 0, PRECISION=_precision(iq.dtype),
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages, **flags)
+        FP8=isinstance(w2, Scaled), num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     return out
 
 
@@ -512,36 +474,33 @@ def _check_scaled(w: Scaled, name: str) -> None:
 
 def fused_experts(x: torch.Tensor, w13: torch.Tensor | Scaled, w2: torch.Tensor | Scaled,
                   weights: torch.Tensor, slots: torch.Tensor, config: MoeConfig | None = None,
-                  swiglu_limit: float | None = None, w8a8: bool | None = None) -> torch.Tensor:
+                  swiglu_limit: float | None = None) -> torch.Tensor:
     """sum over j of weights[t, j] * w2[s] @ (silu(w13[s, :F] @ x[t]) * (w13[s, F:] @ x[t])),
     s = slots[t, j], routes with s = -1 skipped. x [T, H]; w13 [S, 2F, H]; w2 [S, H, F];
     weights [T, k] float32; slots [T, k] int32. Returns [T, H] in x's dtype. No host sync.
     swiglu_limit: silu(min(gate, limit)) * clamp(up, -limit, limit) instead (DeepSeek-V4).
-    w13 and w2 Scaled (FP8 codes and scales per row and 128 columns): a few tokens (moe_gemv)
-    read the FP8 weights with x as it is; more go to the grouped GEMMs, w8a8 (x and the
-    intermediate quantized per token and 128 columns) up to W8A8_MAX_ROUTES_PER_SLOT, w8a16
-    (the weight tiles scaled to x's dtype in registers) above; w8a8 forces one or the other."""
+    w13 and w2 Scaled (FP8 codes and scales per row and 128 columns): x and the intermediate
+    are quantized per token and 128 columns, and both GEMMs run in FP8 (w8a8); a few tokens
+    (moe_gemv) read the FP8 weights with x as it is."""
     _check(x, w13, w2, weights, slots)
     tokens, top_k = slots.shape
     num_slots = _codes(w13).shape[0]
     if tokens == 0 or top_k == 0 or num_slots == 0:
         return torch.zeros_like(x)
     slots, weights = slots.contiguous(), weights.contiguous()
-    if config is None and w8a8 is None and moe_gemv.takes(tokens, top_k, num_slots):
+    if config is None and moe_gemv.takes(tokens, top_k, num_slots):
         return moe_gemv.moe_gemv(x, w13, w2, weights, slots, swiglu_limit=swiglu_limit)
-    fp8 = isinstance(w13, Scaled)
-    if fp8 and w8a8 is None:
-        w8a8 = tokens * top_k <= W8A8_MAX_ROUTES_PER_SLOT * num_slots
-    cfg = config or config_for(tokens, top_k, num_slots, fp8=fp8 and w8a8)
+    cfg = config or config_for(tokens, top_k, num_slots, fp8=isinstance(w13, Scaled))
     al = align_routes(slots, num_slots, cfg.block_m)
-    if fp8 and w8a8:
-        inter = moe_gate_up(Scaled(*quantize_tokens_fp8(x)), w13, al, top_k,
-                            fp8_tiles(cfg.gate_up, cfg.block_m, 2), swiglu_limit, x.dtype)
-        y = moe_down(Scaled(*quantize_tokens_fp8(inter)), w2, al, weights.reshape(-1),
-                     fp8_tiles(cfg.down, cfg.block_m, 1), x.dtype)
+    if not isinstance(w13, Scaled):
+        size = x.element_size()
+        inter = moe_gate_up(x, w13, al, top_k, fit_tiles(cfg.gate_up, cfg.block_m, size, 2),
+                            swiglu_limit)
+        y = moe_down(inter, w2, al, weights.reshape(-1),
+                     fit_tiles(cfg.down, cfg.block_m, size, 1))
         return _sum_routes(y, slots, num_slots)
-    fit = w8a16_tiles if fp8 else fit_tiles
-    size = x.element_size()
-    inter = moe_gate_up(x, w13, al, top_k, fit(cfg.gate_up, cfg.block_m, size, 2), swiglu_limit)
-    y = moe_down(inter, w2, al, weights.reshape(-1), fit(cfg.down, cfg.block_m, size, 1))
+    inter = moe_gate_up(Scaled(*quantize_tokens_fp8(x)), w13, al, top_k,
+                        fp8_tiles(cfg.gate_up, cfg.block_m, 2), swiglu_limit, x.dtype)
+    y = moe_down(Scaled(*quantize_tokens_fp8(inter)), w2, al, weights.reshape(-1),
+                 fp8_tiles(cfg.down, cfg.block_m, 1), x.dtype)
     return _sum_routes(y, slots, num_slots)
