@@ -370,6 +370,8 @@ def _codes(t: torch.Tensor | Scaled) -> torch.Tensor:
 def _scale_args(a: torch.Tensor | Scaled, w: torch.Tensor | Scaled) -> tuple[list, list]:
     """The FP8 scale pointers (a's, w's) and strides (a's rows, w's slots and rows) of a
     GEMM; for a float GEMM, placeholders the FP8 constexpr never reads."""
+    if isinstance(w, Scaled) != isinstance(a, Scaled):
+        raise ValueError("the grouped GEMMs run FP8 weights with FP8 activations (w8a8) only")
     if not isinstance(w, Scaled):
         return [w, w], [0, 0, 0]
     return ([a.scales, w.scales],
