@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 from bench_gemv import _graph_ms  # noqa: E402
 from moe_bench import (HBM_BYTES_PER_S, ROUTINGS, SHAPES, TOKENS, Problem, Shape,  # noqa: E402
-                       flops, label_axes, make_problem, make_weights,
+                       _time_tiles, flops, label_axes, make_problem, make_weights,
                        shape_panels)
 
 from deepinfer.backends.cuda.kernels.fp8_gemm import Scaled  # noqa: E402
@@ -38,7 +38,8 @@ from deepinfer.backends.cuda.kernels.fused_moe import (MoeConfig, Tiles,  # noqa
                                                        fused_experts)
 from deepinfer.backends.cuda.kernels.moe_gemv import takes  # noqa: E402
 from deepinfer.models.moe.experts import fused_experts_reference  # noqa: E402
-from deepinfer.models.quant.tensors import RowScaledFP8  # noqa: E402
+from deepinfer.models.quant.packed import FP8Experts  # noqa: E402
+from deepinfer.models.weights import SlotRows  # noqa: E402
 
 FP8_FLOPS = 1979e12
 # (BLOCK_M, gate-up tiles, down tiles); BLOCK_K is always one 128-column scale group.
@@ -49,16 +50,13 @@ SWEEP = tuple(MoeConfig(m, Tiles(nu, 128, wu, su), Tiles(nd, 128, wd, sd)) for m
                              (128, 64, 8, 3, 128, 8, 3)))
 
 
-def quantize(w: torch.Tensor) -> Scaled:
-    """[S, N, K] bf16 -> FP8 in 128 x 128 blocks per expert."""
-    parts = [RowScaledFP8.quantize(slot, block_rows=128) for slot in w]
-    return Scaled(torch.stack([p.weight for p in parts]), torch.stack([p.scale for p in parts]))
-
-
-def dequantize(w: Scaled) -> torch.Tensor:
-    s, n, k = w.codes.shape
-    flat = RowScaledFP8(w.codes.reshape(s * n, k), w.scales.reshape(s * n, -1))
-    return flat.dequantize().view(s, n, k)
+def quantize(w: torch.Tensor) -> FP8Experts:
+    """[S, N, K] bf16 -> the model's FP8 experts, each slot in 128 x 128 blocks, as
+    --quantization fp8 loads them."""
+    experts = FP8Experts(tuple(w.shape)).to(w.device)
+    for slot, weight in enumerate(w):
+        experts.load_rows(weight, SlotRows(slot))
+    return experts
 
 
 def fp8_bytes(shape: Shape, problem: Problem) -> float:
@@ -100,8 +98,9 @@ def bench_point(shape: Shape, bf16: tuple, fp8: tuple, exact_fp8: tuple, tokens:
 
 def bench(shape: Shape, with_sweep: bool = False) -> dict:
     w13, w2 = make_weights(shape)
-    q13, q2 = quantize(w13), quantize(w2)
-    exact = (dequantize(q13), dequantize(q2))
+    e13, e2 = quantize(w13), quantize(w2)
+    q13, q2 = Scaled(e13.weight, e13.scale), Scaled(e2.weight, e2.scale)
+    exact = (e13.dequantize(), e2.dequantize())
     entry: dict = {"shape": shape._asdict()}
     if with_sweep:
         entry["sweep"] = sweep(shape, (q13, q2))
@@ -127,11 +126,7 @@ def sweep(shape: Shape, fp8: tuple) -> list[dict]:
         for cfg in SWEEP:
             calls = [lambda w=w, s=s, c=cfg: fused_experts(problem.x, *fp8, w, s, c)
                      for w, s in problem.routings]
-            try:
-                times[str(cfg)] = _graph_ms(lambda: [c() for c in calls], reps=10) * 1e3 \
-                    / ROUTINGS
-            except Exception as exc:  # noqa: BLE001 - a compiler refusal is a result here
-                times[str(cfg)] = f"failed: {type(exc).__name__}"
+            times[str(cfg)] = _time_tiles(lambda: [c() for c in calls])
         best = min((t, c) for c, t in times.items() if isinstance(t, float))
         print(f"  sweep T={tokens:5d}: best {best[0]:8.1f} us {best[1]}", flush=True)
         rows.append({"tokens": tokens, "us": times, "best": best[1]})
