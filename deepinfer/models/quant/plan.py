@@ -66,7 +66,7 @@ def _packable(model: nn.Module) -> Iterable[tuple[str, nn.Module]]:
 
 
 def apply_plan(model: nn.Module, plan: Mapping[str, str],
-               make: Callable[[str, tuple[int, int]], PackedWeight] | None = None) -> None:
+               make: Callable[[str, tuple[int, ...]], PackedWeight] | None = None) -> None:
     """Swap each planned weight for its PackedWeight (an embedding for a PackedEmbedding)."""
     make = make or packed_weight
     for name, kind in plan.items():
