@@ -7,8 +7,10 @@ rows of x.
 Each weight is one of many copies (more bytes than the last-level cache), taken in turn, so
 every call streams its blocks from memory as a decode step does. The ceiling is the weight's
 bytes over the machine's read rate (a float32 sum over a 400 MB tensor, same threads).
-Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 blocks come from gguf-py's quantizer; the k-quants from random
-super-blocks (gguf-py cannot quantize them; the kernels' time does not depend on the values).
+Q4_0/Q4_1/Q8_0 are timed in the file's layout and with their rows interleaved by 8 as the
+CPU backend serves them (gguf_rows8.cpp). Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 blocks come from gguf-py's
+quantizer; the k-quants from random super-blocks (gguf-py cannot quantize them; the kernels'
+time does not depend on the values).
 Writes results/cpu_gguf_gemv.json and .png.
 """
 from __future__ import annotations
@@ -77,33 +79,56 @@ def measure(n: int, k: int) -> dict:
     for kind in ("float32",) + TYPES:
         weight = torch.randn(n, k) if kind == "float32" else blocks(kind, n, k, 0)
         nbytes = weight.numel() * weight.element_size()
-        copies = [weight.clone() for _ in range(max(2, CACHE_BYTES // nbytes))]
         qtype = None if kind == "float32" else int(GGMLQuantizationType[kind])
         row = {"weight_bytes": nbytes, "ceiling_us": nbytes / rate * 1e6}
-        for m in (1, 4):
-            x = torch.randn(m, k)
-            if qtype is None:
-                calls = [lambda w=w: torch.nn.functional.linear(x, w) for w in copies]
-            else:
-                calls = [lambda w=w: ext.gemv(x, w, qtype) for w in copies]
-            row[f"rows{m}_us"] = time_calls(calls)
-        row["of_ceiling"] = row["ceiling_us"] / row["rows1_us"]
+        for layout, w in layouts(weight, qtype, n, k):
+            copies = [w.clone() for _ in range(max(2, CACHE_BYTES // nbytes))]
+            for m in (1, 4):
+                x = torch.randn(m, k)
+                if qtype is None:
+                    calls = [lambda w=w: torch.nn.functional.linear(x, w) for w in copies]
+                else:
+                    calls = [lambda w=w: ext.gemv(x, w, qtype, layout == "interleaved")
+                             for w in copies]
+                row[f"rows{m}{'_interleaved' if layout == 'interleaved' else ''}_us"] = \
+                    time_calls(calls)
+            del copies
+        row["of_ceiling"] = row["ceiling_us"] / row.get("rows1_interleaved_us", row["rows1_us"])
         rows[kind] = row
         log(f"{kind:8s} {nbytes / 1e6:7.2f} MB  1 row {row['rows1_us']:8.1f} us  4 rows "
-            f"{row['rows4_us']:8.1f} us  ceiling {row['ceiling_us']:7.1f} us")
-        del copies
+            f"{row['rows4_us']:8.1f} us  ceiling {row['ceiling_us']:7.1f} us"
+            + (f"  interleaved: 1 row {row['rows1_interleaved_us']:7.1f} us"
+               if "rows1_interleaved_us" in row else ""))
     return {"read_gb_per_s": rate / 1e9, "types": rows}
+
+
+def layouts(weight: torch.Tensor, qtype: int | None, n: int, k: int) -> list:
+    """The weight as the file stores it, and with its rows interleaved where the CPU backend
+    serves its type so (kernels.interleaves)."""
+    from deepinfer.backends.cpu.kernels import INTERLEAVE, interleaves
+    from deepinfer.models.quant.packed import GGUFWeight
+    from deepinfer.models.quant.tensors import GGUFTensor
+
+    if qtype is None:
+        return [("file", weight)]
+    packed = GGUFWeight((n, k), qtype)
+    if not interleaves(packed):
+        return [("file", weight)]
+    packed.load_rows(GGUFTensor(weight, qtype, (n, k)), None)
+    packed.interleave_rows(INTERLEAVE)
+    return [("file", weight), ("interleaved", packed.blocks)]
 
 
 def plot(result: dict, path: str) -> None:
     plt = pyplot()
     kinds = list(result["types"])
     fig, ax = plt.subplots(figsize=(9, 4))
-    width = 0.27
-    for i, (key, label) in enumerate((("rows1_us", "1 row"), ("rows4_us", "4 rows"),
-                                      ("ceiling_us", "memory ceiling"))):
-        values = [result["types"][kind][key] for kind in kinds]
-        bars = ax.bar([j + (i - 1) * width for j in range(len(kinds))], values, width,
+    width = 0.2
+    for i, (key, label) in enumerate((("rows1_us", "1 row"),
+                                      ("rows1_interleaved_us", "1 row, rows interleaved"),
+                                      ("rows4_us", "4 rows"), ("ceiling_us", "memory ceiling"))):
+        values = [result["types"][kind].get(key, 0.0) for kind in kinds]
+        bars = ax.bar([j + (i - 1.5) * width for j in range(len(kinds))], values, width,
                       label=label)
         ax.bar_label(bars, fmt="%.0f", fontsize=7)
     ax.set_xticks(range(len(kinds)), kinds)

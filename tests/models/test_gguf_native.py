@@ -14,6 +14,7 @@ from gguf.quants import quantize
 from transformers import AutoModelForCausalLM
 
 from deepinfer.backends.cpu import ops as cpu_ops
+from deepinfer.backends.cpu import kernels
 from deepinfer.backends.cpu.kernels import MAX_GEMV_ROWS, extension, gguf_linear
 from deepinfer.backends.paged_cache import zeros
 from deepinfer.core.sampling import SamplingParams
@@ -41,15 +42,51 @@ def test_kernels_equal_the_dequantized_weight(qtype, k):
     for m in (1, 5, MAX_GEMV_ROWS + 4):  # the GEMV at batch 1, several rows, the GEMM
         x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
         y = gguf_linear(x, w.blocks, w.qtype, k)
-        # More rows multiply x as it is: the dequantized weight's products in float32,
-        # summation order only. Batch 1 multiplies x rounded to int16 per 32-column block by
-        # the block's centred values, and x as it is by Q4_1's offset.
-        expected = x @ reference.T
-        if m == 1:
-            x16, offsets = _int16_blocks(x), _q4_1_offsets(w)
-            expected = x16 @ reference.T + (x - x16) @ offsets.T
-        torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-4)
+        torch.testing.assert_close(y, _expected(x, w, reference), rtol=1e-5, atol=1e-4)
         torch.testing.assert_close(y, x @ reference.T, rtol=1e-4, atol=2e-3)
+
+
+def _expected(x: torch.Tensor, w: GGUFTensor, reference: torch.Tensor) -> torch.Tensor:
+    """What the kernels compute: more rows multiply x as it is (the dequantized weight's
+    products in float32, summation order only); batch 1 multiplies x rounded to int16 per
+    32-column block by the block's centred values, and x as it is by Q4_1's offset."""
+    if x.shape[0] > 1:
+        return x @ reference.T
+    x16 = _int16_blocks(x)
+    return x16 @ reference.T + (x - x16) @ _q4_1_offsets(w).T
+
+
+@pytest.mark.parametrize("qtype", kernels.INTERLEAVED_TYPES,
+                         ids=lambda t: GGMLQuantizationType(t).name)
+@pytest.mark.parametrize("k", [96, 576, 1536])
+def test_interleaved_rows_compute_what_the_file_layout_does(qtype, k):
+    """Rows interleaved by 8 (gguf_rows8.cpp): the weight's bytes reorder in place and back,
+    dequantize and embedding lookups read them as the file's, and the kernels give the file
+    layout's results: batch 1 through its own GEMV (the same integers, float rounding of the
+    scales apart), several rows and the GEMM through groups restored to the file's layout."""
+    w = _blocks(48, k, GGMLQuantizationType(qtype))
+    packed = GGUFWeight(w.shape, qtype)
+    packed.load_rows(w, None)
+    packed.interleave_rows(kernels.INTERLEAVE)
+    assert not torch.equal(packed.blocks, w.blocks)
+    assert torch.equal(packed.file_blocks(), w.blocks)
+    reference = w.dequantize()
+    assert torch.equal(packed.dequantize(), reference)
+    ids = torch.tensor([47, 3, 8, 3, 0])
+    assert torch.equal(packed.lookup(ids), reference[ids])
+    assert torch.equal(extension().dequantize(packed.blocks, qtype, k, True), reference)
+    for m in (1, 5, MAX_GEMV_ROWS + 4):
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+        y = gguf_linear(x, packed.blocks, qtype, k, interleaved=True)
+        file_y = gguf_linear(x, w.blocks, qtype, k)
+        if m == 1:
+            torch.testing.assert_close(y, file_y, rtol=2e-6, atol=1e-5)
+            torch.testing.assert_close(y, _expected(x, w, reference), rtol=1e-5, atol=1e-4)
+        else:
+            assert torch.equal(y, file_y)
+    packed.load_rows(w.rows(0, 8), (8, 16))  # loading rows goes back to the file's layout
+    assert packed.interleaved == 0
+    assert torch.equal(packed.blocks[8:16], w.blocks[:8])
 
 
 def _k_quant_blocks(n: int, k: int, qtype: GGMLQuantizationType, seed: int = 0,
@@ -238,15 +275,24 @@ def test_default_model_packed_answers_as_float32():
 
 
 @pytest.mark.parametrize("rows", [1, 3])
-def test_gguf_mlp_is_its_three_calls(rows):
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_gguf_mlp_is_its_three_calls(rows, interleaved):
     """One call for a decode step's gated MLP: the same ops in the same order as gemv, silu
-    times up, gemv (to the bit), on a Q4_1 gate|up and a Q8_0 down."""
-    gate_up = _blocks(2 * 64, 96, GGMLQuantizationType.Q4_1)
-    down = _blocks(96, 64, GGMLQuantizationType.Q8_0, seed=1)
+    times up, gemv (to the bit), on a Q4_1 gate|up and a Q8_0 down, in the file's layout or
+    with their rows interleaved."""
+    weights = []
+    for n, k, qtype, seed in ((128, 96, GGMLQuantizationType.Q4_1, 0),
+                              (96, 64, GGMLQuantizationType.Q8_0, 1)):
+        weights.append(GGUFWeight((n, k), qtype))
+        weights[-1].load_rows(_blocks(n, k, qtype, seed), None)
+        weights[-1].interleave_rows(kernels.INTERLEAVE if interleaved else 0)
+    gate_up, down = weights
     x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(rows))
-    h = gguf_linear(x, gate_up.blocks, gate_up.qtype, 96)
-    expected = gguf_linear(F.silu(h[:, :64]) * h[:, 64:], down.blocks, down.qtype, 64)
-    got = extension().gguf_mlp(x, gate_up.blocks, gate_up.qtype, down.blocks, down.qtype)
+    h = gguf_linear(x, gate_up.blocks, gate_up.qtype, 96, interleaved=interleaved)
+    expected = gguf_linear(F.silu(h[:, :64]) * h[:, 64:], down.blocks, down.qtype, 64,
+                           interleaved=interleaved)
+    got = extension().gguf_mlp(x, gate_up.blocks, gate_up.qtype, interleaved, down.blocks,
+                               down.qtype, interleaved)
     assert torch.equal(got, expected)
 
 

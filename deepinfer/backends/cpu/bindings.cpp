@@ -5,10 +5,11 @@
 #include <ATen/core/Tensor.h>
 #include <torch/csrc/utils/pybind.h>
 
-at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, int64_t qtype);
-at::Tensor dequantize(const at::Tensor& w, int64_t qtype, int64_t k);
+at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, int64_t qtype, bool interleaved);
+at::Tensor dequantize(const at::Tensor& w, int64_t qtype, int64_t k, bool interleaved);
 at::Tensor gguf_mlp(const at::Tensor& x, const at::Tensor& gate_up, int64_t gate_up_type,
-                    const at::Tensor& down, int64_t down_type);
+                    bool gate_up_interleaved, const at::Tensor& down, int64_t down_type,
+                    bool down_interleaved);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps);
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x,
                                                 const at::Tensor& residual,
@@ -26,8 +27,10 @@ at::Tensor rotary_decode_attention(at::Tensor q, at::Tensor k, const at::Tensor&
                                    const at::Tensor& lens, double scale);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("gemv", &gemv, "x [M<=16, K] float32 @ GGUF weight.T");
-  m.def("dequantize", &dequantize, "GGUF weight -> float32 [N, K]");
+  m.def("gemv", &gemv, "x [M<=16, K] float32 @ GGUF weight.T (rows interleaved by 8 or not)",
+        py::arg("x"), py::arg("w"), py::arg("qtype"), py::arg("interleaved") = false);
+  m.def("dequantize", &dequantize, "GGUF weight -> float32 [N, K]", py::arg("w"),
+        py::arg("qtype"), py::arg("k"), py::arg("interleaved") = false);
   m.def("gguf_mlp", &gguf_mlp, "down(silu(gate) * up) over GGUF weights, x [M<=16, K]");
   m.def("rms_norm", &rms_norm, "RMSNorm of float32 rows");
   m.def("add_rms_norm", &add_rms_norm, "(rms_norm(x + residual), x + residual)");

@@ -19,6 +19,7 @@ enum QType : int64_t {  // GGMLQuantizationType values
 };
 constexpr int kBlock = 32;        // values in a Q4_0/Q4_1/Q8_0 block, and in x's int16 blocks
 constexpr int kSuperBlock = 256;  // values in a k-quant super-block
+constexpr int64_t kInterleave = 8;  // rows of an interleaved weight's group (gguf_rows8.cpp)
 
 inline bool is_k_quant(int64_t qtype) {
   return qtype == kQ4_K || qtype == kQ5_K || qtype == kQ6_K;
@@ -90,5 +91,13 @@ void k_quant_gemv(const uint8_t* w, int64_t row_stride, int64_t n, int64_t block
 // The float32 weight [n, blocks * 256].
 void k_quant_dequantize(const uint8_t* w, int64_t row_stride, int64_t n, int64_t blocks,
                         int64_t qtype, float* out);
+
+// Rows interleaved in groups of 8 (gguf_rows8.cpp): the types that may be, group g restored
+// to the file's layout (out: [8, blocks * block bytes]), and the batch-1 GEMV over them
+// (false where the build has no AVX2: the caller restores groups instead).
+bool interleavable(int64_t qtype);
+void restore_group(const uint8_t* w, int64_t blocks, int64_t qtype, int64_t g, uint8_t* out);
+bool interleaved_gemv1(const uint8_t* w, int64_t n, int64_t blocks, const float* x,
+                       int64_t qtype, float* y);
 
 }  // namespace deepinfer_gguf

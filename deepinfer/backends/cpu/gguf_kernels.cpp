@@ -12,7 +12,10 @@
 // path through near-ties (llama.cpp instead rounds x to int8 per block, which moved the
 // default model's first answer token).
 // Each weight byte is read once for all rows of x. Prefill (many rows) is compute-bound:
-// dequantize() writes float32 rows for a BLAS GEMM instead.
+// dequantize() writes float32 rows for a BLAS GEMM instead. The backend stores Q4_0, Q4_1 and
+// Q8_0 weights with their rows interleaved by 8 (gguf_rows8.cpp: the batch-1 GEMV there, one
+// row per vector lane); several rows and dequantize() take those a group of 8 rows at a time,
+// restored to the file's layout.
 // ATen's tensor and the few ops used here, not <torch/extension.h>: that header (all of
 // libtorch's C++ API and the Python bindings) is most of the build's time; only bindings.cpp
 // needs the bindings.
@@ -359,7 +362,7 @@ void dequantize_rows(const uint8_t* w, int64_t row_bytes, int64_t begin, int64_t
   }
 }
 
-void check_weight(const at::Tensor& w, int64_t qtype, int64_t k) {
+void check_weight(const at::Tensor& w, int64_t qtype, int64_t k, bool interleaved) {
   TORCH_CHECK(w.dtype() == at::kByte && w.dim() == 2 && w.is_contiguous(),
               "GGUF weight must be a contiguous uint8 [N, row_bytes] tensor");
   TORCH_CHECK(block_bytes(qtype) > 0, "unsupported GGUF block type ", qtype);
@@ -367,16 +370,49 @@ void check_weight(const at::Tensor& w, int64_t qtype, int64_t k) {
   TORCH_CHECK(k % values == 0, "GGUF rows hold whole ", values, "-column blocks; K=", k);
   TORCH_CHECK(w.size(1) == k / values * block_bytes(qtype), "row bytes ", w.size(1),
               " do not match K=", k, " of type ", qtype);
+  TORCH_CHECK(!interleaved || (interleavable(qtype) && w.size(0) % kInterleave == 0),
+              "rows of type ", qtype, " x ", w.size(0), " are not interleaved in groups of ",
+              kInterleave);
+}
+
+// Several rows of x (or a build without AVX2) over an interleaved weight: each group of 8
+// rows restored to the file's layout in a buffer, then row_dot as for the file's rows.
+template <int64_t QT>
+void gemv_groups(const uint8_t* w, int64_t n, int64_t blocks, const float* x, int64_t k,
+                 const std::vector<float>* sums, int64_t rows, float* y) {
+  const int64_t row_bytes = blocks * block_bytes(QT);
+  at::parallel_for(0, n / kInterleave, 4, [&](int64_t begin, int64_t end) {
+    std::vector<uint8_t> group(kInterleave * row_bytes);
+    for (int64_t g = begin; g < end; ++g) {
+      restore_group(w, blocks, QT, g, group.data());
+      for (int64_t r = 0; r < kInterleave; ++r) {
+        row_dot<QT>(group.data() + r * row_bytes, blocks, x, k, sums, rows,
+                    y + (g * kInterleave + r) * rows);
+      }
+    }
+  });
+}
+
+template <int64_t QT>
+void gemv_any(const uint8_t* w, int64_t row_stride, int64_t n, int64_t blocks, const float* x,
+              int64_t k, const std::vector<float>* sums, int64_t rows, bool interleaved,
+              float* y) {
+  if (!interleaved) {
+    gemv_rows<QT>(w, row_stride, n, blocks, x, k, sums, rows, y);
+  } else if (rows > 1 || !interleaved_gemv1(w, n, blocks, x, QT, y)) {
+    gemv_groups<QT>(w, n, blocks, x, k, sums, rows, y);
+  }
 }
 
 }  // namespace
 
-// y [M, N] = x [M, K] @ W.T for M <= 16, x float32; W's blocks as stored in the file.
-at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, int64_t qtype) {
+// y [M, N] = x [M, K] @ W.T for M <= 16, x float32; W's blocks as stored in the file, or
+// with its rows interleaved in groups of 8 (gguf_rows8.cpp).
+at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, int64_t qtype, bool interleaved) {
   TORCH_CHECK(x.dtype() == at::kFloat && x.dim() == 2, "x must be float32 [M, K]");
   const int64_t rows = x.size(0), k = x.size(1), n = w.size(0), blocks = k / kBlock;
   TORCH_CHECK(rows <= kMaxRows, "gemv takes at most ", kMaxRows, " rows, got ", rows);
-  check_weight(w, qtype, k);
+  check_weight(w, qtype, k, interleaved);
   const at::Tensor xc = x.contiguous();
   const float* xp = xc.data_ptr<float>();
   if (is_k_quant(qtype)) {
@@ -390,20 +426,40 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, int64_t qtype) {
   at::Tensor y = at::empty({n, rows}, x.options());
   const uint8_t* wp = w.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
-  const int64_t row_stride = w.size(1);
+  const int64_t stride = w.size(1);
+  const bool il = interleaved;
   switch (qtype) {
-    case kQ4_0: gemv_rows<kQ4_0>(wp, row_stride, n, blocks, xp, k, sums.data(), rows, yp); break;
-    case kQ4_1: gemv_rows<kQ4_1>(wp, row_stride, n, blocks, xp, k, sums.data(), rows, yp); break;
-    case kQ5_0: gemv_rows<kQ5_0>(wp, row_stride, n, blocks, xp, k, sums.data(), rows, yp); break;
-    case kQ5_1: gemv_rows<kQ5_1>(wp, row_stride, n, blocks, xp, k, sums.data(), rows, yp); break;
-    default: gemv_rows<kQ8_0>(wp, row_stride, n, blocks, xp, k, sums.data(), rows, yp); break;
+    case kQ4_0: gemv_any<kQ4_0>(wp, stride, n, blocks, xp, k, sums.data(), rows, il, yp); break;
+    case kQ4_1: gemv_any<kQ4_1>(wp, stride, n, blocks, xp, k, sums.data(), rows, il, yp); break;
+    case kQ5_0: gemv_any<kQ5_0>(wp, stride, n, blocks, xp, k, sums.data(), rows, il, yp); break;
+    case kQ5_1: gemv_any<kQ5_1>(wp, stride, n, blocks, xp, k, sums.data(), rows, il, yp); break;
+    default: gemv_any<kQ8_0>(wp, stride, n, blocks, xp, k, sums.data(), rows, il, yp); break;
   }
   return y.t().contiguous();
 }
 
+template <int64_t QT>
+void dequantize_any(const uint8_t* w, int64_t row_bytes, int64_t n, int64_t blocks,
+                    bool interleaved, float* out) {
+  if (!interleaved) {
+    at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+      dequantize_rows<QT>(w, row_bytes, begin, end, blocks, out);
+    });
+    return;
+  }
+  at::parallel_for(0, n / kInterleave, 2, [&](int64_t begin, int64_t end) {
+    std::vector<uint8_t> group(kInterleave * row_bytes);
+    for (int64_t g = begin; g < end; ++g) {
+      restore_group(w, blocks, QT, g, group.data());
+      dequantize_rows<QT>(group.data(), row_bytes, 0, kInterleave, blocks,
+                          out + g * kInterleave * blocks * kBlock);
+    }
+  });
+}
+
 // The float32 weight [N, K] (for a GEMM over many rows, or an embedding lookup).
-at::Tensor dequantize(const at::Tensor& w, int64_t qtype, int64_t k) {
-  check_weight(w, qtype, k);
+at::Tensor dequantize(const at::Tensor& w, int64_t qtype, int64_t k, bool interleaved) {
+  check_weight(w, qtype, k, interleaved);
   const int64_t n = w.size(0), blocks = k / kBlock;
   at::Tensor out = at::empty({n, k}, at::dtype(at::kFloat));
   if (is_k_quant(qtype)) {
@@ -414,15 +470,14 @@ at::Tensor dequantize(const at::Tensor& w, int64_t qtype, int64_t k) {
   const uint8_t* wp = w.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
   const int64_t row_bytes = w.size(1);
-  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
-    switch (qtype) {
-      case kQ4_0: dequantize_rows<kQ4_0>(wp, row_bytes, begin, end, blocks, op); break;
-      case kQ4_1: dequantize_rows<kQ4_1>(wp, row_bytes, begin, end, blocks, op); break;
-      case kQ5_0: dequantize_rows<kQ5_0>(wp, row_bytes, begin, end, blocks, op); break;
-      case kQ5_1: dequantize_rows<kQ5_1>(wp, row_bytes, begin, end, blocks, op); break;
-      default: dequantize_rows<kQ8_0>(wp, row_bytes, begin, end, blocks, op); break;
-    }
-  });
+  const bool il = interleaved;
+  switch (qtype) {
+    case kQ4_0: dequantize_any<kQ4_0>(wp, row_bytes, n, blocks, il, op); break;
+    case kQ4_1: dequantize_any<kQ4_1>(wp, row_bytes, n, blocks, il, op); break;
+    case kQ5_0: dequantize_any<kQ5_0>(wp, row_bytes, n, blocks, il, op); break;
+    case kQ5_1: dequantize_any<kQ5_1>(wp, row_bytes, n, blocks, il, op); break;
+    default: dequantize_any<kQ8_0>(wp, row_bytes, n, blocks, il, op); break;
+  }
   return out;
 }
 
@@ -431,8 +486,10 @@ at::Tensor dequantize(const at::Tensor& w, int64_t qtype, int64_t k) {
 // it replaces (gemv, silu and mul, gemv); at batch 1 their Python, not their bytes, is what
 // one call saves.
 at::Tensor gguf_mlp(const at::Tensor& x, const at::Tensor& gate_up, int64_t gate_up_type,
-                    const at::Tensor& down, int64_t down_type) {
-  const at::Tensor h = gemv(x, gate_up, gate_up_type);
+                    bool gate_up_interleaved, const at::Tensor& down, int64_t down_type,
+                    bool down_interleaved) {
+  const at::Tensor h = gemv(x, gate_up, gate_up_type, gate_up_interleaved);
   const int64_t f = h.size(1) / 2;
-  return gemv(at::silu(h.narrow(1, 0, f)).mul_(h.narrow(1, f, f)), down, down_type);
+  return gemv(at::silu(h.narrow(1, 0, f)).mul_(h.narrow(1, f, f)), down, down_type,
+              down_interleaved);
 }

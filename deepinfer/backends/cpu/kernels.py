@@ -18,11 +18,15 @@ from deepinfer.core.config import cache_dir
 
 log = logging.getLogger(__name__)
 _HERE = os.path.dirname(os.path.abspath(__file__))
-_SOURCES = [os.path.join(_HERE, f)
-            for f in ("bindings.cpp", "gguf_kernels.cpp", "gguf_kquants.cpp", "fused_ops.cpp")]
+_SOURCES = [os.path.join(_HERE, f) for f in ("bindings.cpp", "gguf_kernels.cpp",
+                                             "gguf_kquants.cpp", "gguf_rows8.cpp", "fused_ops.cpp")]
 # The GGUF block types the kernels run (models/quant kinds).
 GGUF_KINDS = ("gguf:Q4_0", "gguf:Q4_1", "gguf:Q5_0", "gguf:Q5_1", "gguf:Q8_0", "gguf:Q4_K",
               "gguf:Q5_K", "gguf:Q6_K")
+# The block types whose rows the batch-1 GEMV takes interleaved in groups of INTERLEAVE
+# (gguf_rows8.cpp; GGML type numbers), where the extension is built with AVX2.
+INTERLEAVED_TYPES = (2, 3, 8)  # Q4_0, Q4_1, Q8_0
+INTERLEAVE = 8
 # Rows of x the integer-dot GEMV takes in one call (kMaxRows in the source); a step with more
 # tokens dequantizes the weight and runs a float32 GEMM instead.
 MAX_GEMV_ROWS = 16
@@ -63,6 +67,13 @@ def _header_digest() -> str:
         return hashlib.sha1(f.read()).hexdigest()[:10]
 
 
+def interleaves(weight) -> bool:
+    """Whether the batch-1 GEMV runs faster on this GGUF weight with its rows interleaved:
+    its type has the kernel and the build has the vectors for it."""
+    return weight.qtype in INTERLEAVED_TYPES and weight.shape[0] % INTERLEAVE == 0 and \
+        _vector_flags()[0] != "portable"
+
+
 @functools.lru_cache(maxsize=None)
 def extension():
     """The compiled module (bindings.cpp lists its functions)."""
@@ -98,15 +109,16 @@ def fusable(kernels, *tensors: torch.Tensor) -> bool:
 
 
 def gguf_linear(x: torch.Tensor, blocks: torch.Tensor, qtype: int, in_features: int,
-                bf16: bool = False) -> torch.Tensor:
-    """x [T, K] @ W.T for W [N, K] held as GGUF blocks [N, row_bytes]; float32 out. Above
-    MAX_GEMV_ROWS rows the weight is dequantized for one GEMM, in bfloat16 with `bf16` (x
-    rounded to bfloat16 too: as llama.cpp rounds x to 8 bits for its quantized dot products)."""
+                bf16: bool = False, interleaved: bool = False) -> torch.Tensor:
+    """x [T, K] @ W.T for W [N, K] held as GGUF blocks [N, row_bytes] (rows interleaved by
+    INTERLEAVE with `interleaved`); float32 out. Above MAX_GEMV_ROWS rows the weight is
+    dequantized for one GEMM, in bfloat16 with `bf16` (x rounded to bfloat16 too: as llama.cpp
+    rounds x to 8 bits for its quantized dot products)."""
     ext = extension()
     x = x.float()
     if x.shape[0] <= MAX_GEMV_ROWS:
-        return ext.gemv(x, blocks, qtype)
-    w = ext.dequantize(blocks, qtype, in_features)
+        return ext.gemv(x, blocks, qtype, interleaved)
+    w = ext.dequantize(blocks, qtype, in_features, interleaved)
     if bf16:
         return torch.nn.functional.linear(x.bfloat16(), w.bfloat16()).float()
     return torch.nn.functional.linear(x, w)

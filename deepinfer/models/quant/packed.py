@@ -59,14 +59,18 @@ class PackedWeight(nn.Module, metaclass=ABCMeta):
 
 class GGUFWeight(PackedWeight):
     """GGUF blocks as the file stores them: uint8 [N, K/values * block bytes] (Q4_0, Q4_1,
-    Q5_0, Q5_1, Q8_0; Q4_K, Q5_K, Q6_K)."""
+    Q5_0, Q5_1, Q8_0; Q4_K, Q5_K, Q6_K). A backend may store the same bytes with the rows
+    interleaved in groups (interleave_rows; `interleaved` says the group, 0 for the file's
+    layout): block b of a group's rows side by side, in 2-byte units, so that one vector lane
+    follows one row (the CPU's batch-1 GEMV, backends/cpu/gguf_rows8.cpp)."""
 
     def __init__(self, shape: tuple[int, int], qtype: int) -> None:
         super().__init__(shape)
         kind = GGMLQuantizationType(qtype)
         values, nbytes = GGML_QUANT_SIZES[kind]
-        self.qtype = qtype
+        self.qtype, self.block_bytes = qtype, nbytes
         self.kind = f"gguf:{kind.name}"
+        self.interleaved = 0
         self.register_buffer("blocks", torch.empty(shape[0], shape[1] // values * nbytes,
                                                    dtype=torch.uint8))
 
@@ -75,11 +79,38 @@ class GGUFWeight(PackedWeight):
         if not isinstance(tensor, GGUFTensor) or tensor.qtype != self.qtype:
             raise TypeError(f"a {self.kind} weight loads GGUF blocks of its own type, not "
                             f"{getattr(tensor, 'kind', tensor.dtype)}")
+        self.interleave_rows(0)  # rows land in the file's layout; a backend interleaves again
         start, end = rows or (0, self.shape[0])
         self.blocks[start:end].copy_(tensor.blocks)
 
+    def interleave_rows(self, group: int) -> None:
+        """Store the blocks with the rows interleaved in groups of `group` (0: the file's
+        layout), in place: [N/g, g, B, S/2, 2] 2-byte units -> [N/g, B, S/2, g, 2]."""
+        if group == self.interleaved:
+            return
+        file_layout = self.file_blocks()
+        if group:
+            units = file_layout.view(-1, group, self._num_blocks(), self.block_bytes // 2, 2)
+            file_layout = units.permute(0, 2, 3, 1, 4).reshape(self.blocks.shape)
+        self.blocks.copy_(file_layout)
+        self.interleaved = group
+
+    def file_blocks(self, groups: torch.Tensor | None = None) -> torch.Tensor:
+        """The blocks in the file's layout: every row, or (interleaved) the rows of these row
+        groups."""
+        g = self.interleaved
+        if not g:
+            return self.blocks
+        units = self.blocks.view(-1, self._num_blocks(), self.block_bytes // 2, g, 2)
+        if groups is not None:
+            units = units[groups]
+        return units.permute(0, 3, 1, 2, 4).reshape(-1, self.blocks.shape[1])
+
+    def _num_blocks(self) -> int:
+        return self.blocks.shape[1] // self.block_bytes
+
     def dequantize(self) -> torch.Tensor:
-        return GGUFTensor(self.blocks.cpu(), self.qtype, tuple(self.shape)).dequantize()
+        return GGUFTensor(self.file_blocks().cpu(), self.qtype, tuple(self.shape)).dequantize()
 
     def init_dummy(self, generator: torch.Generator, std: float) -> None:
         # Only a checkpoint's own blocks are kept packed: with load_format="dummy" there is
@@ -87,7 +118,13 @@ class GGUFWeight(PackedWeight):
         raise ValueError("GGUF blocks come from a .gguf file; load_format='dummy' makes none")
 
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
-        rows = self.blocks.index_select(0, ids.reshape(-1)).cpu()
+        ids, g = ids.reshape(-1), self.interleaved
+        if g:  # the row groups holding the ids, restored; then the ids' rows among them
+            groups, where = torch.unique(ids // g, return_inverse=True)
+            rows = self.file_blocks(groups)[where * g + ids % g]
+        else:
+            rows = self.blocks.index_select(0, ids)
+        rows = rows.cpu()
         return GGUFTensor(rows, self.qtype, (rows.shape[0], self.shape[1])).dequantize()
 
 
