@@ -88,10 +88,15 @@ class DecoderStack(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: Any) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
-        residual = None
-        for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual, self.rope_cos, self.rope_sin,
-                                     meta)
+        fused = self.ops.decoder_layers(self.layers, positions, hidden, self.rope_cos,
+                                        self.rope_sin, meta)
+        if fused is not None:
+            hidden, residual = fused
+        else:
+            residual = None
+            for layer in self.layers:
+                hidden, residual = layer(positions, hidden, residual, self.rope_cos,
+                                         self.rope_sin, meta)
         hidden, _ = self.ops.add_rms_norm(hidden, residual, self.norm, self.eps)
         return hidden
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -145,6 +145,14 @@ class ModelOps(ABC):
         if isinstance(weight, PackedWeight):
             return self.packed_linear(x, weight, bias)
         return F.linear(x, weight, bias)
+
+    def decoder_layers(self, layers: Sequence[torch.nn.Module], positions: torch.Tensor,
+                       hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: Any
+                       ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A backend's own run of a whole decoder stack for this step: (hidden, residual)
+        after the last layer, as the layers one by one would give them; or None, and the
+        model runs its layers. The reference runs none."""
+        return None
 
     def prepare_weights(self, model: torch.nn.Module) -> None:
         """Called once the model's weights are loaded (and again after weights move): a backend

@@ -46,11 +46,13 @@ def test_kernels_equal_the_dequantized_weight(qtype, k):
         torch.testing.assert_close(y, x @ reference.T, rtol=1e-4, atol=2e-3)
 
 
-def _expected(x: torch.Tensor, w: GGUFTensor, reference: torch.Tensor) -> torch.Tensor:
-    """What the kernels compute: more rows multiply x as it is (the dequantized weight's
-    products in float32, summation order only); batch 1 multiplies x rounded to int16 per
-    32-column block by the block's centred values, and x as it is by Q4_1's offset."""
-    if x.shape[0] > 1:
+def _expected(x: torch.Tensor, w: GGUFTensor, reference: torch.Tensor,
+              int16_rows: int = 1) -> torch.Tensor:
+    """What the kernels compute: up to int16_rows rows (the file layout's GEMV: 1; with rows
+    interleaved: MAX_GEMV_ROWS), x rounded to int16 per 32-column block times the block's
+    centred values, and x as it is times Q4_1's offset; more rows multiply x as it is (the
+    dequantized weight's products in float32, summation order only)."""
+    if x.shape[0] > int16_rows:
         return x @ reference.T
     x16 = _int16_blocks(x)
     return x16 @ reference.T + (x - x16) @ _q4_1_offsets(w).T
@@ -61,9 +63,9 @@ def _expected(x: torch.Tensor, w: GGUFTensor, reference: torch.Tensor) -> torch.
 @pytest.mark.parametrize("k", [96, 576, 1536])
 def test_interleaved_rows_compute_what_the_file_layout_does(qtype, k):
     """Rows interleaved by 8 (gguf_rows8.cpp): the weight's bytes reorder in place and back,
-    dequantize and embedding lookups read them as the file's, and the kernels give the file
-    layout's results: batch 1 through its own GEMV (the same integers, float rounding of the
-    scales apart), several rows and the GEMM through groups restored to the file's layout."""
+    dequantize and embedding lookups read them as the file's, and the kernels compute what
+    the file layout's batch-1 GEMV does (the same integers, float rounding of the scales
+    apart) for every row up to MAX_GEMV_ROWS; the GEMM's dequantization restores groups."""
     w = _blocks(48, k, GGMLQuantizationType(qtype))
     packed = GGUFWeight(w.shape, qtype)
     packed.load_rows(w, None)
@@ -75,15 +77,17 @@ def test_interleaved_rows_compute_what_the_file_layout_does(qtype, k):
     ids = torch.tensor([47, 3, 8, 3, 0])
     assert torch.equal(packed.lookup(ids), reference[ids])
     assert torch.equal(extension().dequantize(packed.blocks, qtype, k, True), reference)
-    for m in (1, 5, MAX_GEMV_ROWS + 4):
+    for m in (1, 3, 5, MAX_GEMV_ROWS, MAX_GEMV_ROWS + 4):  # 4 rows a pass, and a tail
         x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
         y = gguf_linear(x, packed.blocks, qtype, k, interleaved=True)
-        file_y = gguf_linear(x, w.blocks, qtype, k)
+        expected = _expected(x, w, reference, int16_rows=MAX_GEMV_ROWS)
+        torch.testing.assert_close(y, expected, rtol=5e-5, atol=2e-4)  # float32 sum orders
         if m == 1:
+            file_y = gguf_linear(x, w.blocks, qtype, k)
             torch.testing.assert_close(y, file_y, rtol=2e-6, atol=1e-5)
-            torch.testing.assert_close(y, _expected(x, w, reference), rtol=1e-5, atol=1e-4)
-        else:
-            assert torch.equal(y, file_y)
+        # each row as it would be alone: the same bits at any batch
+        assert torch.equal(y[-1:], gguf_linear(x[-1:], packed.blocks, qtype, k,
+                                               interleaved=True)) or m > MAX_GEMV_ROWS
     packed.load_rows(w.rows(0, 8), (8, 16))  # loading rows goes back to the file's layout
     assert packed.interleaved == 0
     assert torch.equal(packed.blocks[8:16], w.blocks[:8])
@@ -188,6 +192,33 @@ def test_tiny_gguf_is_served_packed(tmp_path, tokenizer):  # noqa: F811
     with torch.no_grad():
         logits = reference(torch.tensor([ids + plain])).logits[0, len(ids) - 1:-1]
     assert logits.argmax(-1).tolist() == plain
+
+
+def test_decode_plan_is_the_layers_one_by_one(tmp_path, tokenizer, monkeypatch):  # noqa: F811
+    """A one-sequence decode step of a GGUF llama stack runs as one C++ call
+    (decode_plan.py): greedy tokens and their logprobs equal the layer-by-layer path's to the
+    bit, for Q4_1 (interleaved rows) and Q5_0 (the file's layout) weights."""
+    from deepinfer.backends.cpu import decode_plan
+
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=3)
+    for qtype in (GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q5_0):
+        original = tiny_model("llama", tokenizer.get_vocab_size(), tied=True)
+        write_gguf(tmp_path / f"{qtype.name}.gguf", original, tokenizer, qtype)
+        folder = convert_gguf(str(tmp_path / f"{qtype.name}.gguf"),
+                              str(tmp_path / qtype.name), progress=False)
+        ids = [tokenizer.encode(TEXT).ids[:12], tokenizer.encode(TEXT).ids[3:9]]
+        runs = []
+        for plans in (True, False):
+            if not plans:
+                monkeypatch.setattr(decode_plan, "build", lambda *args: None)
+            llm = LLM(folder, accelerator="cpu", kv_cache_memory_gb=0.05, block_size=16)
+            outs = [llm.generate([prompt], params)[0].outputs[0] for prompt in ids]
+            runs.append([(o.token_ids, o.logprobs) for o in outs])
+            built = list(llm.engine.accelerator.runner.ops._plans.values())
+            assert [p[0] is not None for p in built] == [plans]
+            llm.engine.shutdown()
+        monkeypatch.undo()
+        assert runs[0] == runs[1]
 
 
 def test_packed_gguf_with_the_host_tier(tmp_path, tokenizer):  # noqa: F811

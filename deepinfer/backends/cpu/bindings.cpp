@@ -5,6 +5,8 @@
 #include <ATen/core/Tensor.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include "decode_layers.h"
+
 at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, int64_t qtype, bool interleaved);
 at::Tensor dequantize(const at::Tensor& w, int64_t qtype, int64_t k, bool interleaved);
 at::Tensor gguf_mlp(const at::Tensor& x, const at::Tensor& gate_up, int64_t gate_up_type,
@@ -39,4 +41,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "the step's K/V into the cache, then one query per sequence over it");
   m.def("rotary_decode_attention", &rotary_decode_attention,
         "rotary of q and k in place, then decode_attention");
+  py::class_<GGUFLinear>(m, "GGUFLinear")
+      .def(py::init<at::Tensor, int64_t, bool>(), py::arg("blocks"), py::arg("qtype"),
+           py::arg("interleaved"));
+  py::class_<DecodeLayers>(m, "DecodeLayers")
+      .def(py::init<double, int64_t, int64_t, int64_t>(), py::arg("eps"), py::arg("heads"),
+           py::arg("kv_heads"), py::arg("head_dim"))
+      .def("add_layer", &DecodeLayers::add_layer)
+      .def("run", &DecodeLayers::run,
+           "(hidden, residual) after every layer's decode step (decode_layers.cpp)")
+      .def_property_readonly("num_layers", &DecodeLayers::num_layers);
 }

@@ -13,9 +13,9 @@
 // default model's first answer token).
 // Each weight byte is read once for all rows of x. Prefill (many rows) is compute-bound:
 // dequantize() writes float32 rows for a BLAS GEMM instead. The backend stores Q4_0, Q4_1 and
-// Q8_0 weights with their rows interleaved by 8 (gguf_rows8.cpp: the batch-1 GEMV there, one
-// row per vector lane); several rows and dequantize() take those a group of 8 rows at a time,
-// restored to the file's layout.
+// Q8_0 weights with their rows interleaved by 8 (gguf_rows8.cpp: their GEMV, one row per
+// vector lane, x rounded to int16 at every row count); dequantize() takes those a group of 8
+// rows at a time, restored to the file's layout.
 // ATen's tensor and the few ops used here, not <torch/extension.h>: that header (all of
 // libtorch's C++ API and the Python bindings) is most of the build's time; only bindings.cpp
 // needs the bindings.
@@ -375,8 +375,8 @@ void check_weight(const at::Tensor& w, int64_t qtype, int64_t k, bool interleave
               kInterleave);
 }
 
-// Several rows of x (or a build without AVX2) over an interleaved weight: each group of 8
-// rows restored to the file's layout in a buffer, then row_dot as for the file's rows.
+// An interleaved weight in a build without AVX2: each group of 8 rows restored to the file's
+// layout in a buffer, then row_dot as for the file's rows.
 template <int64_t QT>
 void gemv_groups(const uint8_t* w, int64_t n, int64_t blocks, const float* x, int64_t k,
                  const std::vector<float>* sums, int64_t rows, float* y) {
@@ -399,7 +399,7 @@ void gemv_any(const uint8_t* w, int64_t row_stride, int64_t n, int64_t blocks, c
               float* y) {
   if (!interleaved) {
     gemv_rows<QT>(w, row_stride, n, blocks, x, k, sums, rows, y);
-  } else if (rows > 1 || !interleaved_gemv1(w, n, blocks, x, QT, y)) {
+  } else if (!interleaved_gemv(w, n, blocks, x, k, rows, QT, y)) {
     gemv_groups<QT>(w, n, blocks, x, k, sums, rows, y);
   }
 }

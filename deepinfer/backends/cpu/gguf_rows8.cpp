@@ -17,12 +17,15 @@
 // (Q8_0: values 2j, 2j+1). Widened to int16, lane pair (2r, 2r+1) is row r's pair of values:
 // vpmaddwd against the broadcast x pair gives row r's two products in 32-bit lane r.
 //
-// The integers are the file-layout GEMV's (x rounded to int16 per block; Q4 values centred by
-// subtracting 8 * the block's sum of x's integers, exact), so the results equal it up to the
-// float rounding of the scale products. Several rows of x and the GEMM's dequantization take
-// the interleaved weight a group at a time, restored to the file's layout in a small buffer.
+// The integers are the file-layout batch-1 GEMV's (x rounded to int16 per block; Q4 values
+// centred by subtracting 8 * the block's sum of x's integers, exact), so the results equal it
+// up to the float rounding of the scale products. Several rows of x (up to 16) are each
+// rounded so, and up to 4 of them share each expanded block: a sequence's products do not
+// depend on its batch. The GEMM's dequantization (and builds without AVX2) take the weight a
+// group at a time, restored to the file's layout in a small buffer.
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -53,6 +56,24 @@ namespace {
 
 using namespace deepinfer_gguf;
 
+constexpr int kRowsAPass = 4;  // rows of x dotted with a group's expanded block at once
+
+// A row of x as the kernels take it: rounded to int16 per block, each block's sum of those
+// integers (Q4's centring), and its float sum (Q4_1's minimum).
+struct XRow {
+  Int16Row q;
+  std::vector<int32_t> int_sums;
+  std::vector<float> sums;
+
+  static XRow of(const float* x, int64_t blocks) {
+    XRow row{round_to_int16(x, blocks), std::vector<int32_t>(blocks, 0), block_sums(x, blocks)};
+    for (int64_t b = 0; b < blocks; ++b) {
+      for (int i = 0; i < kBlock; ++i) row.int_sums[b] += row.q.q[b * kBlock + i];
+    }
+    return row;
+  }
+};
+
 #ifdef DEEPINFER_AVX2
 // acc + the int16 pairs of v times the pair at x (two int16), per 32-bit lane.
 inline __m256i dot_pairs(__m256i acc, __m256i v, const int16_t* x) {
@@ -65,56 +86,91 @@ inline __m256i dot_pairs(__m256i acc, __m256i v, const int16_t* x) {
 #endif
 }
 
-// One block of 8 interleaved rows: per row, the integer dot of its 32 values (Q4: as stored,
-// 0..15) with x's 32 int16, in lane r. Four accumulators keep the multiply-adds' latency off
-// the critical path.
+// A group's block of 8 interleaved rows as int16 vectors, lane pair (2r, 2r+1) row r's
+// values: Q4: v[2j] its values (2j, 2j+1) as stored (0..15), v[2j+1] values (16+2j, 17+2j);
+// Q8_0: v[j] values (2j, 2j+1). Expanded once for every row of x.
 template <int64_t QT>
-inline __m256i group_block_dot(const uint8_t* quants, const int16_t* x) {
+inline void expand_group_block(const uint8_t* quants, __m256i v[16]) {
+  for (int j = 0; j < (QT == kQ8_0 ? 16 : 8); ++j) {
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(quants + 16 * j));
+    if (QT == kQ8_0) {
+      v[j] = _mm256_cvtepi8_epi16(bytes);
+    } else {
+      const __m256i wide = _mm256_cvtepu8_epi16(bytes);
+      v[2 * j] = _mm256_and_si256(wide, _mm256_set1_epi16(0x0f));
+      v[2 * j + 1] = _mm256_srli_epi16(wide, 4);
+    }
+  }
+}
+
+// Per row r (lane r), the integer dot of its 32 values with x's 32 int16. Four accumulators
+// keep the multiply-adds' latency off the critical path.
+template <int64_t QT>
+inline __m256i group_block_dot(const __m256i v[16], const int16_t* x) {
   __m256i s[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(),
                   _mm256_setzero_si256()};
-  if (QT == kQ8_0) {
-    for (int j = 0; j < 16; ++j) {
-      const __m256i v = _mm256_cvtepi8_epi16(
-          _mm_loadu_si128(reinterpret_cast<const __m128i*>(quants + 16 * j)));
-      s[j & 3] = dot_pairs(s[j & 3], v, x + 2 * j);
-    }
-  } else {
-    for (int j = 0; j < 8; ++j) {
-      const __m256i bytes = _mm256_cvtepu8_epi16(
-          _mm_loadu_si128(reinterpret_cast<const __m128i*>(quants + 16 * j)));
+  for (int j = 0; j < (QT == kQ8_0 ? 16 : 8); ++j) {
+    if (QT == kQ8_0) {
+      s[j & 3] = dot_pairs(s[j & 3], v[j], x + 2 * j);
+    } else {
       const int a = (j & 1) * 2;
-      s[a] = dot_pairs(s[a], _mm256_and_si256(bytes, _mm256_set1_epi16(0x0f)), x + 2 * j);
-      s[a + 1] = dot_pairs(s[a + 1], _mm256_srli_epi16(bytes, 4), x + 16 + 2 * j);
+      s[a] = dot_pairs(s[a], v[2 * j], x + 2 * j);
+      s[a + 1] = dot_pairs(s[a + 1], v[2 * j + 1], x + 16 + 2 * j);
     }
   }
   return _mm256_add_epi32(_mm256_add_epi32(s[0], s[1]), _mm256_add_epi32(s[2], s[3]));
 }
 
-// The 8 rows of group `group` (its blocks) times one int16 row of x: out[0..8).
+// The 8 rows of a group (its blocks) times R rows of x: out[r * out_stride + m] for weight
+// row r and x row m. Per row of x:
 // Q4_0: d * (q - 8) . x, the centring as 8 * sum(x's integers) per block (exact integers);
 // Q4_1: d * (q - 8) . x as Q4_0's, plus (m + 8d) * sum(x) in float (the file-layout GEMV's
 // split, so both round x the same way); Q8_0: d * q . x.
-template <int64_t QT>
-void group_dot1(const uint8_t* group, int64_t blocks, const Int16Row& x,
-                const std::vector<int32_t>& int_sums, const float* sums, float* out) {
+template <int64_t QT, int R>
+void group_dot(const uint8_t* group, int64_t blocks, const XRow* x, float* out,
+               int64_t out_stride) {
   constexpr int64_t s = block_bytes(QT);
   constexpr int64_t header = (QT == kQ4_1 ? 4 : 2) * kInterleave;  // d (and m) of 8 rows
-  __m256 acc = _mm256_setzero_ps(), offsets = _mm256_setzero_ps();
+  __m256 acc[R], offsets[R];
+  for (int m = 0; m < R; ++m) acc[m] = offsets[m] = _mm256_setzero_ps();
+  __m256i v[16];
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* block = group + b * kInterleave * s;
-    __m256i dot = group_block_dot<QT>(block + header, x.q.data() + b * kBlock);
-    if (QT != kQ8_0) dot = _mm256_sub_epi32(dot, _mm256_set1_epi32(8 * int_sums[b]));
+    expand_group_block<QT>(block + header, v);
     const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block)));
-    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(d, _mm256_set1_ps(x.scale[b])),
-                          acc);
+    __m256 m8 = _mm256_setzero_ps();
     if (QT == kQ4_1) {
-      const __m256 m = _mm256_cvtph_ps(
+      const __m256 mins = _mm256_cvtph_ps(
           _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 2 * kInterleave)));
-      offsets = _mm256_fmadd_ps(_mm256_fmadd_ps(_mm256_set1_ps(8.f), d, m),
-                                _mm256_set1_ps(sums[b]), offsets);
+      m8 = _mm256_fmadd_ps(_mm256_set1_ps(8.f), d, mins);
+    }
+    for (int m = 0; m < R; ++m) {
+      __m256i dot = group_block_dot<QT>(v, x[m].q.q.data() + b * kBlock);
+      if (QT != kQ8_0) dot = _mm256_sub_epi32(dot, _mm256_set1_epi32(8 * x[m].int_sums[b]));
+      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot),
+                               _mm256_mul_ps(d, _mm256_set1_ps(x[m].q.scale[b])), acc[m]);
+      if (QT == kQ4_1) {
+        offsets[m] = _mm256_fmadd_ps(m8, _mm256_set1_ps(x[m].sums[b]), offsets[m]);
+      }
     }
   }
-  _mm256_storeu_ps(out, _mm256_add_ps(acc, offsets));
+  for (int m = 0; m < R; ++m) {
+    alignas(32) float lanes[kInterleave];
+    _mm256_store_ps(lanes, _mm256_add_ps(acc[m], offsets[m]));
+    for (int r = 0; r < kInterleave; ++r) out[r * out_stride + m] = lanes[r];
+  }
+}
+
+// Rows [m0, m0 + R) of x against group g, R up to kRowsAPass.
+template <int64_t QT>
+void group_rows(const uint8_t* group, int64_t blocks, const XRow* x, int rows, float* out,
+                int64_t out_stride) {
+  switch (rows) {
+    case 1: group_dot<QT, 1>(group, blocks, x, out, out_stride); break;
+    case 2: group_dot<QT, 2>(group, blocks, x, out, out_stride); break;
+    case 3: group_dot<QT, 3>(group, blocks, x, out, out_stride); break;
+    default: group_dot<QT, 4>(group, blocks, x, out, out_stride); break;
+  }
 }
 #endif
 
@@ -122,30 +178,29 @@ void group_dot1(const uint8_t* group, int64_t blocks, const Int16Row& x,
 
 namespace deepinfer_gguf {
 
-bool interleaved_gemv1(const uint8_t* w, int64_t n, int64_t blocks, const float* x,
-                       int64_t qtype, float* y) {
+bool interleaved_gemv(const uint8_t* w, int64_t n, int64_t blocks, const float* x, int64_t k,
+                      int64_t rows, int64_t qtype, float* y) {
 #ifdef DEEPINFER_AVX2
-  const Int16Row xq = round_to_int16(x, blocks);
-  std::vector<int32_t> int_sums(blocks, 0);
-  for (int64_t b = 0; b < blocks; ++b) {
-    for (int i = 0; i < kBlock; ++i) int_sums[b] += xq.q[b * kBlock + i];
-  }
-  const std::vector<float> sums = block_sums(x, blocks);
+  std::vector<XRow> xs;
+  for (int64_t m = 0; m < rows; ++m) xs.push_back(XRow::of(x + m * k, blocks));
   const int64_t group_bytes = kInterleave * blocks * block_bytes(qtype);
   at::parallel_for(0, n / kInterleave, 8, [&](int64_t begin, int64_t end) {
     for (int64_t g = begin; g < end; ++g) {
       const uint8_t* group = w + g * group_bytes;
-      float* out = y + g * kInterleave;
-      switch (qtype) {
-        case kQ4_0: group_dot1<kQ4_0>(group, blocks, xq, int_sums, sums.data(), out); break;
-        case kQ4_1: group_dot1<kQ4_1>(group, blocks, xq, int_sums, sums.data(), out); break;
-        default: group_dot1<kQ8_0>(group, blocks, xq, int_sums, sums.data(), out); break;
+      for (int64_t m0 = 0; m0 < rows; m0 += kRowsAPass) {
+        const int r = static_cast<int>(std::min<int64_t>(kRowsAPass, rows - m0));
+        float* out = y + g * kInterleave * rows + m0;
+        switch (qtype) {
+          case kQ4_0: group_rows<kQ4_0>(group, blocks, xs.data() + m0, r, out, rows); break;
+          case kQ4_1: group_rows<kQ4_1>(group, blocks, xs.data() + m0, r, out, rows); break;
+          default: group_rows<kQ8_0>(group, blocks, xs.data() + m0, r, out, rows); break;
+        }
       }
     }
   });
   return true;
 #else
-  (void)w, (void)n, (void)blocks, (void)x, (void)qtype, (void)y;
+  (void)w, (void)n, (void)blocks, (void)x, (void)k, (void)rows, (void)qtype, (void)y;
   return false;
 #endif
 }

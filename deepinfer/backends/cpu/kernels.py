@@ -19,7 +19,9 @@ from deepinfer.core.config import cache_dir
 log = logging.getLogger(__name__)
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _SOURCES = [os.path.join(_HERE, f) for f in ("bindings.cpp", "gguf_kernels.cpp",
-                                             "gguf_kquants.cpp", "gguf_rows8.cpp", "fused_ops.cpp")]
+                                             "gguf_kquants.cpp", "gguf_rows8.cpp",
+                                             "fused_ops.cpp", "decode_layers.cpp")]
+_HEADERS = ("gguf_blocks.h", "decode_layers.h")
 # The GGUF block types the kernels run (models/quant kinds).
 GGUF_KINDS = ("gguf:Q4_0", "gguf:Q4_1", "gguf:Q5_0", "gguf:Q5_1", "gguf:Q8_0", "gguf:Q4_K",
               "gguf:Q5_K", "gguf:Q6_K")
@@ -63,8 +65,11 @@ def _cpu_flags() -> set[str]:
 def _header_digest() -> str:
     """torch's load() rebuilds when a source changes, not a header: a header's change makes a
     build folder of its own."""
-    with open(os.path.join(_HERE, "gguf_blocks.h"), "rb") as f:
-        return hashlib.sha1(f.read()).hexdigest()[:10]
+    digest = hashlib.sha1()
+    for header in _HEADERS:
+        with open(os.path.join(_HERE, header), "rb") as f:
+            digest.update(f.read())
+    return digest.hexdigest()[:10]
 
 
 def interleaves(weight) -> bool:

@@ -4,10 +4,11 @@ packed."""
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
+from deepinfer.backends.cpu import decode_plan
 from deepinfer.backends.cpu.attention import CPUPagedAttention
 from deepinfer.backends.cpu.kernels import (GGUF_KINDS, INTERLEAVE, MAX_GEMV_ROWS, extension,
                                             fusable, gguf_linear, interleaves, native_bf16_gemm)
@@ -51,6 +52,9 @@ class CPUOps(ModelOps):
         self.packed_kinds = GGUF_KINDS if self.kernels is not None else ()
         # A prefill's GGUF GEMMs in bfloat16 where the CPU has it (kernels.native_bf16_gemm).
         self.bf16_gemm = native_bf16_gemm()
+        # decode_plan.build's plan per decoder stack (None: the stack runs layer by layer),
+        # with the cache tensors it was built over.
+        self._plans: dict[int, tuple[Any, tuple[torch.Tensor, ...]]] = {}
 
     def prepare_weights(self, model: torch.nn.Module) -> None:
         """GGUF weights the batch-1 GEMV reads faster with their rows interleaved are stored so
@@ -60,6 +64,31 @@ class CPUOps(ModelOps):
         for module in model.modules():
             if isinstance(module, GGUFWeight) and interleaves(module):
                 module.interleave_rows(INTERLEAVE)
+        self._plans.clear()  # a plan holds the weights it was built over
+
+    def decoder_layers(self, layers: Sequence[torch.nn.Module], positions: torch.Tensor,
+                       hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: Any
+                       ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """One sequence's decode token through a plain llama stack of GGUF weights: the
+        layers' native ops called from C++ (decode_plan.py), the same results as layer by
+        layer. A subclass may override any of those ops, so it runs its layers itself."""
+        if hidden.shape[0] != 1 or hidden.dtype != torch.float32 or self.kernels is None or \
+                type(self) is not CPUOps or len(meta.groups) != 1:
+            return None
+        group = meta.groups[0]
+        plan = self._plan(layers)
+        if plan is None or group.decode_slots is None:
+            return None
+        return plan.run(hidden, positions, cos, sin, group.slot_mapping, group.decode_slots,
+                        group.decode_lens)
+
+    def _plan(self, layers: Sequence[torch.nn.Module]) -> Any | None:
+        cache = self.cache.layer(0)
+        built = self._plans.get(id(layers))
+        if built is None or any(a is not b for a, b in zip(built[1], cache)):
+            built = self._plans[id(layers)] = (decode_plan.build(self.kernels, layers,
+                                                                 self.cache), cache)
+        return built[0]
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         if fusable(self.kernels, x, weight):

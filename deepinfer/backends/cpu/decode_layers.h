@@ -1,0 +1,39 @@
+// DecodeLayers (decode_layers.cpp): a llama-family stack's decode step in one call.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cmath>
+#include <cstdint>
+#include <tuple>
+#include <vector>
+
+// A GGUF projection as the GEMV takes it.
+struct GGUFLinear {
+  at::Tensor blocks;
+  int64_t qtype;
+  bool interleaved;
+};
+
+class DecodeLayers {
+ public:
+  DecodeLayers(double eps, int64_t heads, int64_t kv_heads, int64_t head_dim);
+  void add_layer(const at::Tensor& input_norm, const at::Tensor& post_norm, GGUFLinear qkv,
+                 GGUFLinear o, GGUFLinear gate_up, GGUFLinear down, const at::Tensor& k_cache,
+                 const at::Tensor& v_cache);
+  std::tuple<at::Tensor, at::Tensor> run(at::Tensor hidden, const at::Tensor& positions,
+                                         const at::Tensor& cos, const at::Tensor& sin,
+                                         const at::Tensor& new_slots, const at::Tensor& slots,
+                                         const at::Tensor& lens) const;
+  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+
+ private:
+  struct Layer {
+    at::Tensor input_norm, post_norm;
+    GGUFLinear qkv, o, gate_up, down;
+    at::Tensor k_cache, v_cache;
+  };
+  double eps_;
+  int64_t heads_, kv_heads_, head_dim_;
+  std::vector<Layer> layers_;
+};
