@@ -70,9 +70,13 @@ LARGE_TILES = (Tiles(64, 64, 4, 3), Tiles(64, 64, 4, 4), Tiles(128, 64, 8, 3),
 SAFE_TILES = Tiles(32, 64, 4, 2)  # fits every BLOCK_M: makes the down GEMM's input
 # Few-token (GEMV) sweep: rows per program and K step, as bench_gemv's grid for small weights.
 GEMV_TOKENS = (1, 2, 4, 8)
-GEMV_GATE_UP = tuple(GemvTiles(n, k, w) for n in (1, 2, 4) for k in (256, 512, 1024)
-                     for w in (2, 4, 8))
-GEMV_DOWN = tuple(GemvTiles(n, k, w) for n in (4, 8, 16) for k in (128, 256, 512) for w in (4, 8))
+# K steps up to a whole Qwen3-30B-A3B row (2048 for gate-up; 1024 covers down's 768 in one
+# masked step): one memory round trip a program. At most 4096 weights a route a step (down's
+# tile holds the k routes': more spilled and ran 7-12x slower).
+GEMV_GATE_UP = tuple(GemvTiles(n, k, w) for n in (1, 2, 4) for k in (256, 512, 1024, 2048)
+                     for w in (2, 4, 8) if n * k <= 4096)
+GEMV_DOWN = tuple(GemvTiles(n, k, w) for n in (1, 2, 4, 8, 16) for k in (128, 256, 512, 1024)
+                  for w in (4, 8) if n * k <= 4096)
 
 
 class Problem(NamedTuple):

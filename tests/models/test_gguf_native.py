@@ -195,23 +195,27 @@ def test_tiny_gguf_is_served_packed(tmp_path, tokenizer):  # noqa: F811
 
 
 def test_decode_plan_is_the_layers_one_by_one(tmp_path, tokenizer, monkeypatch):  # noqa: F811
-    """A one-sequence decode step of a GGUF llama stack runs as one C++ call
-    (decode_plan.py): greedy tokens and their logprobs equal the layer-by-layer path's to the
-    bit, for Q4_1 (interleaved rows) and Q5_0 (the file's layout) weights."""
+    """A one-sequence decode step of a llama stack runs as one C++ call (decode_plan.py):
+    greedy tokens and their logprobs equal the layer-by-layer path's to the bit, for Q4_1
+    (interleaved rows) and Q5_0 (the file's layout) weights and for the same model
+    dequantized to float32 (at::linear and the reference gated MLP in C++)."""
     from deepinfer.backends.cpu import decode_plan
 
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=3)
-    for qtype in (GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q5_0):
+    for qtype, quantization in ((GGMLQuantizationType.Q4_1, "auto"),
+                                (GGMLQuantizationType.Q5_0, "auto"),
+                                (GGMLQuantizationType.Q5_0, "none")):
         original = tiny_model("llama", tokenizer.get_vocab_size(), tied=True)
         write_gguf(tmp_path / f"{qtype.name}.gguf", original, tokenizer, qtype)
         folder = convert_gguf(str(tmp_path / f"{qtype.name}.gguf"),
-                              str(tmp_path / qtype.name), progress=False)
+                              str(tmp_path / f"{qtype.name}-{quantization}"), progress=False)
         ids = [tokenizer.encode(TEXT).ids[:12], tokenizer.encode(TEXT).ids[3:9]]
         runs = []
         for plans in (True, False):
             if not plans:
                 monkeypatch.setattr(decode_plan, "build", lambda *args: None)
-            llm = LLM(folder, accelerator="cpu", kv_cache_memory_gb=0.05, block_size=16)
+            llm = LLM(folder, accelerator="cpu", kv_cache_memory_gb=0.05, block_size=16,
+                      quantization=quantization)
             outs = [llm.generate([prompt], params)[0].outputs[0] for prompt in ids]
             runs.append([(o.token_ids, o.logprobs) for o in outs])
             built = list(llm.engine.accelerator.runner.ops._plans.values())

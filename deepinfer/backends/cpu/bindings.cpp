@@ -41,9 +41,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "the step's K/V into the cache, then one query per sequence over it");
   m.def("rotary_decode_attention", &rotary_decode_attention,
         "rotary of q and k in place, then decode_attention");
-  py::class_<GGUFLinear>(m, "GGUFLinear")
-      .def(py::init<at::Tensor, int64_t, bool>(), py::arg("blocks"), py::arg("qtype"),
-           py::arg("interleaved"));
+  py::class_<Projection>(m, "Projection")
+      .def(py::init<at::Tensor, int64_t, bool>(), py::arg("weight"), py::arg("qtype"),
+           py::arg("interleaved"))
+      .def_readonly_static("FLOAT_WEIGHT", &Projection::kFloatWeight);
   py::class_<DecodeLayers>(m, "DecodeLayers")
       .def(py::init<double, int64_t, int64_t, int64_t>(), py::arg("eps"), py::arg("heads"),
            py::arg("kv_heads"), py::arg("head_dim"))

@@ -4,9 +4,13 @@
 // to the bit. At batch 1 a small model's layer costs ~45 us of Python around ~150 us of
 // kernels (SmolLM2-135M on two cores); here the Python runs once a step, not once a layer.
 // The CPU backend builds a DecodeLayers for a stack it recognises (decode_plan.py): llama
-// layers without biases or q/k norms, every projection a GGUF weight, one full-attention KV
-// group. Anything else takes the Python path.
+// layers without biases or q/k norms, projections of GGUF blocks or float32 weights (those a
+// GGUF file's mixed types made the loader dequantize), one full-attention KV group. Anything
+// else takes the Python path.
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/linear.h>
+#include <ATen/ops/mul.h>
+#include <ATen/ops/silu.h>
 
 #include <tuple>
 #include <vector>
@@ -28,8 +32,22 @@ at::Tensor rotary_decode_attention(at::Tensor q, at::Tensor k, const at::Tensor&
 
 namespace {
 
-at::Tensor project(const at::Tensor& x, const GGUFLinear& w) {
-  return gemv(x, w.blocks, w.qtype, w.interleaved);
+// ops.linear's two paths: GGUF blocks through the GEMV, a float weight through F.linear.
+at::Tensor project(const at::Tensor& x, const Projection& w) {
+  if (w.qtype == Projection::kFloatWeight) return at::linear(x, w.weight);
+  return gemv(x, w.weight, w.qtype, w.interleaved);
+}
+
+// ops.gated_mlp: one call where both weights are GGUF blocks (CPUOps.gated_mlp), else the
+// reference's linear, silu(gate) * up, linear.
+at::Tensor gated_mlp(const at::Tensor& x, const Projection& gate_up, const Projection& down) {
+  if (gate_up.qtype != Projection::kFloatWeight && down.qtype != Projection::kFloatWeight) {
+    return gguf_mlp(x, gate_up.weight, gate_up.qtype, gate_up.interleaved, down.weight,
+                    down.qtype, down.interleaved);
+  }
+  const at::Tensor h = project(x, gate_up);
+  const int64_t f = h.size(-1) / 2;
+  return project(at::mul(at::silu(h.narrow(-1, 0, f)), h.narrow(-1, f, f)), down);
 }
 
 }  // namespace
@@ -38,7 +56,7 @@ DecodeLayers::DecodeLayers(double eps, int64_t heads, int64_t kv_heads, int64_t 
     : eps_(eps), heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim) {}
 
 void DecodeLayers::add_layer(const at::Tensor& input_norm, const at::Tensor& post_norm,
-                             GGUFLinear qkv, GGUFLinear o, GGUFLinear gate_up, GGUFLinear down,
+                             Projection qkv, Projection o, Projection gate_up, Projection down,
                              const at::Tensor& k_cache, const at::Tensor& v_cache) {
   layers_.push_back({input_norm, post_norm, std::move(qkv), std::move(o), std::move(gate_up),
                      std::move(down), k_cache, v_cache});
@@ -70,8 +88,7 @@ std::tuple<at::Tensor, at::Tensor> DecodeLayers::run(
                                                    layer.v_cache, new_slots, slots, lens, scale);
     std::tie(h, residual) = add_rms_norm(project(out.reshape({tokens, q_size}), layer.o),
                                          residual, layer.post_norm, eps_);
-    hidden = gguf_mlp(h, layer.gate_up.blocks, layer.gate_up.qtype, layer.gate_up.interleaved,
-                      layer.down.blocks, layer.down.qtype, layer.down.interleaved);
+    hidden = gated_mlp(h, layer.gate_up, layer.down);
   }
   return {hidden, residual};
 }

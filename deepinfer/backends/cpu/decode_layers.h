@@ -8,9 +8,11 @@
 #include <tuple>
 #include <vector>
 
-// A GGUF projection as the GEMV takes it.
-struct GGUFLinear {
-  at::Tensor blocks;
+// A projection's weight: GGUF blocks as the GEMV takes them (qtype >= 0), or a float32 [N, K]
+// weight for at::linear (qtype kFloatWeight: a tensor the loader dequantized).
+struct Projection {
+  static constexpr int64_t kFloatWeight = -1;
+  at::Tensor weight;
   int64_t qtype;
   bool interleaved;
 };
@@ -18,8 +20,8 @@ struct GGUFLinear {
 class DecodeLayers {
  public:
   DecodeLayers(double eps, int64_t heads, int64_t kv_heads, int64_t head_dim);
-  void add_layer(const at::Tensor& input_norm, const at::Tensor& post_norm, GGUFLinear qkv,
-                 GGUFLinear o, GGUFLinear gate_up, GGUFLinear down, const at::Tensor& k_cache,
+  void add_layer(const at::Tensor& input_norm, const at::Tensor& post_norm, Projection qkv,
+                 Projection o, Projection gate_up, Projection down, const at::Tensor& k_cache,
                  const at::Tensor& v_cache);
   std::tuple<at::Tensor, at::Tensor> run(at::Tensor hidden, const at::Tensor& positions,
                                          const at::Tensor& cos, const at::Tensor& sin,
@@ -30,7 +32,7 @@ class DecodeLayers {
  private:
   struct Layer {
     at::Tensor input_norm, post_norm;
-    GGUFLinear qkv, o, gate_up, down;
+    Projection qkv, o, gate_up, down;
     at::Tensor k_cache, v_cache;
   };
   double eps_;

@@ -69,9 +69,9 @@ class CPUOps(ModelOps):
     def decoder_layers(self, layers: Sequence[torch.nn.Module], positions: torch.Tensor,
                        hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: Any
                        ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """One sequence's decode token through a plain llama stack of GGUF weights: the
-        layers' native ops called from C++ (decode_plan.py), the same results as layer by
-        layer. A subclass may override any of those ops, so it runs its layers itself."""
+        """One sequence's decode token through a plain llama stack in float32: the layers'
+        native ops called from C++ (decode_plan.py), the same results as layer by layer. A
+        subclass may override any of those ops, so it runs its layers itself."""
         if hidden.shape[0] != 1 or hidden.dtype != torch.float32 or self.kernels is None or \
                 type(self) is not CPUOps or len(meta.groups) != 1:
             return None
