@@ -4,25 +4,26 @@
 // ends in 8 partial lanes that need their own float scale, and each row ends in a horizontal
 // sum. With 8 rows side by side each vector lane is one row: the x pair a multiply-add needs is
 // one broadcast shared by the 8 rows, a block's 8 scales are one fp16 load, and the 8 results
-// come out as one vector. The CPU backend interleaves Q4_0, Q4_1 and Q8_0 weights of N % 8 == 0
-// rows once at load (CPUOps.prepare_weights; GGUFWeight.interleave) -- the bytes are the
-// file's, reordered:
+// come out as one vector. The CPU backend interleaves Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 weights
+// of N % 8 == 0 rows once at load (CPUOps.prepare_weights; GGUFWeight.interleave_rows) -- the
+// bytes are the file's, reordered:
 //
 //   the file's [N, B blocks, S bytes] seen as 2-byte units [N/8, 8 rows, B, S/2, 2]
 //   is stored as                                          [N/8, B, S/2, 8 rows, 2].
 //
-// So in a group's block: Q4_0 and Q8_0 start with the 8 rows' fp16 d, Q4_1 with the 8 d then
-// the 8 m; then 16 bytes per unit j of nibble pairs (Q4: row r's bytes 2j and 2j+1, i.e.
-// values 2j, 2j+1 in the low nibbles and 16+2j, 17+2j in the high ones) or of int8 pairs
-// (Q8_0: values 2j, 2j+1). Widened to int16, lane pair (2r, 2r+1) is row r's pair of values:
-// vpmaddwd against the broadcast x pair gives row r's two products in 32-bit lane r.
+// So a group's block holds the 8 rows' fp16 d, then (Q4_1, Q5_1) their 8 m, then (Q5) the low
+// and the high 16 bits of their fifth bits, then 16 bytes per unit j of nibble pairs (row r's
+// bytes 2j and 2j+1: values 2j, 2j+1 in the low nibbles and 16+2j, 17+2j in the high ones) or
+// of int8 pairs (Q8_0: values 2j, 2j+1). Widened to int16, lane pair (2r, 2r+1) is row r's
+// pair of values: vpmaddwd against the broadcast x pair gives row r's two products in 32-bit
+// lane r.
 //
-// The integers are the file-layout batch-1 GEMV's (x rounded to int16 per block; Q4 values
-// centred by subtracting 8 * the block's sum of x's integers, exact), so the results equal it
-// up to the float rounding of the scale products. Several rows of x (up to 16) are each
-// rounded so, and up to 4 of them share each expanded block: a sequence's products do not
-// depend on its batch. The GEMM's dequantization (and builds without AVX2) take the weight a
-// group at a time, restored to the file's layout in a small buffer.
+// The integers are the file-layout batch-1 GEMV's (x rounded to int16 per block; Q4/Q5
+// values centred by subtracting 8 or 16 * the block's sum of x's integers, exact), so the
+// results equal it up to the float rounding of the scale products. Several rows of x (up to
+// 16) are each rounded so, and up to 4 of them share each expanded block: a sequence's
+// products do not depend on its batch. The GEMM's dequantization (and builds without AVX2)
+// take the weight a group at a time, restored to the file's layout in a small buffer.
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -34,7 +35,9 @@
 
 namespace deepinfer_gguf {
 
-bool interleavable(int64_t qtype) { return qtype == kQ4_0 || qtype == kQ4_1 || qtype == kQ8_0; }
+bool interleavable(int64_t qtype) {
+  return qtype == kQ4_0 || qtype == kQ4_1 || qtype == kQ5_0 || qtype == kQ5_1 || qtype == kQ8_0;
+}
 
 // Group g's rows in the file's layout: out [8, blocks * S].
 void restore_group(const uint8_t* w, int64_t blocks, int64_t qtype, int64_t g, uint8_t* out) {
@@ -86,19 +89,60 @@ inline __m256i dot_pairs(__m256i acc, __m256i v, const int16_t* x) {
 #endif
 }
 
-// A group's block of 8 interleaved rows as int16 vectors, lane pair (2r, 2r+1) row r's
-// values: Q4: v[2j] its values (2j, 2j+1) as stored (0..15), v[2j+1] values (16+2j, 17+2j);
-// Q8_0: v[j] values (2j, 2j+1). Expanded once for every row of x.
+// Where a group's block keeps its parts (bytes from the block's start; 8 rows of each): the
+// fp16 d, Q4_1/Q5_1's fp16 m, Q5's fifth bits (the 32-bit word as two 16-bit units), then
+// the values.
 template <int64_t QT>
-inline void expand_group_block(const uint8_t* quants, __m256i v[16]) {
+constexpr int64_t mins_at() { return 2 * kInterleave; }
+template <int64_t QT>
+constexpr int64_t fifth_bits_at() { return (QT == kQ4_1 || QT == kQ5_1 ? 4 : 2) * kInterleave; }
+template <int64_t QT>
+constexpr int64_t values_at() {
+  return fifth_bits_at<QT>() + (QT == kQ5_0 || QT == kQ5_1 ? 4 * kInterleave : 0);
+}
+template <int64_t QT>
+constexpr int centre() { return QT == kQ8_0 ? 0 : QT == kQ5_0 || QT == kQ5_1 ? 16 : 8; }
+
+// 16 bits of each of the 8 rows (a unit of 8 rows: row r's at bytes 2r, 2r+1) in both int16
+// lanes of its pair.
+inline __m256i both_lanes(const uint8_t* unit) {
+  const __m256i words = _mm256_cvtepu16_epi32(_mm_loadu_si128(
+      reinterpret_cast<const __m128i*>(unit)));
+  return _mm256_or_si256(words, _mm256_slli_epi32(words, 16));
+}
+
+// A group's block of 8 interleaved rows as int16 vectors, lane pair (2r, 2r+1) row r's
+// values: Q4/Q5: v[2j] its values (2j, 2j+1) as stored (0..15; Q5 0..31), v[2j+1] values
+// (16+2j, 17+2j); Q8_0: v[j] values (2j, 2j+1). Expanded once for every row of x. Q5's fifth
+// bit of value i is bit i of the row's word: lane 2r+t takes bit 2j+t of the unit (low: bits
+// 0-15, high: 16-31), each step shifting both units right by two.
+template <int64_t QT>
+inline void expand_group_block(const uint8_t* block, __m256i v[16]) {
+  constexpr bool fifth = QT == kQ5_0 || QT == kQ5_1;
+  const uint8_t* quants = block + values_at<QT>();
+  __m256i low_bits = _mm256_setzero_si256(), high_bits = _mm256_setzero_si256();
+  if (fifth) {
+    low_bits = both_lanes(block + fifth_bits_at<QT>());
+    high_bits = both_lanes(block + fifth_bits_at<QT>() + 2 * kInterleave);
+  }
+  const __m256i pick = _mm256_set1_epi32(0x00020001);  // bit 0 in even lanes, bit 1 in odd
+  const __m256i sixteen = _mm256_set1_epi16(16), zero = _mm256_setzero_si256();
   for (int j = 0; j < (QT == kQ8_0 ? 16 : 8); ++j) {
     const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(quants + 16 * j));
     if (QT == kQ8_0) {
       v[j] = _mm256_cvtepi8_epi16(bytes);
-    } else {
-      const __m256i wide = _mm256_cvtepu8_epi16(bytes);
-      v[2 * j] = _mm256_and_si256(wide, _mm256_set1_epi16(0x0f));
-      v[2 * j + 1] = _mm256_srli_epi16(wide, 4);
+      continue;
+    }
+    const __m256i wide = _mm256_cvtepu8_epi16(bytes);
+    v[2 * j] = _mm256_and_si256(wide, _mm256_set1_epi16(0x0f));
+    v[2 * j + 1] = _mm256_srli_epi16(wide, 4);
+    if (fifth) {  // 16 where the lane's bit is set: not (bit == 0), and 16
+      v[2 * j] = _mm256_add_epi16(v[2 * j], _mm256_andnot_si256(
+          _mm256_cmpeq_epi16(_mm256_and_si256(low_bits, pick), zero), sixteen));
+      v[2 * j + 1] = _mm256_add_epi16(v[2 * j + 1], _mm256_andnot_si256(
+          _mm256_cmpeq_epi16(_mm256_and_si256(high_bits, pick), zero), sixteen));
+      low_bits = _mm256_srli_epi16(low_bits, 2);
+      high_bits = _mm256_srli_epi16(high_bits, 2);
     }
   }
 }
@@ -122,36 +166,35 @@ inline __m256i group_block_dot(const __m256i v[16], const int16_t* x) {
 }
 
 // The 8 rows of a group (its blocks) times R rows of x: out[r * out_stride + m] for weight
-// row r and x row m. Per row of x:
-// Q4_0: d * (q - 8) . x, the centring as 8 * sum(x's integers) per block (exact integers);
-// Q4_1: d * (q - 8) . x as Q4_0's, plus (m + 8d) * sum(x) in float (the file-layout GEMV's
-// split, so both round x the same way); Q8_0: d * q . x.
+// row r and x row m. Per row of x, as the file-layout GEMV splits it (so both round x the same
+// way): d * (q - centre) . x in integers, the centring as centre * sum(x's integers) per block
+// (Q4: 8, Q5: 16, Q8_0: none), plus Q4_1/Q5_1's (m + centre * d) * sum(x) in float.
 template <int64_t QT, int R>
 void group_dot(const uint8_t* group, int64_t blocks, const XRow* x, float* out,
                int64_t out_stride) {
   constexpr int64_t s = block_bytes(QT);
-  constexpr int64_t header = (QT == kQ4_1 ? 4 : 2) * kInterleave;  // d (and m) of 8 rows
+  constexpr bool has_min = QT == kQ4_1 || QT == kQ5_1;
   __m256 acc[R], offsets[R];
   for (int m = 0; m < R; ++m) acc[m] = offsets[m] = _mm256_setzero_ps();
   __m256i v[16];
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* block = group + b * kInterleave * s;
-    expand_group_block<QT>(block + header, v);
+    expand_group_block<QT>(block, v);
     const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block)));
-    __m256 m8 = _mm256_setzero_ps();
-    if (QT == kQ4_1) {
+    __m256 offset = _mm256_setzero_ps();
+    if (has_min) {
       const __m256 mins = _mm256_cvtph_ps(
-          _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 2 * kInterleave)));
-      m8 = _mm256_fmadd_ps(_mm256_set1_ps(8.f), d, mins);
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + mins_at<QT>())));
+      offset = _mm256_fmadd_ps(_mm256_set1_ps(static_cast<float>(centre<QT>())), d, mins);
     }
     for (int m = 0; m < R; ++m) {
       __m256i dot = group_block_dot<QT>(v, x[m].q.q.data() + b * kBlock);
-      if (QT != kQ8_0) dot = _mm256_sub_epi32(dot, _mm256_set1_epi32(8 * x[m].int_sums[b]));
+      if (centre<QT>()) {
+        dot = _mm256_sub_epi32(dot, _mm256_set1_epi32(centre<QT>() * x[m].int_sums[b]));
+      }
       acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot),
                                _mm256_mul_ps(d, _mm256_set1_ps(x[m].q.scale[b])), acc[m]);
-      if (QT == kQ4_1) {
-        offsets[m] = _mm256_fmadd_ps(m8, _mm256_set1_ps(x[m].sums[b]), offsets[m]);
-      }
+      if (has_min) offsets[m] = _mm256_fmadd_ps(offset, _mm256_set1_ps(x[m].sums[b]), offsets[m]);
     }
   }
   for (int m = 0; m < R; ++m) {
@@ -190,10 +233,13 @@ bool interleaved_gemv(const uint8_t* w, int64_t n, int64_t blocks, const float* 
       for (int64_t m0 = 0; m0 < rows; m0 += kRowsAPass) {
         const int r = static_cast<int>(std::min<int64_t>(kRowsAPass, rows - m0));
         float* out = y + g * kInterleave * rows + m0;
+        const XRow* xr = xs.data() + m0;
         switch (qtype) {
-          case kQ4_0: group_rows<kQ4_0>(group, blocks, xs.data() + m0, r, out, rows); break;
-          case kQ4_1: group_rows<kQ4_1>(group, blocks, xs.data() + m0, r, out, rows); break;
-          default: group_rows<kQ8_0>(group, blocks, xs.data() + m0, r, out, rows); break;
+          case kQ4_0: group_rows<kQ4_0>(group, blocks, xr, r, out, rows); break;
+          case kQ4_1: group_rows<kQ4_1>(group, blocks, xr, r, out, rows); break;
+          case kQ5_0: group_rows<kQ5_0>(group, blocks, xr, r, out, rows); break;
+          case kQ5_1: group_rows<kQ5_1>(group, blocks, xr, r, out, rows); break;
+          default: group_rows<kQ8_0>(group, blocks, xr, r, out, rows); break;
         }
       }
     }
