@@ -32,7 +32,6 @@ from common import peer_bars  # noqa: E402
 from engine_bench import ceilings, random_prompts  # noqa: E402
 from mla_bench import _decode  # noqa: E402  (median decode-only step of a batch)
 
-from deepinfer.backends.cuda.kernels import moe_gemv  # noqa: E402
 from deepinfer.core.config import CacheConfig, EngineConfig, ModelSpec, SchedulerConfig  # noqa: E402
 from deepinfer.core.engine import Engine  # noqa: E402
 from deepinfer.core.sampling import SamplingParams  # noqa: E402
@@ -184,12 +183,6 @@ def plot(result: dict, path: str) -> None:
               + ("FP8" if result.get("quantization") == "fp8" else "bf16") + " weights")
 
 
-def parse_gemv_tiles(text: str) -> moe_gemv.MoeGemvConfig:
-    """"N,K,WARPS/N,K,WARPS" (gate-up/down) as a MoeGemvConfig."""
-    gate_up, down = (moe_gemv.GemvTiles(*map(int, part.split(","))) for part in text.split("/"))
-    return moe_gemv.MoeGemvConfig(gate_up, down)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="benchmarks/results/cuda")
@@ -201,15 +194,10 @@ def main() -> None:
     parser.add_argument("--no-async-scheduling", action="store_true",
                         help="run the engine with async scheduling off")
     parser.add_argument("--quantization", default="auto", choices=("auto", "fp8"))
-    parser.add_argument("--moe-gemv-tiles", metavar="N,K,WARPS/N,K,WARPS",
-                        help="the few-token expert GEMVs' gate-up/down tiles in place of "
-                             "moe_gemv.CONFIG (e.g. moe_bench --gemv-sweep's best)")
     args = parser.parse_args()
-    if args.moe_gemv_tiles:
-        moe_gemv.CONFIG = parse_gemv_tiles(args.moe_gemv_tiles)
     os.makedirs(args.out, exist_ok=True)
     result: dict = {"config": QWEN3_30B_A3B, "layers": args.layers, "context": CONTEXT,
-                    "device": ceilings(), "moe_gemv_tiles": str(moe_gemv.CONFIG)}
+                    "device": ceilings()}
     with tempfile.TemporaryDirectory() as tmp:
         path = write_config(tmp, args.layers)
         result["ours"] = bench_ours(path, args.quick, not args.no_async_scheduling,

@@ -92,24 +92,6 @@ for run in ${AB_RUNS:-1 2}; do
     wanted moe_ab && step "moe_engine_new$run" python3 benchmarks/cuda/moe_engine_bench.py \
         --skip-hf --quick --out "$out/new$run"
 done
-# The few-token expert GEMVs' tiles in the engine: CONFIG against moe_gemv_sweep.json's best
-# Qwen3-30B-A3B tiles at one token (run moe_gemv_sweep first), alternately, separate processes.
-if wanted moe_tiles_ab; then
-    tiles=$(python3 - "$out/moe_gemv_sweep.json" <<'PY'
-import json, re, sys
-best = json.load(open(sys.argv[1]))["shapes"]["qwen3-30b-a3b"]["gemv_sweep"]["1"]["best"]
-n = re.findall(r"=(\d+)", best)
-print(",".join(n[:3]) + "/" + ",".join(n[3:]))
-PY
-)
-    echo "swept tiles: $tiles"
-    for run in a b; do
-        step "moe_engine_config$run" python3 benchmarks/cuda/moe_engine_bench.py --skip-hf \
-            --quick --out "$out/tiles_config$run"
-        step "moe_engine_swept$run" python3 benchmarks/cuda/moe_engine_bench.py --skip-hf \
-            --quick --moe-gemv-tiles "$tiles" --out "$out/tiles_swept$run"
-    done
-fi
 # A 32K-token prompt through the server on the Llama-3-8B shape: cold, device hit and host-tier
 # hit TTFT, then device hits under py-spy (server and ranks).
 if wanted hit_ttft; then

@@ -195,8 +195,9 @@ def test_tiny_gguf_is_served_packed(tmp_path, tokenizer):  # noqa: F811
 
 
 def test_decode_plan_is_the_layers_one_by_one(tmp_path, tokenizer, monkeypatch):  # noqa: F811
-    """A one-sequence decode step of a llama stack runs as one C++ call (decode_plan.py):
-    greedy tokens and their logprobs equal the layer-by-layer path's to the bit, for Q4_1
+    """A decode step of a llama stack runs as one C++ call (decode_plan.py), alone and with
+    two sequences: greedy tokens and their logprobs equal the layer-by-layer path's to the
+    bit, for Q4_1
     (interleaved rows) and Q5_0 (the file's layout) weights and for the same model
     dequantized to float32 (at::linear and the reference gated MLP in C++)."""
     from deepinfer.backends.cpu import decode_plan
@@ -217,6 +218,7 @@ def test_decode_plan_is_the_layers_one_by_one(tmp_path, tokenizer, monkeypatch):
             llm = LLM(folder, accelerator="cpu", kv_cache_memory_gb=0.05, block_size=16,
                       quantization=quantization)
             outs = [llm.generate([prompt], params)[0].outputs[0] for prompt in ids]
+            outs += [r.outputs[0] for r in llm.generate(ids, params)]  # decoded together
             runs.append([(o.token_ids, o.logprobs) for o in outs])
             built = list(llm.engine.accelerator.runner.ops._plans.values())
             assert [p[0] is not None for p in built] == [plans]

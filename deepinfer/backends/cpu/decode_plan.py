@@ -1,13 +1,13 @@
-"""A one-sequence decode step of a llama-family stack as one C++ call (decode_layers.cpp).
+"""A decode step of a llama-family stack as one C++ call (decode_layers.cpp).
 
 At batch 1 the embedded default's 30 layers cost ~1.3 ms of Python a token around ~5 ms of
 kernels on two cores. A stack of plain llama layers runs instead as the same native ops, in
 the same order, called from C++: the same bits, without a Python frame per op. Its projections
 may be GGUF blocks or float32 weights (a float32 model; a GGUF file's fused q|k|v whose parts
 had different block types, dequantized at load). CPUOps.decoder_layers builds the plan on a
-stack's first such step and uses it while the step is a single decode token in float32;
-anything else (biases, q/k norms, sliding windows, bfloat16, FP8, MoE, several tokens) runs
-layer by layer.
+stack's first such step and uses it for decode steps of up to 16 sequences in float32;
+anything else (biases, q/k norms, sliding windows, bfloat16, FP8, MoE, prefill) runs layer by
+layer.
 """
 from __future__ import annotations
 

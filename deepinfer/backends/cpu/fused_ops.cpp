@@ -141,8 +141,15 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x,
   return {rms_norm(summed, w, eps), summed};
 }
 
-// NeoX rotary in place on x [T, H, D] over its first R dims: the two halves of those dims
-// rotate as (a, b) -> (a cos - b sin, b cos + a sin), with cos/sin rows [R] per position.
+// Whether t is float32 [T, H, D] with each row t[i] contiguous (the rows may be apart: q, k
+// and v of a fused qkv output).
+bool rows_contiguous(const at::Tensor& t) {
+  return t.dtype() == at::kFloat && t.dim() == 3 && t.stride(2) == 1 && t.stride(1) == t.size(2);
+}
+
+// NeoX rotary in place on x [T, H, D] (rows_contiguous) over its first R dims: the two halves
+// of those dims rotate as (a, b) -> (a cos - b sin, b cos + a sin), with cos/sin rows [R] per
+// position.
 void rotate(at::Tensor& x, const int64_t* positions, const float* cos, const float* sin,
             int64_t rot) {
   const int64_t t = x.size(0), heads = x.size(1), d = x.size(2), half = rot / 2;
@@ -151,7 +158,7 @@ void rotate(at::Tensor& x, const int64_t* positions, const float* cos, const flo
     const float* c = cos + positions[i] * rot;
     const float* s = sin + positions[i] * rot;
     for (int64_t h = 0; h < heads; ++h) {
-      float* v = p + (i * heads + h) * d;
+      float* v = p + i * x.stride(0) + h * d;
       for (int64_t j = 0; j < half; ++j) {
         const float a = v[j], b = v[j + half];
         v[j] = a * c[j] - b * s[j];
@@ -163,8 +170,8 @@ void rotate(at::Tensor& x, const int64_t* positions, const float* cos, const flo
 
 void rotary(at::Tensor q, at::Tensor k, const at::Tensor& positions,
             const at::Tensor& cos, const at::Tensor& sin) {
-  check_f32(q, "q");
-  check_f32(k, "k");
+  TORCH_CHECK(rows_contiguous(q) && rows_contiguous(k),
+              "q and k must be float32 [T, H, D] with each row contiguous");
   check_f32(cos, "cos");
   check_f32(sin, "sin");
   TORCH_CHECK(positions.dtype() == at::kLong, "positions must be int64");
@@ -177,11 +184,7 @@ void rotary(at::Tensor q, at::Tensor k, const at::Tensor& positions,
 namespace {
 
 // The step's k [B, Hk, D] and v [B, Hk, Dv] into their cache rows new_slots[b] (as
-// index_copy_ along dim 0). k and v may be rows of the fused qkv output: each row b must be
-// contiguous, the rows may be apart.
-bool rows_contiguous(const at::Tensor& t) {
-  return t.dtype() == at::kFloat && t.dim() == 3 && t.stride(2) == 1 && t.stride(1) == t.size(2);
-}
+// index_copy_ along dim 0). k and v may be rows of the fused qkv output (rows_contiguous).
 
 void store_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
               const at::Tensor& new_slots) {
@@ -353,12 +356,14 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
 }
 
 // rotary() of q and k in place, then decode_attention(): one call for a decode layer's
-// attention where q and k are whole tensors (batch 1).
+// attention, q and k rows of the fused qkv output (q is copied whole for the attention where
+// its rows are apart: several sequences).
 at::Tensor rotary_decode_attention(at::Tensor q, at::Tensor k, const at::Tensor& v,
                                    const at::Tensor& positions, const at::Tensor& cos,
                                    const at::Tensor& sin, at::Tensor k_cache, at::Tensor v_cache,
                                    const at::Tensor& new_slots, const at::Tensor& slots,
                                    const at::Tensor& lens, double scale) {
   rotary(q, k, positions, cos, sin);
-  return decode_attention(q, k, v, k_cache, v_cache, new_slots, slots, lens, scale);
+  return decode_attention(q.contiguous(), k, v, k_cache, v_cache, new_slots, slots, lens,
+                          scale);
 }

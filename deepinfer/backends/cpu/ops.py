@@ -69,11 +69,12 @@ class CPUOps(ModelOps):
     def decoder_layers(self, layers: Sequence[torch.nn.Module], positions: torch.Tensor,
                        hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: Any
                        ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """One sequence's decode token through a plain llama stack in float32: the layers'
-        native ops called from C++ (decode_plan.py), the same results as layer by layer. A
-        subclass may override any of those ops, so it runs its layers itself."""
-        if hidden.shape[0] != 1 or hidden.dtype != torch.float32 or self.kernels is None or \
-                type(self) is not CPUOps or len(meta.groups) != 1:
+        """A decode step (up to MAX_GEMV_ROWS sequences, one token each) through a plain llama
+        stack in float32: the layers' native ops called from C++ (decode_plan.py), the same
+        results as layer by layer. A subclass may override any of those ops, so it runs its
+        layers itself."""
+        if hidden.shape[0] > MAX_GEMV_ROWS or hidden.dtype != torch.float32 or \
+                self.kernels is None or type(self) is not CPUOps or len(meta.groups) != 1:
             return None
         group = meta.groups[0]
         plan = self._plan(layers)
@@ -106,7 +107,8 @@ class CPUOps(ModelOps):
                          positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                          layer: int, meta: Any, qk_norm: QKNorm | None = None
                          ) -> torch.Tensor:
-        if qk_norm is not None or not fusable(self.kernels, q, k, cos, sin):
+        if qk_norm is not None or not fusable(self.kernels, cos, sin) or \
+                not _rows_contiguous(q, k, tokens=MAX_GEMV_ROWS):
             return super().rotary_attention(q, k, v, positions, cos, sin, layer, meta, qk_norm)
         if type(self).attention is not CPUOps.attention:  # a subclass attends its own way
             self.kernels.rotary(q, k, positions, cos, sin)  # in place, as the seam allows
@@ -158,6 +160,16 @@ class CPUOps(ModelOps):
                          value_dim: int, scale: float) -> torch.Tensor:
         (cache,) = self.cache.layer(layer)
         return self.paged.latent(q, latent, cache, meta, layer, value_dim, scale)
+
+
+def _rows_contiguous(*tensors: torch.Tensor, tokens: int) -> bool:
+    """float32 [T <= tokens, H, D] with each row contiguous (q, k and v of a fused qkv output)
+    for the C++ rotary; more tokens (a prefill) take the torch ops, which use every core."""
+    for t in tensors:
+        if t.dtype != torch.float32 or t.dim() != 3 or t.shape[0] > tokens or \
+                t.stride(2) != 1 or t.stride(1) != t.shape[2]:
+            return False
+    return True
 
 
 def _load_kernels():

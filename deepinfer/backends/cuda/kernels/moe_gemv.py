@@ -207,13 +207,11 @@ def _group_scales_3d(s_rows, k0, K, ok, BLOCK_K: tl.constexpr):
 
 
 def moe_gemv(x: torch.Tensor, w13: torch.Tensor | Scaled, w2: torch.Tensor | Scaled,
-             weights: torch.Tensor, slots: torch.Tensor, config: MoeGemvConfig | None = None,
+             weights: torch.Tensor, slots: torch.Tensor, config: MoeGemvConfig = CONFIG,
              swiglu_limit: float | None = None) -> torch.Tensor:
     """fused_experts for small T (checked by the caller): x [T, H]; w13 [S, 2F, H];
     w2 [S, H, F]; weights [T, k] float32 and slots [T, k] int32, both contiguous. w13 and
-    w2 Scaled (FP8): the config's BLOCK_Ks must be multiples of 128. config: CONFIG, read
-    at each call (a benchmark may set it)."""
-    config = config or CONFIG
+    w2 Scaled (FP8): the config's BLOCK_Ks must be multiples of 128."""
     fp8 = isinstance(w13, Scaled)
     (w13, s13), (w2, s2) = (_with_scales(w) for w in (w13, w2))
     tokens, top_k = slots.shape
