@@ -32,6 +32,7 @@ import sys
 
 import torch
 import torch.nn.functional as F
+import triton
 
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
@@ -222,6 +223,24 @@ def sweep_gemv(w: Weights, quick: bool, reps: int) -> dict:
     return out
 
 
+def sweep_gemv_reads(w: Weights, reps: int) -> dict:
+    """The batch-1 GEMV's tiles (per-group sums) with more of each row read before the wait on
+    the kernel ahead: one step's tile, or 8, 16 or 32 groups up to the whole row, within 128
+    weights a thread."""
+    x = torch.randn(1, w.k, device="cuda", dtype=torch.bfloat16)
+    row = triton.next_power_of_2(-(-w.k // GROUP))
+    grid = [Fp8GemvConfig(bn, g, nw, False, first)
+            for bn, g, nw in itertools.product((2, 4, 8, 16), (2, 4, 8), (4, 8))
+            for first in [0] + [f for f in (8, 16, 32)
+                                if g < f <= row and bn * f * GROUP <= 128 * 32 * nw]]
+    times = {str(c): _sweep_us(lambda c=c: [fp8_gemv(x, q, s, None, c) for q, s in w.fp8],
+                               len(w.fp8), reps) for c in grid}
+    out = _best(times)
+    print(f"  sweep GEMV M=1 reads: best {out['best']} {out['best_us']:.1f} us "
+          f"(config_for: {gemv_config_for(w.n, w.k, 1)})", flush=True)
+    return out
+
+
 def sweep_gemm(w: Weights, reps: int) -> dict:
     """GEMM tiles at M = PREFILL_M (BLOCK_K is the scale group, 128)."""
     x = torch.randn(PREFILL_M, w.k, device="cuda", dtype=torch.bfloat16)
@@ -280,18 +299,37 @@ def plot(report: dict, path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
+def gemv_sweep_only(args: argparse.Namespace, report: dict, reps: int) -> None:
+    for name in args.shapes:
+        n, k = SHAPES[name]
+        print(f"{name} [{n} x {k}]", flush=True)
+        w = Weights(n, k, DECODE_COPIES)
+        report["shapes"][name] = {"decode": decode(w, reps),
+                                  "sweep_gemv_reads": sweep_gemv_reads(w, reps)}
+        del w
+        torch.cuda.empty_cache()
+    with open(os.path.join(args.out, "fp8_gemv_sweep.json"), "w") as f:
+        json.dump(report, f, indent=2)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="benchmarks/results/cuda",
                         help="folder for fp8_gemm.json and fp8_gemm.png")
     parser.add_argument("--quick", action="store_true", help="fewer replays, a third of --sweep")
     parser.add_argument("--sweep", action="store_true", help="also time grids of tiles")
+    parser.add_argument("--gemv-sweep", action="store_true",
+                        help="only the batch-1 GEMV: its time and its tiles with reads "
+                             "ahead of the wait (fp8_gemv_sweep.json)")
     parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES))
     args = parser.parse_args()
     reps = 5 if args.quick else 20
     os.makedirs(args.out, exist_ok=True)
     report: dict = {"gpu": torch.cuda.get_device_name(), "prefill_m": PREFILL_M,
                     "gemv_max_m": GEMV_MAX_M, "shapes": {}}
+    if args.gemv_sweep:
+        gemv_sweep_only(args, report, reps)
+        return
     for name in args.shapes:
         n, k = SHAPES[name]
         print(f"{name} [{n} x {k}]", flush=True)

@@ -39,11 +39,14 @@ ON_GPU = DEVICE == "cuda"
 SHAPES = [(64, 128), (100, 200), (100, 384)]  # (N, K)
 GPU_SHAPES = [(1000, 1800), (6144, 4096)] if ON_GPU else []
 # GEMV: BLOCK_K 128 and 256, a K loop of one scale group a chunk and of two (masked but for
-# K 128 and 384 at 128); BLOCK_N 128 and 64 against N 64 and 100 (few programs: the
+# K 128 and 384 at 128), and one row read ahead further than a step; BLOCK_N 128 and 64 against N 64 and 100 (few programs: the
 # interpreter's time goes by the program; on a GPU, tiles that fit in registers). GEMM: 3 x 2
 # and 1 x 4 tiles at M 33 (grouped order, wrapped rows and columns).
-GEMV_CONFIGS = ([Fp8GemvConfig(16, 1, 4), Fp8GemvConfig(8, 2, 4, scale_each=False)] if ON_GPU
-                else [Fp8GemvConfig(128, 1, 4), Fp8GemvConfig(64, 2, 4, scale_each=False)])
+# The third reads two (GPU: eight) groups before the wait, then one (two) a step.
+GEMV_CONFIGS = ([Fp8GemvConfig(16, 1, 4), Fp8GemvConfig(8, 2, 4, scale_each=False),
+                 Fp8GemvConfig(8, 2, 4, scale_each=False, first_groups=8)] if ON_GPU
+                else [Fp8GemvConfig(128, 1, 4), Fp8GemvConfig(64, 2, 4, scale_each=False),
+                      Fp8GemvConfig(64, 1, 4, scale_each=False, first_groups=2)])
 GEMM_CONFIGS = [Fp8GemmConfig(16, 64, 4, 1), Fp8GemmConfig(64, 32, 4, 2)]
 pytestmark = pytest.mark.usefixtures("gpu_bf16_rounding")
 
@@ -183,7 +186,7 @@ def test_gemv_equals_reference(m: int, n: int, k: int, dtype: torch.dtype) -> No
     ref = fp8_linear_reference(x.float(), wq, w_scale, bias.float())
     # x is not quantized: float32 differs in summation order only, bf16 by one rounding.
     tol = (1e-5 if k <= 1024 else 1e-4) if dtype == torch.float32 else 1e-2
-    for config, b in zip(_configs(GEMV_CONFIGS, m, n), (bias, None, bias)):
+    for config, b in zip(_configs(GEMV_CONFIGS, m, n), (bias, None, bias, None)):
         out, wide = _poisoned(m, n, dtype)
         assert fp8_gemv(x, wq, w_scale, b, config, out=out) is out
         _check_result(out, wide, ref if b is not None else ref - bias.float(), tol)

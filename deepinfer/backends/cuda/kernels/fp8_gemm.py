@@ -46,6 +46,9 @@ FP8_MAX = 448.0  # largest finite float8_e4m3fn
 EPS = 1e-10  # floor of a group's absolute max, so an all-zero group gets a finite scale
 _GROUP, _FP8_MAX, _EPS = tl.constexpr(GROUP), tl.constexpr(FP8_MAX), tl.constexpr(EPS)
 GEMV_MAX_M = 8  # the largest M the weight-only GEMV takes
+# One row of x: the 128-column groups of a row read whole before the wait, at most (4 rows a
+# program, 4 warps: 128 weights a thread).
+WHOLE_ROW_GROUPS = 32
 # The largest M fp8_linear sends to the GEMV by itself: on the H200 the GEMM beats the
 # several-row GEMV from M = 2 on (qkv at M = 2: 17 vs 70 us; bench_fp8.json).
 GEMV_AUTO_M = 1
@@ -66,6 +69,9 @@ class Fp8GemvConfig:
     groups: int  # 128-column groups per chunk (BLOCK_K = 128 * groups), a power of two
     num_warps: int
     scale_each: bool = True  # one row of x: scale every weight (see _gemv_row_kernel)
+    # One row of x: 128-column groups read before the wait on the kernel ahead (at least
+    # `groups`; 0: `groups`, one step's tile).
+    first_groups: int = 0
 
 
 @dataclass(frozen=True)
@@ -83,11 +89,15 @@ def gemv_config_for(n: int, k: int, m: int = 1) -> Fp8GemvConfig:
     every program reads its chunk of x, rows * BLOCK_K values, beside BLOCK_N * BLOCK_K weights.
     One row of x (_gemv_row_kernel): from bench_fp8 --sweep on the H200 (qkv 6144 x 4096:
     9.1 us, 2.8 TB/s; gate_up 28672 x 4096: 30.6 us, 3.9 TB/s; down 4096 x 14336: 18.5 us,
-    3.2 TB/s at 4 rows a program, 21.5 at 16)."""
+    3.2 TB/s at 4 rows a program, 21.5 at 16). Rows of up to 4096 columns are read whole
+    before the wait on the kernel ahead, 4 rows a program (bench_fp8 --gemv-sweep, one lease:
+    qkv 9.3 -> 8.7 us, o 7.6 -> 6.8, gate_up 33.0 -> 29.2; down's 14336 do not fit)."""
     if m == 1:
+        row = triton.next_power_of_2(triton.cdiv(k, GROUP))
+        if row <= WHOLE_ROW_GROUPS:
+            return Fp8GemvConfig(4, min(2, row), 4, scale_each=False, first_groups=row)
         block_n, groups = (4, 8) if k >= 8192 else (16, 4) if n >= 16384 else (8, 8)
-        return Fp8GemvConfig(block_n, min(groups, triton.next_power_of_2(triton.cdiv(k, GROUP))),
-                             4, scale_each=False)
+        return Fp8GemvConfig(block_n, min(groups, row), 4, scale_each=False)
     if n * k < 16_000_000:  # small weights: more programs
         block_n, block_k, warps = 4, 1024, 8 if n <= k else 4
     elif k >= 8192:  # down_proj: long rows, few of them
@@ -216,35 +226,45 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, sx, sw, ss, sy,
 @triton.jit
 def _gemv_row_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, N, K, sw, ss,
                      HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr,
-                     GROUPS: tl.constexpr, SCALE_EACH: tl.constexpr, PDL: tl.constexpr):
-    """One row of x (batch-1 decode) in 2-D tiles, as gemv.py: BLOCK_N weight rows a program,
-    BLOCK_K = GROUPS * 128 columns a step. SCALE_EACH: each weight times its group's scale
-    into a [BLOCK_N, BLOCK_K] accumulator, reduced once at the end (gemv.py's loop); else
-    each step's products summed per group, then scaled, into [BLOCK_N, GROUPS]."""
+                     GROUPS: tl.constexpr, FIRST_GROUPS: tl.constexpr, SCALE_EACH: tl.constexpr,
+                     PDL: tl.constexpr):
+    """One row of x (batch-1 decode) in 2-D tiles, as gemv.py: BLOCK_N weight rows a program.
+    The first FIRST_GROUPS * 128 columns are requested before the wait on the kernel ahead
+    (PDL: no kernel writes the weights), then BLOCK_K = GROUPS * 128 columns a step.
+    SCALE_EACH: each weight times its group's scale into a [BLOCK_N, BLOCK_K] accumulator,
+    reduced once at the end (gemv.py's loop); else each step's products summed per group,
+    then scaled, into [BLOCK_N, GROUPS]."""
     BLOCK_K: tl.constexpr = GROUPS * _GROUP
+    FIRST_K: tl.constexpr = FIRST_GROUPS * _GROUP
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = (n < N)[:, None]
+    w_rows = w_ptr + n.to(tl.int64)[:, None] * sw
+    s_rows = s_ptr + n.to(tl.int64)[:, None] * ss
+    first, fg = tl.arange(0, FIRST_K), tl.arange(0, FIRST_GROUPS)
+    w0 = tl.load(w_rows + first[None, :], mask=n_ok & (first < K)[None, :], other=0.0)
+    s0 = tl.load(s_rows + fg[None, :], mask=n_ok & (fg < tl.cdiv(K, _GROUP))[None, :],
+                 other=0.0)
+    if PDL:
+        gdc_wait()
+    x0 = tl.load(x_ptr + first, mask=first < K, other=0.0)
+    prod0 = w0.to(tl.float32) * x0.to(tl.float32)[None, :]
+    y = tl.sum(tl.sum(tl.reshape(prod0, (BLOCK_N, FIRST_GROUPS, _GROUP)), axis=2) * s0, axis=1)
     cols = tl.arange(0, BLOCK_K)
     g = tl.arange(0, GROUPS)
-    n_ok = (n < N)[:, None]
-    w_ptrs = w_ptr + n.to(tl.int64)[:, None] * sw + cols[None, :]
-    s_ptrs = s_ptr + n.to(tl.int64)[:, None] * ss + g[None, :]
+    w_ptrs = w_rows + FIRST_K + cols[None, :]
+    s_ptrs = s_rows + FIRST_GROUPS + g[None, :]
     if SCALE_EACH:
         acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     else:
         acc = tl.zeros([BLOCK_N, GROUPS], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(FIRST_K, K, BLOCK_K):
         if EVEN_K:
             w = tl.load(w_ptrs, mask=n_ok, other=0.0)
             s = tl.load(s_ptrs, mask=n_ok, other=0.0)
+            x = tl.load(x_ptr + k0 + cols)
         else:
             w = tl.load(w_ptrs, mask=n_ok & (cols < K - k0)[None, :], other=0.0)
             s = tl.load(s_ptrs, mask=n_ok & (g < tl.cdiv(K - k0, _GROUP))[None, :], other=0.0)
-        if PDL:
-            if k0 == 0:  # weights first, then wait for the kernel ahead (gemv.py)
-                gdc_wait()
-        if EVEN_K:
-            x = tl.load(x_ptr + k0 + cols)
-        else:
             x = tl.load(x_ptr + k0 + cols, mask=cols < K - k0, other=0.0)
         prod = w.to(tl.float32) * x.to(tl.float32)[None, :]
         if SCALE_EACH:
@@ -255,7 +275,7 @@ def _gemv_row_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, N, K, sw, ss,
             acc += tl.sum(tl.reshape(prod, (BLOCK_N, GROUPS, _GROUP)), axis=2) * s
         w_ptrs += BLOCK_K
         s_ptrs += GROUPS
-    y = tl.sum(acc, axis=1)
+    y += tl.sum(acc, axis=1)
     if HAS_BIAS:
         y += tl.load(b_ptr + n, mask=n < N, other=0.0).to(tl.float32)
     tl.store(y_ptr + n, y.to(y_ptr.dtype.element_ty), mask=n < N)
@@ -274,12 +294,13 @@ def fp8_gemv(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
         return out
     cfg = config or gemv_config_for(n, k, m)
     if m == 1 and x.stride(1) == 1 and out.stride(1) == 1:
+        first = max(cfg.first_groups, cfg.groups)
         _gemv_row_kernel[(triton.cdiv(n, cfg.block_n),)](
             x, wq, w_scale, bias if bias is not None else w_scale, out, n, k, wq.stride(0),
             w_scale.stride(0), HAS_BIAS=bias is not None,
-            EVEN_K=k % (cfg.groups * GROUP) == 0, BLOCK_N=cfg.block_n, GROUPS=cfg.groups,
-            SCALE_EACH=cfg.scale_each, num_warps=cfg.num_warps, num_stages=1,
-            **launch_kwargs(x.device))
+            EVEN_K=(k - first * GROUP) % (cfg.groups * GROUP) == 0, BLOCK_N=cfg.block_n,
+            GROUPS=cfg.groups, FIRST_GROUPS=first, SCALE_EACH=cfg.scale_each,
+            num_warps=cfg.num_warps, num_stages=1, **launch_kwargs(x.device))
         return out
     _gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
         x, wq, w_scale, bias if bias is not None else w_scale, out, m, n, k, x.stride(0),
