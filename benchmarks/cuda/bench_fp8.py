@@ -308,7 +308,7 @@ def gemv_sweep_only(args: argparse.Namespace, report: dict, reps: int) -> None:
                                   "sweep_gemv_reads": sweep_gemv_reads(w, reps)}
         del w
         torch.cuda.empty_cache()
-    with open(os.path.join(args.out, "fp8_gemv_sweep.json"), "w") as f:
+    with open(os.path.join(args.out, "fp8_gemv_reads.json"), "w") as f:
         json.dump(report, f, indent=2)
 
 
@@ -320,7 +320,7 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="also time grids of tiles")
     parser.add_argument("--gemv-sweep", action="store_true",
                         help="only the batch-1 GEMV: its time and its tiles with reads "
-                             "ahead of the wait (fp8_gemv_sweep.json)")
+                             "ahead of the wait (fp8_gemv_reads.json)")
     parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES))
     args = parser.parse_args()
     reps = 5 if args.quick else 20
