@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX2__) && defined(__F16C__)
@@ -20,6 +21,19 @@ enum QType : int64_t {  // GGMLQuantizationType values
 constexpr int kBlock = 32;        // values in a Q4_0/Q4_1/Q8_0 block, and in x's int16 blocks
 constexpr int kSuperBlock = 256;  // values in a k-quant super-block
 constexpr int64_t kInterleave = 8;  // rows of an interleaved weight's group (gguf_rows8.cpp)
+
+// f(std::integral_constant<int64_t, QT>{}) for a 32-value block type: the kernels are
+// templates on the type, so their inner loops have no branch on it.
+template <typename F>
+void with_block_type(int64_t qtype, F&& f) {
+  switch (qtype) {
+    case kQ4_0: f(std::integral_constant<int64_t, kQ4_0>{}); break;
+    case kQ4_1: f(std::integral_constant<int64_t, kQ4_1>{}); break;
+    case kQ5_0: f(std::integral_constant<int64_t, kQ5_0>{}); break;
+    case kQ5_1: f(std::integral_constant<int64_t, kQ5_1>{}); break;
+    default: f(std::integral_constant<int64_t, kQ8_0>{}); break;
+  }
+}
 
 inline bool is_k_quant(int64_t qtype) {
   return qtype == kQ4_K || qtype == kQ5_K || qtype == kQ6_K;

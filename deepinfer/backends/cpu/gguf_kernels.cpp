@@ -427,14 +427,9 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, int64_t qtype, bool in
   const uint8_t* wp = w.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
   const int64_t stride = w.size(1);
-  const bool il = interleaved;
-  switch (qtype) {
-    case kQ4_0: gemv_any<kQ4_0>(wp, stride, n, blocks, xp, k, sums.data(), rows, il, yp); break;
-    case kQ4_1: gemv_any<kQ4_1>(wp, stride, n, blocks, xp, k, sums.data(), rows, il, yp); break;
-    case kQ5_0: gemv_any<kQ5_0>(wp, stride, n, blocks, xp, k, sums.data(), rows, il, yp); break;
-    case kQ5_1: gemv_any<kQ5_1>(wp, stride, n, blocks, xp, k, sums.data(), rows, il, yp); break;
-    default: gemv_any<kQ8_0>(wp, stride, n, blocks, xp, k, sums.data(), rows, il, yp); break;
-  }
+  with_block_type(qtype, [&](auto qt) {
+    gemv_any<qt.value>(wp, stride, n, blocks, xp, k, sums.data(), rows, interleaved, yp);
+  });
   return y.t().contiguous();
 }
 
@@ -470,14 +465,9 @@ at::Tensor dequantize(const at::Tensor& w, int64_t qtype, int64_t k, bool interl
   const uint8_t* wp = w.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
   const int64_t row_bytes = w.size(1);
-  const bool il = interleaved;
-  switch (qtype) {
-    case kQ4_0: dequantize_any<kQ4_0>(wp, row_bytes, n, blocks, il, op); break;
-    case kQ4_1: dequantize_any<kQ4_1>(wp, row_bytes, n, blocks, il, op); break;
-    case kQ5_0: dequantize_any<kQ5_0>(wp, row_bytes, n, blocks, il, op); break;
-    case kQ5_1: dequantize_any<kQ5_1>(wp, row_bytes, n, blocks, il, op); break;
-    default: dequantize_any<kQ8_0>(wp, row_bytes, n, blocks, il, op); break;
-  }
+  with_block_type(qtype, [&](auto qt) {
+    dequantize_any<qt.value>(wp, row_bytes, n, blocks, interleaved, op);
+  });
   return out;
 }
 

@@ -233,14 +233,9 @@ bool interleaved_gemv(const uint8_t* w, int64_t n, int64_t blocks, const float* 
       for (int64_t m0 = 0; m0 < rows; m0 += kRowsAPass) {
         const int r = static_cast<int>(std::min<int64_t>(kRowsAPass, rows - m0));
         float* out = y + g * kInterleave * rows + m0;
-        const XRow* xr = xs.data() + m0;
-        switch (qtype) {
-          case kQ4_0: group_rows<kQ4_0>(group, blocks, xr, r, out, rows); break;
-          case kQ4_1: group_rows<kQ4_1>(group, blocks, xr, r, out, rows); break;
-          case kQ5_0: group_rows<kQ5_0>(group, blocks, xr, r, out, rows); break;
-          case kQ5_1: group_rows<kQ5_1>(group, blocks, xr, r, out, rows); break;
-          default: group_rows<kQ8_0>(group, blocks, xr, r, out, rows); break;
-        }
+        with_block_type(qtype, [&](auto qt) {
+          group_rows<qt.value>(group, blocks, xs.data() + m0, r, out, rows);
+        });
       }
     }
   });
