@@ -197,19 +197,20 @@ def test_tiny_gguf_is_served_packed(tmp_path, tokenizer):  # noqa: F811
 def test_decode_plan_is_the_layers_one_by_one(tmp_path, tokenizer, monkeypatch):  # noqa: F811
     """A decode step of a llama stack runs as one C++ call (decode_plan.py), alone and with
     two sequences: greedy tokens and their logprobs equal the layer-by-layer path's to the
-    bit, for Q4_1
-    (interleaved rows) and Q5_0 (the file's layout) weights and for the same model
-    dequantized to float32 (at::linear and the reference gated MLP in C++)."""
+    bit, for Q4_1 and Q5_0 weights (rows interleaved), the same model dequantized to float32
+    (at::linear and the reference gated MLP in C++), and a Qwen2 (q|k|v biases)."""
     from deepinfer.backends.cpu import decode_plan
 
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=3)
-    for qtype, quantization in ((GGMLQuantizationType.Q4_1, "auto"),
-                                (GGMLQuantizationType.Q5_0, "auto"),
-                                (GGMLQuantizationType.Q5_0, "none")):
-        original = tiny_model("llama", tokenizer.get_vocab_size(), tied=True)
-        write_gguf(tmp_path / f"{qtype.name}.gguf", original, tokenizer, qtype)
-        folder = convert_gguf(str(tmp_path / f"{qtype.name}.gguf"),
-                              str(tmp_path / f"{qtype.name}-{quantization}"), progress=False)
+    for arch, qtype, quantization in (("llama", GGMLQuantizationType.Q4_1, "auto"),
+                                      ("llama", GGMLQuantizationType.Q5_0, "auto"),
+                                      ("llama", GGMLQuantizationType.Q5_0, "none"),
+                                      ("qwen2", GGMLQuantizationType.Q4_1, "auto")):
+        original = tiny_model(arch, tokenizer.get_vocab_size(), tied=True)
+        name = f"{arch}-{qtype.name}"
+        write_gguf(tmp_path / f"{name}.gguf", original, tokenizer, qtype)
+        folder = convert_gguf(str(tmp_path / f"{name}.gguf"),
+                              str(tmp_path / f"{name}-{quantization}"), progress=False)
         ids = [tokenizer.encode(TEXT).ids[:12], tokenizer.encode(TEXT).ids[3:9]]
         runs = []
         for plans in (True, False):

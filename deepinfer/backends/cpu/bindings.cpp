@@ -42,8 +42,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_decode_attention", &rotary_decode_attention,
         "rotary of q and k in place, then decode_attention");
   py::class_<Projection>(m, "Projection")
-      .def(py::init<at::Tensor, int64_t, bool>(), py::arg("weight"), py::arg("qtype"),
-           py::arg("interleaved"))
+      .def(py::init<at::Tensor, int64_t, bool, std::optional<at::Tensor>>(), py::arg("weight"),
+           py::arg("qtype"), py::arg("interleaved"), py::arg("bias") = py::none())
       .def_readonly_static("FLOAT_WEIGHT", &Projection::kFloatWeight);
   py::class_<DecodeLayers>(m, "DecodeLayers")
       .def(py::init<double, int64_t, int64_t, int64_t>(), py::arg("eps"), py::arg("heads"),

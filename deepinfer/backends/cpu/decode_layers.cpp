@@ -4,10 +4,11 @@
 // to the bit. At batch 1 a small model's layer costs ~45 us of Python around ~150 us of
 // kernels (SmolLM2-135M on two cores); here the Python runs once a step, not once a layer.
 // The CPU backend builds a DecodeLayers for a stack it recognises (decode_plan.py): llama
-// layers without biases or q/k norms, projections of GGUF blocks or float32 weights (those a
+// layers without q/k norms, projections of GGUF blocks or float32 weights (those a
 // GGUF file's mixed types made the loader dequantize), one full-attention KV group. Anything
 // else takes the Python path.
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/add.h>
 #include <ATen/ops/linear.h>
 #include <ATen/ops/mul.h>
 #include <ATen/ops/silu.h>
@@ -32,16 +33,19 @@ at::Tensor rotary_decode_attention(at::Tensor q, at::Tensor k, const at::Tensor&
 
 namespace {
 
-// ops.linear's two paths: GGUF blocks through the GEMV, a float weight through F.linear.
+// ops.linear's two paths: a float weight through F.linear (its bias inside), GGUF blocks
+// through the GEMV and then + bias (CPUOps.packed_linear).
 at::Tensor project(const at::Tensor& x, const Projection& w) {
-  if (w.qtype == Projection::kFloatWeight) return at::linear(x, w.weight);
-  return gemv(x, w.weight, w.qtype, w.interleaved);
+  if (w.qtype == Projection::kFloatWeight) return at::linear(x, w.weight, w.bias);
+  const at::Tensor y = gemv(x, w.weight, w.qtype, w.interleaved);
+  return w.bias ? at::add(y, *w.bias) : y;
 }
 
-// ops.gated_mlp: one call where both weights are GGUF blocks (CPUOps.gated_mlp), else the
-// reference's linear, silu(gate) * up, linear.
+// ops.gated_mlp: one call where both weights are GGUF blocks without biases
+// (CPUOps.gated_mlp), else the reference's linear, silu(gate) * up, linear.
 at::Tensor gated_mlp(const at::Tensor& x, const Projection& gate_up, const Projection& down) {
-  if (gate_up.qtype != Projection::kFloatWeight && down.qtype != Projection::kFloatWeight) {
+  if (gate_up.qtype != Projection::kFloatWeight && down.qtype != Projection::kFloatWeight &&
+      !gate_up.bias && !down.bias) {
     return gguf_mlp(x, gate_up.weight, gate_up.qtype, gate_up.interleaved, down.weight,
                     down.qtype, down.interleaved);
   }

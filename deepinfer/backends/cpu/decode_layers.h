@@ -5,16 +5,19 @@
 
 #include <cmath>
 #include <cstdint>
+#include <optional>
 #include <tuple>
 #include <vector>
 
 // A projection's weight: GGUF blocks as the GEMV takes them (qtype >= 0), or a float32 [N, K]
-// weight for at::linear (qtype kFloatWeight: a tensor the loader dequantized).
+// weight for at::linear (qtype kFloatWeight: a tensor the loader dequantized); and its bias,
+// if it has one (Qwen2's q|k|v).
 struct Projection {
   static constexpr int64_t kFloatWeight = -1;
   at::Tensor weight;
   int64_t qtype;
   bool interleaved;
+  std::optional<at::Tensor> bias;
 };
 
 class DecodeLayers {
