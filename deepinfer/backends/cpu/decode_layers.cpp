@@ -17,19 +17,7 @@
 #include <vector>
 
 #include "decode_layers.h"
-
-at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, int64_t qtype, bool interleaved);
-at::Tensor gguf_mlp(const at::Tensor& x, const at::Tensor& gate_up, int64_t gate_up_type,
-                    bool gate_up_interleaved, const at::Tensor& down, int64_t down_type,
-                    bool down_interleaved);
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps);
-std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
-                                                const at::Tensor& w, double eps);
-at::Tensor rotary_decode_attention(at::Tensor q, at::Tensor k, const at::Tensor& v,
-                                   const at::Tensor& positions, const at::Tensor& cos,
-                                   const at::Tensor& sin, at::Tensor k_cache, at::Tensor v_cache,
-                                   const at::Tensor& new_slots, const at::Tensor& slots,
-                                   const at::Tensor& lens, double scale);
+#include "native_ops.h"
 
 namespace {
 

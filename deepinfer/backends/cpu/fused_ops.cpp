@@ -17,6 +17,8 @@
 #include <numeric>
 #include <vector>
 
+#include "native_ops.h"
+
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define DEEPINFER_AVX2_FMA 1

@@ -108,10 +108,10 @@ void k_quant_dequantize(const uint8_t* w, int64_t row_stride, int64_t n, int64_t
 
 // Rows interleaved in groups of 8 (gguf_rows8.cpp): the types that may be, group g restored
 // to the file's layout (out: [8, blocks * block bytes]), and the GEMV over them, y [n, rows]
-// (false where the build has no AVX2: the caller restores groups instead).
+// (sums: each row of x's block_sums; AVX2 builds only).
 bool interleavable(int64_t qtype);
 void restore_group(const uint8_t* w, int64_t blocks, int64_t qtype, int64_t g, uint8_t* out);
-bool interleaved_gemv(const uint8_t* w, int64_t n, int64_t blocks, const float* x, int64_t k,
-                      int64_t rows, int64_t qtype, float* y);
+void interleaved_gemv(const uint8_t* w, int64_t n, int64_t blocks, const float* x, int64_t k,
+                      int64_t rows, const std::vector<float>* sums, int64_t qtype, float* y);
 
 }  // namespace deepinfer_gguf

@@ -12,10 +12,10 @@
 // path through near-ties (llama.cpp instead rounds x to int8 per block, which moved the
 // default model's first answer token).
 // Each weight byte is read once for all rows of x. Prefill (many rows) is compute-bound:
-// dequantize() writes float32 rows for a BLAS GEMM instead. The backend stores Q4_0, Q4_1 and
-// Q8_0 weights with their rows interleaved by 8 (gguf_rows8.cpp: their GEMV, one row per
-// vector lane, x rounded to int16 at every row count); dequantize() takes those a group of 8
-// rows at a time, restored to the file's layout.
+// dequantize() writes float32 rows for a BLAS GEMM instead. The backend stores Q4_0, Q4_1,
+// Q5_0, Q5_1 and Q8_0 weights with their rows interleaved by 8 (gguf_rows8.cpp: their GEMV,
+// one row per vector lane, x rounded to int16 at every row count); dequantize() takes those a
+// group of 8 rows at a time, restored to the file's layout.
 // ATen's tensor and the few ops used here, not <torch/extension.h>: that header (all of
 // libtorch's C++ API and the Python bindings) is most of the build's time; only bindings.cpp
 // needs the bindings.
@@ -30,6 +30,7 @@
 #include <vector>
 
 #include "gguf_blocks.h"
+#include "native_ops.h"
 
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(DEEPINFER_AVX2)
 #define DEEPINFER_VNNI 1  // 256-bit vpdpwssd (EVEX), and 32 vector registers
@@ -375,32 +376,14 @@ void check_weight(const at::Tensor& w, int64_t qtype, int64_t k, bool interleave
               kInterleave);
 }
 
-// An interleaved weight in a build without AVX2: each group of 8 rows restored to the file's
-// layout in a buffer, then row_dot as for the file's rows.
-template <int64_t QT>
-void gemv_groups(const uint8_t* w, int64_t n, int64_t blocks, const float* x, int64_t k,
-                 const std::vector<float>* sums, int64_t rows, float* y) {
-  const int64_t row_bytes = blocks * block_bytes(QT);
-  at::parallel_for(0, n / kInterleave, 4, [&](int64_t begin, int64_t end) {
-    std::vector<uint8_t> group(kInterleave * row_bytes);
-    for (int64_t g = begin; g < end; ++g) {
-      restore_group(w, blocks, QT, g, group.data());
-      for (int64_t r = 0; r < kInterleave; ++r) {
-        row_dot<QT>(group.data() + r * row_bytes, blocks, x, k, sums, rows,
-                    y + (g * kInterleave + r) * rows);
-      }
-    }
-  });
-}
-
 template <int64_t QT>
 void gemv_any(const uint8_t* w, int64_t row_stride, int64_t n, int64_t blocks, const float* x,
               int64_t k, const std::vector<float>* sums, int64_t rows, bool interleaved,
               float* y) {
-  if (!interleaved) {
+  if (interleaved) {
+    interleaved_gemv(w, n, blocks, x, k, rows, sums, QT, y);
+  } else {
     gemv_rows<QT>(w, row_stride, n, blocks, x, k, sums, rows, y);
-  } else if (!interleaved_gemv(w, n, blocks, x, k, rows, QT, y)) {
-    gemv_groups<QT>(w, n, blocks, x, k, sums, rows, y);
   }
 }
 

@@ -22,9 +22,11 @@
 // values centred by subtracting 8 or 16 * the block's sum of x's integers, exact), so the
 // results equal it up to the float rounding of the scale products. Several rows of x (up to
 // 16) are each rounded so, and up to 4 of them share each expanded block: a sequence's
-// products do not depend on its batch. The GEMM's dequantization (and builds without AVX2)
-// take the weight a group at a time, restored to the file's layout in a small buffer.
+// products do not depend on its batch. The GEMM's dequantization takes the weight a group
+// at a time, restored to the file's layout in a small buffer. Builds without AVX2 do not
+// interleave (kernels.interleaves).
 #include <ATen/Parallel.h>
+#include <c10/util/Exception.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -61,15 +63,16 @@ using namespace deepinfer_gguf;
 
 constexpr int kRowsAPass = 4;  // rows of x dotted with a group's expanded block at once
 
+#ifdef DEEPINFER_AVX2
 // A row of x as the kernels take it: rounded to int16 per block, each block's sum of those
-// integers (Q4's centring), and its float sum (Q4_1's minimum).
+// integers (the centring) and its float sum (Q4_1/Q5_1's minimum; gemv() computed it).
 struct XRow {
   Int16Row q;
   std::vector<int32_t> int_sums;
-  std::vector<float> sums;
+  const float* sums;
 
-  static XRow of(const float* x, int64_t blocks) {
-    XRow row{round_to_int16(x, blocks), std::vector<int32_t>(blocks, 0), block_sums(x, blocks)};
+  static XRow of(const float* x, int64_t blocks, const std::vector<float>& sums) {
+    XRow row{round_to_int16(x, blocks), std::vector<int32_t>(blocks, 0), sums.data()};
     for (int64_t b = 0; b < blocks; ++b) {
       for (int i = 0; i < kBlock; ++i) row.int_sums[b] += row.q.q[b * kBlock + i];
     }
@@ -77,7 +80,6 @@ struct XRow {
   }
 };
 
-#ifdef DEEPINFER_AVX2
 // acc + the int16 pairs of v times the pair at x (two int16), per 32-bit lane.
 inline __m256i dot_pairs(__m256i acc, __m256i v, const int16_t* x) {
   int32_t pair;
@@ -221,28 +223,27 @@ void group_rows(const uint8_t* group, int64_t blocks, const XRow* x, int rows, f
 
 namespace deepinfer_gguf {
 
-bool interleaved_gemv(const uint8_t* w, int64_t n, int64_t blocks, const float* x, int64_t k,
-                      int64_t rows, int64_t qtype, float* y) {
+void interleaved_gemv(const uint8_t* w, int64_t n, int64_t blocks, const float* x, int64_t k,
+                      int64_t rows, const std::vector<float>* sums, int64_t qtype, float* y) {
 #ifdef DEEPINFER_AVX2
   std::vector<XRow> xs;
-  for (int64_t m = 0; m < rows; ++m) xs.push_back(XRow::of(x + m * k, blocks));
+  for (int64_t m = 0; m < rows; ++m) xs.push_back(XRow::of(x + m * k, blocks, sums[m]));
   const int64_t group_bytes = kInterleave * blocks * block_bytes(qtype);
-  at::parallel_for(0, n / kInterleave, 8, [&](int64_t begin, int64_t end) {
-    for (int64_t g = begin; g < end; ++g) {
-      const uint8_t* group = w + g * group_bytes;
-      for (int64_t m0 = 0; m0 < rows; m0 += kRowsAPass) {
-        const int r = static_cast<int>(std::min<int64_t>(kRowsAPass, rows - m0));
-        float* out = y + g * kInterleave * rows + m0;
-        with_block_type(qtype, [&](auto qt) {
-          group_rows<qt.value>(group, blocks, xs.data() + m0, r, out, rows);
-        });
+  with_block_type(qtype, [&](auto qt) {
+    at::parallel_for(0, n / kInterleave, 8, [&](int64_t begin, int64_t end) {
+      for (int64_t g = begin; g < end; ++g) {
+        for (int64_t m0 = 0; m0 < rows; m0 += kRowsAPass) {
+          const int r = static_cast<int>(std::min<int64_t>(kRowsAPass, rows - m0));
+          group_rows<qt.value>(w + g * group_bytes, blocks, xs.data() + m0, r,
+                               y + g * kInterleave * rows + m0, rows);
+        }
       }
-    }
+    });
   });
-  return true;
 #else
-  (void)w, (void)n, (void)blocks, (void)x, (void)k, (void)rows, (void)qtype, (void)y;
-  return false;
+  (void)w, (void)n, (void)blocks, (void)x, (void)k, (void)rows, (void)sums, (void)qtype, (void)y;
+  TORCH_CHECK(false, "GGUF rows interleaved by 8 need the extension built with AVX2 "
+              "(kernels.interleaves says which weights to interleave)");
 #endif
 }
 

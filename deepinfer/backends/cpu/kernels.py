@@ -21,7 +21,7 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 _SOURCES = [os.path.join(_HERE, f) for f in ("bindings.cpp", "gguf_kernels.cpp",
                                              "gguf_kquants.cpp", "gguf_rows8.cpp",
                                              "fused_ops.cpp", "decode_layers.cpp")]
-_HEADERS = ("gguf_blocks.h", "decode_layers.h")
+_HEADERS = ("gguf_blocks.h", "decode_layers.h", "native_ops.h")
 # The GGUF block types the kernels run (models/quant kinds).
 GGUF_KINDS = ("gguf:Q4_0", "gguf:Q4_1", "gguf:Q5_0", "gguf:Q5_1", "gguf:Q8_0", "gguf:Q4_K",
               "gguf:Q5_K", "gguf:Q6_K")

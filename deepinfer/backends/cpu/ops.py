@@ -77,8 +77,8 @@ class CPUOps(ModelOps):
                 self.kernels is None or type(self) is not CPUOps or len(meta.groups) != 1:
             return None
         group = meta.groups[0]
-        plan = self._plan(layers)
-        if plan is None or group.decode_slots is None:
+        plan = self._plan(layers) if group.decode_slots is not None else None  # decode only
+        if plan is None:
             return None
         return plan.run(hidden, positions, cos, sin, group.slot_mapping, group.decode_slots,
                         group.decode_lens)

@@ -119,9 +119,9 @@ class GGUFWeight(PackedWeight):
 
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
         ids, g = ids.reshape(-1), self.interleaved
-        if g:  # the row groups holding the ids, restored; then the ids' rows among them
-            groups, where = torch.unique(ids // g, return_inverse=True)
-            rows = self.file_blocks(groups)[where * g + ids % g]
+        if g:  # each id's row group, restored; then the id's row in it
+            groups = self.file_blocks(ids // g)
+            rows = groups[torch.arange(ids.numel(), device=ids.device) * g + ids % g]
         else:
             rows = self.blocks.index_select(0, ids)
         rows = rows.cpu()
