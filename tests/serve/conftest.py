@@ -284,8 +284,9 @@ def per_rank(url: str, name: str, **match: str) -> dict[int, float]:
 
 
 # ---- the random-weight checkpoint ------------------------------------------------------------
-def make_tiny_chat_checkpoint(path: str) -> str:
-    """A random 2-layer llama using the default model's tokenizer and chat template."""
+def make_tiny_chat_checkpoint(path: str, context: int = TINY_CONTEXT) -> str:
+    """A random 2-layer llama using the default model's tokenizer and chat template, of
+    `context` positions."""
     import torch
     import transformers
 
@@ -298,7 +299,7 @@ def make_tiny_chat_checkpoint(path: str) -> str:
     tokenizer = transformers.AutoTokenizer.from_pretrained(path)
     config = transformers.LlamaConfig(
         hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=len(tokenizer), max_position_embeddings=TINY_CONTEXT,
+        num_key_value_heads=2, vocab_size=len(tokenizer), max_position_embeddings=context,
         initializer_range=0.1, bos_token_id=1, eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.eos_token_id, tie_word_embeddings=False)
     torch.manual_seed(0)

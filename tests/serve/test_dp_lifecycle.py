@@ -28,6 +28,9 @@ from conftest import (START_TIMEOUT_S, free_port, make_tiny_chat_checkpoint, ope
 
 NAME = "tiny-ll"
 FAIL_WITHIN_S = 5.0  # a dead rank's requests must end this soon after the kill
+# The killed rank's requests: long enough that none ends between the first streamed text and
+# the kill, however fast a decode step is (the checkpoint's context and the KV pool fit four).
+KILL_TOKENS, CONTEXT, KV_BLOCKS = 2000, 2048, 600
 
 
 @dataclass
@@ -68,7 +71,7 @@ class ShServer:
 
 @pytest.fixture(scope="module")
 def tiny_ckpt(tmp_path_factory) -> str:
-    return make_tiny_chat_checkpoint(str(tmp_path_factory.mktemp("tiny-ll")))
+    return make_tiny_chat_checkpoint(str(tmp_path_factory.mktemp("tiny-ll")), CONTEXT)
 
 
 @contextlib.contextmanager
@@ -82,7 +85,7 @@ def _sh_server(run_dir: str, ckpt: str, *args: str) -> Iterator[ShServer]:
     server = ShServer(f"http://127.0.0.1:{port}", env, run_dir)
     started = server.sh("start", "--model", ckpt, "--port", str(port), "--dp", "2",
                         "--served-model-name", NAME, "--block-size", "16", "--num-kv-blocks",
-                        "64", "--dtype", "float32", *args, timeout=START_TIMEOUT_S + 60)
+                        str(KV_BLOCKS), "--dtype", "float32", *args, timeout=START_TIMEOUT_S + 60)
     assert started.returncode == 0, started.stdout + started.stderr
     leader = server.leader
     try:
@@ -177,10 +180,9 @@ def _in_flight(server: ShServer) -> list[int]:
     return [r["in_flight"] for r in server.health().json()["ranks"]]
 
 
-def _engine_load(server: ShServer, rank: int) -> float:
-    """Running + waiting requests in the rank's engine, as it last reported."""
-    return sum(per_rank(server.url, f"deepinfer:rank_num_requests_{kind}").get(rank, 0.0)
-               for kind in ("running", "waiting"))
+def _streamed_text(out: Outcome) -> bool:
+    """Whether a streaming request has received generated text (not just its role chunk)."""
+    return any(c.choices and c.choices[0].delta.content for c in list(out.chunks))
 
 
 def test_status_names_the_process_group(ll):
@@ -227,15 +229,18 @@ def test_killing_a_rank_ends_its_requests_at_once(ll):
         outcomes, threads = [], []
         for i, stream in enumerate((True, True, False, False) * 2):
             out = Outcome()
-            threads.append(threading.Thread(target=_request, args=(ll, i, stream, 300, out)))
+            threads.append(threading.Thread(target=_request,
+                                            args=(ll, i, stream, KILL_TOKENS, out)))
             outcomes.append(out)
             threads[-1].start()
             _until(lambda: sum(_in_flight(ll)) == i + 1, what=f"request {i} routed")
         assert _in_flight(ll) == [4, 4]
         os.kill(rank_pids[1], signal.SIGCONT)
-        # Kill rank 1 once all four are in its engine (two running, two queued): 300 tokens
-        # each take far longer than this takes.
-        _until(lambda: _engine_load(ll, 1) == 4, what="rank 1 to take its requests")
+        # Kill rank 1 once its engine streams its first request's tokens: its four reached it
+        # together while it was frozen (two running, two queued), and KILL_TOKENS each are far
+        # from done. (Its load as the heartbeat reports it, every 0.5 s, can miss a fast
+        # rank's busy spell.)
+        _until(lambda: _streamed_text(outcomes[1]), what="rank 1 to stream its first request")
         killed_at = time.monotonic()
         os.kill(rank_pids[1], signal.SIGKILL)
     finally:
