@@ -12,6 +12,9 @@
    and with the GEMV's preload before that wait cut to one tile (DEEPINFER_CUDA_GEMV_PRELOAD=0).
 4. --moe-chain: Qwen3-30B-A3B's decode layers without attention (norm, qkv, o, norm, router,
    top-k, the 8 experts' GEMVs), preload on and off.
+5. --chain-tiles: the 32 layers' chain under PDL with other tiles than config_for's, each
+   variant timed in alternating rounds (a tile that reads whole rows before its wait is only
+   seen to pay off behind a kernel that lets it launch early, as the norms do).
 """
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ import statistics
 
 import torch
 import torch.nn.functional as F
+import triton
 
 from deepinfer.backends.cuda.kernels.activation import silu_and_mul
 from deepinfer.backends.cuda.kernels.gemv import GemvConfig, config_for, gemv
@@ -109,23 +113,33 @@ def _layers() -> list[dict]:
             for _ in range(LAYERS)]
 
 
-def chain() -> dict:
-    """All 32 layers' projections as a decode step runs them (attention left out: the same in
-    both), with cuBLAS and with the GEMV kernel at config_for's tiles."""
-    layers = _layers()
+def _chain_step(layers: list[dict], project):
+    """One decode step's projections (attention left out: the same in every variant)."""
     hidden0 = torch.randn(1, HIDDEN, device="cuda", dtype=torch.bfloat16)
-    weight_bytes = sum(sum(t.numel() * 2 for k, t in lw.items() if k in SHAPES) for lw in layers)
+
+    def run():
+        hidden, residual = hidden0, hidden0.clone()
+        for lw in layers:
+            x, residual = add_rms_norm(hidden, residual, lw["n1"], EPS)
+            qkv = project(x, lw["qkv"])
+            hidden = project(qkv[:, :Q].contiguous(), lw["o"])
+            x, residual = add_rms_norm(hidden, residual, lw["n2"], EPS)
+            hidden = project(silu_and_mul(project(x, lw["gate_up"])), lw["down"])
+    return run
+
+
+def _weight_bytes(layers: list[dict]) -> int:
+    return sum(sum(t.numel() * 2 for k, t in lw.items() if k in SHAPES) for lw in layers)
+
+
+def chain() -> dict:
+    """All 32 layers' projections as a decode step runs them, with cuBLAS and with the GEMV
+    kernel at config_for's tiles."""
+    layers = _layers()
+    weight_bytes = _weight_bytes(layers)
 
     def step(project):
-        def run():
-            hidden, residual = hidden0, hidden0.clone()
-            for lw in layers:
-                x, residual = add_rms_norm(hidden, residual, lw["n1"], EPS)
-                qkv = project(x, lw["qkv"])
-                hidden = project(qkv[:, :Q].contiguous(), lw["o"])
-                x, residual = add_rms_norm(hidden, residual, lw["n2"], EPS)
-                hidden = project(silu_and_mul(project(x, lw["gate_up"])), lw["down"])
-        return run
+        return _chain_step(layers, project)
 
     out = {"weight_bytes": weight_bytes}
     variants = [("cublas", F.linear, "0", "1"), ("cublas_pdl", F.linear, "1", "1"),
@@ -148,6 +162,44 @@ def _timed_variant(run, weight_bytes: int, pdl: str, preload: str, label: str) -
     row = {"ms": ms, "gbs": weight_bytes / ms / 1e6}
     print(f"{label} {ms:7.3f} ms {row['gbs']:5.0f} GB/s of weights", flush=True)
     return row
+
+
+# Tile variants of --chain-tiles: (weight rows a program, warps) for rows of up to 4096
+# columns, read whole before the wait (64 values a thread at these pairs); down_proj keeps
+# config_for's tiles unless a variant names its own.
+WHOLE_ROW_TILES = {"whole_4x8w": (4, 8), "whole_2x4w": (2, 4), "whole_8x16w": (8, 16)}
+
+
+def _chooser(name: str):
+    if name == "config_for":
+        return config_for
+    if name.startswith("down_"):  # config_for, down_proj reading its first 8192 columns first
+        def down_first(n: int, k: int) -> GemvConfig:
+            return GemvConfig(2, 1024, 8, first_k=8192) if k > 4096 else config_for(n, k)
+        return down_first
+    rows, warps = WHOLE_ROW_TILES[name]
+
+    def whole(n: int, k: int) -> GemvConfig:
+        if k > 4096:
+            return config_for(n, k)
+        return GemvConfig(rows, 1024, warps, first_k=triton.next_power_of_2(k))
+    return whole
+
+
+def chain_tiles(rounds: int = 3) -> dict:
+    """The 32-layer chain under PDL with each tile variant, rounds alternating variants."""
+    layers = _layers()
+    weight_bytes = _weight_bytes(layers)
+    names = ["config_for", *WHOLE_ROW_TILES, "down_first8192"]
+    runs: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(rounds):
+        for name in names:
+            choose = _chooser(name)
+            step = _chain_step(layers, lambda x, w: gemv(x, w, None, choose(*w.shape)))
+            runs[name].append(_timed_variant(step, weight_bytes, "1", "1",
+                                             f"round {r} {name:16s}")["ms"])
+    return {"weight_bytes": weight_bytes, "ms": runs,
+            "median_ms": {n: statistics.median(v) for n, v in runs.items()}}
 
 
 MOE_LAYERS, EXPERTS, TOP_K, MOE_FFN = 16, 128, 8, 768
@@ -217,7 +269,15 @@ def main() -> None:
                         help="only the sweep, at Qwen3-30B-A3B's shapes")
     parser.add_argument("--moe-chain", action="store_true",
                         help="only Qwen3-30B-A3B's layers without attention, preload on/off")
+    parser.add_argument("--chain-tiles", action="store_true",
+                        help="only the 32-layer chain under other tiles (WHOLE_ROW_TILES)")
     args = parser.parse_args()
+    if args.chain_tiles:
+        report = {"gpu": torch.cuda.get_device_name(), "chain_tiles": chain_tiles()}
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(report, f, indent=2)
+        return
     if args.moe_chain:
         report = {"gpu": torch.cuda.get_device_name(), "moe_chain": moe_chain(),
                   "chain": chain()}

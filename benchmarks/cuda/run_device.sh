@@ -29,6 +29,8 @@ wanted kernel_tests && step kernel_tests python3 -m pytest -q -p no:cacheprovide
 wanted attention && step attention python3 benchmarks/cuda/bench_attention.py --out "$out/attention.json"
 wanted gemm && step gemm python3 benchmarks/cuda/bench_gemm.py --out "$out/gemm.json"
 wanted gemv && step gemv python3 benchmarks/cuda/bench_gemv.py --out "$out/gemv.json" $quick
+wanted gemv_tiles && step gemv_tiles python3 benchmarks/cuda/bench_gemv.py --chain-tiles \
+    --out "$out/gemv_tiles.json"
 wanted page_copy && step page_copy python3 benchmarks/cuda/bench_page_copy.py --out "$out/page_copy.json"
 wanted check_engine && step check_engine python3 benchmarks/cuda/check_engine.py --out "$out"
 wanted check_greedy && step check_greedy python3 benchmarks/cuda/check_engine.py --out "$out" \

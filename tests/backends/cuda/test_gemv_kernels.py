@@ -63,6 +63,8 @@ def test_preload_is_a_power_of_two_within_the_thread_budget(monkeypatch) -> None
             first <= triton_next_pow2(k)
             and first * cfg.block_n <= PRELOAD_PER_THREAD * 32 * cfg.num_warps)
     assert preload_cols(config_for(5120, 2048), 2048) == 2048  # Qwen3-30B-A3B's qkv: all of it
+    for n in (6144, 4096, 28672, 128256):  # Llama-3-8B's rows of 4096: whole, the LM head too
+        assert preload_cols(config_for(n, 4096), 4096) == 4096
     monkeypatch.setenv("DEEPINFER_CUDA_GEMV_PRELOAD", "0")
     assert preload_cols(config_for(5120, 2048), 2048) == config_for(5120, 2048).block_k
 

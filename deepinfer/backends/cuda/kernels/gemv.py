@@ -7,7 +7,7 @@ bench_gemv). Each program reads BLOCK_N weight rows in BLOCK_K chunks, multiplie
 matching chunk of x and accumulates a float32 [BLOCK_N, BLOCK_K] tile, reduced once at the
 end. Launched with PDL (pdl.py) it starts reading weights before the kernel ahead finishes:
 the first FIRST_K columns of its rows (the whole row where it fits in 64 values a thread), so
-at the 2048-wide shapes a program has its weights in flight before its input exists.
+at rows of up to 4096 columns a program has its weights in flight before its input exists.
 
 Fusing the RMSNorm or SiLU-and-mul before a projection into this loop was measured too: it
 saved their ~2 us launches but slowed the GEMV by as much, so they stay separate kernels.
@@ -50,19 +50,22 @@ def preload_cols(cfg: GemvConfig, k: int) -> int:
     return max(cfg.block_k, min(triton.next_power_of_2(k), triton.next_power_of_2(budget + 1) // 2))
 
 
+# Rows up to this wide are read whole before the wait by two-row, four-warp programs (64
+# values a thread). Alone, back to back, those tiles are 2-8% slower than the best of the sweep
+# at the Llama-3-8B shapes; behind the norms and attention kernels that let them launch early,
+# as in a decode step, the 32 layers' projections and norms took 3.79 against 3.92 ms
+# (bench_gemv --chain-tiles, gemv_tiles.json).
+WHOLE_ROW_COLS = 4096
+
+
 def config_for(n: int, k: int) -> GemvConfig:
     """Tiles for an [n, k] weight, from the H200 sweeps at the Llama-3-8B shapes and at
-    Qwen3-30B-A3B's (bench_gemv, --moe-shapes): each within 3% of the best of its 22 configs
-    there."""
+    Qwen3-30B-A3B's (bench_gemv, --moe-shapes, --chain-tiles)."""
     if n * k < 16_000_000:  # small weights (2048-wide models, MoE routers): more programs
         return GemvConfig(4, 1024, 8 if n <= k else 4)
-    if k >= 8192:  # down_proj [4096 x 14336]: long rows, few of them
-        return GemvConfig(16, 1024, 8)
-    if n >= 16384:  # gate_up [28672 x 4096], lm_head [128256 x 4096]: many rows
-        return GemvConfig(16, 256, 4)
-    if n <= k:  # o_proj [4096 x 4096]
-        return GemvConfig(16, 1024, 8)
-    return GemvConfig(8, 512, 4)  # qkv [6144 x 4096]
+    if k <= WHOLE_ROW_COLS:  # qkv, o, gate_up, lm_head of 4096-wide models: whole rows
+        return GemvConfig(2, 1024, 4)
+    return GemvConfig(16, 1024, 8)  # down_proj [4096 x 14336]: long rows, few of them
 
 
 @triton.jit
