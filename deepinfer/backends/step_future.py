@@ -35,6 +35,7 @@ class DeviceTokens:
 
     def __init__(self, tokens: torch.Tensor, host: HostTokenBuffers | None = None) -> None:
         self.tokens = tokens
+        self.read = False  # result() was called: the host has waited for this step's end
         self._event: torch.cuda.Event | None = None
         if tokens.is_cuda and host is not None:
             self._host = host.next(tokens.numel())
@@ -44,9 +45,15 @@ class DeviceTokens:
         else:
             self._host = tokens
 
+    @property
+    def event(self) -> torch.cuda.Event | None:
+        """The step's end on its stream (None off the GPU)."""
+        return self._event
+
     def result(self) -> SamplerOutput:
         if self._event is not None:
             self._event.synchronize()
+        self.read = True
         ids = self._host.tolist()
         return SamplerOutput(token_ids=ids, logprobs=[None] * len(ids))
 

@@ -194,7 +194,9 @@ class Accelerator(ABC):
         the KV spec); with `Capabilities.host_copy_skips_null`, a null block (id 0) there means
         group g of that page is not copied. Backends with streams enqueue
         the copy on the engine stream, so later steps see it in order, and return a handle the
-        caller polls before reusing the host pages; None means it is already done."""
+        caller polls before reusing the host pages; None means it is already done. A store
+        (to_device False) reads pages computed by steps whose tokens the engine has already
+        taken (result() of a launched step): it need not wait for a step launched since."""
         raise NotImplementedError(f"the {self.name} backend has no host page copy")
 
     def copy_state(self, host_slot: int, request_id: str, num_tokens: int,

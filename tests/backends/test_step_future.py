@@ -24,8 +24,11 @@ def test_no_ids_from_the_last_step_leaves_the_inputs_alone():
 
 
 def test_a_future_reads_back_its_tokens():
-    out = DeviceTokens(torch.tensor([3, 1, 4])).result()
+    future = DeviceTokens(torch.tensor([3, 1, 4]))
+    assert not future.read and future.event is None  # no stream event off the GPU
+    out = future.result()
     assert out.token_ids == [3, 1, 4] and out.logprobs == [None] * 3
+    assert future.read
 
 
 def test_tensor_on_keeps_values_and_dtype():

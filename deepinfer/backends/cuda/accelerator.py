@@ -18,6 +18,7 @@ import importlib.util
 import logging
 import os
 import time
+from collections import deque
 from typing import Sequence
 
 import torch
@@ -64,6 +65,8 @@ class CUDAAccelerator(Accelerator):
         self.prefill_graphs: PrefillGraphs | None = None  # short chunks of one sequence
         self.host_pool = None
         self.host_tokens: HostTokenBuffers | None = None  # launch()'s readback, on a GPU
+        # The steps launch() returned lately, newest last: at most one unread at a time.
+        self.launched: deque[DeviceTokens] = deque(maxlen=2)
         self.speculator: MTPSpeculator | None = None  # built with the runner
         self.num_sms = 8  # split-K sizing; the device's count once init_device ran on a GPU
         self.parallel = ParallelContext()
@@ -340,6 +343,7 @@ class CUDAAccelerator(Accelerator):
             self.runner.moe.set_step(padded, batch.num_real_tokens)
 
     def execute(self, batch: ModelBatch) -> SamplerOutput:
+        self.launched.clear()  # a step read to its end: stores order after the stream again
         if batch.spec is not None:  # eager: a verify step's queries are 1 + k tokens long
             with torch.inference_mode():
                 return self.speculator.execute(batch)
@@ -360,7 +364,9 @@ class CUDAAccelerator(Accelerator):
         with torch.inference_mode():
             if tokens is None or not all_plain_greedy(batch.sampling):
                 tokens = self.runner.sample_tokens(logits, batch.sampling)
-            return DeviceTokens(tokens, self.host_tokens)
+            future = DeviceTokens(tokens, self.host_tokens)
+        self.launched.append(future)
+        return future
 
     def expert_load(self):
         return self.runner.expert_load()
@@ -393,7 +399,15 @@ class CUDAAccelerator(Accelerator):
             raise RuntimeError("allocate_host_pool was not called")
         # A null block in device_blocks[g][i] leaves group g of page i alone
         # (host_copy_skips_null): sliding-window models' freed pages.
-        return self.host_pool.copy(host_pages, device_blocks, to_device)
+        return self.host_pool.copy(host_pages, device_blocks, to_device, self._read_upto())
+
+    def _read_upto(self) -> torch.cuda.Event | None:
+        """The end of the newest launched step whose tokens the host has read (None: none in
+        `launched`). The core stores the pages a step computed when it takes that step's
+        tokens, so a store starts there, not behind the step launched since (under async
+        scheduling, the next prefill chunk: a long prompt's last two chunks were stored after
+        it ended, and a host-tier hit right behind it waited for both)."""
+        return next((f.event for f in reversed(self.launched) if f.read), None)
 
     def memory_stats(self) -> MemoryStats:
         total = torch.cuda.mem_get_info(self.device)[1] if self.on_gpu else 0

@@ -12,7 +12,9 @@ window is neither stored nor loaded, and block 0 is never written.
 Loads are enqueued on the current stream of the chunks' device (the engine's), so a step
 launched after a load reads the loaded pages in order without a host wait. Stores (the
 write-through of a prompt just computed, gigabytes for a long one) run on a stream of their
-own, after the engine's work enqueued so far, with a grid just below PCIe saturation
+own, after the point of the engine's stream the caller names (the end of the step that
+computed the pages: not behind the next step, already launched under async scheduling), or
+else after the engine's work enqueued so far, with a grid just below PCIe saturation
 (STORE_CTAS): the steps that follow neither queue behind them nor slow down. That is safe
 because HiCache holds the stored blocks until the store's event has passed (nothing writes a
 full prompt page of a live request, and a held block is not handed out again). The returned
@@ -78,17 +80,21 @@ class CUDAHostPool:
     def page_bytes(self) -> int:
         return self.chunks.page_bytes
 
-    def copy(self, host_pages: Indices, device_blocks: GroupIndices,
-             to_device: bool) -> EventHandle | None:
+    def copy(self, host_pages: Indices, device_blocks: GroupIndices, to_device: bool,
+             after: torch.cuda.Event | None = None) -> EventHandle | None:
         """Pair i: host page host_pages[i] <-> block device_blocks[g][i] of every chunk of group
         g, except where that block is the null block (group g of page i is left alone). Indices
         are range-checked on the host (tensors on the device read back first) and uploaded
-        through the pool's pinned staging buffers. None when there is nothing to copy."""
+        through the pool's pinned staging buffers. A store starts after `after`, the point of
+        the engine stream where its blocks' contents are final (None: the engine's work
+        enqueued so far). None when there is nothing to copy."""
         engine = torch.cuda.current_stream(self.chunks.device)
         if to_device or self.store_stream is None:
             return self._copy_on(engine, self.copier, host_pages, device_blocks, to_device)
-        # The blocks' contents are the engine's work enqueued so far: the store starts after it.
-        self.store_stream.wait_stream(engine)
+        if after is None:
+            self.store_stream.wait_stream(engine)
+        else:
+            self.store_stream.wait_event(after)
         with torch.cuda.stream(self.store_stream):
             return self._copy_on(self.store_stream, self.store_copier, host_pages,
                                  device_blocks, to_device)

@@ -225,6 +225,25 @@ def test_graph_logits_keep_only_the_sampled_rows():
     assert sampled_rows(logits, everyone) is logits
 
 
+def test_a_store_follows_the_newest_step_the_host_has_read():
+    """Under async scheduling a store is issued while the next step runs: it follows the end
+    of the newest launched step whose tokens were read, not the stream (None: no such step,
+    or a step since that execute() ran to its end)."""
+    from types import SimpleNamespace
+
+    from deepinfer.backends.cuda.accelerator import CUDAAccelerator
+
+    acc = CUDAAccelerator()
+    assert acc._read_upto() is None
+    acc.launched.append(SimpleNamespace(read=True, event="end of step 1"))
+    acc.launched.append(SimpleNamespace(read=False, event="end of step 2"))
+    assert acc._read_upto() == "end of step 1"
+    acc.launched[-1].read = True
+    assert acc._read_upto() == "end of step 2"
+    acc.launched.append(SimpleNamespace(read=False, event="end of step 3"))
+    assert len(acc.launched) == 2 and acc._read_upto() == "end of step 2"
+
+
 def test_warm_up_runs_every_chunk_class_and_leaves_the_pool_clean(tmp_path, monkeypatch):
     """The start-up warm-up runs a chunk of each size class, from position 0 and after a page
     of prefix, then mixed steps over growing contexts (split-K classes), within a pool smaller

@@ -580,6 +580,31 @@ def test_host_pool_allocates_exactly_and_returns_an_event():
 
 
 @needs_cuda
+def test_a_store_after_an_event_does_not_wait_for_work_queued_since():
+    """A store follows `after` (where its blocks were final), not a step the engine launched
+    since: it completes while a long kernel queued after the event still runs, and reads the
+    blocks as they were at the event."""
+    from deepinfer.backends.cuda.host_pool import CUDAHostPool
+
+    chunks, host, blocks = _setup("llama", seed=6)
+    pool = CUDAHostPool.allocate(2, chunks)
+    pair = [[blocks[0][1]]]
+    want = _page_by_hand([t.cpu() for t in chunks.tensors], chunks.layout, [pair[0][0]])
+    ready = torch.cuda.Event()
+    ready.record()
+    torch.cuda._sleep(2_000_000_000)  # ~1 s of the engine stream, queued after the event
+    busy = torch.cuda.Event()
+    busy.record()
+    pool.copy([1], pair, to_device=False, after=ready).wait()
+    assert not busy.query()  # the store ended before the work queued after its event
+    assert torch.equal(pool.pages[1], want)
+    # Without an event it starts behind everything the engine stream holds.
+    pool.pages[1] = 0
+    pool.copy([1], pair, to_device=False).wait()
+    assert busy.query() and torch.equal(pool.pages[1], want)
+
+
+@needs_cuda
 def test_gpu_range_checks_and_trusted_device_indices():
     chunks, host, _ = _setup("llama")
     copier = UVAPageCopier()
