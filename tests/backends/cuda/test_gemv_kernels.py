@@ -65,6 +65,7 @@ def test_preload_is_a_power_of_two_within_the_thread_budget(monkeypatch) -> None
     assert preload_cols(config_for(5120, 2048), 2048) == 2048  # Qwen3-30B-A3B's qkv: all of it
     for n in (6144, 4096, 28672, 128256):  # Llama-3-8B's rows of 4096: whole, the LM head too
         assert preload_cols(config_for(n, 4096), 4096) == 4096
+    assert preload_cols(config_for(4096, 14336), 14336) == 8192  # its down_proj: over half
     monkeypatch.setenv("DEEPINFER_CUDA_GEMV_PRELOAD", "0")
     assert preload_cols(config_for(5120, 2048), 2048) == config_for(5120, 2048).block_k
 
