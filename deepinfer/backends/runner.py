@@ -16,6 +16,7 @@ from deepinfer.core.config import CacheConfig, ModelSpec
 from deepinfer.core.sampler import Sampler
 from deepinfer.models import hf_config
 from deepinfer.models.ops import ModelOps
+from deepinfer.models.quant.packed import gguf_block_kinds
 from deepinfer.models.quant.plan import apply_plan, cast_unpacked, plan_packed
 from deepinfer.models.quant.source import checkpoint_source
 from deepinfer.models.registry import model_class
@@ -98,7 +99,7 @@ class TorchRunner:
         if dummy:
             init_dummy_weights(model, self.seed)
         else:
-            model.load_weights(source.tensors(set(self.packed.values())))
+            model.load_weights(source.tensors(gguf_block_kinds(self.packed.values())))
         model.init_buffers(self.device)
         self.ops.prepare_weights(model)
         self.model = model.eval()

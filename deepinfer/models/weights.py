@@ -113,7 +113,10 @@ def load_mapped(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
     """Copy every mapped checkpoint tensor into its parameter (or its rows of a fused one);
     every parameter must be written, and every tensor must have a place."""
     params: dict[str, torch.Tensor | PackedWeight] = dict(model.named_parameters())
-    params.update((n, m) for n, m in model.named_modules() if isinstance(m, PackedWeight))
+    packed = {n: m for n, m in model.named_modules() if isinstance(m, PackedWeight)}
+    # A packed weight made of packed parts (GGUFParts) loads them itself.
+    params.update((n, m) for n, m in packed.items()
+                  if not any(n.startswith(f"{p}.") for p in packed))
     loaded: set[str] = set()
     with torch.no_grad():
         for name, tensor in weights:

@@ -20,7 +20,7 @@ from deepinfer.backends.paged_cache import zeros
 from deepinfer.core.sampling import SamplingParams
 from deepinfer.llm import LLM
 from deepinfer.models.gguf_convert import convert_gguf
-from deepinfer.models.quant.packed import GGUFWeight
+from deepinfer.models.quant.packed import GGUFParts, GGUFWeight
 from deepinfer.models.quant.tensors import GGUFTensor
 from tests.models.test_gguf_convert import TEXT, tiny_model, tokenizer, write_gguf  # noqa: F401
 
@@ -198,10 +198,12 @@ def test_decode_plan_is_the_layers_one_by_one(tmp_path, tokenizer, monkeypatch):
     """A decode step of a llama stack runs as one C++ call (decode_plan.py), alone and with
     two sequences: greedy tokens and their logprobs equal the layer-by-layer path's to the
     bit, for Q4_1 and Q5_0 weights (rows interleaved), the same model dequantized to float32
-    (at::linear and the reference gated MLP in C++), and a Qwen2 (q|k|v biases)."""
+    (at::linear and the reference gated MLP in C++), a Qwen2 (q|k|v biases), and a Q4_K_M-style
+    file (q|k|v of two block types: GGUFParts)."""
     from deepinfer.backends.cpu import decode_plan
 
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=3)
+    cases = []
     for arch, qtype, quantization in (("llama", GGMLQuantizationType.Q4_1, "auto"),
                                       ("llama", GGMLQuantizationType.Q5_0, "auto"),
                                       ("llama", GGMLQuantizationType.Q5_0, "none"),
@@ -209,8 +211,11 @@ def test_decode_plan_is_the_layers_one_by_one(tmp_path, tokenizer, monkeypatch):
         original = tiny_model(arch, tokenizer.get_vocab_size(), tied=True)
         name = f"{arch}-{qtype.name}"
         write_gguf(tmp_path / f"{name}.gguf", original, tokenizer, qtype)
-        folder = convert_gguf(str(tmp_path / f"{name}.gguf"),
-                              str(tmp_path / f"{name}-{quantization}"), progress=False)
+        cases.append((convert_gguf(str(tmp_path / f"{name}.gguf"),
+                                   str(tmp_path / f"{name}-{quantization}"), progress=False),
+                      quantization))
+    cases.append((_k_quant_m_gguf(tmp_path, tokenizer, "k-quant-m"), "auto"))
+    for folder, quantization in cases:
         ids = [tokenizer.encode(TEXT).ids[:12], tokenizer.encode(TEXT).ids[3:9]]
         runs = []
         for plans in (True, False):
@@ -262,27 +267,38 @@ def _q4_k_centred(n: int, k: int, seed: int, d: float) -> np.ndarray:
     return np.concatenate([halves, packed, quants], axis=-1).reshape(n, -1)
 
 
-def test_k_quant_gguf_is_served_packed(tmp_path, tokenizer):  # noqa: F811
-    """A Q4_K_M-style file (Q4_K, its down projections Q6_K) keeps its super-blocks packed
-    and answers as its dequantized float32 path and transformers on that folder."""
+def _k_quant_m_gguf(tmp_path, tokenizer, name: str = "tiny") -> str:  # noqa: F811
+    """A converted Q4_K_M-style folder: Q4_K, its down and v projections Q6_K (so each fused
+    q|k|v holds two block types, as in llama.cpp's Q4_K_M files)."""
     original = tiny_model("llama", tokenizer.get_vocab_size(), tied=True, hidden_size=256,
                           intermediate_size=512, head_dim=64)
     names = iter(range(1000))
 
     def encode(name: str, data: np.ndarray):
-        if "down_proj" in name:
+        if "down_proj" in name or "v_proj" in name:
             q6 = _k_quant_blocks(*data.shape, GGMLQuantizationType.Q6_K, next(names), 0.0005)
             return q6.blocks.numpy(), GGMLQuantizationType.Q6_K
         return _q4_k_centred(*data.shape, next(names), 0.003), GGMLQuantizationType.Q4_K
 
-    write_gguf(tmp_path / "tiny.gguf", original, tokenizer, encode=encode)
-    folder = convert_gguf(str(tmp_path / "tiny.gguf"), str(tmp_path / "out"), progress=False)
+    write_gguf(tmp_path / f"{name}.gguf", original, tokenizer, encode=encode)
+    return convert_gguf(str(tmp_path / f"{name}.gguf"), str(tmp_path / name), progress=False)
+
+
+def test_k_quant_gguf_is_served_packed(tmp_path, tokenizer):  # noqa: F811
+    """A Q4_K_M-style file keeps its super-blocks packed, its fused q|k|v as row ranges of
+    each type (GGUFParts), and answers as its dequantized float32 path and transformers on
+    that folder."""
+    folder = _k_quant_m_gguf(tmp_path, tokenizer)
     ids = tokenizer.encode(TEXT).ids[:12]
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     packed = LLM(folder, accelerator="cpu", kv_cache_memory_gb=0.05, block_size=16)
-    kinds = [m.kind for m in packed.engine.accelerator.runner.model.modules()
-             if isinstance(m, GGUFWeight)]
-    assert sorted(kinds) == ["gguf:Q4_K"] * 7 + ["gguf:Q6_K"] * 2
+    modules = list(packed.engine.accelerator.runner.model.modules())
+    kinds = [m.kind for m in modules if isinstance(m, GGUFWeight)]
+    # Per layer: q|k and v of q|k|v, o, gate|up, down; and the tied embedding.
+    assert sorted(kinds) == ["gguf:Q4_K"] * 7 + ["gguf:Q6_K"] * 4
+    q, kv = 4 * 64, 2 * 64  # the tiny model's q rows and k (or v) rows
+    assert [m.kind for m in modules if isinstance(m, GGUFParts)] == \
+        [f"gguf:Q4_K[0:{q + kv}]+Q6_K[{q + kv}:{q + 2 * kv}]"] * 2
     ours = packed.generate([ids], params)[0].outputs[0].token_ids
     floats = LLM(folder, accelerator="cpu", kv_cache_memory_gb=0.05, block_size=16,
                  quantization="none")
@@ -426,3 +442,44 @@ def test_bfloat16_gemms_only_where_the_cpu_multiplies_bfloat16(monkeypatch):
     for flag in ("avx512_bf16", "amx_bf16"):
         monkeypatch.setattr(kernels, "_cpu_flags", lambda: {"avx512f", flag})
         assert kernels.native_bf16_gemm()
+
+
+def test_mixed_gguf_types_plan_row_ranges_of_each():
+    """A fused linear weight loaded from GGUF tensors of several types the backend runs is
+    planned as row ranges of each type (neighbours of one type merged), and built, loaded
+    and dequantized as those parts; a gap, a float source or a type the backend lacks leaves
+    it to be dequantized at load."""
+    from torch import nn
+
+    from deepinfer.models.quant.packed import gguf_block_kinds, parse_gguf_parts
+    from deepinfer.models.quant.plan import packed_weight, plan_packed
+
+    with torch.device("meta"):
+        model = nn.Module()
+        model.qkv = nn.Linear(256, 48, bias=False)
+    runs = {"gguf:Q4_K", "gguf:Q6_K"}
+
+    def plan(kinds: dict, rows: dict, backend: set = runs) -> dict:
+        return plan_packed(model, kinds, lambda name: ("qkv.weight", rows[name]), backend)
+
+    kinds = {"q": "gguf:Q4_K", "k": "gguf:Q4_K", "v": "gguf:Q6_K"}
+    rows = {"q": (0, 32), "k": (32, 40), "v": (40, 48)}
+    want = "gguf:Q4_K[0:40]+Q6_K[40:48]"
+    assert plan(kinds, rows) == {"qkv.weight": want}
+    assert plan(kinds, rows | {"v": (41, 48)}) == {}
+    assert plan(kinds | {"v": "float"}, rows) == {}
+    assert plan(kinds, rows, {"gguf:Q4_K"}) == {}
+    assert gguf_block_kinds([want, "gguf:Q8_0"]) == {"gguf:Q4_K", "gguf:Q6_K", "gguf:Q8_0"}
+    weight = packed_weight(want, (48, 256))
+    assert isinstance(weight, GGUFParts) and weight.kind == want
+    assert parse_gguf_parts(want) == [(0, 40, int(GGMLQuantizationType.Q4_K)),
+                                      (40, 48, int(GGMLQuantizationType.Q6_K))]
+    tensors = {name: _k_quant_blocks(end - start, 256, GGMLQuantizationType[k[5:]], seed=i)
+               for i, (name, k, (start, end)) in
+               enumerate((n, kinds[n], rows[n]) for n in ("q", "k", "v"))}
+    for name in ("v", "q", "k"):  # any order: each lands in its part's rows
+        weight.load_rows(tensors[name], rows[name])
+    want_rows = torch.cat([tensors[n].dequantize() for n in ("q", "k", "v")])
+    assert torch.equal(weight.dequantize(), want_rows)
+    with pytest.raises(ValueError, match="not within one part"):
+        weight.load_rows(tensors["v"], (36, 44))

@@ -24,6 +24,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<Projection>(m, "Projection")
       .def(py::init<at::Tensor, int64_t, bool, std::optional<at::Tensor>>(), py::arg("weight"),
            py::arg("qtype"), py::arg("interleaved"), py::arg("bias") = py::none())
+      .def_static("of_parts",
+                  [](std::vector<Projection> parts, std::optional<at::Tensor> bias) {
+                    return Projection{at::Tensor(), Projection::kParts, false, std::move(bias),
+                                      std::move(parts)};
+                  },
+                  "row ranges of several GGUF types side by side", py::arg("parts"),
+                  py::arg("bias") = py::none())
       .def_readonly_static("FLOAT_WEIGHT", &Projection::kFloatWeight);
   py::class_<DecodeLayers>(m, "DecodeLayers")
       .def(py::init<double, int64_t, int64_t, int64_t>(), py::arg("eps"), py::arg("heads"),

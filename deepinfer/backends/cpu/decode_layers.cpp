@@ -4,11 +4,12 @@
 // to the bit. At batch 1 a small model's layer costs ~45 us of Python around ~150 us of
 // kernels (SmolLM2-135M on two cores); here the Python runs once a step, not once a layer.
 // The CPU backend builds a DecodeLayers for a stack it recognises (decode_plan.py): llama
-// layers without q/k norms, projections of GGUF blocks or float32 weights (those a
-// GGUF file's mixed types made the loader dequantize), one full-attention KV group. Anything
+// layers without q/k norms, projections of GGUF blocks (of one type, or row ranges of
+// several: a Q4_K_M file's q|k|v) or float32 weights, one full-attention KV group. Anything
 // else takes the Python path.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/add.h>
+#include <ATen/ops/cat.h>
 #include <ATen/ops/linear.h>
 #include <ATen/ops/mul.h>
 #include <ATen/ops/silu.h>
@@ -21,19 +22,26 @@
 
 namespace {
 
-// ops.linear's two paths: a float weight through F.linear (its bias inside), GGUF blocks
-// through the GEMV and then + bias (CPUOps.packed_linear).
+// ops.linear's paths: a float weight through F.linear (its bias inside), GGUF blocks through
+// the GEMV, parts of several types through one GEMV each, concatenated; then + bias
+// (CPUOps.packed_linear).
 at::Tensor project(const at::Tensor& x, const Projection& w) {
   if (w.qtype == Projection::kFloatWeight) return at::linear(x, w.weight, w.bias);
-  const at::Tensor y = gemv(x, w.weight, w.qtype, w.interleaved);
+  at::Tensor y;
+  if (w.qtype == Projection::kParts) {
+    std::vector<at::Tensor> rows;
+    for (const Projection& part : w.parts) rows.push_back(project(x, part));
+    y = at::cat(rows, -1);
+  } else {
+    y = gemv(x, w.weight, w.qtype, w.interleaved);
+  }
   return w.bias ? at::add(y, *w.bias) : y;
 }
 
-// ops.gated_mlp: one call where both weights are GGUF blocks without biases
+// ops.gated_mlp: one call where both weights are GGUF blocks of one type each without biases
 // (CPUOps.gated_mlp), else the reference's linear, silu(gate) * up, linear.
 at::Tensor gated_mlp(const at::Tensor& x, const Projection& gate_up, const Projection& down) {
-  if (gate_up.qtype != Projection::kFloatWeight && down.qtype != Projection::kFloatWeight &&
-      !gate_up.bias && !down.bias) {
+  if (gate_up.qtype >= 0 && down.qtype >= 0 && !gate_up.bias && !down.bias) {
     return gguf_mlp(x, gate_up.weight, gate_up.qtype, gate_up.interleaved, down.weight,
                     down.qtype, down.interleaved);
   }

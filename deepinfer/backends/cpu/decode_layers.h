@@ -9,15 +9,18 @@
 #include <tuple>
 #include <vector>
 
-// A projection's weight: GGUF blocks as the GEMV takes them (qtype >= 0), or a float32 [N, K]
-// weight for at::linear (qtype kFloatWeight: a tensor the loader dequantized); and its bias,
-// if it has one (Qwen2's q|k|v).
+// A projection's weight: GGUF blocks as the GEMV takes them (qtype >= 0), a float32 [N, K]
+// weight for at::linear (qtype kFloatWeight: a tensor the loader dequantized), or row ranges
+// of several GGUF types side by side (qtype kParts: `parts`, a GGUFParts' GGUFWeights); and
+// its bias, if it has one (Qwen2's q|k|v).
 struct Projection {
   static constexpr int64_t kFloatWeight = -1;
+  static constexpr int64_t kParts = -2;
   at::Tensor weight;
   int64_t qtype;
   bool interleaved;
   std::optional<at::Tensor> bias;
+  std::vector<Projection> parts;
 };
 
 class DecodeLayers {

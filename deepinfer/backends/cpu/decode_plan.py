@@ -3,8 +3,8 @@
 At batch 1 the embedded default's 30 layers cost ~1.3 ms of Python a token around ~5 ms of
 kernels on two cores. A stack of plain llama layers (Qwen2's biases too) runs instead as the
 same native ops, in the same order, called from C++: the same bits, without a Python frame per
-op. Its projections may be GGUF blocks or float32 weights (a float32 model; a GGUF file's fused
-q|k|v whose parts had different block types, dequantized at load). CPUOps.decoder_layers
+op. Its projections may be GGUF blocks (of one type, or a fused q|k|v of several: GGUFParts)
+or float32 weights (a float32 model). CPUOps.decoder_layers
 builds the plan on a stack's first such step and uses it for decode steps of up to 16
 sequences in float32; anything else (q/k norms, sliding windows, bfloat16, FP8, MoE, prefill)
 runs layer by layer.
@@ -19,7 +19,7 @@ from torch import nn
 from deepinfer.backends.paged_cache import PagedCache
 from deepinfer.models.decoder import DecoderLayer, GatedMLP
 from deepinfer.models.llama import LlamaAttention
-from deepinfer.models.quant.packed import GGUFWeight
+from deepinfer.models.quant.packed import GGUFParts, GGUFWeight
 
 
 def build(kernels: Any, layers: Sequence[nn.Module], cache: PagedCache) -> Any | None:
@@ -38,6 +38,9 @@ def build(kernels: Any, layers: Sequence[nn.Module], cache: PagedCache) -> Any |
 
 def _projection(kernels: Any, weight: nn.Module | torch.Tensor,
                 bias: torch.Tensor | None) -> Any:
+    if isinstance(weight, GGUFParts):
+        return kernels.Projection.of_parts([_projection(kernels, p, None) for p in weight.parts],
+                                           bias)
     if isinstance(weight, GGUFWeight):
         return kernels.Projection(weight.blocks, weight.qtype, bool(weight.interleaved), bias)
     return kernels.Projection(weight, kernels.Projection.FLOAT_WEIGHT, False, bias)
@@ -64,7 +67,8 @@ def _runs(layer: nn.Module, first: nn.Module) -> bool:
 
 def _projectable(proj: nn.Linear) -> bool:
     weight = proj.weight
-    return (isinstance(weight, GGUFWeight) or _float32(weight) and weight.dim() == 2) and \
+    return (isinstance(weight, (GGUFWeight, GGUFParts)) or
+            _float32(weight) and weight.dim() == 2) and \
         (proj.bias is None or _float32(proj.bias))
 
 

@@ -14,7 +14,7 @@ from deepinfer.backends.cpu.kernels import (GGUF_KINDS, INTERLEAVE, MAX_GEMV_ROW
                                             fusable, gguf_linear, interleaves, native_bf16_gemm)
 from deepinfer.backends.paged_cache import PagedCache
 from deepinfer.models.ops import ModelOps, QKNorm
-from deepinfer.models.quant.packed import GGUFWeight, PackedWeight
+from deepinfer.models.quant.packed import GGUFParts, GGUFWeight, PackedWeight
 
 log = logging.getLogger(__name__)
 
@@ -125,6 +125,9 @@ class CPUOps(ModelOps):
 
     def packed_linear(self, x: torch.Tensor, weight: PackedWeight,
                       bias: torch.Tensor | None = None) -> torch.Tensor:
+        if isinstance(weight, GGUFParts) and self.kernels is not None:  # each type's rows
+            y = torch.cat([self.packed_linear(x, part) for part in weight.parts], dim=-1)
+            return y if bias is None else y + bias
         if not isinstance(weight, GGUFWeight) or self.kernels is None:
             return super().packed_linear(x, weight, bias)
         if x.dim() == 2 and x.shape[0] <= MAX_GEMV_ROWS and fusable(self.kernels, x):

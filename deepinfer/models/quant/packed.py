@@ -9,7 +9,7 @@ allocates the buffers and the loader fills them with load_rows.
 from __future__ import annotations
 
 from abc import ABCMeta, abstractmethod
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterable, Sequence
 
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
@@ -126,6 +126,69 @@ class GGUFWeight(PackedWeight):
             rows = self.blocks.index_select(0, ids)
         rows = rows.cpu()
         return GGUFTensor(rows, self.qtype, (rows.shape[0], self.shape[1])).dequantize()
+
+
+class GGUFParts(PackedWeight):
+    """A fused weight whose row ranges come from GGUF tensors of different block types (a
+    Q4_K_M file's q|k|v: q and k in Q4_K, v in Q6_K), each range kept as a GGUFWeight of its
+    own type: a projection is their GEMVs side by side. `parts`: (start, end, qtype) row
+    ranges covering the weight in order; the kind names them, as gguf_parts_kind writes it."""
+
+    def __init__(self, shape: tuple[int, int], parts: Sequence[tuple[int, int, int]]) -> None:
+        super().__init__(shape)
+        if [p[0] for p in parts[1:]] != [p[1] for p in parts[:-1]] or not parts \
+                or parts[0][0] != 0 or parts[-1][1] != shape[0]:
+            raise ValueError(f"parts {list(parts)} do not cover rows [0, {shape[0]}) in order")
+        self.bounds = [(start, end) for start, end, _ in parts]
+        self.parts = nn.ModuleList(GGUFWeight((end - start, shape[1]), qtype)
+                                   for start, end, qtype in parts)
+        self.kind = gguf_parts_kind(parts)
+
+    def load_rows(self, tensor: torch.Tensor | QuantizedTensor,
+                  rows: tuple[int, int] | None) -> None:
+        for (start, end), part in zip(self.bounds, self.parts):
+            if rows is not None and start <= rows[0] and rows[1] <= end:
+                part.load_rows(tensor, None if rows == (start, end) else
+                               (rows[0] - start, rows[1] - start))
+                return
+        raise ValueError(f"rows {rows} are not within one part of {self.kind}")
+
+    def dequantize(self) -> torch.Tensor:
+        return torch.cat([part.dequantize() for part in self.parts])
+
+    def init_dummy(self, generator: torch.Generator, std: float) -> None:
+        raise ValueError("GGUF blocks come from a .gguf file; load_format='dummy' makes none")
+
+    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        raise TypeError("a fused weight of several GGUF types is not an embedding table")
+
+
+def gguf_parts_kind(parts: Sequence[tuple[int, int, int]]) -> str:
+    """"gguf:Q4_K[0:576]+Q6_K[576:768]": the row ranges of a GGUFParts and their types."""
+    return "gguf:" + "+".join(f"{GGMLQuantizationType(q).name}[{start}:{end}]"
+                              for start, end, q in parts)
+
+
+def parse_gguf_parts(kind: str) -> list[tuple[int, int, int]] | None:
+    """gguf_parts_kind's inverse (None for any other kind)."""
+    if not kind.startswith("gguf:") or "[" not in kind:
+        return None
+    parts = []
+    for item in kind.removeprefix("gguf:").split("+"):
+        name, _, span = item.partition("[")
+        start, end = span.removesuffix("]").split(":")
+        parts.append((int(start), int(end), int(GGMLQuantizationType[name])))
+    return parts
+
+
+def gguf_block_kinds(kinds: Iterable[str]) -> set[str]:
+    """The GGUF block types ("gguf:<type>") that packed weights of these kinds load."""
+    out = set()
+    for kind in kinds:
+        parts = parse_gguf_parts(kind)
+        out.update([kind] if parts is None else
+                   (f"gguf:{GGMLQuantizationType(q).name}" for _, _, q in parts))
+    return out
 
 
 class FP8Weight(PackedWeight):
