@@ -27,8 +27,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from common import RESULTS_DIR, log, machine_environment, pyplot, write_json  # noqa: E402
 
-TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
-K_QUANT_BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
+TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+# A k-quant super-block's bytes, and where its fp16 d (and dmin) sit.
+K_QUANT_BYTES = {"Q2_K": (84, (80, 82)), "Q3_K": (110, (108,)), "Q4_K": (144, (0, 2)),
+                 "Q5_K": (176, (0, 2)), "Q6_K": (210, (208,))}
 CACHE_BYTES = 256 << 20  # the copies of one weight span at least this much
 
 
@@ -38,9 +40,10 @@ def blocks(kind: str, n: int, k: int, seed: int) -> torch.Tensor:
 
     rng = np.random.default_rng(seed)
     if kind in K_QUANT_BYTES:
-        raw = rng.integers(0, 256, (n, k // 256, K_QUANT_BYTES[kind]), dtype=np.uint8)
+        nbytes, scales = K_QUANT_BYTES[kind]
+        raw = rng.integers(0, 256, (n, k // 256, nbytes), dtype=np.uint8)
         d = np.full((n, k // 256), 0.01, np.float16).view(np.uint8).reshape(n, k // 256, 2)
-        for at in ((208,) if kind == "Q6_K" else (0, 2)):  # fp16 d (and dmin) where they sit
+        for at in scales:
             raw[..., at:at + 2] = d
         return torch.from_numpy(raw.reshape(n, -1))
     w = rng.standard_normal((n, k)).astype(np.float32)

@@ -2,7 +2,7 @@
 
 gguf_convert.py writes a dequantized safetensors copy (what transformers and backends without
 GGUF kernels load) and keeps the source as model.gguf. A backend that runs some block types
-natively (the CPU backend: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) loads from the
+natively (the CPU backend: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K ... Q6_K) loads from the
 source instead: those tensors arrive as GGUFTensor blocks, with llama.cpp's q/k row order
 undone on whole rows, and the rest dequantized as the converter does.
 """

@@ -98,22 +98,26 @@ def _k_quant_blocks(n: int, k: int, qtype: GGMLQuantizationType, seed: int = 0,
     """Random k-quant super-blocks (gguf-py has no k-quant quantizer): random quants, scales
     and mins, with fp16 super-block scales up to `scale`."""
     rng = np.random.default_rng(seed)
-    nbytes = {GGMLQuantizationType.Q4_K: 144, GGMLQuantizationType.Q5_K: 176,
-              GGMLQuantizationType.Q6_K: 210}[qtype]
+    nbytes, scale_at = {GGMLQuantizationType.Q2_K: (84, 80), GGMLQuantizationType.Q3_K: (110, 108),
+                        GGMLQuantizationType.Q4_K: (144, 0), GGMLQuantizationType.Q5_K: (176, 0),
+                        GGMLQuantizationType.Q6_K: (210, 208)}[qtype]
     blocks = rng.integers(0, 256, (n, k // 256, nbytes), dtype=np.uint8)
     scales = rng.uniform(scale / 20, scale, (n, k // 256, 2)).astype(np.float16).view(np.uint8)
-    if qtype != GGMLQuantizationType.Q6_K:
-        blocks[..., 0:4] = scales.reshape(n, k // 256, 4)  # d, dmin
-    else:
-        blocks[..., 208:210] = scales.reshape(n, k // 256, 4)[..., :2]  # d
+    with_min = qtype not in (GGMLQuantizationType.Q3_K, GGMLQuantizationType.Q6_K)
+    width = 4 if with_min else 2  # d and dmin, or d
+    blocks[..., scale_at:scale_at + width] = scales.reshape(n, k // 256, 4)[..., :width]
     return GGUFTensor(torch.from_numpy(blocks.reshape(n, -1)), int(qtype), (n, k))
 
 
-@pytest.mark.parametrize("qtype", [GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K,
-                                   GGMLQuantizationType.Q6_K], ids=lambda t: t.name)
+K_QUANTS = [GGMLQuantizationType.Q2_K, GGMLQuantizationType.Q3_K, GGMLQuantizationType.Q4_K,
+            GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K]
+
+
+@pytest.mark.parametrize("qtype", K_QUANTS, ids=lambda t: t.name)
 def test_k_quant_kernels_equal_gguf_py(qtype):
-    """Q4_K, Q5_K and Q6_K (Q4_K_M and Q5_K_M files): the kernels' dequantization is gguf-py's
-    (up to a fused multiply-add), and the GEMV, at 1 and several rows, multiplies x by it."""
+    """The k-quants (Q4_K_M and Q5_K_M files: Q4_K, Q5_K, Q6_K; Q2_K and Q3_K_S/M/L files: Q2_K
+    and Q3_K too): the kernels' dequantization is gguf-py's (up to a fused multiply-add), and
+    the GEMV, at 1 and several rows, multiplies x by it."""
     w = _k_quant_blocks(24, 512, qtype)
     reference = w.dequantize()
     torch.testing.assert_close(extension().dequantize(w.blocks, w.qtype, 512), reference,
@@ -121,7 +125,7 @@ def test_k_quant_kernels_equal_gguf_py(qtype):
     for m in (1, 5, MAX_GEMV_ROWS + 4):
         x = torch.randn(m, 512, generator=torch.Generator().manual_seed(m))
         expected = x @ reference.T
-        if m == 1:
+        if m == 1 and qtype >= GGMLQuantizationType.Q4_K:
             # Batch 1 as Q4_1's: x rounded to int16 per 32 columns times the values (Q6_K's
             # are centred), and x as it is times each Q4_K / Q5_K sub-block's minimum.
             x16 = _int16_blocks(x)
@@ -267,9 +271,11 @@ def _q4_k_centred(n: int, k: int, seed: int, d: float) -> np.ndarray:
     return np.concatenate([halves, packed, quants], axis=-1).reshape(n, -1)
 
 
-def _k_quant_m_gguf(tmp_path, tokenizer, name: str = "tiny") -> str:  # noqa: F811
-    """A converted Q4_K_M-style folder: Q4_K, its down and v projections Q6_K (so each fused
-    q|k|v holds two block types, as in llama.cpp's Q4_K_M files)."""
+def _k_quant_m_gguf(tmp_path, tokenizer, name: str = "tiny",  # noqa: F811
+                    main: GGMLQuantizationType = GGMLQuantizationType.Q4_K) -> str:
+    """A converted Q4_K_M-style folder: Q4_K (or `main`: Q3_K for a Q3_K_M-style one), its down
+    and v projections Q6_K (so each fused q|k|v holds two block types, as in llama.cpp's
+    Q4_K_M files)."""
     original = tiny_model("llama", tokenizer.get_vocab_size(), tied=True, hidden_size=256,
                           intermediate_size=512, head_dim=64)
     names = iter(range(1000))
@@ -278,6 +284,9 @@ def _k_quant_m_gguf(tmp_path, tokenizer, name: str = "tiny") -> str:  # noqa: F8
         if "down_proj" in name or "v_proj" in name:
             q6 = _k_quant_blocks(*data.shape, GGMLQuantizationType.Q6_K, next(names), 0.0005)
             return q6.blocks.numpy(), GGMLQuantizationType.Q6_K
+        if main == GGMLQuantizationType.Q3_K:  # its values and scales centre on 0 already
+            q3 = _k_quant_blocks(*data.shape, main, next(names), 0.006)
+            return q3.blocks.numpy(), main
         return _q4_k_centred(*data.shape, next(names), 0.003), GGMLQuantizationType.Q4_K
 
     write_gguf(tmp_path / f"{name}.gguf", original, tokenizer, encode=encode)
@@ -304,6 +313,27 @@ def test_k_quant_gguf_is_served_packed(tmp_path, tokenizer):  # noqa: F811
                  quantization="none")
     assert floats.generate([ids], params)[0].outputs[0].token_ids == ours
     assert len(set(ours)) > 4  # a model that answers, not one token over and over
+    reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = reference(torch.tensor([ids + ours])).logits[0, len(ids) - 1:-1]
+    assert logits.argmax(-1).tolist() == ours
+
+
+def test_q3_k_gguf_is_served_packed(tmp_path, tokenizer):  # noqa: F811
+    """A Q3_K_M-style file (Q3_K, with Q6_K) keeps its Q3_K super-blocks packed and answers as
+    its dequantized float32 path and transformers on that folder."""
+    folder = _k_quant_m_gguf(tmp_path, tokenizer, main=GGMLQuantizationType.Q3_K)
+    ids = tokenizer.encode(TEXT).ids[:12]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    packed = LLM(folder, accelerator="cpu", kv_cache_memory_gb=0.05, block_size=16)
+    kinds = [m.kind for m in packed.engine.accelerator.runner.model.modules()
+             if isinstance(m, GGUFWeight)]
+    assert sorted(kinds) == ["gguf:Q3_K"] * 7 + ["gguf:Q6_K"] * 4
+    ours = packed.generate([ids], params)[0].outputs[0].token_ids
+    floats = LLM(folder, accelerator="cpu", kv_cache_memory_gb=0.05, block_size=16,
+                 quantization="none")
+    assert floats.generate([ids], params)[0].outputs[0].token_ids == ours
+    assert len(set(ours)) > 4
     reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     with torch.no_grad():
         logits = reference(torch.tensor([ids + ours])).logits[0, len(ids) - 1:-1]

@@ -16,7 +16,8 @@
 namespace deepinfer_gguf {
 
 enum QType : int64_t {  // GGMLQuantizationType values
-  kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14
+  kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8,
+  kQ2_K = 10, kQ3_K = 11, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14
 };
 constexpr int kBlock = 32;        // values in a Q4_0/Q4_1/Q8_0 block, and in x's int16 blocks
 constexpr int kSuperBlock = 256;  // values in a k-quant super-block
@@ -36,7 +37,7 @@ void with_block_type(int64_t qtype, F&& f) {
 }
 
 inline bool is_k_quant(int64_t qtype) {
-  return qtype == kQ4_K || qtype == kQ5_K || qtype == kQ6_K;
+  return qtype >= kQ2_K && qtype <= kQ6_K;
 }
 
 // Bytes a block (a k-quant's: a super-block) of the type takes; 0 for a type not taken here.
@@ -47,6 +48,8 @@ constexpr int64_t block_bytes(int64_t qtype) {
     case kQ5_0: return 22;
     case kQ5_1: return 24;
     case kQ8_0: return 34;
+    case kQ2_K: return 84;
+    case kQ3_K: return 110;
     case kQ4_K: return 144;
     case kQ5_K: return 176;
     case kQ6_K: return 210;

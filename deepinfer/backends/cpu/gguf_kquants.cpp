@@ -6,13 +6,20 @@
 // Q5_K, 176 bytes a 256 values: Q4_K's with 32 bytes of fifth bits before the nibbles.
 // Q6_K, 210 bytes a 256 values: {128 bytes of low nibbles; 64 bytes of 2-bit highs; 16 int8
 //   scales; fp16 d}. Sub-block of 16: w = d*sc*(q - 32).
+// Q2_K, 84 bytes a 256 values: {16 bytes of 4-bit scale | 4-bit min pairs; 64 bytes of 2-bit
+//   values; fp16 d; fp16 dmin}. Sub-block j of 16: w = d*sc_j*q - dmin*m_j.
+// Q3_K, 110 bytes a 256 values: {32 bytes of high bits; 64 bytes of 2-bit values; 12 bytes of
+//   sixteen 6-bit scales; fp16 d}. Sub-block j of 16: w = d*(sc_j - 32)*(q - 4 where the high
+//   bit is clear).
+// In Q2_K and Q3_K, value v of a super-block is bits 2s, 2s+1 of byte 32*(v/128) + v%32 of the
+// values, s = (v%128)/32; Q3_K's high bit is bit v/32 of byte v%32.
 //
 // Q4_K_M and Q5_K_M files (the common llama.cpp choices) are Q4_K or Q5_K with some tensors in
-// Q6_K. The GEMV
+// Q6_K; Q2_K and Q3_K files (Q2_K, Q3_K_S/M/L) mix Q2_K or Q3_K with Q4_K and higher. The GEMV
 // expands each super-block of a weight row to float32 once, in L1, and dots it with every row
 // of x: the products are the dequantized weight's, as the Q4_0/Q4_1/Q8_0 kernels' several-row
-// path (gguf_kernels.cpp). At batch 1 both run as Q4_1 does there: x rounded to int16 per
-// 32 columns, integer multiply-adds over the values.
+// path (gguf_kernels.cpp). At batch 1 Q4_K, Q5_K and Q6_K run as Q4_1 does there: x rounded
+// to int16 per 32 columns, integer multiply-adds over the values.
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -66,6 +73,36 @@ void expand_q5_k(const uint8_t* block, float* y) {
     }
     for (int l = 0; l < 32; ++l) {
       y[64 * c + 32 + l] = d2 * ((q[l] >> 4) + (((qh[l] >> (2 * c + 1)) & 1) << 4)) - m2;
+    }
+  }
+}
+
+// The 2-bit value v of a Q2_K or Q3_K super-block's 64 value bytes.
+inline int two_bits(const uint8_t* q, int v) {
+  return (q[32 * (v / 128) + v % 32] >> (2 * ((v % 128) / 32))) & 3;
+}
+
+void expand_q2_k(const uint8_t* block, float* y) {
+  const float d = half_to_float(block + 80), dmin = half_to_float(block + 82);
+  for (int j = 0; j < 16; ++j) {
+    const float dl = d * (block[j] & 0xf), ml = dmin * (block[j] >> 4);
+    for (int v = 16 * j; v < 16 * j + 16; ++v) y[v] = dl * two_bits(block + 16, v) - ml;
+  }
+}
+
+// Q3_K's sixteen 6-bit scales (less 32): low 4 bits from bytes 0-7 (low nibbles for 0-7,
+// high ones for 8-15), high 2 bits from bytes 8-11 (bits 2*(j/4) of byte 8 + j%4).
+void expand_q3_k(const uint8_t* block, float* y) {
+  const uint8_t* hmask = block;
+  const uint8_t* scales = block + 96;
+  const float d = half_to_float(block + 108);
+  for (int j = 0; j < 16; ++j) {
+    const int low = j < 8 ? scales[j] & 0xf : scales[j - 8] >> 4;
+    const int high = (scales[8 + j % 4] >> (2 * (j / 4))) & 3;
+    const float dl = d * static_cast<float>((low | (high << 4)) - 32);
+    for (int v = 16 * j; v < 16 * j + 16; ++v) {
+      const int high_bit = (hmask[v % 32] >> (v / 32)) & 1;
+      y[v] = dl * static_cast<float>(two_bits(block + 32, v) - (high_bit ? 0 : 4));
     }
   }
 }
@@ -128,12 +165,12 @@ void expand_q6_k(const uint8_t* block, float* y) {
 }
 
 inline void expand(int64_t qtype, const uint8_t* block, float* y) {
-  if (qtype == kQ4_K) {
-    expand_q4_k(block, y);
-  } else if (qtype == kQ5_K) {
-    expand_q5_k(block, y);
-  } else {
-    expand_q6_k(block, y);
+  switch (qtype) {
+    case kQ2_K: expand_q2_k(block, y); break;
+    case kQ3_K: expand_q3_k(block, y); break;
+    case kQ4_K: expand_q4_k(block, y); break;
+    case kQ5_K: expand_q5_k(block, y); break;
+    default: expand_q6_k(block, y); break;
   }
 }
 
@@ -253,7 +290,7 @@ void k_quant_gemv(const uint8_t* w, int64_t row_stride, int64_t n, int64_t block
                   const float* x, int64_t k, int64_t rows, int64_t qtype, float* y) {
   const int64_t stride = block_bytes(qtype);
 #ifdef DEEPINFER_AVX2
-  if (rows == 1) {
+  if (rows == 1 && qtype >= kQ4_K) {  // Q2_K and Q3_K: expanded as for several rows
     const Int16Row xq = round_to_int16(x, k / kBlock);
     const std::vector<float> sums = block_sums(x, k / kBlock);
     at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {

@@ -23,8 +23,8 @@ _SOURCES = [os.path.join(_HERE, f) for f in ("bindings.cpp", "gguf_kernels.cpp",
                                              "fused_ops.cpp", "decode_layers.cpp")]
 _HEADERS = ("gguf_blocks.h", "decode_layers.h", "native_ops.h")
 # The GGUF block types the kernels run (models/quant kinds).
-GGUF_KINDS = ("gguf:Q4_0", "gguf:Q4_1", "gguf:Q5_0", "gguf:Q5_1", "gguf:Q8_0", "gguf:Q4_K",
-              "gguf:Q5_K", "gguf:Q6_K")
+GGUF_KINDS = ("gguf:Q4_0", "gguf:Q4_1", "gguf:Q5_0", "gguf:Q5_1", "gguf:Q8_0", "gguf:Q2_K",
+              "gguf:Q3_K", "gguf:Q4_K", "gguf:Q5_K", "gguf:Q6_K")
 # The block types whose rows the batch-1 GEMV takes interleaved in groups of INTERLEAVE
 # (gguf_rows8.cpp; GGML type numbers), where the extension is built with AVX2.
 INTERLEAVED_TYPES = (2, 3, 6, 7, 8)  # Q4_0, Q4_1, Q5_0, Q5_1, Q8_0

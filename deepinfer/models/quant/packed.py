@@ -59,8 +59,8 @@ class PackedWeight(nn.Module, metaclass=ABCMeta):
 
 class GGUFWeight(PackedWeight):
     """GGUF blocks as the file stores them: uint8 [N, K/values * block bytes] (Q4_0, Q4_1,
-    Q5_0, Q5_1, Q8_0; Q4_K, Q5_K, Q6_K). A backend may store the same bytes with the rows
-    interleaved in groups (interleave_rows; `interleaved` says the group, 0 for the file's
+    Q5_0, Q5_1, Q8_0; Q2_K, Q3_K, Q4_K, Q5_K, Q6_K). A backend may store the same bytes with
+    the rows interleaved in groups (interleave_rows; `interleaved` says the group, 0 for the file's
     layout): block b of a group's rows side by side, in 2-byte units, so that one vector lane
     follows one row (the CPU's batch-1 GEMV, backends/cpu/gguf_rows8.cpp)."""
 
