@@ -12,7 +12,7 @@
 //   sixteen 6-bit scales; fp16 d}. Sub-block j of 16: w = d*(sc_j - 32)*(q - 4 where the high
 //   bit is clear).
 // In Q2_K and Q3_K, value v of a super-block is bits 2s, 2s+1 of byte 32*(v/128) + v%32 of the
-// values, s = (v%128)/32; Q3_K's high bit is bit v/32 of byte v%32.
+// value bytes, s = (v%128)/32; Q3_K's high bit is bit v/32 of byte v%32 of its first 32.
 //
 // Q4_K_M and Q5_K_M files (the common llama.cpp choices) are Q4_K or Q5_K with some tensors in
 // Q6_K; Q2_K and Q3_K files (Q2_K, Q3_K_S/M/L) mix Q2_K or Q3_K with Q4_K and higher. The GEMV
@@ -77,32 +77,82 @@ void expand_q5_k(const uint8_t* block, float* y) {
   }
 }
 
-// The 2-bit value v of a Q2_K or Q3_K super-block's 64 value bytes.
-inline int two_bits(const uint8_t* q, int v) {
-  return (q[32 * (v / 128) + v % 32] >> (2 * ((v % 128) / 32))) & 3;
+// Q2_K and Q3_K walk their values as ggml does: for each 128 (n), each 2-bit shift (j) and
+// each half of 32 value bytes, 16 values share a sub-block scale. Their 16 values as int32
+// in two vectors of 8 (AVX2), or one at a time.
+#ifdef DEEPINFER_AVX2
+// 16 int8 values to float32, times `scale`, less `offset`, into y[0..15].
+inline void store16(__m128i values, float scale, float offset, float* y) {
+  const __m256 s = _mm256_set1_ps(scale), o = _mm256_set1_ps(offset);
+  const __m256 lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(values));
+  const __m256 hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(values, 8)));
+  _mm256_storeu_ps(y, _mm256_sub_ps(_mm256_mul_ps(s, lo), o));
+  _mm256_storeu_ps(y + 8, _mm256_sub_ps(_mm256_mul_ps(s, hi), o));
 }
+
+// Bits `shift`, shift+1 of 16 bytes.
+inline __m128i two_bits(const uint8_t* q, int shift) {
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
+  return _mm_and_si128(_mm_srl_epi16(bytes, _mm_cvtsi32_si128(shift)), _mm_set1_epi8(3));
+}
+#endif
 
 void expand_q2_k(const uint8_t* block, float* y) {
   const float d = half_to_float(block + 80), dmin = half_to_float(block + 82);
-  for (int j = 0; j < 16; ++j) {
-    const float dl = d * (block[j] & 0xf), ml = dmin * (block[j] >> 4);
-    for (int v = 16 * j; v < 16 * j + 16; ++v) y[v] = dl * two_bits(block + 16, v) - ml;
+  const uint8_t* scales = block;
+  for (int n = 0; n < 2; ++n) {
+    const uint8_t* q = block + 16 + 32 * n;
+    for (int j = 0; j < 4; ++j) {
+      for (int half = 0; half < 2; ++half, ++scales, y += 16) {
+        // (d * sc) * q - dmin * m, as ggml and gguf-py compute it.
+        const float dl = d * (*scales & 0xf), ml = dmin * (*scales >> 4);
+#ifdef DEEPINFER_AVX2
+        store16(two_bits(q + 16 * half, 2 * j), dl, ml, y);
+#else
+        for (int l = 0; l < 16; ++l) y[l] = dl * ((q[16 * half + l] >> (2 * j)) & 3) - ml;
+#endif
+      }
+    }
   }
 }
 
 // Q3_K's sixteen 6-bit scales (less 32): low 4 bits from bytes 0-7 (low nibbles for 0-7,
-// high ones for 8-15), high 2 bits from bytes 8-11 (bits 2*(j/4) of byte 8 + j%4).
+// high ones for 8-15), high 2 bits from bytes 8-11 (bits 2*(i/4) of byte 8 + i%4). A value is
+// its 2 bits less 4 where its high bit is clear.
 void expand_q3_k(const uint8_t* block, float* y) {
   const uint8_t* hmask = block;
-  const uint8_t* scales = block + 96;
+  const uint8_t* packed = block + 96;
   const float d = half_to_float(block + 108);
-  for (int j = 0; j < 16; ++j) {
-    const int low = j < 8 ? scales[j] & 0xf : scales[j - 8] >> 4;
-    const int high = (scales[8 + j % 4] >> (2 * (j / 4))) & 3;
-    const float dl = d * static_cast<float>((low | (high << 4)) - 32);
-    for (int v = 16 * j; v < 16 * j + 16; ++v) {
-      const int high_bit = (hmask[v % 32] >> (v / 32)) & 1;
-      y[v] = dl * static_cast<float>(two_bits(block + 32, v) - (high_bit ? 0 : 4));
+  float dl[16];
+  for (int i = 0; i < 16; ++i) {
+    const int low = i < 8 ? packed[i] & 0xf : packed[i - 8] >> 4;
+    const int high = (packed[8 + i % 4] >> (2 * (i / 4))) & 3;
+    dl[i] = d * static_cast<float>((low | (high << 4)) - 32);
+  }
+  for (int n = 0; n < 2; ++n) {
+    const uint8_t* q = block + 32 + 32 * n;
+    for (int j = 0; j < 4; ++j) {
+      const int bit = 4 * n + j;  // the high-bit plane of these 32 values
+      for (int half = 0; half < 2; ++half, y += 16) {
+        const float scale = dl[8 * n + 2 * j + half];
+#ifdef DEEPINFER_AVX2
+        const __m128i high = _mm_and_si128(
+            _mm_srl_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(hmask + 16 * half)),
+                          _mm_cvtsi32_si128(bit)),
+            _mm_set1_epi8(1));
+        // q - 4 + 4 * high: q less 4 where the high bit is clear.
+        const __m128i values = _mm_add_epi8(_mm_sub_epi8(two_bits(q + 16 * half, 2 * j),
+                                                         _mm_set1_epi8(4)),
+                                            _mm_slli_epi16(high, 2));
+        store16(values, scale, 0.f, y);
+#else
+        for (int l = 0; l < 16; ++l) {
+          const int value = ((q[16 * half + l] >> (2 * j)) & 3) -
+                            (((hmask[16 * half + l] >> bit) & 1) ? 0 : 4);
+          y[l] = scale * static_cast<float>(value);
+        }
+#endif
+      }
     }
   }
 }
