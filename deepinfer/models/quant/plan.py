@@ -5,8 +5,8 @@ kind ("float", "gguf:Q4_1", "fp8") is mapped through the model's own checkpoint 
 parameters. A linear or embedding weight (or an MoE layer's stacked experts, FP8 only) stays
 packed when all of its sources share one kind that the backend runs, or (a fused linear
 weight) when they are GGUF types the backend runs, each row range in its own (GGUFParts);
-everything else is dequantized as it loads. With `quantization="fp8"` the float linear weights and experts of the
-decoder layers are quantized to FP8 at load as well.
+everything else is dequantized as it loads. With `quantization="fp8"` the float linear
+weights and experts of the decoder layers are quantized to FP8 at load as well.
 """
 from __future__ import annotations
 
