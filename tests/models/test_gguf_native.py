@@ -55,6 +55,8 @@ def _expected(x: torch.Tensor, w: GGUFTensor, reference: torch.Tensor,
     if x.shape[0] > int16_rows:
         return x @ reference.T
     x16 = _int16_blocks(x)
+    if w.qtype == GGMLQuantizationType.Q4_K:  # w = d*sc*q - dmin*m
+        return x16 @ reference.T - (x - x16) @ _k_quant_minimums(w).T
     return x16 @ reference.T + (x - x16) @ _q4_1_offsets(w).T
 
 
@@ -65,8 +67,13 @@ def test_interleaved_rows_compute_what_the_file_layout_does(qtype, k):
     """Rows interleaved by 8 (gguf_rows8.cpp): the weight's bytes reorder in place and back,
     dequantize and embedding lookups read them as the file's, and the kernels compute what
     the file layout's batch-1 GEMV does (the same integers, float rounding of the scales
-    apart) for every row up to MAX_GEMV_ROWS; the GEMM's dequantization restores groups."""
-    w = _blocks(48, k, GGMLQuantizationType(qtype))
+    apart) for every row up to MAX_GEMV_ROWS; the GEMM's dequantization restores groups.
+    Q4_K's super-blocks take K = 512 and 1536."""
+    if qtype == GGMLQuantizationType.Q4_K:
+        k = 512 if k == 96 else 1536 if k == 576 else 256
+        w = _k_quant_blocks(48, k, GGMLQuantizationType.Q4_K, seed=k, scale=0.002)
+    else:
+        w = _blocks(48, k, GGMLQuantizationType(qtype))
     packed = GGUFWeight(w.shape, qtype)
     packed.load_rows(w, None)
     packed.interleave_rows(kernels.INTERLEAVE)

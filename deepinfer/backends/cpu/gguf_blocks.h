@@ -105,13 +105,14 @@ Int16Row round_to_int16(const float* x, int64_t blocks);
 // y [rows, n] = x [rows, k] @ W.T for W's n rows of `blocks` k-quant super-blocks.
 void k_quant_gemv(const uint8_t* w, int64_t row_stride, int64_t n, int64_t blocks,
                   const float* x, int64_t k, int64_t rows, int64_t qtype, float* y);
-// The float32 weight [n, blocks * 256].
+// The float32 weight [n, blocks * 256] (its rows interleaved by 8 or not: Q4_K).
 void k_quant_dequantize(const uint8_t* w, int64_t row_stride, int64_t n, int64_t blocks,
-                        int64_t qtype, float* out);
+                        int64_t qtype, bool interleaved, float* out);
 
-// Rows interleaved in groups of 8 (gguf_rows8.cpp): the types that may be, group g restored
-// to the file's layout (out: [8, blocks * block bytes]), and the GEMV over them, y [n, rows]
-// (sums: each row of x's block_sums; AVX2 builds only).
+// Rows interleaved in groups of 8 (gguf_rows8.cpp): the types that may be (the 32-value
+// types and Q4_K), group g restored to the file's layout (out: [8, blocks * block bytes]), and
+// the GEMV over them, y [n, rows] (blocks: a row's blocks, Q4_K's super-blocks; sums: each row
+// of x's block_sums per 32 columns; AVX2 builds only).
 bool interleavable(int64_t qtype);
 void restore_group(const uint8_t* w, int64_t blocks, int64_t qtype, int64_t g, uint8_t* out);
 void interleaved_gemv(const uint8_t* w, int64_t n, int64_t blocks, const float* x, int64_t k,

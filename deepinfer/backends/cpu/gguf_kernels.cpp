@@ -398,7 +398,7 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, int64_t qtype, bool in
   check_weight(w, qtype, k, interleaved);
   const at::Tensor xc = x.contiguous();
   const float* xp = xc.data_ptr<float>();
-  if (is_k_quant(qtype)) {
+  if (is_k_quant(qtype) && !interleaved) {
     at::Tensor y = at::empty({rows, n}, x.options());
     k_quant_gemv(w.data_ptr<uint8_t>(), w.size(1), n, k / kSuperBlock, xp, k, rows, qtype,
                  y.data_ptr<float>());
@@ -410,9 +410,13 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, int64_t qtype, bool in
   const uint8_t* wp = w.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
   const int64_t stride = w.size(1);
-  with_block_type(qtype, [&](auto qt) {
-    gemv_any<qt.value>(wp, stride, n, blocks, xp, k, sums.data(), rows, interleaved, yp);
-  });
+  if (is_k_quant(qtype)) {  // interleaved Q4_K
+    interleaved_gemv(wp, n, k / kSuperBlock, xp, k, rows, sums.data(), qtype, yp);
+  } else {
+    with_block_type(qtype, [&](auto qt) {
+      gemv_any<qt.value>(wp, stride, n, blocks, xp, k, sums.data(), rows, interleaved, yp);
+    });
+  }
   return y.t().contiguous();
 }
 
@@ -442,7 +446,7 @@ at::Tensor dequantize(const at::Tensor& w, int64_t qtype, int64_t k, bool interl
   at::Tensor out = at::empty({n, k}, at::dtype(at::kFloat));
   if (is_k_quant(qtype)) {
     k_quant_dequantize(w.data_ptr<uint8_t>(), w.size(1), n, k / kSuperBlock, qtype,
-                       out.data_ptr<float>());
+                       interleaved, out.data_ptr<float>());
     return out;
   }
   const uint8_t* wp = w.data_ptr<uint8_t>();

@@ -368,14 +368,34 @@ void k_quant_gemv(const uint8_t* w, int64_t row_stride, int64_t n, int64_t block
   });
 }
 
-void k_quant_dequantize(const uint8_t* w, int64_t row_stride, int64_t n, int64_t blocks,
-                        int64_t qtype, float* out) {
+namespace {
+
+void dequantize_rows(const uint8_t* w, int64_t row_stride, int64_t begin, int64_t end,
+                     int64_t blocks, int64_t qtype, float* out) {
   const int64_t stride = block_bytes(qtype);
-  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      for (int64_t b = 0; b < blocks; ++b) {
-        expand(qtype, w + r * row_stride + b * stride, out + (r * blocks + b) * kSuperBlock);
-      }
+  for (int64_t r = begin; r < end; ++r) {
+    for (int64_t b = 0; b < blocks; ++b) {
+      expand(qtype, w + r * row_stride + b * stride, out + (r * blocks + b) * kSuperBlock);
+    }
+  }
+}
+
+}  // namespace
+
+void k_quant_dequantize(const uint8_t* w, int64_t row_stride, int64_t n, int64_t blocks,
+                        int64_t qtype, bool interleaved, float* out) {
+  if (!interleaved) {
+    at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+      dequantize_rows(w, row_stride, begin, end, blocks, qtype, out);
+    });
+    return;
+  }
+  at::parallel_for(0, n / kInterleave, 2, [&](int64_t begin, int64_t end) {
+    std::vector<uint8_t> group(kInterleave * row_stride);
+    for (int64_t g = begin; g < end; ++g) {  // each group restored to the file's layout
+      restore_group(w, blocks, qtype, g, group.data());
+      dequantize_rows(group.data(), row_stride, 0, kInterleave, blocks, qtype,
+                      out + g * kInterleave * blocks * kSuperBlock);
     }
   });
 }

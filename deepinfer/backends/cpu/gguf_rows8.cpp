@@ -4,8 +4,8 @@
 // ends in 8 partial lanes that need their own float scale, and each row ends in a horizontal
 // sum. With 8 rows side by side each vector lane is one row: the x pair a multiply-add needs is
 // one broadcast shared by the 8 rows, a block's 8 scales are one fp16 load, and the 8 results
-// come out as one vector. The CPU backend interleaves Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 weights
-// of N % 8 == 0 rows once at load (CPUOps.prepare_weights; GGUFWeight.interleave_rows) -- the
+// come out as one vector. The CPU backend interleaves Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and Q4_K
+// weights of N % 8 == 0 rows once at load (CPUOps.prepare_weights; GGUFWeight.interleave_rows) -- the
 // bytes are the file's, reordered:
 //
 //   the file's [N, B blocks, S bytes] seen as 2-byte units [N/8, 8 rows, B, S/2, 2]
@@ -38,7 +38,8 @@
 namespace deepinfer_gguf {
 
 bool interleavable(int64_t qtype) {
-  return qtype == kQ4_0 || qtype == kQ4_1 || qtype == kQ5_0 || qtype == kQ5_1 || qtype == kQ8_0;
+  return qtype == kQ4_0 || qtype == kQ4_1 || qtype == kQ5_0 || qtype == kQ5_1 ||
+         qtype == kQ8_0 || qtype == kQ4_K;
 }
 
 // Group g's rows in the file's layout: out [8, blocks * S].
@@ -206,6 +207,91 @@ void group_dot(const uint8_t* group, int64_t blocks, const XRow* x, float* out,
   }
 }
 
+// Q4_K's 8 rows' sub-block scales and minimums of one super-block, times d and dmin: the 12
+// scale bytes are units 2-7 of the block (row r's bytes 2u, 2u+1 in 16-bit lane r), decoded
+// lane-wise as ggml's get_scale_min_k4 does.
+inline void q4_k_group_scales(const uint8_t* block, __m256 dsc[8], __m256 dmin_m[8]) {
+  const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block)));
+  const __m256 dmin = _mm256_cvtph_ps(
+      _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 2 * kInterleave)));
+  const __m256i byte = _mm256_set1_epi32(0xff), six = _mm256_set1_epi32(63);
+  const __m256i four = _mm256_set1_epi32(0x0f);
+  __m256i b[12];
+  for (int u = 0; u < 6; ++u) {
+    const __m256i words = _mm256_cvtepu16_epi32(_mm_loadu_si128(
+        reinterpret_cast<const __m128i*>(block + (2 + u) * 2 * kInterleave)));
+    b[2 * u] = _mm256_and_si256(words, byte);
+    b[2 * u + 1] = _mm256_srli_epi32(words, 8);
+  }
+  for (int j = 0; j < 8; ++j) {
+    __m256i sc, m;
+    if (j < 4) {
+      sc = _mm256_and_si256(b[j], six);
+      m = _mm256_and_si256(b[j + 4], six);
+    } else {
+      sc = _mm256_or_si256(_mm256_and_si256(b[j + 4], four),
+                           _mm256_slli_epi32(_mm256_srli_epi32(b[j - 4], 6), 4));
+      m = _mm256_or_si256(_mm256_srli_epi32(b[j + 4], 4),
+                          _mm256_slli_epi32(_mm256_srli_epi32(b[j], 6), 4));
+    }
+    dsc[j] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(sc));
+    dmin_m[j] = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(m));
+  }
+}
+
+// A Q4_K group's 8 rows times R rows of x, as the file layout's batch-1 GEMV splits each row
+// (q4_5_k_row_dot1): per sub-block, d*sc * x's scale * (its nibbles . x's int16), less
+// dmin*m * x's float sum over the sub-block. Each 32 bytes of a row's nibbles (16 units of
+// the group) hold sub-blocks 2c (low nibbles) and 2c+1 (high ones): values 2t, 2t+1 of both
+// in unit t.
+template <int R>
+void q4_k_group_dot(const uint8_t* group, int64_t super_blocks, const XRow* x, float* out,
+                    int64_t out_stride) {
+  constexpr int64_t s = block_bytes(kQ4_K);
+  __m256 acc[R], mins[R];
+  for (int m = 0; m < R; ++m) acc[m] = mins[m] = _mm256_setzero_ps();
+  const __m256i mask = _mm256_set1_epi16(0x0f);
+  for (int64_t b = 0; b < super_blocks; ++b) {
+    const uint8_t* block = group + b * kInterleave * s;
+    __m256 dsc[8], dmin_m[8];
+    q4_k_group_scales(block, dsc, dmin_m);
+    for (int c = 0; c < 4; ++c) {
+      const uint8_t* units = block + (8 + 16 * c) * 2 * kInterleave;
+      __m256i lo[16], hi[16];
+      for (int t = 0; t < 16; ++t) {
+        const __m256i wide = _mm256_cvtepu8_epi16(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(units + 16 * t)));
+        lo[t] = _mm256_and_si256(wide, mask);
+        hi[t] = _mm256_srli_epi16(wide, 4);
+      }
+      const int64_t j = b * 8 + 2 * c;  // x's 32-column block under the low nibbles
+      for (int m = 0; m < R; ++m) {
+        const int16_t* xq = x[m].q.q.data() + j * kBlock;
+        __m256i dot_lo = _mm256_setzero_si256(), dot_hi = _mm256_setzero_si256();
+        for (int t = 0; t < 16; ++t) {
+          dot_lo = dot_pairs(dot_lo, lo[t], xq + 2 * t);
+          dot_hi = dot_pairs(dot_hi, hi[t], xq + kBlock + 2 * t);
+        }
+        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_lo),
+                                 _mm256_mul_ps(dsc[2 * c], _mm256_set1_ps(x[m].q.scale[j])),
+                                 acc[m]);
+        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_hi),
+                                 _mm256_mul_ps(dsc[2 * c + 1],
+                                               _mm256_set1_ps(x[m].q.scale[j + 1])),
+                                 acc[m]);
+        mins[m] = _mm256_fmadd_ps(dmin_m[2 * c], _mm256_set1_ps(x[m].sums[j]), mins[m]);
+        mins[m] = _mm256_fmadd_ps(dmin_m[2 * c + 1], _mm256_set1_ps(x[m].sums[j + 1]),
+                                  mins[m]);
+      }
+    }
+  }
+  for (int m = 0; m < R; ++m) {
+    alignas(32) float lanes[kInterleave];
+    _mm256_store_ps(lanes, _mm256_sub_ps(acc[m], mins[m]));
+    for (int r = 0; r < kInterleave; ++r) out[r * out_stride + m] = lanes[r];
+  }
+}
+
 // Rows [m0, m0 + R) of x against group g, R up to kRowsAPass.
 template <int64_t QT>
 void group_rows(const uint8_t* group, int64_t blocks, const XRow* x, int rows, float* out,
@@ -215,6 +301,16 @@ void group_rows(const uint8_t* group, int64_t blocks, const XRow* x, int rows, f
     case 2: group_dot<QT, 2>(group, blocks, x, out, out_stride); break;
     case 3: group_dot<QT, 3>(group, blocks, x, out, out_stride); break;
     default: group_dot<QT, 4>(group, blocks, x, out, out_stride); break;
+  }
+}
+
+void q4_k_group_rows(const uint8_t* group, int64_t super_blocks, const XRow* x, int rows,
+                     float* out, int64_t out_stride) {
+  switch (rows) {
+    case 1: q4_k_group_dot<1>(group, super_blocks, x, out, out_stride); break;
+    case 2: q4_k_group_dot<2>(group, super_blocks, x, out, out_stride); break;
+    case 3: q4_k_group_dot<3>(group, super_blocks, x, out, out_stride); break;
+    default: q4_k_group_dot<4>(group, super_blocks, x, out, out_stride); break;
   }
 }
 #endif
@@ -227,8 +323,21 @@ void interleaved_gemv(const uint8_t* w, int64_t n, int64_t blocks, const float* 
                       int64_t rows, const std::vector<float>* sums, int64_t qtype, float* y) {
 #ifdef DEEPINFER_AVX2
   std::vector<XRow> xs;
-  for (int64_t m = 0; m < rows; ++m) xs.push_back(XRow::of(x + m * k, blocks, sums[m]));
+  const int64_t x_blocks = k / kBlock;
+  for (int64_t m = 0; m < rows; ++m) xs.push_back(XRow::of(x + m * k, x_blocks, sums[m]));
   const int64_t group_bytes = kInterleave * blocks * block_bytes(qtype);
+  if (qtype == kQ4_K) {
+    at::parallel_for(0, n / kInterleave, 8, [&](int64_t begin, int64_t end) {
+      for (int64_t g = begin; g < end; ++g) {
+        for (int64_t m0 = 0; m0 < rows; m0 += kRowsAPass) {
+          const int r = static_cast<int>(std::min<int64_t>(kRowsAPass, rows - m0));
+          q4_k_group_rows(w + g * group_bytes, blocks, xs.data() + m0, r,
+                          y + g * kInterleave * rows + m0, rows);
+        }
+      }
+    });
+    return;
+  }
   with_block_type(qtype, [&](auto qt) {
     at::parallel_for(0, n / kInterleave, 8, [&](int64_t begin, int64_t end) {
       for (int64_t g = begin; g < end; ++g) {

@@ -27,7 +27,7 @@ GGUF_KINDS = ("gguf:Q4_0", "gguf:Q4_1", "gguf:Q5_0", "gguf:Q5_1", "gguf:Q8_0", "
               "gguf:Q3_K", "gguf:Q4_K", "gguf:Q5_K", "gguf:Q6_K")
 # The block types whose rows the batch-1 GEMV takes interleaved in groups of INTERLEAVE
 # (gguf_rows8.cpp; GGML type numbers), where the extension is built with AVX2.
-INTERLEAVED_TYPES = (2, 3, 6, 7, 8)  # Q4_0, Q4_1, Q5_0, Q5_1, Q8_0
+INTERLEAVED_TYPES = (2, 3, 6, 7, 8, 12)  # Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K
 INTERLEAVE = 8
 # Rows of x the integer-dot GEMV takes in one call (kMaxRows in the source); a step with more
 # tokens dequantizes the weight and runs a float32 GEMM instead.
