@@ -132,12 +132,13 @@ def test_k_quant_kernels_equal_gguf_py(qtype):
     for m in (1, 5, MAX_GEMV_ROWS + 4):
         x = torch.randn(m, 512, generator=torch.Generator().manual_seed(m))
         expected = x @ reference.T
-        if m == 1 and qtype >= GGMLQuantizationType.Q4_K:
-            # Batch 1 as Q4_1's: x rounded to int16 per 32 columns times the values (Q6_K's
-            # are centred), and x as it is times each Q4_K / Q5_K sub-block's minimum.
+        if m == 1 and qtype != GGMLQuantizationType.Q2_K:
+            # Batch 1 as Q4_1's: x rounded to int16 per 32 columns times the values (Q3_K's
+            # and Q6_K's are centred), and x as it is times each Q4_K / Q5_K sub-block's
+            # minimum.
             x16 = _int16_blocks(x)
             expected = x16 @ reference.T
-            if qtype != GGMLQuantizationType.Q6_K:
+            if qtype in (GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K):
                 expected = expected - (x - x16) @ _k_quant_minimums(w).T
         torch.testing.assert_close(gguf_linear(x, w.blocks, w.qtype, 512), expected,
                                    rtol=1e-5, atol=1e-4)

@@ -18,11 +18,12 @@
 // Q6_K; Q2_K and Q3_K files (Q2_K, Q3_K_S/M/L) mix Q2_K or Q3_K with Q4_K and higher. The GEMV
 // expands each super-block of a weight row to float32 once, in L1, and dots it with every row
 // of x: the products are the dequantized weight's, as the Q4_0/Q4_1/Q8_0 kernels' several-row
-// path (gguf_kernels.cpp). At batch 1 Q4_K, Q5_K and Q6_K run as Q4_1 does there: x rounded
-// to int16 per 32 columns, integer multiply-adds over the values.
+// path (gguf_kernels.cpp). At batch 1 Q3_K, Q4_K, Q5_K and Q6_K run as Q4_1 does there: x
+// rounded to int16 per 32 columns, integer multiply-adds over the values.
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <cstring>
 
 #include "gguf_blocks.h"
 
@@ -116,19 +117,27 @@ void expand_q2_k(const uint8_t* block, float* y) {
   }
 }
 
-// Q3_K's sixteen 6-bit scales (less 32): low 4 bits from bytes 0-7 (low nibbles for 0-7,
-// high ones for 8-15), high 2 bits from bytes 8-11 (bits 2*(i/4) of byte 8 + i%4). A value is
-// its 2 bits less 4 where its high bit is clear.
+// d times Q3_K's sixteen 6-bit scales (less 32): low 4 bits from bytes 0-7 (low nibbles for
+// 0-7, high ones for 8-15), high 2 bits from bytes 8-11 (bits 2*(i/4) of byte 8 + i%4),
+// four at a time in 32-bit words as ggml's dequantize_row_q3_K does.
+inline void q3_k_scales(const uint8_t* packed, float d, float dl[16]) {
+  constexpr uint32_t low4 = 0x0f0f0f0f, low2 = 0x03030303;
+  uint32_t word[3], scales[4];
+  std::memcpy(word, packed, 12);
+  scales[0] = (word[0] & low4) | ((word[2] & low2) << 4);
+  scales[1] = (word[1] & low4) | (((word[2] >> 2) & low2) << 4);
+  scales[2] = ((word[0] >> 4) & low4) | (((word[2] >> 4) & low2) << 4);
+  scales[3] = ((word[1] >> 4) & low4) | (((word[2] >> 6) & low2) << 4);
+  uint8_t bytes[16];
+  std::memcpy(bytes, scales, 16);
+  for (int i = 0; i < 16; ++i) dl[i] = d * static_cast<float>(bytes[i] - 32);
+}
+
+// A Q3_K value is its 2 bits less 4 where its high bit is clear.
 void expand_q3_k(const uint8_t* block, float* y) {
   const uint8_t* hmask = block;
-  const uint8_t* packed = block + 96;
-  const float d = half_to_float(block + 108);
   float dl[16];
-  for (int i = 0; i < 16; ++i) {
-    const int low = i < 8 ? packed[i] & 0xf : packed[i - 8] >> 4;
-    const int high = (packed[8 + i % 4] >> (2 * (i / 4))) & 3;
-    dl[i] = d * static_cast<float>((low | (high << 4)) - 32);
-  }
+  q3_k_scales(block + 96, half_to_float(block + 108), dl);
   for (int n = 0; n < 2; ++n) {
     const uint8_t* q = block + 32 + 32 * n;
     for (int j = 0; j < 4; ++j) {
@@ -332,6 +341,47 @@ float q6_k_row_dot1(const uint8_t* w, int64_t blocks, const Int16Row& x) {
   }
   return hsum(_mm256_add_ps(acc[0], acc[1]));
 }
+
+// One Q3_K row against one row of x at batch 1, as q6_k_row_dot1: x in int16 per 32 columns,
+// integer multiply-adds over the centred values (2 bits less 4 where the high bit is clear),
+// one float scale per 16 values (d * (sc - 32) * x's scale). Each 32 value bytes hold four
+// runs of 32 values, bits 2j of the bytes for run j; the high bits of run 4n + j are bit
+// 4n + j of the 32 high-bit bytes.
+float q3_k_row_dot1(const uint8_t* w, int64_t blocks, const Int16Row& x) {
+  const __m256i low2 = _mm256_set1_epi8(3), one = _mm256_set1_epi8(1);
+  const __m256i four = _mm256_set1_epi8(4);
+  __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* block = w + b * block_bytes(kQ3_K);
+    float dl[16];
+    q3_k_scales(block + 96, half_to_float(block + 108), dl);
+    const __m256i hmask = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block));
+    for (int n = 0; n < 2; ++n) {
+      const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 32 +
+                                                                           32 * n));
+      for (int j = 0; j < 4; ++j) {
+        const __m128i shift = _mm_cvtsi32_si128(2 * j), bit = _mm_cvtsi32_si128(4 * n + j);
+        const __m256i high = _mm256_and_si256(_mm256_srl_epi16(hmask, bit), one);
+        const __m256i values = _mm256_add_epi8(
+            _mm256_sub_epi8(_mm256_and_si256(_mm256_srl_epi16(q, shift), low2), four),
+            _mm256_slli_epi16(high, 2));
+        const int64_t jx = b * 8 + 4 * n + j;  // x's 32-column block
+        const __m256i* xb = reinterpret_cast<const __m256i*>(x.q.data() + jx * kBlock);
+        const __m256i first = _mm256_madd_epi16(
+            _mm256_cvtepi8_epi16(_mm256_castsi256_si128(values)), _mm256_loadu_si256(xb));
+        const __m256i second = _mm256_madd_epi16(
+            _mm256_cvtepi8_epi16(_mm256_extracti128_si256(values, 1)),
+            _mm256_loadu_si256(xb + 1));
+        const float scale = x.scale[jx];
+        acc[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(first),
+                                 _mm256_set1_ps(dl[8 * n + 2 * j] * scale), acc[0]);
+        acc[1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(second),
+                                 _mm256_set1_ps(dl[8 * n + 2 * j + 1] * scale), acc[1]);
+      }
+    }
+  }
+  return hsum(_mm256_add_ps(acc[0], acc[1]));
+}
 #endif
 
 }  // namespace
@@ -340,7 +390,7 @@ void k_quant_gemv(const uint8_t* w, int64_t row_stride, int64_t n, int64_t block
                   const float* x, int64_t k, int64_t rows, int64_t qtype, float* y) {
   const int64_t stride = block_bytes(qtype);
 #ifdef DEEPINFER_AVX2
-  if (rows == 1 && qtype >= kQ4_K) {  // Q2_K and Q3_K: expanded as for several rows
+  if (rows == 1 && qtype != kQ2_K) {  // Q2_K: expanded as for several rows
     const Int16Row xq = round_to_int16(x, k / kBlock);
     const std::vector<float> sums = block_sums(x, k / kBlock);
     at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
@@ -348,6 +398,7 @@ void k_quant_gemv(const uint8_t* w, int64_t row_stride, int64_t n, int64_t block
         const uint8_t* row = w + r * row_stride;
         y[r] = qtype == kQ4_K   ? q4_5_k_row_dot1<kQ4_K>(row, blocks, xq, sums.data())
                : qtype == kQ5_K ? q4_5_k_row_dot1<kQ5_K>(row, blocks, xq, sums.data())
+               : qtype == kQ3_K ? q3_k_row_dot1(row, blocks, xq)
                                 : q6_k_row_dot1(row, blocks, xq);
       }
     });
