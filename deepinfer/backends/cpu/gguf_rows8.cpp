@@ -5,8 +5,8 @@
 // sum. With 8 rows side by side each vector lane is one row: the x pair a multiply-add needs is
 // one broadcast shared by the 8 rows, a block's 8 scales are one fp16 load, and the 8 results
 // come out as one vector. The CPU backend interleaves Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and Q4_K
-// weights of N % 8 == 0 rows once at load (CPUOps.prepare_weights; GGUFWeight.interleave_rows) -- the
-// bytes are the file's, reordered:
+// weights of N % 8 == 0 rows once at load (CPUOps.prepare_weights;
+// GGUFWeight.interleave_rows) -- the bytes are the file's, reordered:
 //
 //   the file's [N, B blocks, S bytes] seen as 2-byte units [N/8, 8 rows, B, S/2, 2]
 //   is stored as                                          [N/8, B, S/2, 8 rows, 2].
