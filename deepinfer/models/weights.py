@@ -115,8 +115,8 @@ def load_mapped(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
     params: dict[str, torch.Tensor | PackedWeight] = dict(model.named_parameters())
     packed = {n: m for n, m in model.named_modules() if isinstance(m, PackedWeight)}
     # A packed weight made of packed parts (GGUFParts) loads them itself.
-    params.update((n, m) for n, m in packed.items()
-                  if not any(n.startswith(f"{p}.") for p in packed))
+    parts = {f"{n}.{sub}" for n, m in packed.items() for sub, _ in m.named_modules() if sub}
+    params.update((n, m) for n, m in packed.items() if n not in parts)
     loaded: set[str] = set()
     with torch.no_grad():
         for name, tensor in weights:
