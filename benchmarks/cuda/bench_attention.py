@@ -31,6 +31,7 @@ DECODE_CASES = [(1, 1024, 0), (1, 8192, 0), (1, 32768, 0), (64, 2048, 0), (256, 
                 (1, 32768, 4096), (64, 8192, 4096)]
 # (name, [(cached prefix, new tokens)], window)
 PREFILL_CASES = [("1x8192", [(0, 8192)], 0), ("4x2048", [(0, 2048)] * 4, 0),
+                 ("16x512", [(0, 512)] * 16, 0),
                  ("2048 over 6144", [(6144, 2048)], 0), ("1x8192 w4096", [(0, 8192)], 4096),
                  ("2048/30720 w4096", [(30720, 2048)], 4096)]
 # Split-K prefill (a prefix-cache hit's last chunk) and a mixed step's decodes apart from its
@@ -345,6 +346,30 @@ def bench_sdpa(seq: int, device: str, backend: str) -> dict:
     return dict(row, ms=float("nan"), tflops=float("nan"))
 
 
+def bench_varlen(name: str, lens: list[int], device: str) -> dict:
+    """The peer for several fresh prompts in one step: torch's varlen attention (FlashAttention
+    over packed [T, H, D] with cumulative lengths), causal, GQA where it takes it."""
+    import inspect
+
+    from torch.nn.attention.varlen import varlen_attn
+
+    params = inspect.signature(varlen_attn).parameters
+    total = sum(lens)
+    q = torch.randn(total, Q_HEADS, HEAD_DIM, dtype=torch.bfloat16, device=device)
+    gqa = "enable_gqa" in params
+    heads = KV_HEADS if gqa else Q_HEADS
+    k = torch.randn(total, heads, HEAD_DIM, dtype=torch.bfloat16, device=device)
+    v = torch.randn_like(k)
+    cu = torch.tensor([0] + [sum(lens[:i + 1]) for i in range(len(lens))], dtype=torch.int32,
+                      device=device)
+    causal = {"is_causal": True} if "is_causal" in params else {"window_size": (-1, 0)}
+    extra = {"enable_gqa": True} if gqa else {}
+    ms = _time_ms(lambda: varlen_attn(q, k, v, cu, cu, max(lens), max(lens), **causal, **extra))
+    flops = sum(4 * Q_HEADS * HEAD_DIM * n * n / 2 for n in lens)
+    return dict(kernel="torch_varlen", case=name, kv_heads=heads, ms=ms, tflops=flops / ms / 1e9,
+                signature=str(inspect.signature(varlen_attn)))
+
+
 def run_all(device: str = "cuda") -> list[dict]:
     torch.manual_seed(0)
     rows = [bench_decode(b, c, w, device) for b, c, w in DECODE_CASES]
@@ -355,6 +380,8 @@ def run_all(device: str = "cuda") -> list[dict]:
     rows += [bench_mla_prefill(name, chunks, device) for name, chunks in MLA_PREFILL_CASES]
     rows += [bench_sdpa(8192, device, b)
              for b in ("FLASH_ATTENTION", "CUDNN_ATTENTION", "EFFICIENT_ATTENTION")]
+    rows += [bench_varlen(name, [n for _, n in chunks], device)
+             for name, chunks, w in PREFILL_CASES if not w and all(p == 0 for p, _ in chunks)]
     return rows
 
 

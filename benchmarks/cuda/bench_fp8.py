@@ -225,13 +225,13 @@ def sweep_gemv(w: Weights, quick: bool, reps: int) -> dict:
 
 def sweep_gemv_reads(w: Weights, reps: int) -> dict:
     """The batch-1 GEMV's tiles (per-group sums) with more of each row read before the wait on
-    the kernel ahead: one step's tile, or 8, 16 or 32 groups up to the whole row, within 128
-    weights a thread."""
+    the kernel ahead: one step's tile, or 8, 16, 32 or 64 groups up to the whole row, within
+    128 weights a thread."""
     x = torch.randn(1, w.k, device="cuda", dtype=torch.bfloat16)
     row = triton.next_power_of_2(-(-w.k // GROUP))
     grid = [Fp8GemvConfig(bn, g, nw, False, first)
             for bn, g, nw in itertools.product((2, 4, 8, 16), (2, 4, 8), (4, 8))
-            for first in [0] + [f for f in (8, 16, 32)
+            for first in [0] + [f for f in (8, 16, 32, 64)
                                 if g < f <= row and bn * f * GROUP <= 128 * 32 * nw]]
     times = {str(c): _sweep_us(lambda c=c: [fp8_gemv(x, q, s, None, c) for q, s in w.fp8],
                                len(w.fp8), reps) for c in grid}

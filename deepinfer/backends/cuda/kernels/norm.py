@@ -28,12 +28,14 @@ def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, n_heads, d, eps,
                      sx_t, sx_h, sr_t, sr_h, sy_t, sy_h,
                      HAS_RESIDUAL: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
                      PDL: tl.constexpr, MODE: tl.constexpr = 0):
+    cols = tl.arange(0, BLOCK_D)[None, :]
+    if MODE != 2:  # the weight is written by no kernel: requested before the wait
+        w = tl.load(w_ptr + cols, mask=cols < d, other=0.0).to(tl.float32)
     if PDL:  # let the next kernel launch now; wait for the one ahead (see pdl.py)
         gdc_launch_dependents()
         gdc_wait()
     t = tl.program_id(0).to(tl.int64)  # int64: token * stride can pass 2**31 in large batches
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)[:, None]
-    cols = tl.arange(0, BLOCK_D)[None, :]
     mask = (heads < n_heads) & (cols < d)
     x_ptrs = x_ptr + t * sx_t + heads * sx_h + cols
     x = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
@@ -52,7 +54,7 @@ def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, n_heads, d, eps,
         normed = x * rstd[:, None]
         if MODE == 0:  # rounded before the weight (the CPU backend's order)
             normed = normed.to(x_ptr.dtype.element_ty).to(tl.float32)
-        y = normed * tl.load(w_ptr + cols, mask=cols < d, other=0.0).to(tl.float32)
+        y = normed * w
     tl.store(y_ptr + t * sy_t + heads * sy_h + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 

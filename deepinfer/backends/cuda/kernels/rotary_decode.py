@@ -38,10 +38,20 @@ from deepinfer.backends.cuda.kernels.pdl import launch_kwargs
 
 
 @triton.jit
-def _rope_rows(src, stride_h, heads, row_ok, offs_d, cos, sin, norm_w, eps,
+def _norm_weights(norm_w, offs_d, HEAD_DIM: tl.constexpr):
+    """A q/k norm's weight [HEAD_DIM] and its rotate_half partner, in float32: written by no
+    kernel, so the caller loads them before its PDL wait."""
+    partner = (offs_d + HEAD_DIM // 2) % HEAD_DIM
+    return (tl.load(norm_w + offs_d).to(tl.float32)[None, :],
+            tl.load(norm_w + partner).to(tl.float32)[None, :])
+
+
+@triton.jit
+def _rope_rows(src, stride_h, heads, row_ok, offs_d, cos, sin, w, wp, eps,
                HEAD_DIM: tl.constexpr, NORM: tl.constexpr):
     """Rows `heads` of src [*, HEAD_DIM] rotated NeoX-style by cos/sin [HEAD_DIM] (after their
-    per-row RMSNorm when NORM), rounded to src's dtype: rotary.py's numerics."""
+    per-row RMSNorm with weight w and its partner wp when NORM), rounded to src's dtype:
+    rotary.py's numerics."""
     half: tl.constexpr = HEAD_DIM // 2
     partner = (offs_d + half) % HEAD_DIM  # rotate_half pairs dim d with d +- half
     ptrs = src + heads[:, None] * stride_h
@@ -50,8 +60,6 @@ def _rope_rows(src, stride_h, heads, row_ok, offs_d, cos, sin, norm_w, eps,
     dtype = src.dtype.element_ty
     if NORM:
         rstd = tl.div_rn(1.0, tl.sqrt_rn(tl.sum(x * x, axis=1) / HEAD_DIM + eps))[:, None]
-        w = tl.load(norm_w + offs_d).to(tl.float32)[None, :]
-        wp = tl.load(norm_w + partner).to(tl.float32)[None, :]
         x = ((x * rstd).to(dtype).to(tl.float32) * w).to(dtype).to(tl.float32)
         xp = ((xp * rstd).to(dtype).to(tl.float32) * wp).to(dtype).to(tl.float32)
     sign = tl.where(offs_d < half, -1.0, 1.0)[None, :]
@@ -60,11 +68,11 @@ def _rope_rows(src, stride_h, heads, row_ok, offs_d, cos, sin, norm_w, eps,
 
 @triton.jit
 def _store_new_kv(Kn, Vn, KC, VC, slot, kv_head, stride_knh, stride_vnh, stride_kt, stride_kh,
-                  stride_vt, stride_vh, offs_d, cos, sin, k_norm, eps,
+                  stride_vt, stride_vh, offs_d, cos, sin, kw, kwp, eps,
                   HEAD_DIM: tl.constexpr, NORM: tl.constexpr):
     """The new token's rotated k and its v into cache slot `slot` of this KV head."""
     one = tl.arange(0, 1)
-    k = _rope_rows(Kn, stride_knh, kv_head + one, one < 1, offs_d, cos, sin, k_norm, eps,
+    k = _rope_rows(Kn, stride_knh, kv_head + one, one < 1, offs_d, cos, sin, kw, kwp, eps,
                    HEAD_DIM, NORM)
     tl.store(KC + slot * stride_kt + kv_head * stride_kh + offs_d[None, :], k)
     v = tl.load(Vn + kv_head * stride_vnh + offs_d)
@@ -101,6 +109,11 @@ def _rotary_decode_kernel(
     BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
     SLIDING: tl.constexpr, NORM: tl.constexpr, MERGE: tl.constexpr, PDL: tl.constexpr,
 ):
+    offs_d = tl.arange(0, HEAD_DIM)
+    qw, qwp, kw, kwp = 0.0, 0.0, 0.0, 0.0
+    if NORM:  # Qwen3's q/k norm weights: requested before the wait, as the GEMV's weights
+        qw, qwp = _norm_weights(QNorm, offs_d, HEAD_DIM)
+        kw, kwp = _norm_weights(KNorm, offs_d, HEAD_DIM)
     if PDL:  # let the next kernel launch now; wait for the one ahead (see pdl.py)
         gdc_launch_dependents()
         gdc_wait()
@@ -111,7 +124,6 @@ def _rotary_decode_kernel(
     num_tiles = tl.cdiv(seq_len, BLOCK_N)
     tile_lo, tile_hi, key_lo = split_tiles(seq_len, num_tiles, split, window, BLOCK_N,
                                            NUM_SPLITS, SLIDING)
-    offs_d = tl.arange(0, HEAD_DIM)
     pos = tl.load(Pos + b).to(tl.int64)
     cos = tl.load(Cos + pos * stride_cos + offs_d).to(tl.float32)
     sin = tl.load(Sin + pos * stride_cos + offs_d).to(tl.float32)
@@ -119,14 +131,14 @@ def _rotary_decode_kernel(
     rows = tl.arange(0, ROWS)
     row_ok = rows < GROUP
     heads = kv_head * GROUP + rows
-    q = _rope_rows(Q + b * stride_qb, stride_qh, heads, row_ok, offs_d, cos, sin, QNorm, eps,
+    q = _rope_rows(Q + b * stride_qb, stride_qh, heads, row_ok, offs_d, cos, sin, qw, qwp, eps,
                    HEAD_DIM, NORM)
     slot = tl.load(Slots + b).to(tl.int64)
     last_tile = num_tiles - 1
     if (last_tile >= tile_lo) & (last_tile < tile_hi) & (slot >= 0):
         _store_new_kv(Kn + b * stride_knb, Vn + b * stride_vnb, KC, VC, slot, kv_head,
                       stride_knh, stride_vnh, stride_kt, stride_kh, stride_vt, stride_vh,
-                      offs_d, cos, sin, KNorm, eps, HEAD_DIM, NORM)
+                      offs_d, cos, sin, kw, kwp, eps, HEAD_DIM, NORM)
         tl.debug_barrier()  # the tile loop's threads read the slot just written
 
     table = BlockTables + b.to(tl.int64) * stride_bt
