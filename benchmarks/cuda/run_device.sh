@@ -167,6 +167,8 @@ if wanted v4_hit_ttft; then
     done
 fi
 wanted profile_steps && step profile_steps python3 benchmarks/cuda/profile_steps.py --out "$out"
+# A whole 256 x (512+128) run: GPU busy time against the wall, kernels by kind, each step's host work.
+wanted profile_run && step profile_run python3 benchmarks/cuda/profile_run.py --out "$out"
 wanted profile_unfused && DEEPINFER_CUDA_GEMV=0 step profile_unfused \
     python3 benchmarks/cuda/profile_steps.py --out "$out" --batches 1 --tag unfused
 exit $status
