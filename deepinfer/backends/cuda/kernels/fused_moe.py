@@ -284,9 +284,15 @@ def _gate_up_kernel(x_ptr, w_ptr, routes_ptr, block_slots_ptr, h_ptr, xs_ptr, ws
             g = tl.load(g_ptrs, mask=k_ok[:, None], other=0.0)
             u = tl.load(u_ptrs, mask=k_ok[:, None], other=0.0)
         if FP8:
+            # The scales first and both dots in flight before either is scaled: a scale
+            # loaded after its dot's wait adds a memory round trip to every K step.
             a_scale = tl.load(xs_ptrs + k0 // BLOCK_K)[:, None]
-            gate += tl.dot(a, g) * (a_scale * tl.load(gs_ptrs + k0 // BLOCK_K)[None, :])
-            up += tl.dot(a, u) * (a_scale * tl.load(us_ptrs + k0 // BLOCK_K)[None, :])
+            g_scale = a_scale * tl.load(gs_ptrs + k0 // BLOCK_K)[None, :]
+            u_scale = a_scale * tl.load(us_ptrs + k0 // BLOCK_K)[None, :]
+            g_dot = tl.dot(a, g)
+            u_dot = tl.dot(a, u)
+            gate += g_dot * g_scale
+            up += u_dot * u_scale
         else:
             gate = tl.dot(a, g, gate, input_precision=PRECISION)
             up = tl.dot(a, u, up, input_precision=PRECISION)
