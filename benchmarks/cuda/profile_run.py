@@ -25,7 +25,9 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+from common import exposed_by_name  # noqa: E402
 from engine_bench import LLAMA3_8B, make_engine, random_prompts, run_all, write_config  # noqa: E402
 
 # (kind, substrings of the kernel name), first match wins
@@ -103,16 +105,6 @@ def timed_steps(engine, prompts: list[list[int]], log: HostLog) -> float:
     return seconds
 
 
-def busy_seconds(intervals: list[tuple[float, float]]) -> float:
-    """Length of the union of [start, end) intervals (us in, s out)."""
-    total, end = 0.0, float("-inf")
-    for s, e in sorted(intervals):
-        if e > end:
-            total += e - max(s, end)
-            end = e
-    return total / 1e6
-
-
 def kernel_report(prof, wall: float) -> dict:
     events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
               and e.device_time > 0]
@@ -121,10 +113,10 @@ def kernel_report(prof, wall: float) -> dict:
     spans = []
     for e in events:
         start = e.time_range.start
-        spans.append((start, start + e.device_time))
+        spans.append((start, start + e.device_time, ""))
         by_kind[kind_of(e.name)] += e.device_time / 1e6
         by_name[e.name[:90]] += e.device_time / 1e6
-    busy = busy_seconds(spans)
+    busy = sum(exposed_by_name(spans).values()) / 1e6  # the union of the kernels' intervals
     top = sorted(by_name.items(), key=lambda kv: -kv[1])[:25]
     return {"wall_s": wall, "gpu_busy_s": busy, "gpu_idle_s": wall - busy,
             "kernel_s": sum(by_kind.values()),
