@@ -121,6 +121,18 @@ if wanted serve_overhead; then
         --num-kv-blocks "${SERVE_KV_BLOCKS:-2048}" --client-procs "${SERVE_CLIENT_PROCS:-8}" \
         ${SERVE_ARGS:-} --out "$out/serve_overhead"
 fi
+# --dp 2 against --dp 1 through the server on two GPUs (nvidia-h200-x2): the Llama-3-8B shape,
+# 512-token random prompts, 128 output tokens, 256 and 512 streams per GPU.
+if wanted dp_scaling; then
+    llama=$(python3 benchmarks/cuda/engine_bench.py --write-model /tmp/llama3-8b --max-len 8192 \
+        | tail -n 1)
+    step dp_scaling python3 benchmarks/dp_scaling.py --dp 2 --per-rank "${DP_LEVELS:-256,512}" \
+        --prompt-len 512 --output-len 128 --client-procs 8 --vocab 128000 --out "$out/dp_scaling" \
+        -- --model "$llama" --accelerator nvidia --dtype bfloat16 --load-format dummy \
+        --max-model-len 8192 --max-num-seqs 512 --max-num-batched-tokens 8192 \
+        --num-kv-blocks 3000 --api-server-count "${DP_API_SERVERS:-2}" --tokenizer-backend hf \
+        --generation-config none
+fi
 # The API tier's own ceiling: the same server benchmark on a 2-layer model of the Llama-3-8B
 # width, whose steps are too short to be the limit, at up to 1,024 streams (a dropped stream
 # fails the run), with one and with two API processes (API_SERVERS).
