@@ -372,8 +372,8 @@ class ClientProcesses:
 
 
 def send_wave(base: str, model: str, prompts: list[list[int]], output_len: int,
-               client_kind: str, clients: ClientProcesses | None
-               ) -> tuple[float, float, list[tuple]]:
+              client_kind: str, clients: ClientProcesses | None
+              ) -> tuple[float, float, list[tuple]]:
     """The wave from this process, or dealt to the client processes: at 256 streams one
     Python client saturates its core and times itself, not the server."""
     if clients is None:

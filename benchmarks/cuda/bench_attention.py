@@ -17,6 +17,7 @@ the window's keys. MLA prefill counts 2 * H * (2L + R) FLOPs per visible pair (a
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 from dataclasses import dataclass
@@ -360,7 +361,7 @@ def bench_varlen(name: str, lens: list[int], device: str) -> dict:
     heads = KV_HEADS if gqa else Q_HEADS
     k = torch.randn(total, heads, HEAD_DIM, dtype=torch.bfloat16, device=device)
     v = torch.randn_like(k)
-    cu = torch.tensor([0] + [sum(lens[:i + 1]) for i in range(len(lens))], dtype=torch.int32,
+    cu = torch.tensor(list(itertools.accumulate(lens, initial=0)), dtype=torch.int32,
                       device=device)
     causal = {"is_causal": True} if "is_causal" in params else {"window_size": (-1, 0)}
     extra = {"enable_gqa": True} if gqa else {}
