@@ -236,12 +236,7 @@ class HiCache:
         if num_full <= first:
             return
         extend_block_hashes(req.block_hashes, req.token_slice, num_full * bs, bs, req.cache_salt)
-        chain: list[HostPage | None] = []  # per page from `first`: its host page, or None
-        for i in range(first, num_full):
-            page, tokens = self._holder(req.block_hashes[i])
-            if page is not None and tokens != tuple(req.token_slice(i * bs, (i + 1) * bs)):
-                break  # a hash collision: no hit can pass this page anyway
-            chain.append(page)
+        chain = self._host_chain(req, first, num_full)
         # Pin what the host holds first, so making room never evicts this chain's own pages.
         self.pool.pin(p for p in chain if p is not None)
         missing = [first + j for j, p in enumerate(chain) if p is None]
@@ -252,8 +247,8 @@ class HiCache:
         whole = all(p is not None for p in chain) and len(chain) == num_full - first
         # A collision or a full host pool ends the chain: pages after a gap are never hit.
         req.num_host_pages = num_full if whole else req.num_prompt_tokens // bs + 1
-        pages = [p for p in chain if p is not None]
-        copy = _Copy([], list(reversed(pages)), False, time.perf_counter())
+        copy = _Copy([], list(reversed([p for p in chain if p is not None])), False,
+                     time.perf_counter())
         copy.commits = [_Commit(p, req.block_hashes[i],
                                 tuple(req.token_slice(i * bs, (i + 1) * bs)),
                                 all(blocks[i] != NULL_BLOCK_ID for blocks in device_blocks))
@@ -266,19 +261,9 @@ class HiCache:
                     [p.page_id for p in fresh],
                     [[blocks[i] for i in missing] for blocks in device_blocks], to_device=False))
             nbytes = len(fresh) * self.layout.page_bytes
-            last = num_full == req.num_prompt_tokens // bs  # the prompt's last full page
-            if self.restores_state and whole and last and chain[-1].state_slot is None:
-                # The prompt's last full page carries the state a later turn resumes from.
-                slot = self.pool.take_state_slot()
-                if slot is not None:
-                    try:
-                        copy.handles.append(self.accelerator.copy_state(
-                            slot, req.request_id, num_full * bs, to_device=False))
-                    except BaseException:
-                        self.pool.release_state_slot(slot)
-                        raise
-                    copy.state = (chain[-1], slot)
-                    nbytes += self.layout.state_slot_bytes
+            # The prompt's last full page carries the state a later turn resumes from.
+            if whole and num_full == req.num_prompt_tokens // bs:
+                nbytes += self._store_state(req, chain[-1], num_full * bs, copy)
         except BaseException:
             copy.commits, copy.handles = [], []
             self._finish(copy)
@@ -286,6 +271,34 @@ class HiCache:
         self._stats.store_bytes += nbytes
         self._storing.update((c.block_hash, c) for c in copy.commits)
         self._track(copy)
+
+    def _host_chain(self, req: Request, first: int, num_full: int) -> list[HostPage | None]:
+        """Per prompt page from `first`: the host page that holds it (or a store in flight
+        writes it to), None where the host lacks it; cut before a page whose hash collides."""
+        bs, chain = self.block_size, []
+        for i in range(first, num_full):
+            page, tokens = self._holder(req.block_hashes[i])
+            if page is not None and tokens != tuple(req.token_slice(i * bs, (i + 1) * bs)):
+                break  # a hash collision: no hit can pass this page anyway
+            chain.append(page)
+        return chain
+
+    def _store_state(self, req: Request, last: HostPage, num_tokens: int, copy: _Copy) -> int:
+        """The request's layer state at num_tokens into a state slot beside its last page
+        (models that restore state, once per page); the bytes it copies."""
+        if not self.restores_state or last.state_slot is not None:
+            return 0
+        slot = self.pool.take_state_slot()
+        if slot is None:
+            return 0
+        try:
+            copy.handles.append(self.accelerator.copy_state(slot, req.request_id, num_tokens,
+                                                            to_device=False))
+        except BaseException:
+            self.pool.release_state_slot(slot)
+            raise
+        copy.state = (last, slot)
+        return self.layout.state_slot_bytes
 
     def _holder(self, block_hash: BlockHash) -> tuple[HostPage | None, tuple[int, ...] | None]:
         """The host page that holds this hash, or that a store in flight is writing it to,
