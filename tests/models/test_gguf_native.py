@@ -144,6 +144,30 @@ def test_k_quant_kernels_equal_gguf_py(qtype):
                                    rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("qtype", TYPES + tuple(K_QUANTS), ids=lambda t: t.name)
+def test_bf16_dequantization_rounds_the_float32_one(qtype):
+    """A GEMM in bfloat16 takes the weight expanded straight to bfloat16 (chunks of 64 rows,
+    each thread's float32 buffer rounded to nearest even): bit for bit torch's rounding of the
+    float32 weight, in the file's layout and with rows interleaved, 136 rows (a short last
+    chunk); gguf_linear with bf16 multiplies x rounded to bfloat16 by it."""
+    k = 512
+    if qtype in K_QUANTS:
+        w = _k_quant_blocks(136, k, qtype, seed=3)
+    else:
+        w = _blocks(136, k, qtype, seed=3)
+    reference = extension().dequantize(w.blocks, w.qtype, k).bfloat16()
+    assert torch.equal(extension().dequantize_bf16(w.blocks, w.qtype, k), reference)
+    if int(qtype) in kernels.INTERLEAVED_TYPES:
+        packed = GGUFWeight(w.shape, int(qtype))
+        packed.load_rows(w, None)
+        packed.interleave_rows(kernels.INTERLEAVE)
+        assert torch.equal(extension().dequantize_bf16(packed.blocks, w.qtype, k, True),
+                           reference)
+    x = torch.randn(MAX_GEMV_ROWS + 4, k, generator=torch.Generator().manual_seed(1))
+    expected = F.linear(x.bfloat16(), reference).float()
+    assert torch.equal(gguf_linear(x, w.blocks, w.qtype, k, bf16=True), expected)
+
+
 def _k_quant_minimums(w: GGUFTensor) -> torch.Tensor:
     """[N, K]: each Q4_K / Q5_K sub-block's dmin * m at its 32 columns (ggml's
     get_scale_min_k4)."""

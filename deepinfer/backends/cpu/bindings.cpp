@@ -13,6 +13,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("w"), py::arg("qtype"), py::arg("interleaved") = false);
   m.def("dequantize", &dequantize, "GGUF weight -> float32 [N, K]", py::arg("w"),
         py::arg("qtype"), py::arg("k"), py::arg("interleaved") = false);
+  m.def("dequantize_bf16", &dequantize_bf16, "GGUF weight -> bfloat16 [N, K]", py::arg("w"),
+        py::arg("qtype"), py::arg("k"), py::arg("interleaved") = false);
   m.def("gguf_mlp", &gguf_mlp, "down(silu(gate) * up) over GGUF weights, x [M<=16, K]");
   m.def("rms_norm", &rms_norm, "RMSNorm of float32 rows");
   m.def("add_rms_norm", &add_rms_norm, "(rms_norm(x + residual), x + residual)");

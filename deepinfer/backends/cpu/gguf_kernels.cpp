@@ -24,6 +24,7 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/silu.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -439,21 +440,55 @@ void dequantize_any(const uint8_t* w, int64_t row_bytes, int64_t n, int64_t bloc
   });
 }
 
+namespace {
+
+// n rows of a weight (w: its first row's bytes) as float32 into out. Inside a parallel region
+// (dequantize_bf16's chunks) the loops below run on the calling thread.
+void dequantize_rows_to(const uint8_t* w, int64_t row_bytes, int64_t n, int64_t qtype,
+                        int64_t k, bool interleaved, float* out) {
+  if (is_k_quant(qtype)) {
+    k_quant_dequantize(w, row_bytes, n, k / kSuperBlock, qtype, interleaved, out);
+    return;
+  }
+  with_block_type(qtype, [&](auto qt) {
+    dequantize_any<qt.value>(w, row_bytes, n, k / kBlock, interleaved, out);
+  });
+}
+
+// Rows a thread expands to float32 at a time before rounding them to bfloat16: a multiple of
+// the interleave, and small enough (64 x 4K floats = 1 MiB at most) to stay in its cache.
+constexpr int64_t kBf16ChunkRows = 64;
+
+}  // namespace
+
 // The float32 weight [N, K] (for a GEMM over many rows, or an embedding lookup).
 at::Tensor dequantize(const at::Tensor& w, int64_t qtype, int64_t k, bool interleaved) {
   check_weight(w, qtype, k, interleaved);
-  const int64_t n = w.size(0), blocks = k / kBlock;
-  at::Tensor out = at::empty({n, k}, at::dtype(at::kFloat));
-  if (is_k_quant(qtype)) {
-    k_quant_dequantize(w.data_ptr<uint8_t>(), w.size(1), n, k / kSuperBlock, qtype,
-                       interleaved, out.data_ptr<float>());
-    return out;
-  }
+  at::Tensor out = at::empty({w.size(0), k}, at::dtype(at::kFloat));
+  dequantize_rows_to(w.data_ptr<uint8_t>(), w.size(1), w.size(0), qtype, k, interleaved,
+                     out.data_ptr<float>());
+  return out;
+}
+
+// The same weight as bfloat16 [N, K], for a bfloat16 GEMM: each chunk of rows is expanded to
+// float32 in a buffer of its thread and rounded (to nearest even, as torch's conversion) into
+// the output, so the float32 weight never goes to memory.
+at::Tensor dequantize_bf16(const at::Tensor& w, int64_t qtype, int64_t k, bool interleaved) {
+  check_weight(w, qtype, k, interleaved);
+  const int64_t n = w.size(0), row_bytes = w.size(1);
+  at::Tensor out = at::empty({n, k}, at::dtype(at::kBFloat16));
   const uint8_t* wp = w.data_ptr<uint8_t>();
-  float* op = out.data_ptr<float>();
-  const int64_t row_bytes = w.size(1);
-  with_block_type(qtype, [&](auto qt) {
-    dequantize_any<qt.value>(wp, row_bytes, n, blocks, interleaved, op);
+  at::BFloat16* op = out.data_ptr<at::BFloat16>();
+  const int64_t chunks = (n + kBf16ChunkRows - 1) / kBf16ChunkRows;
+  at::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> buf(kBf16ChunkRows * k);
+    for (int64_t c = begin; c < end; ++c) {
+      const int64_t r0 = c * kBf16ChunkRows, rows = std::min(kBf16ChunkRows, n - r0);
+      dequantize_rows_to(wp + r0 * row_bytes, row_bytes, rows, qtype, k, interleaved,
+                         buf.data());
+      at::BFloat16* o = op + r0 * k;
+      for (int64_t i = 0; i < rows * k; ++i) o[i] = at::BFloat16(buf[i]);
+    }
   });
   return out;
 }

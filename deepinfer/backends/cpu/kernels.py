@@ -123,10 +123,10 @@ def gguf_linear(x: torch.Tensor, blocks: torch.Tensor, qtype: int, in_features: 
     x = x.float()
     if x.shape[0] <= MAX_GEMV_ROWS:
         return ext.gemv(x, blocks, qtype, interleaved)
-    w = ext.dequantize(blocks, qtype, in_features, interleaved)
-    if bf16:
-        return torch.nn.functional.linear(x.bfloat16(), w.bfloat16()).float()
-    return torch.nn.functional.linear(x, w)
+    if bf16:  # the weight expanded straight to bfloat16, never to a float32 copy
+        w = ext.dequantize_bf16(blocks, qtype, in_features, interleaved)
+        return torch.nn.functional.linear(x.bfloat16(), w).float()
+    return torch.nn.functional.linear(x, ext.dequantize(blocks, qtype, in_features, interleaved))
 
 
 def native_bf16_gemm() -> bool:

@@ -8,6 +8,8 @@
 
 at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, int64_t qtype, bool interleaved);
 at::Tensor dequantize(const at::Tensor& w, int64_t qtype, int64_t k, bool interleaved);
+at::Tensor dequantize_bf16(const at::Tensor& w, int64_t qtype, int64_t k,
+                           bool interleaved);
 at::Tensor gguf_mlp(const at::Tensor& x, const at::Tensor& gate_up, int64_t gate_up_type,
                     bool gate_up_interleaved, const at::Tensor& down, int64_t down_type,
                     bool down_interleaved);
