@@ -456,7 +456,7 @@ void dequantize_rows_to(const uint8_t* w, int64_t row_bytes, int64_t n, int64_t 
 }
 
 // Rows a thread expands to float32 at a time before rounding them to bfloat16: a multiple of
-// the interleave, and small enough (64 x 4K floats = 1 MiB at most) to stay in its cache.
+// the interleave, and few enough to stay in its cache (1 MiB for 4096-column rows).
 constexpr int64_t kBf16ChunkRows = 64;
 
 }  // namespace
