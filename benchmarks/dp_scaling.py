@@ -9,14 +9,15 @@ adds `--dp`, `--routing least-loaded`, a port and a served name. One server at a
 wait for /health, an untimed wave (the first level's streams, 8 tokens each), then per level
 one wave of level x dp streaming /v1/completions sent at once (random prompt ids below --vocab,
 EOS ignored, prefix cache off), dealt to --client-procs client processes
-(serve_overhead.send_wave: one Python client at a few hundred streams saturates its core and
-times itself). Reports each side's output tok/s and TTFT p50/p99 and, per level, dp N / dp 1
-(linear scaling: N). A stream that fails or comes back short ends the run, so a finished run
-dropped none. Writes dp_scaling.json and dp_scaling.png.
+(serve_overhead's server wave: one Python client at a few hundred streams saturates its core
+and times itself). Reports each side's output tok/s, TTFT p50/p99 and the CPU seconds of its
+API processes and ranks and, per level, dp N / dp 1 (linear scaling: N). A stream that fails or
+comes back short ends the run, so a finished run dropped none. Writes dp_scaling.json and .png.
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import multiprocessing
 import os
 import sys
@@ -27,7 +28,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from common import (free_port, log, machine_environment, percentile, pyplot,  # noqa: E402
                     random_prompts, start_server, stop_server, wait_healthy, write_json)
-from serve_overhead import ClientProcesses, per_request, send_wave  # noqa: E402
+from serve_overhead import ClientProcesses, CpuMeter, server_wave  # noqa: E402
 
 SERVED_NAME = "m"
 
@@ -52,18 +53,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
-def wave(base: str, prompts: list[list[int]], output_len: int, clients: ClientProcesses) -> dict:
-    """One wave of streams sent at once: output tok/s and TTFT; raises if a stream fell short."""
-    start, end, results = send_wave(base, SERVED_NAME, prompts, output_len, "httpx", clients)
-    t0s, times, usage, _ = (list(x) for x in zip(*results))
-    short = [u for u in usage if u != output_len]
-    if short:
-        raise RuntimeError(f"{len(short)} of {len(usage)} streams gave {short[:4]} tokens, "
-                           f"not {output_len}")
-    ttft, _ = per_request(t0s, times)
-    return {"streams": len(prompts), "wall_s": end - start, "output_tokens": sum(usage),
-            "output_tok_s": sum(usage) / (end - start),
-            "ttft_p50_ms": percentile(ttft, 50) * 1e3, "ttft_p99_ms": percentile(ttft, 99) * 1e3}
+def wave(base: str, prompts: list[list[int]], output_len: int, clients: ClientProcesses,
+         meter: CpuMeter, trace_dir: str) -> dict:
+    """serve_overhead's server wave (it raises if a stream fell short): output tok/s, TTFT and
+    the CPU seconds of the API processes, the ranks and the clients."""
+    w = server_wave(base, SERVED_NAME, prompts, output_len, len(prompts), 0, "httpx", meter,
+                    trace_dir, clients)
+    return {"streams": len(prompts), "wall_s": w.wall_s, "output_tokens": w.output_tokens,
+            "output_tok_s": w.output_tok_s, "ttft_p50_ms": percentile(w.ttft_s, 50) * 1e3,
+            "ttft_p99_ms": percentile(w.ttft_s, 99) * 1e3, "cpu_s": w.cpu}
 
 
 def run_side(dp: int, args: argparse.Namespace, clients: ClientProcesses, workdir: str) -> dict:
@@ -77,12 +75,14 @@ def run_side(dp: int, args: argparse.Namespace, clients: ClientProcesses, workdi
     try:
         startup = wait_healthy(proc, base, log_path, timeout_s=args.start_timeout)
         log(f"--dp {dp}: up in {startup:.0f} s")
-        warm = random_prompts(args.levels[0] * dp, args.prompt_len, args.vocab, seed=1)
-        wave(base, warm, 8, clients)  # the first level's batch, 8 tokens: untimed
+        timed = functools.partial(wave, base, clients=clients, meter=CpuMeter(proc.pid),
+                                  trace_dir=tempfile.mkdtemp(dir=workdir))
+        # the first level's batch, 8 tokens each: untimed
+        timed(random_prompts(args.levels[0] * dp, args.prompt_len, args.vocab, seed=1), 8)
         rows = []
         for level in args.levels:
             prompts = random_prompts(level * dp, args.prompt_len, args.vocab, seed=level)
-            row = {"per_rank": level, **wave(base, prompts, args.output_len, clients)}
+            row = {"per_rank": level, **timed(prompts, args.output_len)}
             log(f"--dp {dp}, {level} streams a rank: {row['output_tok_s']:.0f} out tok/s, "
                 f"TTFT p50 {row['ttft_p50_ms']:.0f} ms")
             rows.append(row)

@@ -371,9 +371,9 @@ class ClientProcesses:
     count: int
 
 
-def send_wave(base: str, model: str, prompts: list[list[int]], output_len: int,
-              client_kind: str, clients: ClientProcesses | None
-              ) -> tuple[float, float, list[tuple]]:
+def _send_wave(base: str, model: str, prompts: list[list[int]], output_len: int,
+               client_kind: str, clients: ClientProcesses | None
+               ) -> tuple[float, float, list[tuple]]:
     """The wave from this process, or dealt to the client processes: at 256 streams one
     Python client saturates its core and times itself, not the server."""
     if clients is None:
@@ -401,7 +401,7 @@ def server_wave(base: str, model: str, prompts: list[list[int]], output_len: int
     """paced: the server runs with --stream-interval > 1, so a chunk may hold several tokens
     (the counts are checked against usage only; ITL and the token path are per chunk)."""
     load0, cpu0 = os.getloadavg()[0], meter.sample()
-    start, end, results = send_wave(base, model, prompts, output_len, client_kind, clients)
+    start, end, results = _send_wave(base, model, prompts, output_len, client_kind, clients)
     cpu = CpuMeter.delta(cpu0, meter.sample())
     t0s, times, usage, cids = (list(x) for x in zip(*results))
     streamed = usage if paced else [len(t) for t in times]
