@@ -21,8 +21,8 @@ import torch
 from deepinfer.backends.cuda.kernels.activation import silu_and_mul
 from deepinfer.backends.cuda.kernels.decode_attention import (choose_num_splits,
                                                               paged_decode_attention)
-from deepinfer.backends.cuda.kernels.fp8_gemm import (Scaled, cublas_block_scaled,
-                                                      cublas_weight_scale, fp8_linear)
+from deepinfer.backends.cuda.kernels.fp8_gemm import (GEMV_AUTO_M, Scaled, cublas_block_scaled,
+                                                      cublas_weight_scale, fp8_gemm, fp8_linear)
 from deepinfer.backends.cuda.kernels.fused_moe import fused_experts
 from deepinfer.backends.cuda.kernels.gemv import gemv
 from deepinfer.backends.cuda.kernels.kv_write import store_kv
@@ -154,6 +154,18 @@ class CUDAOps(ModelOps):
             return fp8_linear(x, weight.weight, weight.scale, bias,
                               kernel_scale=weight.kernel_scale)
         return super().packed_linear(x, weight, bias)
+
+    def gated_mlp(self, x: torch.Tensor, gate_up: torch.Tensor | PackedWeight,
+                  down: torch.Tensor | PackedWeight, gate_up_bias: torch.Tensor | None = None,
+                  down_bias: torch.Tensor | None = None) -> torch.Tensor:
+        """An FP8 down projection of more than one token (the w8a8 GEMM) quantizes silu(gate)
+        * up straight from the gate/up output: one kernel instead of SiLU-and-mul, then the
+        quantization of its 16-bit output."""
+        if not (isinstance(down, FP8Weight) and x.shape[0] > GEMV_AUTO_M and self._on_triton(x)):
+            return super().gated_mlp(x, gate_up, down, gate_up_bias, down_bias)
+        hidden = self.linear(x, gate_up, gate_up_bias)
+        return fp8_gemm(hidden, down.weight, down.scale, down_bias,
+                        kernel_scale=down.kernel_scale, silu=True)
 
     def route(self, logits: torch.Tensor, spec: RouterSpec, bias: torch.Tensor | None = None,
               counts: RouteCounts | None = None, fixed_ids: torch.Tensor | None = None

@@ -16,6 +16,7 @@ import itertools
 import pytest
 import torch
 
+from deepinfer.backends.cuda.kernels.activation import silu_and_mul
 from deepinfer.backends.cuda.kernels.fp8_gemm import (
     FP8_MAX,
     GEMV_AUTO_M,
@@ -170,6 +171,55 @@ def test_quantize_tokens_for_cublas() -> None:
     assert scales_cm.stride() == (1, 16)
     assert torch.equal(scales_cm[:3], scales)
     assert torch.equal(q_cm[:3].view(torch.uint8), q.view(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=_id)
+@pytest.mark.parametrize("m,f", [(1, 128), (3, 200), (33, 384)] + [(517, 14336)] * ON_GPU)
+def test_quantize_silu_equals_silu_then_quantize(m: int, f: int, dtype: torch.dtype) -> None:
+    """SiLU-and-mul fused into the quantization: bit-equal to silu_and_mul's 16-bit output
+    quantized, in both scale layouts; and within e4m3's rounding of torch's silu(gate) * up."""
+    g = torch.Generator().manual_seed(m * f + 3)
+    x = (torch.randn(m, 2 * f, generator=g) * 3).to(dtype=dtype, device=DEVICE)
+    x[0, :128] = 0.0  # a zero gate group: its product group is all zero, the scale floor
+    product = silu_and_mul(x)
+    q_ref, s_ref = quantize_tokens_fp8(product)
+    q, s = quantize_tokens_fp8(x, silu=True)
+    assert q.shape == (m, f) and s.shape == (m, -(-f // 128))
+    assert torch.equal(s, s_ref) and torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+    q_cm, s_cm = quantize_tokens_fp8(x, column_major=True, rows=m + 5, silu=True)
+    assert s_cm.stride() == (1, m + 5) and torch.equal(s_cm[:m], s_ref)
+    assert torch.equal(q_cm[:m].view(torch.uint8), q_ref.view(torch.uint8))
+    gate, up = x.float().chunk(2, dim=-1)
+    expected = torch.nn.functional.silu(gate) * up
+    back = q.float() * s.repeat_interleave(128, dim=1)[:, :f]
+    bound = expected.abs() * (2 ** -4 + (2 ** -7 if dtype == torch.bfloat16 else 1e-5)) + \
+        s.repeat_interleave(128, dim=1)[:, :f] * 2 ** -9
+    assert ((back - expected).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("m,n,f,dtype", [(2, 64, 200, torch.float32), (33, 100, 384,
+                                                                        torch.bfloat16)])
+def test_gemm_silu_equals_silu_then_gemm(m: int, n: int, f: int, dtype: torch.dtype) -> None:
+    """A gated MLP's down projection from the gate/up output: the same result as SiLU-and-mul
+    first, on the Triton GEMM (and on a GPU with block scales, on cuBLAS)."""
+    g = torch.Generator().manual_seed(m + n + f)
+    gate_up = torch.randn(m, 2 * f, generator=g).to(dtype=dtype, device=DEVICE)
+    wq, w_scale = _weight(g, n, f)
+    bias = torch.randn(n, generator=g).to(dtype=dtype, device=DEVICE)
+    product = silu_and_mul(gate_up)
+    for config in GEMM_CONFIGS:
+        assert torch.equal(fp8_gemm(gate_up, wq, w_scale, bias, config, silu=True),
+                           fp8_gemm(product, wq, w_scale, bias, config))
+    kernel_scale = cublas_weight_scale(w_scale, f)
+    if ON_GPU and kernel_scale is not None and dtype != torch.float32 and \
+            cublas_block_scaled(DEVICE):
+        assert torch.equal(fp8_gemm(gate_up, wq, w_scale, bias, kernel_scale=kernel_scale,
+                                    silu=True),
+                           fp8_gemm(product, wq, w_scale, bias, kernel_scale=kernel_scale))
+    with pytest.raises(ValueError, match=f"x must be \\[M, {2 * f}\\]"):
+        fp8_gemm(product, wq, w_scale, silu=True)
+    with pytest.raises(ValueError, match="2F"):
+        quantize_tokens_fp8(gate_up[:, 1:], silu=True)
 
 
 def _configs(configs: list, m: int, n: int) -> list:

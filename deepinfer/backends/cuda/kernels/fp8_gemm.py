@@ -15,7 +15,9 @@ Two paths, by M (fp8_linear picks; GEMV_MAX_M):
   tile. Nothing is allocated but the output and nothing is read back: CUDA-graph safe.
 - prefill, larger M: w8a8. quantize_tokens_fp8 quantizes x per token and 128-column group
   (vLLM's and SGLang's per_token_group_quant_fp8), then a tensor-core GEMM on the fp8
-  operands. Where torch's scaled_mm takes block scales (cuBLAS 12.9+ on Hopper) and the
+  operands (a gated MLP's down projection quantizes silu(gate) * up straight from the gate/up
+  output: one kernel, no 16-bit product written and read back). Where torch's scaled_mm takes
+  block scales (cuBLAS 12.9+ on Hopper) and the
   backend laid the weight's scales out for it (cublas_weight_scale, a weight's kernel_scale),
   cuBLAS runs it: on an H200 at M = 8192, 1.2-1.27 PFLOP/s with DeepSeek's 128 x 128 weight
   blocks, 0.87-1.03 with per-row scales, against bf16's 0.78-0.80. Else a Triton GEMM takes one
@@ -127,16 +129,22 @@ def gemm_config_for(m: int, n: int, k: int) -> Fp8GemmConfig:
 # ---- activation quantization -----------------------------------------------------------------
 @triton.jit
 def _quantize_kernel(x_ptr, q_ptr, s_ptr, M, K, KG, sx, sq, ss, ssg, ROWS: tl.constexpr,
-                     GROUPS: tl.constexpr):
+                     GROUPS: tl.constexpr, SILU: tl.constexpr):
     """Rows [ROWS * program_id(0), + ROWS), groups [GROUPS * program_id(1), + GROUPS):
     scale = max(|x|, EPS) / 448 per row and 128 columns, q = clamp(x / scale, -448, 448) in
-    float8_e4m3fn (rounded to nearest even by the cast)."""
+    float8_e4m3fn (rounded to nearest even by the cast). SILU: x is silu(gate) * up of a
+    [M, 2K] input, each product rounded to the input's dtype as silu_and_mul stores it."""
     row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     g = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
     col = g[:, None] * _GROUP + tl.arange(0, _GROUP)[None, :]
     ok = (row < M)[:, None, None] & (col < K)[None, :, :]
     offs = row.to(tl.int64)[:, None, None]
-    x = tl.load(x_ptr + offs * sx + col[None, :, :], mask=ok, other=0.0).to(tl.float32)
+    x_ptrs = x_ptr + offs * sx + col[None, :, :]
+    x = tl.load(x_ptrs, mask=ok, other=0.0).to(tl.float32)
+    if SILU:  # activation.py's rounding: silu, then the product, to the input's dtype
+        up = tl.load(x_ptrs + K, mask=ok, other=0.0).to(tl.float32)
+        silu = (x / (1.0 + tl.exp(-x))).to(x_ptr.dtype.element_ty).to(tl.float32)
+        x = (silu * up).to(x_ptr.dtype.element_ty).to(tl.float32)
     # IEEE division (div_rn, which broadcasts nothing): `/` lowers to an approximate divide on
     # NVIDIA GPUs, and the scales and codes are meant to be exactly torch's.
     amax = tl.maximum(tl.max(tl.abs(x), axis=2), _EPS)
@@ -149,17 +157,21 @@ def _quantize_kernel(x_ptr, q_ptr, s_ptr, M, K, KG, sx, sq, ss, ssg, ROWS: tl.co
 
 
 def quantize_tokens_fp8(x: torch.Tensor, group: int = GROUP, column_major: bool = False,
-                        rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                        rows: int | None = None, silu: bool = False
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] (bf16, fp16 or fp32, contiguous last dim) -> (q float8_e4m3fn [M, K], scales
     float32 [M, ceil(K/group)]) with x ~= q * scale per token and group of columns (the last
     group may be partial). group must be 128. column_major: the scales with strides (1, M),
     as scaled_mm reads them. rows (>= M): q and scales get that many rows, the ones past M
-    left unwritten."""
+    left unwritten. silu: x is a fused gate/up output [M, 2K] and what is quantized is
+    silu_and_mul(x), computed in the same kernel (bit-equal to quantizing silu_and_mul's
+    output), so the [M, K] product is never written in 16 bits and read back."""
     if group != GROUP:
         raise ValueError(f"only {GROUP}-column groups are supported, got {group}")
-    if x.dim() != 2 or x.stride(1) != 1:
-        raise ValueError(f"x must be [M, K] with a contiguous last dim, got {tuple(x.shape)}")
-    m, k = x.shape
+    if x.dim() != 2 or x.stride(1) != 1 or (silu and x.shape[1] % 2):
+        raise ValueError(f"x must be [M, {'2F' if silu else 'K'}] with a contiguous last dim, "
+                         f"got {tuple(x.shape)} strides {x.stride()}")
+    m, k = x.shape[0], x.shape[1] // 2 if silu else x.shape[1]
     kg, rows = triton.cdiv(k, GROUP), rows or m
     q = torch.empty((rows, k), dtype=torch.float8_e4m3fn, device=x.device)
     if column_major:
@@ -173,7 +185,7 @@ def quantize_tokens_fp8(x: torch.Tensor, group: int = GROUP, column_major: bool 
     rows = min(32 // groups, triton.next_power_of_2(m))
     _quantize_kernel[(triton.cdiv(m, rows), triton.cdiv(kg, groups))](
         x, q, scales, m, k, kg, x.stride(0), q.stride(0), scales.stride(0), scales.stride(1),
-        ROWS=rows, GROUPS=groups, num_warps=4)
+        ROWS=rows, GROUPS=groups, SILU=silu, num_warps=4)
     return q, scales
 
 
@@ -361,20 +373,21 @@ def _gemm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, M, N, K, sa, sas, s
 
 def fp8_gemm(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
              bias: torch.Tensor | None = None, config: Fp8GemmConfig | None = None,
-             out: torch.Tensor | None = None, kernel_scale: torch.Tensor | None = None
-             ) -> torch.Tensor:
+             out: torch.Tensor | None = None, kernel_scale: torch.Tensor | None = None,
+             silu: bool = False) -> torch.Tensor:
     """The prefill path of fp8_linear (see there): x quantized by quantize_tokens_fp8, then a
     w8a8 tensor-core GEMM with float32 accumulation per scale group: cuBLAS where kernel_scale
     (cublas_weight_scale) is given and x is 16-bit, else the Triton kernel (config: its
-    tiles)."""
-    m, n, k = _check(x, wq, w_scale, bias)
+    tiles). silu: x is a fused gate/up output [M, 2K] and the product is silu_and_mul(x) @ W.T,
+    the SiLU fused into the quantization (a gated MLP's down projection)."""
+    m, n, k = _check(x, wq, w_scale, bias, silu)
     if kernel_scale is not None and x.dtype != torch.float32 and config is None and m > 0:
-        return _cublas_gemm(x, wq, kernel_scale, bias, out)
+        return _cublas_gemm(x, wq, kernel_scale, bias, out, silu)
     out = _output(x, n, out)
     if m == 0:
         return out
     cfg = config or gemm_config_for(m, n, k)
-    xq, xs = quantize_tokens_fp8(x)
+    xq, xs = quantize_tokens_fp8(x, silu=silu)
     grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
     _gemm_kernel[grid](
         xq, xs, wq, w_scale, bias if bias is not None else w_scale, out, m, n, k, xq.stride(0),
@@ -404,14 +417,16 @@ def cublas_weight_scale(w_scale: torch.Tensor, k: int) -> torch.Tensor | None:
 
 
 def _cublas_gemm(x: torch.Tensor, wq: torch.Tensor, kernel_scale: torch.Tensor,
-                 bias: torch.Tensor | None, out: torch.Tensor | None) -> torch.Tensor:
+                 bias: torch.Tensor | None, out: torch.Tensor | None,
+                 silu: bool = False) -> torch.Tensor:
     from torch.nn.functional import ScalingType, scaled_mm
 
     (m, _), (n, k) = x.shape, wq.shape
     per_row = kernel_scale.shape == (n, k // GROUP)
     # cuBLAS finds no block-scaled algorithm for an M that is not a multiple of 16 (CUDA 13.0,
     # H200): the rows past M are computed from unwritten codes and dropped.
-    xq, xs = quantize_tokens_fp8(x, column_major=True, rows=-(-m // CUBLAS_M) * CUBLAS_M)
+    xq, xs = quantize_tokens_fp8(x, column_major=True, rows=-(-m // CUBLAS_M) * CUBLAS_M,
+                                 silu=silu)
     y = scaled_mm(xq, wq.t(), xs, ScalingType.BlockWise1x128, kernel_scale,
                   ScalingType.BlockWise1x128 if per_row else ScalingType.BlockWise128x128,
                   output_dtype=x.dtype)[:m]
@@ -449,13 +464,15 @@ def _refused(why: str) -> bool:
 
 # ---- entry points ------------------------------------------------------------------------------
 def _check(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
-           bias: torch.Tensor | None) -> tuple[int, int, int]:
+           bias: torch.Tensor | None, silu: bool = False) -> tuple[int, int, int]:
     if wq.dim() != 2 or wq.dtype != torch.float8_e4m3fn or wq.stride(1) != 1:
         raise ValueError(f"wq must be float8_e4m3fn [N, K] with a contiguous last dim, got "
                          f"{wq.dtype} {tuple(wq.shape)} strides {wq.stride()}")
     n, k = wq.shape
-    if x.dim() != 2 or x.shape[1] != k or x.stride(1) != 1:
-        raise ValueError(f"x must be [M, {k}] with a contiguous last dim, got {tuple(x.shape)}")
+    width = 2 * k if silu else k  # silu: a gate/up output, [gate | up]
+    if x.dim() != 2 or x.shape[1] != width or x.stride(1) != 1:
+        raise ValueError(f"x must be [M, {width}] with a contiguous last dim, got "
+                         f"{tuple(x.shape)}")
     if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"x must be bf16, fp16 or fp32, got {x.dtype}")
     kg = triton.cdiv(k, GROUP)
