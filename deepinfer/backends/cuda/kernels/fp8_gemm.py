@@ -21,8 +21,9 @@ Two paths, by M (fp8_linear picks; GEMV_MAX_M):
   (cublas_weight_scale, a weight's kernel_scale), cuBLAS runs it: on an H200 at M = 8192,
   1.2-1.27 PFLOP/s with DeepSeek's 128 x 128 weight blocks, 0.87-1.03 with per-row scales,
   against bf16's 0.78-0.80. Else a Triton GEMM takes one 128-wide K step per scale group,
-  acc += dot * a_scale * w_scale in float32 (vLLM's _w8a8_triton_block_scaled_mm; one dot per 128 of K is also the interval at which DeepGEMM
-  promotes the fp8 accumulator to float32): 0.50-0.57 PFLOP/s.
+  acc += dot * a_scale * w_scale in float32 (vLLM's _w8a8_triton_block_scaled_mm; one dot
+  per 128 of K is also the interval at which DeepGEMM promotes the fp8 accumulator to
+  float32): 0.50-0.57 PFLOP/s.
 
 Tiles are fixed per shape class (gemv_config_for, gemm_config_for), not autotuned: the GEMV
 tiles follow gemv.py's H200 sweep at equal elements per tile, the GEMM tiles vLLM's tuned H200
