@@ -26,7 +26,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from common import exposed_by_name  # noqa: E402
-from engine_bench import LLAMA3_8B, make_engine, random_prompts, write_config  # noqa: E402
+from engine_bench import (LLAMA3_8B, make_engine, random_prompts, run_all,  # noqa: E402
+                          write_config)
 
 from deepinfer.core.sampling import SamplingParams  # noqa: E402
 
@@ -52,24 +53,15 @@ def decode_profile(engine, batch: int, steps: int = 8) -> dict:
 
 
 def prefill_profile(engine, tokens: int, reps: int = 3) -> dict:
-    """One `tokens`-long prompt's prefill step (max_tokens 1), after one unprofiled warm-up."""
-    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    """One `tokens`-long prompt's prefill (and its one sampled token), after an unprofiled
+    warm-up; the whole run of each, as engine_bench's prefill_8k times it."""
     prompts = random_prompts(reps + 1, tokens, LLAMA3_8B["vocab_size"], tokens)
-    run_prompt(engine, "warm", prompts[0], params)
+    run_all(engine, prompts[:1], 1)
     with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
-        start = time.perf_counter()
-        for i, prompt in enumerate(prompts[1:]):
-            run_prompt(engine, f"pre{i}", prompt, params)
-        wall = (time.perf_counter() - start) / reps
+        wall = sum(run_all(engine, [prompt], 1)[0] for prompt in prompts[1:]) / reps
+        torch.cuda.synchronize()
     return {"batch": 0, "prefill_tokens": tokens, "step_ms": wall * 1e3,
             **kernel_table(prof, reps)}
-
-
-def run_prompt(engine, rid: str, prompt: list[int], params: SamplingParams) -> None:
-    engine.add_request(rid, prompt, params, prefix_cache=False)
-    while engine.has_unfinished_requests():
-        engine.step()
-    torch.cuda.synchronize()
 
 
 def kernel_table(prof, steps: int) -> dict:
