@@ -23,6 +23,7 @@ from deepinfer.backends.cuda.kernels.decode_attention import (choose_num_splits,
                                                               paged_decode_attention)
 from deepinfer.backends.cuda.kernels.fp8_gemm import (GEMV_AUTO_M, Scaled, cublas_block_scaled,
                                                       cublas_weight_scale, fp8_gemm, fp8_linear)
+from deepinfer.backends.cuda.kernels.fp8_skinny import SKINNY_MAX_M, fp8_skinny
 from deepinfer.backends.cuda.kernels.fused_moe import fused_experts
 from deepinfer.backends.cuda.kernels.gemv import gemv
 from deepinfer.backends.cuda.kernels.kv_write import store_kv
@@ -73,6 +74,11 @@ class CUDAOps(ModelOps):
         self.fused_decode = os.environ.get("DEEPINFER_CUDA_FUSED_DECODE", "1") != "0"
         self.sdpa_backends = sdpa_backends(os.environ.get("DEEPINFER_CUDA_SDPA_PREFILL", ""))
         self.fp8_cublas = os.environ.get("DEEPINFER_CUDA_FP8_CUBLAS", "1") != "0"
+        # FP8 projections of 2..SKINNY_MAX_M tokens (decode batches) on the skinny GEMM;
+        # DEEPINFER_CUDA_FP8_SKINNY=0: on the prefill GEMM, the baseline it is measured against.
+        self.fp8_skinny_max = (SKINNY_MAX_M if os.environ.get("DEEPINFER_CUDA_FP8_SKINNY", "1")
+                               != "0" else GEMV_AUTO_M)
+        self.skinny_counters = SplitCounters()  # the skinny GEMM's split tickets
 
     def _window(self, layer: int) -> int:
         return self.cache.spec.layers[layer].sliding_window or 0
@@ -142,8 +148,11 @@ class CUDAOps(ModelOps):
         return super().linear(x, weight, bias)
 
     def prepare_weights(self, model: torch.nn.Module) -> None:
-        """FP8 weights get their scales in cuBLAS's layout, where scaled_mm takes them."""
+        """FP8 weights get their scales in cuBLAS's layout, where scaled_mm takes them, and the
+        skinny GEMM its split tickets (before any CUDA graph is captured)."""
         fp8 = [m for m in model.modules() if isinstance(m, FP8Weight) and m.weight.is_cuda]
+        if fp8:
+            self.skinny_counters.get(max(w.shape[0] for w in fp8), fp8[0].weight.device)
         if fp8 and self.fp8_cublas and cublas_block_scaled(fp8[0].weight.device):
             for weight in fp8:
                 weight.kernel_scale = cublas_weight_scale(weight.scale, weight.shape[1])
@@ -151,6 +160,9 @@ class CUDAOps(ModelOps):
     def packed_linear(self, x: torch.Tensor, weight: PackedWeight,
                       bias: torch.Tensor | None = None) -> torch.Tensor:
         if isinstance(weight, FP8Weight) and self._on_triton(x):
+            if GEMV_AUTO_M < x.shape[0] <= self.fp8_skinny_max:
+                return fp8_skinny(x, weight.weight, weight.scale, bias, self.skinny_counters,
+                                  self.num_sms)
             return fp8_linear(x, weight.weight, weight.scale, bias,
                               kernel_scale=weight.kernel_scale)
         return super().packed_linear(x, weight, bias)
@@ -158,12 +170,15 @@ class CUDAOps(ModelOps):
     def gated_mlp(self, x: torch.Tensor, gate_up: torch.Tensor | PackedWeight,
                   down: torch.Tensor | PackedWeight, gate_up_bias: torch.Tensor | None = None,
                   down_bias: torch.Tensor | None = None) -> torch.Tensor:
-        """An FP8 down projection of more than one token (the w8a8 GEMM) quantizes silu(gate)
-        * up straight from the gate/up output: one kernel instead of SiLU-and-mul, then the
-        quantization of its 16-bit output."""
+        """An FP8 down projection of more than one token (the skinny or the prefill GEMM, both
+        w8a8) quantizes silu(gate) * up straight from the gate/up output: one kernel instead of
+        SiLU-and-mul, then the quantization of its 16-bit output."""
         if not (isinstance(down, FP8Weight) and x.shape[0] > GEMV_AUTO_M and self._on_triton(x)):
             return super().gated_mlp(x, gate_up, down, gate_up_bias, down_bias)
         hidden = self.linear(x, gate_up, gate_up_bias)
+        if x.shape[0] <= self.fp8_skinny_max:
+            return fp8_skinny(hidden, down.weight, down.scale, down_bias, self.skinny_counters,
+                              self.num_sms, silu=True)
         return fp8_gemm(hidden, down.weight, down.scale, down_bias,
                         kernel_scale=down.kernel_scale, silu=True)
 
