@@ -160,12 +160,19 @@ class CUDAOps(ModelOps):
     def packed_linear(self, x: torch.Tensor, weight: PackedWeight,
                       bias: torch.Tensor | None = None) -> torch.Tensor:
         if isinstance(weight, FP8Weight) and self._on_triton(x):
-            if GEMV_AUTO_M < x.shape[0] <= self.fp8_skinny_max:
-                return fp8_skinny(x, weight.weight, weight.scale, bias, self.skinny_counters,
-                                  self.num_sms)
-            return fp8_linear(x, weight.weight, weight.scale, bias,
-                              kernel_scale=weight.kernel_scale)
+            return self._fp8_linear(x, weight, bias)
         return super().packed_linear(x, weight, bias)
+
+    def _fp8_linear(self, x: torch.Tensor, weight: FP8Weight, bias: torch.Tensor | None,
+                    silu: bool = False) -> torch.Tensor:
+        """One row: the weight-only GEMV; a decode batch: the skinny GEMM; more: the prefill
+        GEMM. silu: x is a gate/up output and silu(gate) * up is projected (more than one row)."""
+        w, scale = weight.weight, weight.scale
+        if GEMV_AUTO_M < x.shape[0] <= self.fp8_skinny_max:
+            return fp8_skinny(x, w, scale, bias, self.skinny_counters, self.num_sms, silu=silu)
+        if silu:
+            return fp8_gemm(x, w, scale, bias, kernel_scale=weight.kernel_scale, silu=True)
+        return fp8_linear(x, w, scale, bias, kernel_scale=weight.kernel_scale)
 
     def gated_mlp(self, x: torch.Tensor, gate_up: torch.Tensor | PackedWeight,
                   down: torch.Tensor | PackedWeight, gate_up_bias: torch.Tensor | None = None,
@@ -175,12 +182,7 @@ class CUDAOps(ModelOps):
         SiLU-and-mul, then the quantization of its 16-bit output."""
         if not (isinstance(down, FP8Weight) and x.shape[0] > GEMV_AUTO_M and self._on_triton(x)):
             return super().gated_mlp(x, gate_up, down, gate_up_bias, down_bias)
-        hidden = self.linear(x, gate_up, gate_up_bias)
-        if x.shape[0] <= self.fp8_skinny_max:
-            return fp8_skinny(hidden, down.weight, down.scale, down_bias, self.skinny_counters,
-                              self.num_sms, silu=True)
-        return fp8_gemm(hidden, down.weight, down.scale, down_bias,
-                        kernel_scale=down.kernel_scale, silu=True)
+        return self._fp8_linear(self.linear(x, gate_up, gate_up_bias), down, down_bias, silu=True)
 
     def route(self, logits: torch.Tensor, spec: RouterSpec, bias: torch.Tensor | None = None,
               counts: RouteCounts | None = None, fixed_ids: torch.Tensor | None = None

@@ -166,9 +166,10 @@ def _rotary_decode_kernel(
 
 
 class SplitCounters:
-    """The merge tickets: one int32 per (sequence, KV head), zero between launches (the
-    merging program resets its own). Allocated outside graph capture; a launch needing more
-    than it holds while capturing merges in a separate kernel instead."""
+    """Split-K tickets: one int32 per output tile that splits meet on (here a (sequence, KV
+    head); fp8_skinny.py: a weight-row tile), zero between launches (the program that merges
+    resets its own). Allocated outside graph capture; a launch needing more than it holds while
+    capturing merges in a separate kernel instead (fp8_skinny: runs unsplit)."""
 
     def __init__(self) -> None:
         self._counts: torch.Tensor | None = None
