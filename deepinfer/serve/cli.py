@@ -248,6 +248,7 @@ async def serve_http(args: argparse.Namespace, model_dir: str, client, ready: li
     import uvicorn
 
     from deepinfer.serve.app import ServerState, create_app
+    from deepinfer.serve.heap import freeze_startup_heap
     from deepinfer.serve.metrics import ServerMetrics
     from deepinfer.serve.moe_metrics import MoECollector
     from deepinfer.serve.rank_metrics import RankCollector
@@ -273,6 +274,7 @@ async def serve_http(args: argparse.Namespace, model_dir: str, client, ready: li
         signal.signal(sig, _swallow_signal)
     refresh = asyncio.ensure_future(_refresh_engine_metrics(metrics, client)) \
         if metrics.multiprocess and observes_engine else None
+    freeze_startup_heap()
     try:
         await uvicorn.Server(config).serve(sockets=[listener])
     finally:

@@ -21,6 +21,7 @@ from deepinfer.core.outputs import RequestOutput
 from deepinfer.serve.ipc import (AbortRequest, AddRequest, Control, ControlReply, EngineStats,
                                  ExpertStats, Failed, Heartbeat, Ready, RequestError,
                                  TokenDelta)
+from deepinfer.serve.heap import freeze_startup_heap
 from deepinfer.serve.lockstep import (Lockstep, RebalanceTimer, init_rank_group,
                                       shutdown_group)
 from deepinfer.serve.rank_entry import RankSpec
@@ -120,6 +121,7 @@ def run_rank(spec: RankSpec) -> None:
     outbox.send(Ready(spec.rank, engine.kv.pool.num_usable + 1, engine.kv.block_size,
                             engine.token_limit(), engine.accelerator.name, host_pages,
                             _stats(engine)))
+    freeze_startup_heap()
     clock, stop = StepClock(), threading.Event()
     beat = threading.Thread(target=_heartbeat, args=(ctx, spec, clock, stop),
                             name="deepinfer-heartbeat", daemon=True)
