@@ -2,6 +2,10 @@
 completions through deepinfer-serve, for this tree and optionally a baseline tree, alternately.
 
     python benchmarks/api_cpu_nonstream.py --model DIR [--baseline TREE] [--requests 256]
+        [--stream]
+
+--stream sends streaming completions instead (the clients read every SSE chunk) and writes
+api_cpu_stream.json.
 
 A baseline tree is e.g. `git worktree add /tmp/base COMMIT`. Each side starts its own server
 (one torch thread), sends one small warm-up wave, then `--waves` waves of `--requests`
@@ -28,18 +32,34 @@ from common import free_port, start_server, stop_server, wait_healthy  # noqa: E
 from serve_overhead import CpuMeter  # noqa: E402
 
 
-async def wave(base: str, n: int, max_tokens: int, vocab: int, seed: int) -> int:
+async def wave(base: str, n: int, max_tokens: int, vocab: int, seed: int,
+               stream: bool = False) -> int:
     async def one(client: httpx.AsyncClient, i: int) -> int:
         rng = random.Random(seed * 100_003 + i)
         body = {"model": "m", "prompt": [rng.randrange(3, vocab) for _ in range(64)],
                 "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-                "prefix_cache": False}
+                "prefix_cache": False, "stream": stream}
+        if stream:
+            return await _streamed_tokens(client, f"{base}/v1/completions", body)
         r = await client.post(f"{base}/v1/completions", json=body, timeout=600)
         r.raise_for_status()
         return r.json()["usage"]["completion_tokens"]
 
     async with httpx.AsyncClient(limits=httpx.Limits(max_connections=n)) as client:
         return sum(await asyncio.gather(*[one(client, i) for i in range(n)]))
+
+
+async def _streamed_tokens(client: httpx.AsyncClient, url: str, body: dict) -> int:
+    """The SSE chunks of one streaming completion, read to the end: its token count."""
+    body = {**body, "stream_options": {"include_usage": True}}
+    tokens = 0
+    async with client.stream("POST", url, json=body, timeout=600) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if line.startswith("data: {"):
+                tokens = (json.loads(line[6:]).get("usage") or {}).get("completion_tokens",
+                                                                         tokens)
+    return tokens
 
 
 def run_side(tree: str, args: argparse.Namespace, log_path: str) -> list[dict]:
@@ -57,7 +77,8 @@ def run_side(tree: str, args: argparse.Namespace, log_path: str) -> list[dict]:
         meter = CpuMeter(server.pid)
         for w in range(args.waves):
             cpu0, t0 = meter.sample(), time.perf_counter()
-            tokens = asyncio.run(wave(base, args.requests, args.max_tokens, args.vocab, w + 1))
+            tokens = asyncio.run(wave(base, args.requests, args.max_tokens, args.vocab, w + 1,
+                                      args.stream))
             wall = time.perf_counter() - t0
             cpu = CpuMeter.delta(cpu0, meter.sample())
             out.append({"tokens": tokens, "wall_s": wall, "tok_s": tokens / wall,
@@ -76,6 +97,7 @@ def main() -> None:
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--waves", type=int, default=2)
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--stream", action="store_true", help="streaming completions instead")
     p.add_argument("--out", default=os.path.join(HERE, "results"))
     args = p.parse_args()
     os.makedirs(args.out, exist_ok=True)
@@ -94,7 +116,8 @@ def main() -> None:
                       "rank_cpu_s_median": statistics.median(w["rank_cpu_s"] for w in waves),
                       "tok_s_median": statistics.median(w["tok_s"] for w in waves)}
                for name, waves in runs.items()}
-    with open(os.path.join(args.out, "api_cpu_nonstream.json"), "w") as f:
+    name = "api_cpu_stream.json" if args.stream else "api_cpu_nonstream.json"
+    with open(os.path.join(args.out, name), "w") as f:
         json.dump({"settings": vars(args), "trees": trees, "runs": runs, "summary": summary},
                   f, indent=2)
     for name, s in summary.items():
