@@ -174,10 +174,7 @@ def fp8_skinny(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
     block_t = max(16, triton.next_power_of_2(m))
     tiles = triton.cdiv(n, cfg.block_w)
     counts = counters.get(tiles, x.device) if cfg.split > 1 else None
-    split = cfg.split if counts is not None else 1
-    groups = triton.cdiv(k, GROUP)
-    per_split = triton.next_power_of_2(triton.cdiv(groups, split))  # scales held: a power of 2
-    split = triton.cdiv(groups, per_split)  # no split left without a group
+    split, per_split = _splits(k, cfg.split if counts is not None else 1)
     xs, x_scales = quantize_tokens_fp8(x, silu=silu)
     partials = (torch.empty((split, tiles, cfg.block_w, block_t), dtype=torch.float32,
                             device=x.device) if split > 1 else out)
@@ -189,3 +186,11 @@ def fp8_skinny(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
         BLOCK_T=block_t, SPLIT=split, GROUPS=per_split, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages)
     return out
+
+
+def _splits(k: int, wanted: int) -> tuple[int, int]:
+    """(programs over K, scale groups each): the groups a program holds scales for are a power
+    of two, and no split is left without a group."""
+    groups = triton.cdiv(k, GROUP)
+    per_split = triton.next_power_of_2(triton.cdiv(groups, wanted))
+    return triton.cdiv(groups, per_split), per_split
