@@ -56,7 +56,7 @@ wanted fp8 && step fp8_engine_bf16 python3 benchmarks/cuda/engine_bench.py --out
 # The same FP8 engine with its prefill GEMMs on the Triton kernel instead of cuBLAS.
 wanted fp8 && step fp8_engine_triton env DEEPINFER_CUDA_FP8_CUBLAS=0 python3 \
     benchmarks/cuda/engine_bench.py --out "$out/triton" --skip-hf --quick --quantization fp8
-# The few-rows FP8 GEMM (decode batches of 2-64): its tests compiled, the tile sweep against
+# The few-rows FP8 GEMM (decode batches of 2-32; swept to 64): its tests compiled, the sweep against
 # cuBLAS's block-scaled GEMM, then the FP8 engine with it and without (DEEPINFER_CUDA_FP8_SKINNY=0,
 # cuBLAS as before) alternately, separate processes, and bf16 in the same lease.
 wanted fp8_skinny && step fp8_skinny_tests python3 -m pytest -q -p no:cacheprovider \
@@ -70,8 +70,8 @@ for run in ${AB_RUNS:-1 2}; do
             --out "$out/skinny$skinny-$run" --skip-hf --quick --quantization fp8
     done
 done
-wanted fp8_skinny_ab && step fp8_engine_bf16 python3 benchmarks/cuda/engine_bench.py \
-    --out "$out/bf16" --skip-hf --quick
+wanted fp8_skinny_ab && step fp8_skinny_engine_bf16 python3 benchmarks/cuda/engine_bench.py \
+    --out "$out/skinny_bf16" --skip-hf --quick
 # FP8 experts: the kernels' tests on the GPU, the MoE layer in FP8 against bf16 (tile sweep
 # first), the Qwen3-30B-A3B-shape engine with --quantization fp8 and without.
 wanted fp8_moe && step fp8_moe_tests python3 -m pytest -q -p no:cacheprovider \

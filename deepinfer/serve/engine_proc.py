@@ -118,10 +118,10 @@ def run_rank(spec: RankSpec) -> None:
         return
     registry.engine_started(spec.config)
     host_pages = engine.hicache.layout.num_pages if engine.hicache is not None else 0
+    freeze_startup_heap()  # start-up work: before the rank says it is ready for requests
     outbox.send(Ready(spec.rank, engine.kv.pool.num_usable + 1, engine.kv.block_size,
                             engine.token_limit(), engine.accelerator.name, host_pages,
                             _stats(engine)))
-    freeze_startup_heap()
     clock, stop = StepClock(), threading.Event()
     beat = threading.Thread(target=_heartbeat, args=(ctx, spec, clock, stop),
                             name="deepinfer-heartbeat", daemon=True)
