@@ -99,16 +99,35 @@ def _install_engine_trace(folder: str) -> None:
 
     EngineClient.generate = traced_generate
 
+    # When a request's last delta reaches the API process: splits a stream's end into the
+    # hop from the rank and what the API and the client do after it.
+    dispatch = EngineClient._dispatch
+
+    def traced_dispatch(self, result):
+        dispatch(self, result)
+        ends = [d.request_id for d in result.deltas if d.finished]
+        if ends:
+            out.write(f"F {time.perf_counter():.6f} " + " ".join(ends) + "\n")
+
+    EngineClient._dispatch = traced_dispatch
+
 
 if os.environ.get(TRACE_ENV):
     _install_engine_trace(os.environ[TRACE_ENV])
 
 
-def read_engine_trace(folder: str) -> tuple[dict[str, float], dict[str, list[float]],
-                                            dict[str, float]]:
-    """request id -> add_request time; -> the time of each of its tokens; -> API stream start."""
+@dataclass
+class EngineTrace:
+    added: dict[str, float]  # request id -> engine.add_request
+    tokens: dict[str, list[float]]  # -> when each of its tokens' steps returned
+    started: dict[str, float]  # -> API stream start
+    ended: dict[str, float]  # -> its last delta reached the API process
+
+
+def read_engine_trace(folder: str) -> EngineTrace:
     added: dict[str, float] = {}
     started: dict[str, float] = {}
+    ended: dict[str, float] = {}
     tokens: dict[str, list[float]] = collections.defaultdict(list)
     for name in os.listdir(folder):
         with open(os.path.join(folder, name)) as f:
@@ -121,11 +140,13 @@ def read_engine_trace(folder: str) -> tuple[dict[str, float], dict[str, list[flo
                     added[parts[2]] = t
                 elif parts[0] == "G":
                     started[parts[2]] = t
+                elif parts[0] == "F":
+                    ended.update((rid, t) for rid in parts[2:])
                 else:
                     for item in parts[2:]:
                         rid, _, n = item.rpartition(":")
                         tokens[rid].extend([t] * int(n))
-    return added, tokens, started
+    return EngineTrace(added, tokens, started, ended)
 
 
 # ---- sizes -------------------------------------------------------------------------------------
@@ -156,6 +177,14 @@ class Wave:
     request_path_s: list[float] = field(default_factory=list)  # server: submit -> add_request
     http_path_s: list[float] = field(default_factory=list)  # server: submit -> API stream start
     token_path_s: list[float] = field(default_factory=list)  # server: step() -> client
+    # When the engine's steps that gave this wave's tokens returned, from the wave's start:
+    # where a slower wave loses its time (ramp-in, mixed steps, the decode tail).
+    step_s: list[float] = field(default_factory=list)
+    # server, per request: its last step -> its last delta in the API process, and -> the
+    # client's stream closed ([DONE] read, response released).
+    end_api_s: list[float] = field(default_factory=list)
+    end_token_s: list[float] = field(default_factory=list)  # -> the client read that token
+    end_client_s: list[float] = field(default_factory=list)
 
     @property
     def output_tok_s(self) -> float:
@@ -171,7 +200,31 @@ class Wave:
                 "request_path_ms": [round(t * 1e3, 3) for t in self.request_path_s],
                 "http_path_ms": [round(t * 1e3, 3) for t in self.http_path_s],
                 "token_path_ms_p50": percentile([t * 1e3 for t in self.token_path_s], 50),
-                "token_path_ms_p99": percentile([t * 1e3 for t in self.token_path_s], 99)}
+                "token_path_ms_p99": percentile([t * 1e3 for t in self.token_path_s], 99),
+                "end_api_ms_p50": percentile([t * 1e3 for t in self.end_api_s], 50),
+                "end_api_ms_max": max(self.end_api_s, default=0.0) * 1e3,
+                "end_token_ms_p50": percentile([t * 1e3 for t in self.end_token_s], 50),
+                "end_token_ms_max": max(self.end_token_s, default=0.0) * 1e3,
+                "end_client_ms_p50": percentile([t * 1e3 for t in self.end_client_s], 50),
+                "end_client_ms_max": max(self.end_client_s, default=0.0) * 1e3,
+                "steps_ms": [round(t * 1e3, 2) for t in self.step_s],
+                "phases_ms": phases(self.step_s, self.ttft_s, self.wall_s)}
+
+
+def phases(step_s: list[float], ttft_s: list[float], wall_s: float) -> dict:
+    """A wave's wall split at its last first token: the steps until then (prompts), the
+    decode tail's steps after it, and the time from the last step to the wave's end (the
+    last tokens' way to the client)."""
+    if not step_s or not ttft_s:
+        return {}
+    last_first = max(ttft_s)
+    tail = [t for t in step_s if t > last_first]
+    gaps = [b - a for a, b in zip(tail, tail[1:])]
+    return {"first_step": round(step_s[0] * 1e3, 2), "last_first_token": round(last_first * 1e3, 2),
+            "steps": len(step_s), "tail_steps": len(tail),
+            "tail_gap_p50": round(statistics.median(gaps) * 1e3, 3) if gaps else None,
+            "tail_gap_max": round(max(gaps) * 1e3, 3) if gaps else None,
+            "last_step_to_end": round((wall_s - step_s[-1]) * 1e3, 2)}
 
 
 def per_request(t0s: list[float], times: list[list[float]]) -> tuple[list[float], list[float]]:
@@ -259,8 +312,10 @@ def offline_wave(llm, prompts: list[list[int]], output_len: int, level: int, rep
     end = time.perf_counter()
     cpu = CpuMeter.delta(cpu0, meter.sample())
     ttft, itl = per_request([t0] * len(rids), [times[r] for r in rids])
-    return Wave("offline", level, repeat, end - t0, sum(len(v) for v in times.values()), ttft,
+    wave = Wave("offline", level, repeat, end - t0, sum(len(v) for v in times.values()), ttft,
                 itl, cpu, (load0, os.getloadavg()[0]))
+    wave.step_s = sorted({t - t0 for ts in times.values() for t in ts})
+    return wave
 
 
 # ---- server --------------------------------------------------------------------------------------
@@ -281,7 +336,8 @@ def start_server(model_dir: str, port: int, args: argparse.Namespace, log_path: 
     return _start(cmd, log_path, {TRACE_ENV: trace_dir})
 
 
-async def _httpx_request(client, base: str, body: dict) -> tuple[float, list[float], int, str]:
+async def _httpx_request(client, base: str, body: dict
+                         ) -> tuple[float, list[float], int, str, float]:
     times: list[float] = []
     usage = 0
     cid = ""
@@ -304,10 +360,11 @@ async def _httpx_request(client, base: str, body: dict) -> tuple[float, list[flo
                 cid = chunk["id"]
             if chunk.get("usage"):
                 usage = chunk["usage"]["completion_tokens"]
-    return t0, times, usage, cid
+    return t0, times, usage, cid, time.perf_counter()
 
 
-async def _openai_request(client, model: str, body: dict) -> tuple[float, list[float], int, str]:
+async def _openai_request(client, model: str, body: dict
+                          ) -> tuple[float, list[float], int, str, float]:
     times: list[float] = []
     usage = 0
     cid = ""
@@ -323,7 +380,7 @@ async def _openai_request(client, model: str, body: dict) -> tuple[float, list[f
             cid = chunk.id
         if chunk.usage:
             usage = chunk.usage.completion_tokens
-    return t0, times, usage, cid
+    return t0, times, usage, cid, time.perf_counter()
 
 
 async def _server_wave_async(base: str, model: str, prompts: list[list[int]], output_len: int,
@@ -403,7 +460,7 @@ def server_wave(base: str, model: str, prompts: list[list[int]], output_len: int
     load0, cpu0 = os.getloadavg()[0], meter.sample()
     start, end, results = _send_wave(base, model, prompts, output_len, client_kind, clients)
     cpu = CpuMeter.delta(cpu0, meter.sample())
-    t0s, times, usage, cids = (list(x) for x in zip(*results))
+    t0s, times, usage, cids, ends = (list(x) for x in zip(*results))
     streamed = usage if paced else [len(t) for t in times]
     if streamed != usage or any(u != output_len for u in usage):
         raise RuntimeError(f"token counts differ: streamed {streamed[:8]}, usage {usage[:8]}, "
@@ -412,16 +469,22 @@ def server_wave(base: str, model: str, prompts: list[list[int]], output_len: int
     wave = Wave("server", level, repeat, end - start, sum(usage), ttft, itl, cpu,
                 (load0, os.getloadavg()[0]))
     # A completion of one prompt runs in the engine as "<completion id>-0".
-    added, engine_times, started = read_engine_trace(trace_dir)
-    for t0, ts, cid in zip(t0s, times, cids):
+    trace = read_engine_trace(trace_dir)
+    wave.step_s = sorted({t - start for cid in cids for t in trace.tokens.get(f"{cid}-0", [])})
+    for t0, ts, cid, t_end in zip(t0s, times, cids, ends):
         rid = f"{cid}-0"
-        if rid in added:
-            wave.request_path_s.append(added[rid] - t0)
-        if rid in started:
-            wave.http_path_s.append(started[rid] - t0)
-        steps = engine_times.get(rid, [])
+        if rid in trace.added:
+            wave.request_path_s.append(trace.added[rid] - t0)
+        if rid in trace.started:
+            wave.http_path_s.append(trace.started[rid] - t0)
+        steps = trace.tokens.get(rid, [])
         if len(steps) == len(ts):
             wave.token_path_s.extend(c - e for c, e in zip(ts, steps))
+        if steps and ts:
+            wave.end_token_s.append(ts[-1] - steps[-1])
+            wave.end_client_s.append(t_end - steps[-1])
+            if rid in trace.ended:
+                wave.end_api_s.append(trace.ended[rid] - steps[-1])
     return wave
 
 
@@ -501,6 +564,12 @@ def _short(frame: str) -> str:
 METRICS = ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "output_tok_s")
 
 
+def median_phases(phases_list: list[dict]) -> dict:
+    keys = [k for k in (phases_list[0] if phases_list else {})
+            if all(p.get(k) is not None for p in phases_list)]
+    return {k: statistics.median(p[k] for p in phases_list) for k in keys}
+
+
 def summarize(waves: list[Wave], levels: tuple[int, ...]) -> list[dict]:
     rows = []
     for level in levels:
@@ -536,7 +605,14 @@ def summarize(waves: list[Wave], levels: tuple[int, ...]) -> list[dict]:
                 **({"request_path_p50_ms": percentile(req, 50), "request_path_p99_ms": percentile(req, 99),
                     "http_path_p50_ms": percentile(http, 50), "http_path_p99_ms": percentile(http, 99),
                     "token_path_p50_ms": percentile(tok, 50), "token_path_p99_ms": percentile(tok, 99),
-                    "token_path_samples": len(tok)} if side == "server" else {}),
+                    "token_path_samples": len(tok),
+                    # A stream's end: its last step -> its last delta in the API process / the
+                    # client done with the stream (the slowest of a wave sets the wave's end).
+                    **{f"end_{k}_{q}_ms": statistics.median(w.as_dict()[f"end_{k}_ms_{q}"]
+                                                            for w in ws)
+                       for k in ("api", "token", "client") for q in ("p50", "max")}}
+                   if side == "server" else {}),
+                "phases_ms_median": median_phases([w.as_dict()["phases_ms"] for w in ws]),
                 # Cores kept busy by processes outside the benchmark (noise), wave average.
                 "other_cores_busy": round(statistics.median(w.cpu["other"] / w.wall_s
                                                             for w in ws), 2),
@@ -790,6 +866,13 @@ def main(argv: list[str] | None = None) -> int:
         server_wave(base, name, warm, min(8, sizes.output_len), 0, 0, args.client, meter,
                     trace_dir, clients, paced)
         log(f"warmed up ({time.perf_counter() - t_start:.0f} s)")
+        # Before each timed wave, one short untimed request through the same side: the two
+        # processes share one GPU, and the first step after the other process used it ran
+        # 3-20 ms slower (a context switch no server alone on its GPU pays), which at one
+        # stream is 1-4% of a wave and fell on whichever side came second.
+        primers = {"offline": lambda: offline_wave(llm, warm[:1], 2, 0, 0, meter),
+                   "server": lambda: server_wave(base, name, warm[:1], 2, 0, 0, args.client,
+                                                 meter, trace_dir, None, paced)}
 
         waves: list[Wave] = []
         for level, reps in zip(sizes.levels, sizes.repeats):
@@ -803,6 +886,7 @@ def main(argv: list[str] | None = None) -> int:
                 if rep % 2:
                     runs.reverse()  # alternate who goes first
                 for side, run in runs:
+                    primers[side]()
                     w = run()
                     waves.append(w)
                     log(f"  C={level:<3d} rep {rep} {side:7s} {w.wall_s:6.1f} s "

@@ -17,11 +17,19 @@ from deepinfer.serve.metrics import ServerMetrics
 @dataclass
 class Choice:
     index: int
-    text: str = ""
+    # The text as its deltas brought it, joined when read: `text += piece` on an attribute
+    # copies the whole text each token (quadratic in a long answer).
+    pieces: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+
+    @property
+    def text(self) -> str:
+        if len(self.pieces) > 1:
+            self.pieces[:] = ["".join(self.pieces)]
+        return self.pieces[0] if self.pieces else ""
 
 
 @dataclass
@@ -39,7 +47,8 @@ class Generation:
     def apply(self, delta: TokenDelta) -> Choice:
         self._time_tokens(time.monotonic(), len(delta.new_token_ids))
         choice = self.choices[delta.index]
-        choice.text += delta.new_text
+        if delta.new_text:
+            choice.pieces.append(delta.new_text)
         choice.token_ids.extend(delta.new_token_ids)
         choice.logprobs.extend(delta.logprobs)
         if delta.finished:

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import json
 import uuid
 from typing import Any, AsyncIterator
 
@@ -22,6 +21,7 @@ from deepinfer.serve.generation import (Choice, Generation, check_length, route_
                                         stream_generation, usage)
 from deepinfer.serve.limits import RequestLimits
 from deepinfer.serve.protocol import ChatCompletionRequest, CompletionRequest
+from deepinfer.serve.sse import DONE, EventStream, event
 
 RANK_HEADER = "x-deepinfer-rank"  # which engine rank(s) served the request
 API_PROCESS_HEADER = "x-deepinfer-api-process"  # which API process (--api-server-count) did
@@ -91,10 +91,6 @@ async def _check_constraint(state, params: SamplingParams, param: str) -> None:
             await asyncio.to_thread(state.check_constraint, params.structured)
         except ValueError as exc:
             raise APIError(str(exc), param=param) from exc
-
-
-def _sse(obj: dict) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
 async def _until_disconnect(request: Request, work: asyncio.Future) -> Any:
@@ -212,13 +208,11 @@ def _chat_choice(state, c: Choice, forced: str, tool_names: set[str] | None,
 async def _chat_chunks(state, rid: str, gen: Generation, stream: AsyncIterator,
                        forced: str, tool_names: set[str] | None, include_usage: bool,
                        want_logprobs: bool, mode: DsmlMode | None = None) -> AsyncIterator[str]:
-    created = _now()
+    events = EventStream(rid, "chat.completion.chunk", _now(), state.model_name)
 
     def chunk(index: int, delta: dict, reason: str | None = None, logprobs=None) -> str:
-        return _sse({"id": rid, "object": "chat.completion.chunk", "created": created,
-                     "model": state.model_name, "choices": [{
-                         "index": index, "delta": delta, "finish_reason": reason,
-                         "logprobs": logprobs}]})
+        return events.choice({"index": index, "delta": delta, "finish_reason": reason,
+                              "logprobs": logprobs})
 
     for c in gen.choices:
         yield chunk(c.index, {"role": "assistant", "content": ""})
@@ -237,19 +231,22 @@ async def _chat_chunks(state, rid: str, gen: Generation, stream: AsyncIterator,
                 if delta.finished:
                     yield chunk(c.index, {}, finish_reason(parser.num_calls, c.finish_reason))
                 continue
+            # Without tools a delta's text goes out as it is; with them, text that may still
+            # become a tool call is held back, then sent from where the stream stopped.
             holding = tool_names is not None and (forced or may_become_tool_call(c.text))
-            if not holding and len(c.text) > sent[c.index]:
-                yield chunk(c.index, {"content": c.text[sent[c.index]:]}, None, lp)
-                sent[c.index] = len(c.text)
+            content = delta.new_text if tool_names is None else \
+                "" if holding else c.text[sent[c.index]:]
+            if content:
+                yield chunk(c.index, {"content": content}, None, lp) if lp is not None \
+                    else events.content(c.index, content)
+                sent[c.index] += len(content)
             if delta.finished:
                 yield _final_chat_chunk(chunk, c, forced, tool_names, sent[c.index])
     except APIError as exc:
-        yield _sse({"error": {"message": exc.message, "type": exc.err_type, "code": exc.status}})
+        yield event({"error": {"message": exc.message, "type": exc.err_type, "code": exc.status}})
         return
-    if include_usage:
-        yield _sse({"id": rid, "object": "chat.completion.chunk", "created": created,
-                    "model": state.model_name, "choices": [], "usage": usage([gen])})
-    yield "data: [DONE]\n\n"
+    # One write for the usage chunk and [DONE]: a socket send each is most of a chunk's cost.
+    yield (events.usage(usage([gen])) if include_usage else "") + DONE
 
 
 def _final_chat_chunk(chunk, c: Choice, forced: str, tool_names: set[str] | None,
@@ -336,7 +333,7 @@ async def completions(state, body: CompletionRequest, request: Request):
 async def _completion_chunks(state, rid: str, gens: list[Generation], streams: list,
                              echo: list[str], n: int, include_usage: bool,
                              want_logprobs: bool) -> AsyncIterator[str]:
-    created = _now()
+    events = EventStream(rid, "text_completion", _now(), state.model_name)
     echoed: set[tuple[int, int]] = set()
     try:
         async for k, (delta, c) in _merge(streams):
@@ -344,19 +341,15 @@ async def _completion_chunks(state, rid: str, gens: list[Generation], streams: l
             if (k, c.index) not in echoed:
                 echoed.add((k, c.index))
                 text = echo[k] + text
-            yield _sse({"id": rid, "object": "text_completion", "created": created,
-                        "model": state.model_name, "choices": [{
-                            "index": k * n + c.index, "text": text,
-                            "finish_reason": delta.finish_reason if delta.finished else None,
-                            "logprobs": _completion_logprobs(state, delta.logprobs)
-                            if want_logprobs else None}]})
+            reason = delta.finish_reason if delta.finished else None
+            yield events.choice({
+                "index": k * n + c.index, "text": text, "finish_reason": reason,
+                "logprobs": _completion_logprobs(state, delta.logprobs)}) if want_logprobs \
+                else events.text(k * n + c.index, text, reason)
     except APIError as exc:
-        yield _sse({"error": {"message": exc.message, "type": exc.err_type, "code": exc.status}})
+        yield event({"error": {"message": exc.message, "type": exc.err_type, "code": exc.status}})
         return
-    if include_usage:
-        yield _sse({"id": rid, "object": "text_completion", "created": created,
-                    "model": state.model_name, "choices": [], "usage": usage(gens)})
-    yield "data: [DONE]\n\n"
+    yield (events.usage(usage(gens)) if include_usage else "") + DONE
 
 
 def _completion_logprobs(state, items: list[TokenLogprobs]) -> dict:

@@ -378,9 +378,10 @@ def _run_route(outputs: list[list[str]], mode: DsmlMode, reason: str = "stop",
         return [s async for s in _chat_chunks(state, "chatcmpl-1", gen, stream(), "", names,
                                               True, logprobs, mode)]
 
-    sse = asyncio.run(run())
-    assert sse[-1] == "data: [DONE]\n\n"
-    objects = [json.loads(s.removeprefix("data: ")) for s in sse[:-1]]
+    # The events of the byte stream (one write may carry several: usage and [DONE]).
+    sse = "".join(asyncio.run(run())).split("\n\n")
+    assert sse[-2:] == ["data: [DONE]", ""]
+    objects = [json.loads(s.removeprefix("data: ")) for s in sse[:-2]]
     for obj in objects:
         oai.ChatCompletionChunk.model_validate(obj)
     choices = [_chat_choice(state, c, "", names, False, mode) for c in gen.choices]

@@ -1,0 +1,66 @@
+"""The SSE chunks built as text (serve/sse.py) against json.dumps of the same objects, and
+against the official openai client's types."""
+import json
+
+import openai.types as oai
+import openai.types.chat as oai_chat
+import pytest
+
+from deepinfer.serve.sse import DONE, EventStream, event
+
+TEXTS = ["", "plain", 'quote " backslash \\ slash /', "new\nline\ttab\r", "\x00\x01\x1f\x7f",
+         "héllo 世界 🙂", "\u2028\u2029", "\ud83d"]  # the last: a lone surrogate a decoder can yield
+MODELS = ["m", 'we"ird\\name', "модель"]
+
+
+def _decode(chunk: str) -> dict:
+    assert chunk.startswith("data: ") and chunk.endswith("\n\n") and chunk.count("\n\n") == 1
+    return json.loads(chunk[len("data: "):-2])
+
+
+def _expected(rid: str, obj: str, created: int, model: str, choices: list, **extra) -> dict:
+    return {"id": rid, "object": obj, "created": created, "model": model, "choices": choices,
+            **extra}
+
+
+@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("text", TEXTS)
+@pytest.mark.parametrize("reason", [None, "stop", "length"])
+def test_completion_text_chunk(model, text, reason):
+    events = EventStream("cmpl-1", "text_completion", 1700000000, model)
+    got = _decode(events.text(3, text, reason))
+    choice = {"index": 3, "text": text, "finish_reason": reason, "logprobs": None}
+    assert got == _expected("cmpl-1", "text_completion", 1700000000, model, [choice])
+    assert got == _decode(event(got))
+    # pydantic refuses lone surrogates (json and the client's SSE reader do not), and the
+    # client's Completion type a null finish_reason (it builds streamed chunks unvalidated).
+    if "\ud83d" not in text and reason is not None:
+        oai.Completion.model_validate(got)
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_chat_content_chunk(text):
+    events = EventStream("chatcmpl-1", "chat.completion.chunk", 5, "m")
+    got = _decode(events.content(0, text))
+    choice = {"index": 0, "delta": {"content": text}, "finish_reason": None, "logprobs": None}
+    assert got == _expected("chatcmpl-1", "chat.completion.chunk", 5, "m", [choice])
+    if "\ud83d" not in text:
+        oai_chat.ChatCompletionChunk.model_validate(got)
+
+
+def test_any_choice_and_usage_chunk():
+    events = EventStream("chatcmpl-2", "chat.completion.chunk", 7, MODELS[1])
+    choice = {"index": 1, "delta": {"tool_calls": [{"index": 0, "id": "c", "type": "function",
+                                                    "function": {"name": "f",
+                                                                 "arguments": "{\"a\": 1}"}}]},
+              "finish_reason": "tool_calls", "logprobs": None}
+    got = _decode(events.choice(choice))
+    assert got == _expected("chatcmpl-2", "chat.completion.chunk", 7, MODELS[1], [choice])
+    oai_chat.ChatCompletionChunk.model_validate(got)
+    usage = {"prompt_tokens": 4, "completion_tokens": 2, "total_tokens": 6,
+             "prompt_tokens_details": {"cached_tokens": 0}}
+    got = _decode(events.usage(usage))
+    assert got == _expected("chatcmpl-2", "chat.completion.chunk", 7, MODELS[1], [],
+                            usage=usage)
+    oai_chat.ChatCompletionChunk.model_validate(got)
+    assert DONE == "data: [DONE]\n\n"
