@@ -1,8 +1,8 @@
 """The API process's side of the rank processes: start them, stream their results, keep
 them alive.
 
-One receiver task reads every rank's results and routes each delta to the asyncio queue of
-its request, so no request ever waits on model work in the event loop. Each rank's process
+One receiver task reads every rank's results and routes each delta to the inbox of its
+request, so no request ever waits on model work in the event loop. Each rank's process
 sentinel is watched by the event loop: when a rank exits, its in-flight requests fail at once
 (RankDiedError), the router stops sending it work, and it is restarted after a backoff. A
 watchdog reads the ranks' heartbeats (serve/rank_health.py): a silent rank is routed around,
@@ -31,6 +31,7 @@ from deepinfer.core.config import EngineConfig, accelerator_from_env
 from deepinfer.serve.router import Route, Router
 from deepinfer.core.sampling import SamplingParams
 from deepinfer.models.registry import has_experts
+from deepinfer.serve.inbox import Inbox, coalesce
 from deepinfer.serve.rank_entry import RankSpec, run_rank
 from deepinfer.serve.ipc import (AbortRequest, AddRequest, Control, ControlReply, EngineStats,
                                  ExpertStats, Failed, Heartbeat, RankEvent, Ready, StepResult,
@@ -68,7 +69,7 @@ class EngineClient:
         self._events = [self._connect_push(events_addr(self._dir, k))
                         for k in range(1, api_servers)] if client_id == 0 else []
         self._ranks: list[_Rank] = []
-        self._queues: dict[str, asyncio.Queue] = {}
+        self._queues: dict[str, Inbox] = {}
         self._owner: dict[str, int] = {}  # request id -> rank
         self._calls: dict[int, tuple[int, asyncio.Future]] = {}  # call id -> (rank, reply)
         self._call_ids = itertools.count()
@@ -399,7 +400,7 @@ class EngineClient:
         if route is None:
             route = self.route(route_key, len(prompt_token_ids))
         rank = route.rank
-        queue: asyncio.Queue = asyncio.Queue()
+        queue = Inbox()
         finished = 0
         try:
             if not self.router.alive[rank]:
@@ -483,19 +484,6 @@ class EngineClient:
             queue = self._queues.get(error.request_id)
             if queue is not None:
                 queue.put_nowait(EngineRequestError(error.message, error.status))
-
-
-def coalesce(delta: TokenDelta, queue: asyncio.Queue) -> tuple[TokenDelta, object | None]:
-    """`delta` joined with the deltas of the same sample queued right behind it, and the first
-    queued item that is not one of them (None if none). Under load the API falls behind the
-    ranks' steps; a stream then gets the steps it missed as one delta, one SSE write, instead
-    of a write each."""
-    while not delta.finished and not queue.empty():
-        later = queue.get_nowait()
-        if not isinstance(later, TokenDelta) or later.index != delta.index:
-            return delta, later
-        delta = delta.then(later)
-    return delta, None
 
 
 def rank_envs(accelerator: str | None, num_ranks: int,

@@ -1,11 +1,12 @@
 """Deltas of one sample queued behind each other reach the stream as one delta (one SSE write),
-equal to them in order; other samples' deltas and errors are kept for the next read."""
+equal to them in order; other samples' deltas and errors are kept for the next read. The inbox
+they wait in hands items over in order, wakes its reader, and survives a cancelled read."""
 from __future__ import annotations
 
 import asyncio
 
 from deepinfer.core.batch import TokenLogprobs
-from deepinfer.serve.engine_client import coalesce
+from deepinfer.serve.inbox import Inbox, coalesce
 from deepinfer.serve.ipc import TokenDelta
 
 
@@ -14,8 +15,8 @@ def delta(index: int, ids: list[int], text: str, finished: bool = False) -> Toke
                       [TokenLogprobs(t, -0.5, 1) for t in ids], 7, 3 + len(ids))
 
 
-def queue_of(*items) -> asyncio.Queue:
-    queue: asyncio.Queue = asyncio.Queue()
+def queue_of(*items) -> Inbox:
+    queue = Inbox()
     for item in items:
         queue.put_nowait(item)
     return queue
@@ -46,4 +47,28 @@ def test_nothing_joins_past_a_finished_delta_or_an_empty_queue() -> None:
     queue = queue_of(delta(1, [5], "e"))
     assert coalesce(done, queue) == (done, None) and queue.qsize() == 1
     alone = delta(1, [5], "e")
-    assert coalesce(alone, asyncio.Queue()) == (alone, None)
+    assert coalesce(alone, Inbox()) == (alone, None)
+
+
+def test_inbox_wakes_its_reader_in_order_and_survives_a_cancelled_read() -> None:
+    async def run() -> list:
+        inbox = Inbox()
+        reader = asyncio.ensure_future(inbox.get())
+        await asyncio.sleep(0)
+        assert not reader.done()
+        inbox.put_nowait("a")
+        inbox.put_nowait("b")
+        got = [await reader, await inbox.get()]
+        cancelled = asyncio.ensure_future(inbox.get())
+        await asyncio.sleep(0)
+        cancelled.cancel()
+        await asyncio.gather(cancelled, return_exceptions=True)
+        inbox.put_nowait("c")
+        got.append(await asyncio.wait_for(inbox.get(), 1))
+        try:
+            inbox.get_nowait()
+        except asyncio.QueueEmpty:
+            got.append("empty")
+        return got
+
+    assert asyncio.run(run()) == ["a", "b", "c", "empty"]
