@@ -185,6 +185,7 @@ class Wave:
     end_api_s: list[float] = field(default_factory=list)
     end_token_s: list[float] = field(default_factory=list)  # -> the client read that token
     end_client_s: list[float] = field(default_factory=list)
+    joined_tokens: int = 0  # server: tokens that reached the client in another token's chunk
 
     @property
     def output_tok_s(self) -> float:
@@ -201,6 +202,7 @@ class Wave:
                 "http_path_ms": [round(t * 1e3, 3) for t in self.http_path_s],
                 "token_path_ms_p50": percentile([t * 1e3 for t in self.token_path_s], 50),
                 "token_path_ms_p99": percentile([t * 1e3 for t in self.token_path_s], 99),
+                "joined_tokens": self.joined_tokens,
                 "end_api_ms_p50": percentile([t * 1e3 for t in self.end_api_s], 50),
                 "end_api_ms_max": max(self.end_api_s, default=0.0) * 1e3,
                 "end_token_ms_p50": percentile([t * 1e3 for t in self.end_token_s], 50),
@@ -454,20 +456,23 @@ def _print_tail(path: str, lines: int = 40) -> None:
 
 def server_wave(base: str, model: str, prompts: list[list[int]], output_len: int, level: int,
                 repeat: int, client_kind: str, meter: CpuMeter, trace_dir: str,
-                clients: ClientProcesses | None = None, paced: bool = False) -> Wave:
-    """paced: the server runs with --stream-interval > 1, so a chunk may hold several tokens
-    (the counts are checked against usage only; ITL and the token path are per chunk)."""
+                clients: ClientProcesses | None = None) -> Wave:
+    """A chunk may hold several tokens: with --stream-interval > 1, and where the API process
+    fell behind the steps and joined a stream's waiting deltas (coalesce). Token counts are
+    checked against usage; ITL is per chunk; the token path only over streams that got a
+    chunk per token (the engine's token times are matched to chunks one to one)."""
     load0, cpu0 = os.getloadavg()[0], meter.sample()
     start, end, results = _send_wave(base, model, prompts, output_len, client_kind, clients)
     cpu = CpuMeter.delta(cpu0, meter.sample())
     t0s, times, usage, cids, ends = (list(x) for x in zip(*results))
-    streamed = usage if paced else [len(t) for t in times]
-    if streamed != usage or any(u != output_len for u in usage):
-        raise RuntimeError(f"token counts differ: streamed {streamed[:8]}, usage {usage[:8]}, "
+    chunks = [len(t) for t in times]
+    if any(u != output_len or not 0 < c <= u for c, u in zip(chunks, usage)):
+        raise RuntimeError(f"token counts differ: chunks {chunks[:8]}, usage {usage[:8]}, "
                            f"wanted {output_len} each")
     ttft, itl = per_request(t0s, times)
     wave = Wave("server", level, repeat, end - start, sum(usage), ttft, itl, cpu,
                 (load0, os.getloadavg()[0]))
+    wave.joined_tokens = sum(usage) - sum(chunks)
     # A completion of one prompt runs in the engine as "<completion id>-0".
     trace = read_engine_trace(trace_dir)
     wave.step_s = sorted({t - start for cid in cids for t in trace.tokens.get(f"{cid}-0", [])})
@@ -606,6 +611,7 @@ def summarize(waves: list[Wave], levels: tuple[int, ...]) -> list[dict]:
                     "http_path_p50_ms": percentile(http, 50), "http_path_p99_ms": percentile(http, 99),
                     "token_path_p50_ms": percentile(tok, 50), "token_path_p99_ms": percentile(tok, 99),
                     "token_path_samples": len(tok),
+                    "joined_tokens": sum(w.joined_tokens for w in ws),
                     # A stream's end: its last step -> its last delta in the API process / the
                     # client done with the stream (the slowest of a wave sets the wave's end).
                     **{f"end_{k}_{q}_ms": statistics.median(w.as_dict()[f"end_{k}_ms_{q}"]
@@ -862,9 +868,8 @@ def main(argv: list[str] | None = None) -> int:
         # Warm-up, untimed: a few requests through both, so first-call costs are not measured.
         warm = random_prompts(4, sizes.prompt_len, vocab, seed=12345)
         offline_wave(llm, warm, min(8, sizes.output_len), 0, 0, meter)
-        paced = args.stream_interval > 1
         server_wave(base, name, warm, min(8, sizes.output_len), 0, 0, args.client, meter,
-                    trace_dir, clients, paced)
+                    trace_dir, clients)
         log(f"warmed up ({time.perf_counter() - t_start:.0f} s)")
         # Before each timed wave, one short untimed request through the same side: the two
         # processes share one GPU, and the first step after the other process used it ran
@@ -872,7 +877,7 @@ def main(argv: list[str] | None = None) -> int:
         # stream is 1-4% of a wave and fell on whichever side came second.
         primers = {"offline": lambda: offline_wave(llm, warm[:1], 2, 0, 0, meter),
                    "server": lambda: server_wave(base, name, warm[:1], 2, 0, 0, args.client,
-                                                 meter, trace_dir, None, paced)}
+                                                 meter, trace_dir, None)}
 
         waves: list[Wave] = []
         for level, reps in zip(sizes.levels, sizes.repeats):
@@ -882,7 +887,7 @@ def main(argv: list[str] | None = None) -> int:
                                                          rep, meter)),
                         ("server", lambda: server_wave(base, name, prompts, sizes.output_len,
                                                        level, rep, args.client, meter,
-                                                       trace_dir, clients, paced))]
+                                                       trace_dir, clients))]
                 if rep % 2:
                     runs.reverse()  # alternate who goes first
                 for side, run in runs:
@@ -904,7 +909,7 @@ def main(argv: list[str] | None = None) -> int:
             log(f"profiling the API process for ~{est:.0f} s")
             profile = profile_api(proc.pid, est + 2, lambda: server_wave(
                 base, name, prompts, sizes.output_len, level, -1, args.client, meter,
-                trace_dir, clients, paced))
+                trace_dir, clients))
         elapsed = time.perf_counter() - t_start
         env = environment(model_dir, threads, args.client, args.dtype)
         llm.engine.shutdown()

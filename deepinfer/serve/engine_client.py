@@ -21,6 +21,7 @@ import logging
 import socket
 import multiprocessing as mp
 import os
+import pickle
 import tempfile
 from typing import AsyncIterator, Callable, Mapping
 
@@ -44,6 +45,7 @@ from deepinfer.serve.ranks import (EngineRequestError, RankDiedError, RankView, 
 __all__ = ["EngineClient", "EngineRequestError", "RankDiedError", "RankView", "describe_exit"]
 
 START_TIMEOUT_S = 600.0  # a first start may convert a checkpoint
+MAX_DRAIN = 256  # messages read in one go before the streams run (EngineClient._drain)
 RankEnv = Callable[[int, int, Mapping[str, str]], dict[str, str]]  # AcceleratorInfo.rank_env
 log = logging.getLogger("deepinfer.serve")
 
@@ -457,21 +459,36 @@ class EngineClient:
 
     async def _receive(self) -> None:
         while True:
-            message = await self._output.recv_pyobj()
-            if isinstance(message, StepResult):
-                self._dispatch(message)
-            elif isinstance(message, Heartbeat):
-                self._on_heartbeat(message)
-            elif isinstance(message, ExpertStats):
-                self._ranks[message.rank].experts = message
-            elif isinstance(message, ControlReply):
-                _, fut = self._calls.pop(message.call_id, (None, None))
-                if fut is not None and not fut.done():
-                    fut.set_result(message.result)
-            elif isinstance(message, Ready):
-                self._on_ready(message)
-            elif isinstance(message, Failed):  # a restart that failed; its exit restarts it
-                log.error("engine rank %d failed to restart:\n%s", message.rank, message.error)
+            self._on_message(await self._output.recv_pyobj())
+            self._drain()
+
+    def _drain(self) -> None:
+        """Read every message already here before any stream runs. A stream that fell behind
+        the ranks' steps then finds the steps it missed in its inbox and writes them as one
+        (coalesce); read one at a time, each step's deltas would be written before the next
+        was read, and a busy API process would fall further behind every step."""
+        for _ in range(MAX_DRAIN):  # bounded: ranks faster than this loop cannot starve it
+            try:  # a non-blocking recv's future is done at once: no turn of the loop
+                frame = self._output.recv(zmq.NOBLOCK).result()
+            except zmq.Again:
+                return
+            self._on_message(pickle.loads(frame))
+
+    def _on_message(self, message: object) -> None:
+        if isinstance(message, StepResult):
+            self._dispatch(message)
+        elif isinstance(message, Heartbeat):
+            self._on_heartbeat(message)
+        elif isinstance(message, ExpertStats):
+            self._ranks[message.rank].experts = message
+        elif isinstance(message, ControlReply):
+            _, fut = self._calls.pop(message.call_id, (None, None))
+            if fut is not None and not fut.done():
+                fut.set_result(message.result)
+        elif isinstance(message, Ready):
+            self._on_ready(message)
+        elif isinstance(message, Failed):  # a restart that failed; its exit restarts it
+            log.error("engine rank %d failed to restart:\n%s", message.rank, message.error)
 
     def _dispatch(self, result: StepResult) -> None:
         if result.stats is not None:

@@ -72,3 +72,46 @@ def test_inbox_wakes_its_reader_in_order_and_survives_a_cancelled_read() -> None
         return got
 
     assert asyncio.run(run()) == ["a", "b", "c", "empty"]
+
+
+def test_the_receiver_reads_every_waiting_step_before_a_stream_runs() -> None:
+    """Steps the API process has not read yet all reach the inbox in one go, so the stream
+    that fell behind joins them into one write; read one per turn of the loop, the stream
+    would wake after the first and write each step on its own."""
+    import os
+
+    import zmq
+
+    from deepinfer.serve.engine_client import EngineClient, output_addr
+    from deepinfer.serve.ipc import StepResult
+    from deepinfer.serve.rank_health import RankHealthConfig
+
+    async def run() -> tuple[int, TokenDelta]:
+        client = EngineClient(None, 1, health=RankHealthConfig(max_restarts=0))
+        push = zmq.Context.instance().socket(zmq.PUSH)
+        push.connect(output_addr(client._dir, 0))
+        try:
+            inbox = Inbox()
+            client._queues["r"] = inbox
+            for i in range(3):
+                push.send_pyobj(StepResult(0, [delta(0, [i], str(i), finished=i == 2)]))
+            while not client._output.poll(0):  # delivered (ipc is asynchronous)
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.2)
+            receiver = asyncio.ensure_future(client._receive())
+            first = await asyncio.wait_for(inbox.get(), 5)
+            waiting = inbox.qsize()  # what arrived with the first step, before this ran
+            joined, _ = coalesce(first, inbox)
+            receiver.cancel()
+            await asyncio.gather(receiver, return_exceptions=True)
+            return waiting, joined
+        finally:
+            push.close(linger=0)
+            client._ctx.destroy(linger=0)
+            for name in os.listdir(client._dir):
+                os.unlink(os.path.join(client._dir, name))
+            os.rmdir(client._dir)
+
+    waiting, joined = asyncio.run(run())
+    assert waiting == 2
+    assert joined.new_token_ids == [0, 1, 2] and joined.new_text == "012" and joined.finished
