@@ -872,9 +872,9 @@ def main(argv: list[str] | None = None) -> int:
                     trace_dir, clients)
         log(f"warmed up ({time.perf_counter() - t_start:.0f} s)")
         # Before each timed wave, one short untimed request through the same side: the two
-        # processes share one GPU, and the first step after the other process used it ran
-        # 3-20 ms slower (a context switch no server alone on its GPU pays), which at one
-        # stream is 1-4% of a wave and fell on whichever side came second.
+        # processes share one GPU, and the first step after the other process had used it
+        # ran 3-20 ms slower, which at one stream is 1-4% of a wave and fell on whichever
+        # side came second.
         primers = {"offline": lambda: offline_wave(llm, warm[:1], 2, 0, 0, meter),
                    "server": lambda: server_wave(base, name, warm[:1], 2, 0, 0, args.client,
                                                  meter, trace_dir, None)}

@@ -9,7 +9,7 @@ chunk was an eighth of it).
 from __future__ import annotations
 
 import json
-from json.encoder import encode_basestring  # the C string encoder json.dumps uses, unescaped UTF-8
+from json.encoder import encode_basestring  # json.dumps's C string encoder, non-ASCII kept
 
 DONE = "data: [DONE]\n\n"
 _TAIL = "]}\n\n"
