@@ -589,6 +589,7 @@ def summarize(waves: list[Wave], levels: tuple[int, ...]) -> list[dict]:
             http = [t * 1e3 for w in ws for t in w.http_path_s]
             tok = [t * 1e3 for w in ws for t in w.token_path_s]
             cpu = {k: statistics.median(w.cpu[k] for w in ws) for k in ws[0].cpu}
+            dicts = [w.as_dict() for w in ws]
             tokens = sum(w.output_tokens for w in ws)
 
             def per_token(key: str) -> float:
@@ -614,11 +615,11 @@ def summarize(waves: list[Wave], levels: tuple[int, ...]) -> list[dict]:
                     "joined_tokens": sum(w.joined_tokens for w in ws),
                     # A stream's end: its last step -> its last delta in the API process / the
                     # client done with the stream (the slowest of a wave sets the wave's end).
-                    **{f"end_{k}_{q}_ms": statistics.median(w.as_dict()[f"end_{k}_ms_{q}"]
-                                                            for w in ws)
+                    **{f"end_{k}_{q}_ms": statistics.median(d[f"end_{k}_ms_{q}"]
+                                                            for d in dicts)
                        for k in ("api", "token", "client") for q in ("p50", "max")}}
                    if side == "server" else {}),
-                "phases_ms_median": median_phases([w.as_dict()["phases_ms"] for w in ws]),
+                "phases_ms_median": median_phases([d["phases_ms"] for d in dicts]),
                 # Cores kept busy by processes outside the benchmark (noise), wave average.
                 "other_cores_busy": round(statistics.median(w.cpu["other"] / w.wall_s
                                                             for w in ws), 2),

@@ -231,14 +231,14 @@ async def _chat_chunks(state, rid: str, gen: Generation, stream: AsyncIterator,
                 if delta.finished:
                     yield chunk(c.index, {}, finish_reason(parser.num_calls, c.finish_reason))
                 continue
-            # Without tools a delta's text goes out as it is; with them, text that may still
-            # become a tool call is held back, then sent from where the stream stopped.
-            holding = tool_names is not None and (forced or may_become_tool_call(c.text))
-            content = delta.new_text if tool_names is None else \
-                "" if holding else c.text[sent[c.index]:]
+            if tool_names is None:
+                content = delta.new_text
+            elif forced or may_become_tool_call(c.text):
+                content = ""  # held back: it may still become a tool call
+            else:
+                content = c.text[sent[c.index]:]  # all that was held back, and this delta
             if content:
-                yield chunk(c.index, {"content": content}, None, lp) if lp is not None \
-                    else events.content(c.index, content)
+                yield events.content(c.index, content, lp)
                 sent[c.index] += len(content)
             if delta.finished:
                 yield _final_chat_chunk(chunk, c, forced, tool_names, sent[c.index])
@@ -341,11 +341,10 @@ async def _completion_chunks(state, rid: str, gens: list[Generation], streams: l
             if (k, c.index) not in echoed:
                 echoed.add((k, c.index))
                 text = echo[k] + text
-            reason = delta.finish_reason if delta.finished else None
-            yield events.choice({
-                "index": k * n + c.index, "text": text, "finish_reason": reason,
-                "logprobs": _completion_logprobs(state, delta.logprobs)}) if want_logprobs \
-                else events.text(k * n + c.index, text, reason)
+            yield events.text(k * n + c.index, text,
+                              delta.finish_reason if delta.finished else None,
+                              _completion_logprobs(state, delta.logprobs) if want_logprobs
+                              else None)
     except APIError as exc:
         yield event({"error": {"message": exc.message, "type": exc.err_type, "code": exc.status}})
         return

@@ -2,7 +2,8 @@
 
 Every chunk of a stream repeats the same id, object, created and model around its one choice,
 so that part is encoded once per stream; per token only the choice is, and a plain text or
-content delta (the common case: no logprobs, no tool calls) is formatted without json.dumps.
+content delta is formatted around the C string encoder (json.dumps only for logprobs and
+tool calls).
 Under hundreds of streams this is the API process's work per token (json.dumps of the whole
 chunk was an eighth of it).
 """
@@ -20,6 +21,10 @@ def event(obj: dict) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
+def _json(value: dict | None) -> str:
+    return "null" if value is None else json.dumps(value, ensure_ascii=False)
+
+
 def _reason(finish_reason: str | None) -> str:
     return "null" if finish_reason is None else encode_basestring(finish_reason)
 
@@ -35,15 +40,17 @@ class EventStream:
     def choice(self, choice: dict) -> str:
         return self._head + json.dumps(choice, ensure_ascii=False) + _TAIL
 
-    def text(self, index: int, text: str, finish_reason: str | None = None) -> str:
-        """A completions choice without logprobs."""
+    def text(self, index: int, text: str, finish_reason: str | None = None,
+             logprobs: dict | None = None) -> str:
+        """A completions choice."""
         return (f'{self._head}{{"index":{index},"text":{encode_basestring(text)},'
-                f'"finish_reason":{_reason(finish_reason)},"logprobs":null}}{_TAIL}')
+                f'"finish_reason":{_reason(finish_reason)},"logprobs":{_json(logprobs)}}}{_TAIL}')
 
-    def content(self, index: int, content: str) -> str:
+    def content(self, index: int, content: str, logprobs: dict | None = None) -> str:
         """A chat choice whose delta is content only, not the last."""
         return (f'{self._head}{{"index":{index},"delta":{{"content":'
-                f'{encode_basestring(content)}}},"finish_reason":null,"logprobs":null}}{_TAIL}')
+                f'{encode_basestring(content)}}},"finish_reason":null,'
+                f'"logprobs":{_json(logprobs)}}}{_TAIL}')
 
     def usage(self, usage: dict) -> str:
         """The usage chunk (stream_options.include_usage): no choices."""

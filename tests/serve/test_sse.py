@@ -61,3 +61,20 @@ def test_any_choice_and_usage_chunk():
                             usage=usage)
     oai_chat.ChatCompletionChunk.model_validate(got)
     assert DONE == "data: [DONE]\n\n"
+
+
+def test_logprobs_ride_in_the_text_and_content_chunks():
+    events = EventStream("cmpl-3", "text_completion", 9, "m")
+    logprobs = {"tokens": ["é"], "token_logprobs": [-0.25], "top_logprobs": [{"é": -0.25}],
+                "text_offset": [0]}
+    choice = {"index": 0, "text": "é", "finish_reason": "length", "logprobs": logprobs}
+    got = _decode(events.text(0, "é", "length", logprobs))
+    assert got == _expected("cmpl-3", "text_completion", 9, "m", [choice])
+    oai.Completion.model_validate(got)
+    chat = EventStream("chatcmpl-3", "chat.completion.chunk", 9, "m")
+    content_lp = {"content": [{"token": "é", "logprob": -0.25, "bytes": [195, 169],
+                               "top_logprobs": []}]}
+    got = _decode(chat.content(2, "é", content_lp))
+    assert got["choices"] == [{"index": 2, "delta": {"content": "é"}, "finish_reason": None,
+                               "logprobs": content_lp}]
+    oai_chat.ChatCompletionChunk.model_validate(got)
