@@ -51,6 +51,10 @@ class ModelSpec:
                 "scales) where the backend runs them, dequantize the rest; none: dequantize "
                 "all; fp8: also quantize float linear weights to FP8 at load (nvidia)",
         "choices": QUANTIZATION_MODES})
+    trust_remote_code: bool = field(default=False, metadata={
+        "help": "run Python that the model folder ships (its encoding.py chat encoder, a "
+                "tokenizer class its auto_map names); off, a checkpoint's code is never "
+                "imported"})
 
     def __post_init__(self) -> None:
         if self.load_format not in LOAD_FORMATS:

@@ -56,7 +56,7 @@ class Engine:
         self.config = config
         self.accelerator = accelerator or _select_accelerator(config)
         self.tokenizer = tokenizer if tokenizer is not None or not load_tokenizer \
-            else load_hf_tokenizer(config.model.path)
+            else load_hf_tokenizer(config.model.path, config.model.trust_remote_code)
         self.accelerator.init_device(parallel)
         self.accelerator.configure(config)
         _check_speculative(config, self.accelerator)
@@ -404,10 +404,10 @@ def _check_speculative(config: EngineConfig, accelerator: Accelerator) -> None:
                          f"yet; set num_speculative_tokens to 0")
 
 
-def load_hf_tokenizer(path: str) -> Any:
+def load_hf_tokenizer(path: str, trust_remote_code: bool = False) -> Any:
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(path)
+    return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
 
 
 def _select_accelerator(config: EngineConfig) -> Accelerator:

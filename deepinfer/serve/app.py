@@ -38,10 +38,11 @@ class ServerState:
     sampling_defaults: dict[str, Any] | None = None  # the checkpoint's generation config
     metrics_public: bool = False  # with an API key: /metrics still open
     chat_format: ChatFormat | None = None  # None: found from model_dir once, here
+    trust_remote_code: bool = False  # the model folder's own Python may run (encoding.py)
 
     def __post_init__(self) -> None:
         if self.chat_format is None:
-            self.chat_format = ChatFormat.of(self.model_dir)
+            self.chat_format = ChatFormat.of(self.model_dir, self.trust_remote_code)
 
     def check_constraint(self, spec: Any) -> None:
         """Compile (and cache) a constraint here, so a bad one is a 400 before streaming."""
@@ -105,7 +106,7 @@ def create_app(state: ServerState) -> FastAPI:
     async def _models() -> dict:
         return {"object": "list", "data": [{
             "id": state.model_name, "object": "model", "created": state.created,
-            "owned_by": "deepinfer", "root": state.model_dir,
+            "owned_by": "deepinfer", "root": state.model_name,
             "max_model_len": state.max_model_len}]}
 
     @app.get("/health")
@@ -151,11 +152,15 @@ METRICS_PATHS = frozenset({"/metrics", "/deepinfer/metrics"})
 
 def health_body(ranks: list[RankView], detailed: bool = True) -> dict[str, Any]:
     """/health's JSON: "ok" when every rank serves, "degraded" when some do not (dead,
-    restarting or not answering: the live ones take their sessions), "unavailable" (HTTP 503)
-    when none serves. `detailed` adds process ids and exit codes."""
+    restarting or not answering: the live ones take their sessions), "failed" when some rank
+    is given up on (it died --max-rank-restarts times in a row: it needs an operator) while
+    others serve, "unavailable" (HTTP 503) when none serves. `detailed` adds process ids and
+    exit codes."""
     live = [r.rank for r in ranks if r.alive]
     dead = [r.rank for r in ranks if not r.alive]
-    status = "ok" if not dead else "degraded" if live else "unavailable"
+    failed = [r.rank for r in ranks if r.state == "failed"]
+    status = "ok" if not dead else "unavailable" if not live else \
+        "failed" if failed else "degraded"
     rows = []
     for r in ranks:
         row = {"rank": r.rank, "alive": r.alive, "state": r.state, "restarts": r.restarts,
@@ -164,7 +169,7 @@ def health_body(ranks: list[RankView], detailed: bool = True) -> dict[str, Any]:
         if detailed:
             row.update(pid=r.pid, exitcode=r.exitcode)
         rows.append(row)
-    return {"status": status, "live": live, "dead": dead, "ranks": rows}
+    return {"status": status, "live": live, "dead": dead, "failed": failed, "ranks": rows}
 
 
 def check_model(state: ServerState, model: str | None) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import os
 import re
 import uuid
@@ -22,6 +23,7 @@ from deepinfer.core.sampling import StructuredOutput
 from deepinfer.serve import deepseek_encoding
 
 TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
+log = logging.getLogger("deepinfer.serve")
 _CALL_RE = re.compile(re.escape(TOOL_OPEN) + r"\s*(.*?)\s*(?:" + re.escape(TOOL_CLOSE) + r"|$)",
                       re.DOTALL)
 
@@ -35,15 +37,33 @@ class RenderedChat:
 @dataclass(frozen=True)
 class ChatFormat:
     """How a checkpoint's chats are rendered and read back, found once when the server starts
-    (not per request): its own encoding.py (ours for DeepSeek-V4), else the tokenizer's Jinja
-    template (encoder None); dsml: its tool calls come back in DeepSeek's DSML."""
+    (not per request): its own encoding.py when the user trusts the folder's code (ours for
+    DeepSeek-V4), else the tokenizer's Jinja template (encoder None); dsml: its tool calls come
+    back in DeepSeek's DSML."""
 
     encoder: Any = None
     dsml: bool = False
+    source: str = "the tokenizer's chat template"  # what renders, for the start-up log
 
     @classmethod
-    def of(cls, model_dir: str) -> "ChatFormat":
-        return cls(_encoding_module(model_dir), deepseek_encoding.uses_dsml(model_dir))
+    def of(cls, model_dir: str, trust_remote_code: bool = False) -> "ChatFormat":
+        dsml = deepseek_encoding.uses_dsml(model_dir)
+        path = os.path.join(model_dir, "encoding.py")
+        if os.path.exists(path) and trust_remote_code:
+            return cls(_load_encoding(path), dsml, f"{path} (--trust-remote-code)")
+        if dsml:
+            # DeepSeek-V4 checkpoints ship their encoder and no usable Jinja template: ours
+            # renders the same prompts without running the folder's code.
+            return cls(deepseek_encoding, dsml, "DeepInfer's DeepSeek-V4 encoding")
+        return cls(None, dsml)
+
+    def describe(self, model_dir: str) -> str:
+        """The start-up log line: which renderer, and why a shipped encoder is not it."""
+        skipped = os.path.exists(os.path.join(model_dir, "encoding.py")) and \
+            not self.source.endswith("(--trust-remote-code)")
+        return f"chat format: {self.source}" + (
+            "; the model folder's encoding.py is not run (pass --trust-remote-code to use it)"
+            if skipped else "")
 
 
 def render_chat(tokenizer: Any, chat: ChatFormat, messages: list[dict], tools: list[dict] | None,
@@ -130,12 +150,7 @@ def _call_schema(function: dict) -> dict:
             "required": ["name", "arguments"], "additionalProperties": False}
 
 
-def _encoding_module(model_dir: str) -> Any:
-    path = os.path.join(model_dir, "encoding.py")
-    if not os.path.exists(path):
-        # DeepSeek-V4 checkpoints ship their encoder under another name and no usable Jinja
-        # template: ours renders the same prompts.
-        return deepseek_encoding if deepseek_encoding.uses_dsml(model_dir) else None
+def _load_encoding(path: str) -> Any:
     spec = importlib.util.spec_from_file_location("deepinfer_checkpoint_encoding", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

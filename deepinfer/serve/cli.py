@@ -77,7 +77,10 @@ def _server_args(p: Flags) -> None:
     p.add_argument("--port", type=int, default=8000, help="port to listen on")
     p.add_argument("--api-key", default=os.environ.get("DEEPINFER_API_KEY"),
                    help="require `Authorization: Bearer KEY` on every endpoint but /health "
-                        "(also DEEPINFER_API_KEY)")
+                        "(also DEEPINFER_API_KEY, or --api-key-file: a key given here is "
+                        "visible to every user of the machine in ps)")
+    p.add_argument("--api-key-file", default=None,
+                   help="read the API key from the first line of this file")
     p.add_argument("--metrics-public", action="store_true",
                    help="with --api-key: serve /metrics without the key")
     p.add_argument("--list-accelerators", action="store_true",
@@ -263,7 +266,10 @@ async def serve_http(args: argparse.Namespace, model_dir: str, client, ready: li
                         metrics, args.api_key, int(time.time()),
                         prompt_tokenizer=prompt_tokenizer, limits=request_limits(args),
                         sampling_defaults=sampling_defaults(args, model_dir),
-                        metrics_public=args.metrics_public)
+                        metrics_public=args.metrics_public,
+                        trust_remote_code=args.trust_remote_code)
+    if observes_engine:  # once per server, not once per API process
+        log.info(state.chat_format.describe(model_dir))
     config = uvicorn.Config(create_app(state), host=args.host, port=args.port,
                             log_level=args.log_level, timeout_graceful_shutdown=5,
                             timeout_keep_alive=args.timeout_keep_alive)
@@ -306,7 +312,8 @@ def load_tokenizers(args: argparse.Namespace, model_dir: str) -> tuple[Any, Any]
     """The checkpoint's HF tokenizer and the prompt tokenizer chosen against it."""
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir,
+                                              trust_remote_code=args.trust_remote_code)
     return tokenizer, build_prompt_tokenizer(args, tokenizer)
 
 
@@ -344,7 +351,7 @@ def build_prompt_tokenizer(args: argparse.Namespace, tokenizer):
 
 def main(argv: Sequence[str] | None = None) -> int:
     from deepinfer.core.plugins import load_plugins
-    from deepinfer.serve.preflight import (PreflightError, bind_listener, check_args,
+    from deepinfer.serve.preflight import (PreflightError, api_key, bind_listener, check_args,
                                            raise_open_file_limit)
 
     registry = load_plugins()
@@ -364,6 +371,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         log.warning("at most %d open files (ulimit -n): fewer concurrent streams", files)
     try:
         check_args(args)
+        args.api_key = api_key(args, argv if argv is not None else sys.argv[1:])
         listener = bind_listener(args.host, args.port)
     except PreflightError as exc:
         print(f"deepinfer-serve: error: {exc}", file=sys.stderr)
@@ -374,8 +382,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"deepinfer-serve: error: {exc}", file=sys.stderr)
         listener.close()
         return 2
-    with _metrics_files(args.api_server_count):
-        run_event_loop(serve(args, model_dir, listener))
+    from deepinfer.serve.ranks import RankStartError
+
+    try:
+        with _metrics_files(args.api_server_count):
+            run_event_loop(serve(args, model_dir, listener))
+    except RankStartError as exc:
+        log.debug("the rank's traceback:\n%s", exc.details)
+        print(f"deepinfer-serve: error: {exc} (--log-level debug shows the rank's traceback)",
+              file=sys.stderr)
+        return 1
     return 0
 
 

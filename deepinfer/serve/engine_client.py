@@ -39,10 +39,11 @@ from deepinfer.serve.ipc import (AbortRequest, AddRequest, Control, ControlReply
                                  TokenDelta)
 from deepinfer.serve.rank_health import RankHealthConfig, RankState, Verdict, judge
 from deepinfer.serve.stream_pacing import DEFAULT_STREAM_INTERVAL
-from deepinfer.serve.ranks import (EngineRequestError, RankDiedError, RankView, _Rank,
-                                   describe_exit)
+from deepinfer.serve.ranks import (EngineRequestError, RankDiedError, RankStartError, RankView,
+                                   _Rank, describe_exit)
 
-__all__ = ["EngineClient", "EngineRequestError", "RankDiedError", "RankView", "describe_exit"]
+__all__ = ["EngineClient", "EngineRequestError", "RankDiedError", "RankStartError", "RankView",
+           "describe_exit"]
 
 START_TIMEOUT_S = 600.0  # a first start may convert a checkpoint
 MAX_DRAIN = 256  # messages read in one go before the streams run (EngineClient._drain)
@@ -183,7 +184,7 @@ class EngineClient:
                 continue
             message = await self._output.recv_pyobj()
             if isinstance(message, Failed):
-                raise RuntimeError(f"rank {message.rank} failed to start:\n{message.error}")
+                raise RankStartError(message.rank, message.error)
             if isinstance(message, Ready):
                 self._ranks[message.rank].ready = message
                 self._ranks[message.rank].stats = message.stats
@@ -224,7 +225,7 @@ class EngineClient:
         """Fail everything the rank owed us at once, route around it, and restart it (in an
         expert-parallel group: take the group down, and restart it with the group)."""
         r = self._ranks[rank]
-        if self._closing or r.state is RankState.DEAD:
+        if self._closing or r.state.gone:
             return
         was_starting = r.state is RankState.STARTING
         r.state = RankState.DEAD
@@ -260,14 +261,14 @@ class EngineClient:
         like any death) and the group restarts as one once the last rank is gone."""
         self._group_failed_start |= failed_start
         for peer, p in enumerate(self._ranks):
-            if p.state is RankState.DEAD:
+            if p.state.gone:
                 continue
             self.router.mark_dead(peer)  # no new request for it, /health 503 at once
             if not p.kill_reason:  # (a rank the watchdog killed keeps its own reason)
                 p.kill_reason = (f"was stopped: its expert-parallel group lost rank {rank}, "
                                  f"which {what}")
             p.process.kill()
-        if all(p.state is RankState.DEAD for p in self._ranks):
+        if all(p.state.gone for p in self._ranks):
             failed, self._group_failed_start = self._group_failed_start, False
             self._schedule_restart(list(range(self.num_ranks)), failed_start=failed)
 
@@ -284,6 +285,9 @@ class EngineClient:
         if streak >= self.health.max_restarts:
             log.error("%s is not restarted: it died %d time(s) in a row after restarts "
                       "(--max-rank-restarts)", who, streak + 1)
+            for rank in ranks:  # /health and deepinfer:rank_failed say so from now on
+                self._ranks[rank].state = RankState.FAILED
+                self._publish(rank)
             return
         delay = self.health.backoff_s(streak)
         log.warning("restarting %s in %.1f s (restart %d in a row, at most %d)%s", who, delay,
@@ -365,7 +369,7 @@ class EngineClient:
     def _check_alive(self) -> None:
         # The sentinel callback may not have run yet when a request arrives.
         for rank, r in enumerate(self._ranks):
-            if r.state is not RankState.DEAD and not r.process.is_alive():
+            if not r.state.gone and not r.process.is_alive():
                 self._rank_died(rank)
 
     async def _send(self, rank: int, message: object, missing_ok: bool = False) -> None:
@@ -423,7 +427,7 @@ class EngineClient:
             self._queues.pop(request_id, None)
             self._owner.pop(request_id, None)
             route.release()
-            if finished < params.n and self._ranks[rank].state is not RankState.DEAD:
+            if finished < params.n and not self._ranks[rank].state.gone:
                 await self._send(rank, AbortRequest(request_id), missing_ok=True)
 
     async def control(self, command: str) -> list[object]:

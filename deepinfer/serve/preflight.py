@@ -3,6 +3,7 @@ conversion, rank processes): each failure is one line for the user, never a trac
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import resource
 import socket
@@ -39,8 +40,32 @@ def check_args(args: argparse.Namespace) -> None:
         raise PreflightError(str(exc)) from exc
     check_model_path(args.model)
     check_experts(args)
-    check_accelerator(args.accelerator)
+    check_host_cache(args)
+    check_accelerator(args.accelerator, args.model if args.model and os.path.isdir(args.model)
+                      else None, args.load_format != "dummy")
     check_rank_env(args)
+
+
+def api_key(args: argparse.Namespace, argv: list[str]) -> str | None:
+    """The key the API requires: --api-key-file's first line, else --api-key (which defaults
+    to DEEPINFER_API_KEY). A key typed on the command line is readable by anyone who can list
+    processes, so that gets a warning naming the ways that are not."""
+    if args.api_key_file is None:
+        if any(a == "--api-key" or a.startswith("--api-key=") for a in argv):
+            logging.getLogger("deepinfer.serve").warning(
+                "--api-key on the command line is visible to other users of this machine "
+                "(ps); prefer DEEPINFER_API_KEY or --api-key-file")
+        return args.api_key or None
+    if any(a == "--api-key" or a.startswith("--api-key=") for a in argv):
+        raise PreflightError("give --api-key or --api-key-file, not both")
+    try:
+        with open(args.api_key_file) as f:
+            key = f.readline().strip()
+    except OSError as exc:
+        raise PreflightError(f"--api-key-file {args.api_key_file}: {exc.strerror}") from exc
+    if not key:
+        raise PreflightError(f"--api-key-file {args.api_key_file}: the first line is empty")
+    return key
 
 
 def check_rank_env(args: argparse.Namespace) -> None:
@@ -86,29 +111,67 @@ def check_model_path(model: str | None) -> None:
                                  "checkpoint folder or a .gguf file is needed)")
     elif not model.endswith(".gguf"):
         raise PreflightError(f"--model {model}: a file must be a .gguf checkpoint")
+    else:
+        from deepinfer.models.checkpoint_check import CheckpointError, check_gguf
+
+        try:
+            check_gguf(model)
+        except CheckpointError as exc:
+            raise PreflightError(f"--model {exc}") from exc
 
 
-def check_accelerator(name: str | None) -> None:
-    """The backend the ranks will select, selected here first, in a short-lived process: the
-    backends import torch to probe their devices, and the API process serves without it."""
-    probe = subprocess.run([sys.executable, "-m", "deepinfer.serve.preflight", name or ""],
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+def check_host_cache(args: argparse.Namespace) -> None:
+    """HiCache pins its whole pool at start-up in every rank of this host: more than the
+    machine has free would fail (or swap) only once the ranks allocate it."""
+    wanted = args.hicache_size_gb * args.dp
+    available = available_memory_gb()
+    if wanted > available:
+        raise PreflightError(f"--hicache-size-gb {args.hicache_size_gb:g} x {args.dp} rank(s) "
+                             f"needs {wanted:g} GiB of host memory; {available:.1f} GiB is "
+                             "available")
+
+
+def available_memory_gb() -> float:
+    """Host memory free for new allocations (MemAvailable: free plus reclaimable cache)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) / (1 << 20)
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / (1 << 30)
+
+
+def check_accelerator(name: str | None, model_dir: str | None = None,
+                      read_weights: bool = True) -> None:
+    """The backend the ranks will select, selected here first, and the model folder checked
+    (config.json builds its family's model, the weight files' headers are whole), in a
+    short-lived process: both import torch, and the API process serves without it."""
+    command = [sys.executable, "-m", "deepinfer.serve.preflight", name or ""]
+    if model_dir is not None:
+        command += [model_dir, "weights" if read_weights else "config"]
+    probe = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     if probe.returncode == 0:
         return
     said, crashed = probe.stdout.strip().splitlines(), probe.stderr.strip().splitlines()
-    # The selection's own error line, else the last line of a traceback (the exception).
+    # The check's own error line, else the last line of a traceback (the exception).
     raise PreflightError(said[0] if said else crashed[-1] if crashed else
                          f"the accelerator probe exited with {probe.returncode}")
 
 
-def _probe(name: str) -> int:
-    """check_accelerator's process: the first line of the selection's error, exit status 1."""
+def _probe(name: str, model_dir: str | None, read_weights: bool) -> int:
+    """check_accelerator's process: the first line of an error, exit status 1."""
     from deepinfer.core.plugins import AcceleratorError, load_plugins, select_accelerator
+    from deepinfer.models.checkpoint_check import CheckpointError, check_hf_folder
 
     try:
         select_accelerator(load_plugins(), name or None)
+        if model_dir is not None:
+            check_hf_folder(model_dir, read_weights)
     except (ValueError, AcceleratorError) as exc:
-        print(str(exc).splitlines()[0])
+        print(("--model " if isinstance(exc, CheckpointError) else "")
+              + str(exc).splitlines()[0])
         return 1
     return 0
 
@@ -148,4 +211,6 @@ def bind_listener(host: str, port: int) -> socket.socket:
 
 
 if __name__ == "__main__":
-    sys.exit(_probe(sys.argv[1] if len(sys.argv) > 1 else ""))
+    sys.exit(_probe(sys.argv[1] if len(sys.argv) > 1 else "",
+                    sys.argv[2] if len(sys.argv) > 2 else None,
+                    len(sys.argv) <= 3 or sys.argv[3] == "weights"))

@@ -18,7 +18,13 @@ class RankState(str, enum.Enum):
     STARTING = "starting"  # spawned (first start or restart), not ready yet
     SERVING = "serving"
     UNHEALTHY = "unhealthy"  # heartbeats late: routed around, requests kept
-    DEAD = "dead"  # exited; restarting after a backoff, or given up on
+    DEAD = "dead"  # exited; restarting after a backoff
+    FAILED = "failed"  # exited too often in a row (--max-rank-restarts): not restarted
+
+    @property
+    def gone(self) -> bool:
+        """The process has exited (restarting or not)."""
+        return self in (RankState.DEAD, RankState.FAILED)
 
 
 @dataclass(frozen=True)

@@ -92,6 +92,9 @@ class RankCollector(Collector):
     def _api_side(self, views: list[RankView]) -> Iterator[Metric]:
         up = self._family(GaugeMetricFamily, "rank_up", "1 while the rank process serves, "
                           "0 once it has died")
+        failed = self._family(GaugeMetricFamily, "rank_failed", "1 once the rank is given "
+                              "up on (it died --max-rank-restarts times in a row; not "
+                              "restarted)")
         in_flight = self._family(GaugeMetricFamily, "rank_in_flight_requests",
                                  "Requests the API process has on the rank")
         load = self._family(GaugeMetricFamily, "rank_load_tokens", "Prompt tokens of the "
@@ -101,10 +104,11 @@ class RankCollector(Collector):
         for v in views:
             labels = [self.model_name, str(v.rank)]
             up.add_metric(labels, 1.0 if v.alive else 0.0)
+            failed.add_metric(labels, 1.0 if v.state == "failed" else 0.0)
             in_flight.add_metric(labels, v.in_flight)
             load.add_metric(labels, v.load_tokens)
             lost.add_metric(labels, v.lost_requests)
-        yield from (up, in_flight, load, lost)
+        yield from (up, failed, in_flight, load, lost)
 
     def _decisions(self) -> Metric:
         family = self._family(CounterMetricFamily, "router_decisions", "Routing decisions by "

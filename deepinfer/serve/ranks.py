@@ -20,6 +20,17 @@ class EngineRequestError(ValueError):
         self.status = status
 
 
+class RankStartError(RuntimeError):
+    """A rank could not start the engine (its model, KV pool or device); the message is the
+    failure's last line, `details` the rank's whole traceback."""
+
+    def __init__(self, rank: int, details: str) -> None:
+        lines = [line for line in details.strip().splitlines() if line.strip()]
+        super().__init__(f"engine rank {rank} failed to start: "
+                         f"{lines[-1].strip() if lines else 'no reason given'}")
+        self.details = details
+
+
 class RankDiedError(RuntimeError):
     """The rank serving a request exited (or was killed for not responding) before the
     request finished."""

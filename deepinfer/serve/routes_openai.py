@@ -67,6 +67,9 @@ def _route_all(state, keys: list[str], prompts: list[list[int]]) -> list[Route]:
 def _params(state, body: ChatCompletionRequest | CompletionRequest,
             num_prompts: int = 1) -> SamplingParams:
     _check_limits(state.limits, body, num_prompts)
+    vocab = len(state.tokenizer)
+    if any(t >= vocab for t in body.stop_token_ids or ()):
+        raise APIError(f"stop_token_ids must be in [0, {vocab})", param="stop_token_ids")
     try:
         return body.to_sampling_params(state.sampling_defaults)
     except ValueError as exc:

@@ -307,6 +307,20 @@ def make_tiny_chat_checkpoint(path: str, context: int = TINY_CONTEXT) -> str:
     return path
 
 
+UNTRUSTED_MARKER = "encoding-py-ran"
+
+
+def plant_untrusted_encoder(path: str) -> str:
+    """An encoding.py in the folder that leaves UNTRUSTED_MARKER beside it if it is ever
+    imported: the servers started without --trust-remote-code must never run it."""
+    marker = os.path.join(path, UNTRUSTED_MARKER)
+    with open(os.path.join(path, "encoding.py"), "w") as f:
+        f.write(f"open({marker!r}, 'w').write('ran')\n"
+                "def encode_messages(messages, tools=None, **kw):\n"
+                "    return 'PLANTED'\n")
+    return path
+
+
 # ---- fixtures --------------------------------------------------------------------------------
 class ServerPool:
     def __init__(self, log_dir: str, tmp_path_factory) -> None:
@@ -348,8 +362,8 @@ class ServerPool:
 
     def _tiny_checkpoint(self) -> str:
         if self._tiny_ckpt is None:
-            self._tiny_ckpt = make_tiny_chat_checkpoint(
-                str(self.tmp_path_factory.mktemp("tiny-chat")))
+            self._tiny_ckpt = plant_untrusted_encoder(make_tiny_chat_checkpoint(
+                str(self.tmp_path_factory.mktemp("tiny-chat"))))
         return self._tiny_ckpt
 
     def get(self, name: str) -> ServerProcess:

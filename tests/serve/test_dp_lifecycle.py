@@ -267,11 +267,13 @@ def test_killing_a_rank_ends_its_requests_at_once(ll):
         assert raw.headers["x-deepinfer-rank"] == "0"
     health = ll.health()
     body = health.json()
-    assert health.status_code == 200 and body["status"] == "degraded"
-    assert body["live"] == [0] and body["dead"] == [1]
+    # --max-rank-restarts 0: the rank is given up on at once, and /health's top status says so.
+    assert health.status_code == 200 and body["status"] == "failed"
+    assert body["live"] == [0] and body["dead"] == [1] and body["failed"] == [1]
     assert body["ranks"][1]["exitcode"] == -signal.SIGKILL
     assert body["ranks"][1]["lost_requests"] == 4
     assert per_rank(ll.url, "deepinfer:rank_up") == {0: 1.0, 1: 0.0}
+    assert per_rank(ll.url, "deepinfer:rank_failed") == {0: 0.0, 1: 1.0}
     assert per_rank(ll.url, "deepinfer:rank_lost_requests_total") == {0: 0.0, 1: 4.0}
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import time
 import uuid
@@ -16,6 +17,7 @@ import uuid
 import httpx
 import pytest
 
+from conftest import UNTRUSTED_MARKER
 from deepinfer.serve.chat import TOOL_OPEN, may_become_tool_call, parse_tool_calls
 
 MODEL = "tiny-chat"
@@ -64,11 +66,23 @@ def tokenize(http, **body) -> list[int]:
 
 
 # ---- models, chat ----------------------------------------------------------------------------
-def test_models_lists_served_name(client, http):
+def test_models_lists_served_name(client, http, tiny_server):
     models = client.models.list()
     assert [m.id for m in models.data] == [MODEL]
     raw = http.get("/v1/models").json()
     assert raw["object"] == "list" and raw["data"][0]["max_model_len"] == TINY_CONTEXT
+    model_dir = tiny_server.args[tiny_server.args.index("--model") + 1]
+    assert model_dir not in http.get("/v1/models").text  # no local path leaves the server
+
+
+def test_model_folder_code_never_runs_untrusted(client, tiny_server):
+    """The tiny checkpoint ships an encoding.py (conftest.plant_untrusted_encoder): without
+    --trust-remote-code the chat is the tokenizer's template and the file is never imported."""
+    model_dir = tiny_server.args[tiny_server.args.index("--model") + 1]
+    assert chat(client, max_tokens=2).choices[0].message.content is not None
+    assert not os.path.exists(os.path.join(model_dir, UNTRUSTED_MARKER))
+    with open(tiny_server.log_path) as f:
+        assert "encoding.py is not run (pass --trust-remote-code" in f.read()
 
 
 def test_chat_non_stream(client, http):

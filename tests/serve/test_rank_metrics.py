@@ -85,6 +85,8 @@ def test_health_body_names_dead_ranks():
     # Without the API key, /health names no process.
     anonymous = health_body([_view(0, BASE)], detailed=False)["ranks"][0]
     assert "pid" not in anonymous and "exitcode" not in anonymous
+    given_up = health_body([_view(0, BASE), _view(1, None, alive=False, state="failed")])
+    assert (given_up["status"], given_up["dead"], given_up["failed"]) == ("failed", [1], [1])
     down = health_body([_view(0, None, alive=False)])
     assert (down["status"], down["live"]) == ("unavailable", [])
 

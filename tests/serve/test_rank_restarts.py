@@ -47,7 +47,8 @@ def test_restarts_stop_after_the_limit_in_a_row():
             _ready(client)
             assert rank.state is RankState.SERVING and client.router.alive[0]
         rank = await _die_and_settle(client)  # a third death in a row: given up on
-        assert rank.state is RankState.DEAD and not client.router.alive[0]
+        assert rank.state is RankState.FAILED and not client.router.alive[0]
+        assert client.ranks()[0].state == "failed"
 
     asyncio.run(scenario())
 
