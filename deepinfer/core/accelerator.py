@@ -43,6 +43,10 @@ class Capabilities:
     # step in flight (ModelBatch.from_last_step): the engine schedules and launches the next
     # step while this one runs (async scheduling).
     async_output: bool = False
+    # Most prefill tokens in a step that also decodes (0: no cap), unless the scheduler config
+    # sets prefill_beside_decodes: where a large chunk takes long next to a decode step (the
+    # CPU), running streams would wait that long for each token while a prompt is prefilled.
+    prefill_beside_decodes: int = 0
     # Activation dtypes the backend runs; a model asking for another is refused at load.
     dtypes: tuple[str, ...] = ("float32", "bfloat16")
 

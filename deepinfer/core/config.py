@@ -117,6 +117,10 @@ class SchedulerConfig:
         "help": "a prefill longer than this is cut into chunks even when the budget has room, "
                 "so that decodes of other requests keep flowing (0: no cap beyond the "
                 "budget)"})
+    prefill_beside_decodes: int | None = field(default=None, metadata={
+        "help": "most prefill tokens in a step that also decodes running requests, so that "
+                "a long prompt does not hold their next tokens for a whole large chunk "
+                "(default: the backend's choice, 256 on cpu, no cap elsewhere; 0: no cap)"})
     num_speculative_tokens: int = field(default=0, metadata={
         "help": "speculative decoding: tokens the model's multi-token-prediction (MTP) layer "
                 "drafts per step and sequence, all verified by one forward of the model "
@@ -133,6 +137,8 @@ class SchedulerConfig:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
         if self.num_speculative_tokens < 0:
             raise ValueError("num_speculative_tokens must be >= 0")
+        if self.prefill_beside_decodes is not None and self.prefill_beside_decodes < 0:
+            raise ValueError("prefill_beside_decodes must be >= 0")
 
 
 @dataclass(frozen=True)

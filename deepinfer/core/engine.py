@@ -75,6 +75,9 @@ class Engine:
         scheduler_config = config.scheduler
         if not caps.chunked_prefill and scheduler_config.enable_chunked_prefill:
             scheduler_config = dataclasses.replace(scheduler_config, enable_chunked_prefill=False)
+        if scheduler_config.prefill_beside_decodes is None:
+            scheduler_config = dataclasses.replace(
+                scheduler_config, prefill_beside_decodes=caps.prefill_beside_decodes)
         buckets = Buckets(caps.token_buckets, caps.batch_buckets)
         self.scheduler = Scheduler(scheduler_config, self.kv, self.max_model_len, self.hicache,
                                    buckets, caps.fixed_kv_pool)

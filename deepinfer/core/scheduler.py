@@ -2,7 +2,9 @@
 
 Each step: running requests first (decodes, then the next chunk of any prefill in progress,
 which leaves room for the head of the queue), then waiting requests in arrival order, with
-prefix-cache hits skipping their computed pages. So a new request starts prefilling in the
+prefix-cache hits skipping their computed pages. A step that decodes carries at most
+`prefill_beside_decodes` prefill tokens (where the backend or the config sets it), so a long
+prompt does not hold the running requests' next tokens for a whole large chunk. So a new request starts prefilling in the
 step after it arrives, whatever else the rank is doing.
 When blocks run out, the newest running request is preempted and recomputed later; preempted
 requests go back to the head of the queue, so nothing starves. With HiCache, admission also
@@ -122,6 +124,9 @@ class Scheduler:
         decodes = [r for r in self.running if self._is_decode(r)]
         prefills = [r for r in self.running if not self._is_decode(r)]
         budget = self._schedule_group(decodes, out, budget, scheduled)
+        cap = self.config.prefill_beside_decodes or 0
+        if out.seqs and cap > 0:  # decodes ride in this step: prefills (and admissions) share
+            budget = min(budget, cap)  # at most `cap` tokens, so the step stays short
         keep = min(self._admission_reserve(), budget // 2) if prefills else 0
         return self._schedule_group(prefills, out, budget - keep, scheduled) + keep
 

@@ -2,6 +2,7 @@
 being prefilled in chunks, starts its prefill in the very next step."""
 from __future__ import annotations
 
+import dataclasses
 import random
 
 from deepinfer.core.config import CacheConfig, EngineConfig, ModelSpec, SchedulerConfig
@@ -13,11 +14,12 @@ from fakes import PagedFakeAccelerator, reference, write_config
 GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
 
 
-def _engine(tmp_path, budget: int = 32) -> Engine:
+def _engine(tmp_path, budget: int = 32, beside: int | None = None) -> Engine:
     config = EngineConfig(
         model=ModelSpec(write_config(str(tmp_path / "fake"))),
         cache=CacheConfig(block_size=4, num_blocks=256),
-        scheduler=SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=16))
+        scheduler=SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=16,
+                                  prefill_beside_decodes=beside))
     return Engine(config, PagedFakeAccelerator(), load_tokenizer=False)
 
 
@@ -106,3 +108,40 @@ def test_prompt_ids_are_checked_and_taken_as_ints(tmp_path):
     assert outs["numpy"].token_ids == outs["plain"].token_ids == reference(prompt, 40)
     assert outs["bools"].prompt_token_ids == [1, 0, *prompt[2:]]
     assert all(type(t) is int for t in outs["numpy"].prompt_token_ids)
+
+
+def test_a_decoding_step_carries_at_most_the_cap_of_prefill(tmp_path):
+    """With prefill_beside_decodes, a long prompt is prefilled in cap-sized pieces while others
+    decode (each decode still gets its token every step), at the whole budget once alone; the
+    tokens are the reference's either way."""
+    engine = _engine(tmp_path, budget=64, beside=8)
+    engine.add_request("decoder", _prompt(5, 1), dataclasses.replace(GREEDY, max_tokens=6))
+    engine.step()
+    long = _prompt(100, 2)
+    engine.add_request("long", long, GREEDY)
+    pieces = []
+    while engine._samples["long"].request.num_computed_tokens < len(long):
+        computed = _step(engine)
+        pieces.append(computed["long"])
+        if "decoder" in engine._samples:
+            assert computed["decoder"] in (1, -1)  # a token every step, or its end
+    # 8 a step while the decoder runs; once it ended, the rest at once (within the budget).
+    assert len(pieces) > 3 and set(pieces[:-1]) == {8} and pieces[-1] == len(long) - sum(
+        pieces[:-1]) > 8
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+def test_the_backend_picks_the_cap_unless_the_config_does(tmp_path):
+    class Capped(PagedFakeAccelerator):
+        capabilities = dataclasses.replace(PagedFakeAccelerator.capabilities,
+                                           prefill_beside_decodes=16)
+
+    def cap(beside):
+        config = EngineConfig(model=ModelSpec(write_config(str(tmp_path / "fake"))),
+                              cache=CacheConfig(block_size=4, num_blocks=256),
+                              scheduler=SchedulerConfig(prefill_beside_decodes=beside))
+        return Engine(config, Capped(), load_tokenizer=False).scheduler.config \
+            .prefill_beside_decodes
+
+    assert (cap(None), cap(0), cap(4)) == (16, 0, 4)

@@ -229,6 +229,7 @@ def _chat_cases() -> list[Case]:
         "top-logprobs-negative": chat(logprobs=True, top_logprobs=-1),
         "stop-token-ids-negative": chat(stop_token_ids=[-1]),
         "stop-token-ids-int32-overflow": chat(stop_token_ids=[2**31]),
+        "stop-token-ids-beyond-vocab": chat(stop_token_ids=[VOCAB]),
         "stop-token-ids-over-max-stop": chat(stop_token_ids=list(range(17))),
         "stop-token-ids-string": chat(stop_token_ids="x"),
         "stop-over-max-stop": chat(stop=[f"s{i}" for i in range(17)]),

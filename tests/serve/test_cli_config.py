@@ -183,3 +183,23 @@ def test_an_accelerator_that_cannot_serve_is_a_one_line_error(capsys, accelerato
     assert main(["--port", "0", "--accelerator", accelerator]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("deepinfer-serve: error:") and message in err and "\n" not in err
+
+
+def test_the_api_key_comes_from_a_file_and_a_typed_key_is_warned_about(tmp_path, caplog):
+    from deepinfer.serve.preflight import PreflightError, api_key
+
+    parser = build_parser()
+    key_file = tmp_path / "key"
+    key_file.write_text("s3cret\nignored\n")
+    argv = ["--api-key-file", str(key_file)]
+    assert api_key(parser.parse_args(argv), argv) == "s3cret"
+    with pytest.raises(PreflightError, match="not both"):
+        argv = ["--api-key", "x", "--api-key-file", str(key_file)]
+        api_key(parser.parse_args(argv), argv)
+    key_file.write_text("\n")
+    with pytest.raises(PreflightError, match="the first line is empty"):
+        api_key(parser.parse_args(["--api-key-file", str(key_file)]), [])
+    with caplog.at_level("WARNING"):
+        assert api_key(parser.parse_args(["--api-key", "typed"]), ["--api-key", "typed"]) == \
+            "typed"
+    assert "visible to other users of this machine" in caplog.text
