@@ -78,11 +78,28 @@ def render_chat(tokenizer: Any, chat: ChatFormat, messages: list[dict], tools: l
     else:
         if tokenizer.chat_template is None:
             raise ValueError("this model has no chat template; use /v1/completions")
+        if "tool_calls" not in str(tokenizer.chat_template):
+            messages = [_calls_as_text(m) for m in messages]
         prompt = tokenizer.apply_chat_template(
             messages, tools=tools, add_generation_prompt=add_generation_prompt,
             tokenize=False, **(template_kwargs or {}))
     forced = _forced_prefix(tool_choice) if tools and not chat.dsml else ""
     return RenderedChat(prompt + forced, forced)
+
+
+def _calls_as_text(message: dict) -> dict:
+    """An assistant turn's tool calls written into its content as the calls this server
+    forces and parses (TOOL_OPEN {...} TOOL_CLOSE), for a template that renders no
+    tool_calls: an agent's earlier calls stay in the prompt instead of vanishing."""
+    calls = message.get("tool_calls")
+    if not calls:
+        return message
+    text = "".join(f"{TOOL_OPEN}\n" + json.dumps(
+        {"name": c.get("function", {}).get("name"),
+         "arguments": c.get("function", {}).get("arguments", {})}) + f"\n{TOOL_CLOSE}"
+        for c in calls)
+    content = message.get("content") or ""
+    return {**message, "content": f"{content}\n{text}" if content else text}
 
 
 def _forced_prefix(tool_choice: Any) -> str:
@@ -110,10 +127,20 @@ def tool_call_constraint(tools: list[dict] | None, tool_choice: Any,
     if dsml is not None:
         return _dsml_constraint(tools, tool_choice, dsml)
     wanted = _named(tool_choice)
-    options = [_call_schema(t["function"]) for t in tools
+    options = [_call_schema(t["function"], i) for i, t in enumerate(tools)
                if wanted is None or t["function"]["name"] == wanted]
-    schema = options[0] if len(options) == 1 else {"anyOf": options}
+    schema = options[0] if len(options) == 1 else _any_of(options)
     return StructuredOutput("json_schema", json.dumps(schema))
+
+
+def _any_of(options: list[dict]) -> dict:
+    """One of several calls; their definitions (named apart per tool) at the root."""
+    defs = {k: v for o in options for k, v in o.get("$defs", {}).items()}
+    schema: dict[str, Any] = {"anyOf": [{k: v for k, v in o.items() if k != "$defs"}
+                                        for o in options]}
+    if defs:
+        schema["$defs"] = defs
+    return schema
 
 
 @dataclass(frozen=True)
@@ -143,11 +170,37 @@ def _dsml_constraint(tools: list[dict], tool_choice: Any, calls: DsmlCalls) -> S
     return StructuredOutput("structural_tag", tag.model_dump_json())
 
 
-def _call_schema(function: dict) -> dict:
+def _call_schema(function: dict, index: int = 0) -> dict:
+    """One call's JSON: its name and its arguments by the function's parameters schema. The
+    parameters' definitions ($defs, definitions: pydantic writes every nested model there)
+    move to the call schema's root, renamed per tool, since `#/$defs/...` references resolve
+    from the root and the parameters now sit under properties.arguments."""
     parameters = function.get("parameters") or {"type": "object"}
-    return {"type": "object", "properties": {"name": {"const": function["name"]},
-                                             "arguments": parameters},
-            "required": ["name", "arguments"], "additionalProperties": False}
+    defs: dict[str, Any] = {}
+    for key in ("$defs", "definitions"):
+        for name, schema in (parameters.get(key) or {}).items():
+            defs[f"{key}/{name}"] = schema
+    prefix = f"t{index}_"
+    renamed = {f"#/{old}": f"#/$defs/{prefix}{old.split('/', 1)[1]}" for old in defs}
+    schema = {"type": "object",
+              "properties": {"name": {"const": function["name"]},
+                             "arguments": _rewrite_refs(
+                                 {k: v for k, v in parameters.items()
+                                  if k not in ("$defs", "definitions")}, renamed)},
+              "required": ["name", "arguments"], "additionalProperties": False}
+    if defs:
+        schema["$defs"] = {f"{prefix}{old.split('/', 1)[1]}": _rewrite_refs(d, renamed)
+                           for old, d in defs.items()}
+    return schema
+
+
+def _rewrite_refs(node: Any, renamed: dict[str, str]) -> Any:
+    if isinstance(node, dict):
+        return {k: (renamed.get(v, v) if k == "$ref" and isinstance(v, str)
+                    else _rewrite_refs(v, renamed)) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_rewrite_refs(v, renamed) for v in node]
+    return node
 
 
 def _load_encoding(path: str) -> Any:

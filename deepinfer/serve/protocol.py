@@ -170,6 +170,9 @@ class ChatMessage(BaseModel):
 
     def for_template(self) -> dict[str, Any]:
         message = self.model_dump(exclude_none=True)
+        # An assistant turn that only called tools has no content (null or absent); templates
+        # read message['content'] all the same.
+        message.setdefault("content", "")
         if isinstance(self.content, list):  # text parts only: this server serves text models
             message["content"] = "".join(p.get("text", "") for p in self.content
                                          if p.get("type") == "text")

@@ -73,3 +73,48 @@ def test_named_tool_choice_forces_the_call_and_its_schema(tmp_path):
     both = json.loads(tool_call_constraint(tools, "required").spec)
     assert [o["properties"]["name"]["const"] for o in both["anyOf"]] == ["f", "g"]
     assert tool_call_constraint(tools, "auto") is None
+
+
+def test_tool_schemas_with_defs_resolve_from_the_call_schema():
+    """pydantic writes nested models to $defs; under properties.arguments their #/$defs refs
+    would dangle, so they move to the root, named apart per tool."""
+    import xgrammar as xgr
+
+    def tool(name, field):
+        return {"type": "function", "function": {"name": name, "parameters": {
+            "type": "object", "properties": {"where": {"$ref": "#/$defs/Place"}},
+            "required": ["where"],
+            "$defs": {"Place": {"type": "object", "properties": {field: {"type": "string"}},
+                                "required": [field]}}}}}
+
+    tools = [tool("f", "city"), tool("g", "street")]
+    for choice in ("required", {"type": "function", "function": {"name": "g"}}):
+        schema = json.loads(tool_call_constraint(tools, choice).spec)
+        xgr.Grammar.from_json_schema(json.dumps(schema))  # every $ref resolves
+    both = json.loads(tool_call_constraint(tools, "required").spec)
+    assert set(both["$defs"]) == {"t0_Place", "t1_Place"}
+    refs = [o["properties"]["arguments"]["properties"]["where"]["$ref"] for o in both["anyOf"]]
+    assert refs == ["#/$defs/t0_Place", "#/$defs/t1_Place"]
+    assert both["$defs"]["t1_Place"]["required"] == ["street"]
+
+
+class _ContentTemplate:
+    """Reads message['content'] of every turn and knows nothing of tool calls (as SmolLM2's)."""
+    chat_template = "{{ message['content'] }}"
+
+    def apply_chat_template(self, messages, **kwargs):
+        return "|".join(f"{m['role']}:{m['content']}" for m in messages)
+
+
+def test_an_agents_tool_turn_renders_with_a_template_that_knows_no_tool_calls(tmp_path):
+    from deepinfer.serve.protocol import ChatMessage
+
+    call = {"id": "c1", "type": "function",
+            "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}
+    turns = [ChatMessage(role="user", content="Weather?"),
+             ChatMessage(role="assistant", content=None, tool_calls=[call]),
+             ChatMessage(role="tool", tool_call_id="c1", content="Sunny")]
+    rendered = render_chat(_ContentTemplate(), ChatFormat.of(str(tmp_path)),
+                           [t.for_template() for t in turns], None, None)
+    assert rendered.prompt == ('user:Weather?|assistant:<tool_call>\n{"name": "get_weather", '
+                               '"arguments": {"city": "Paris"}}\n</tool_call>|tool:Sunny')

@@ -432,6 +432,23 @@ def test_tool_result_round_trip_renders(client):
     assert r.choices[0].message.role == "assistant"
 
 
+def test_an_agents_tool_turn_with_null_content_is_accepted(http):
+    """What agent frameworks send back after a tool call: content null (or absent) beside
+    tool_calls. The template (SmolLM2's) renders no tool calls: the call is in the prompt as
+    the text this server forces and parses."""
+    messages = [{"role": "user", "content": "Weather?"},
+                {"role": "assistant", "content": None, "tool_calls": [{
+                    "id": "c1", "type": "function",
+                    "function": {"name": "get_weather", "arguments": "{}"}}]},
+                {"role": "tool", "tool_call_id": "c1", "content": "Sunny"}]
+    r = http.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 5})
+    assert r.status_code == 200, r.text
+    del messages[1]["content"]
+    ids = tokenize(http, messages=messages)
+    text = http.post("/detokenize", json={"tokens": ids}).json()["prompt"]
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {}}\n</tool_call>' in text
+
+
 # ---- tokenizer endpoints, metrics ------------------------------------------------------------
 def test_tokenize_detokenize_round_trip(http):
     text = "Hello world, how are you today? Ünïcödé ✓"
