@@ -16,7 +16,7 @@ import socket
 import sys
 import tempfile
 from collections.abc import Callable
-from typing import Any, Sequence, TypeAlias
+from typing import Any, NoReturn, Sequence, TypeAlias
 
 from deepinfer.core.config import (EngineConfig, EngineOption, engine_config_from_options,
                                    engine_options, torchrun_parallel)
@@ -32,9 +32,32 @@ log = logging.getLogger("deepinfer.serve")
 Flags: TypeAlias = "argparse._ActionsContainer"
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Each flag's default once: a help that already says its default gets no second one."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        help_text = action.help or ""
+        return help_text if "default:" in help_text else super()._get_help_string(action)
+
+
+class _Parser(argparse.ArgumentParser):
+    """A mistyped flag is one error line with the nearest flags, not the whole usage."""
+
+    def error(self, message: str) -> NoReturn:
+        import difflib
+
+        flags = [o for a in self._actions for o in a.option_strings if o.startswith("--")]
+        typed = [w.split("=", 1)[0] for w in message.split() if w.startswith("--")] \
+            if message.startswith("unrecognized arguments") else []
+        near = sorted({m for w in typed
+                       for m in difflib.get_close_matches(w, flags, n=2, cutoff=0.75)})
+        hint = f" (did you mean {' or '.join(near)}?)" if near else ""
+        self.exit(2, f"{self.prog}: error: {message}{hint}; see {self.prog} --help\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="deepinfer-serve", description=__doc__,
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = _Parser(prog="deepinfer-serve", description=__doc__, formatter_class=_HelpFormatter)
+    p.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     _model_args(p.add_argument_group("model"))
     _server_args(p.add_argument_group("server"))
     _engine_args(p.add_argument_group("engine"))
@@ -45,6 +68,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", default="info", type=str.lower,
                    choices=["debug", "info", "warning", "error"], help="log level")
     return p
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("deepinfer")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        from deepinfer import __version__
+
+        return __version__
 
 
 # The engine flags are made from the config dataclasses' fields (core/config.py: help, flag
