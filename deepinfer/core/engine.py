@@ -116,7 +116,9 @@ class Engine:
         return min(self.max_model_len, self.kv.pool.num_usable * self.kv.block_size)
 
     def add_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams,
-                    prefix_cache: bool = True) -> None:
+                    prefix_cache: bool = True, grammar: Any = None) -> None:
+        """`grammar`: the constraint's grammar, compiled already (a rank prepares it off its
+        step loop); without one a constrained request's grammar is compiled here."""
         if request_id in self._children:
             raise ValueError(f"request id {request_id!r} is already in flight")
         prompt_ids = self._prompt_ids(prompt)
@@ -131,7 +133,7 @@ class Engine:
                              f"one step holds at most {step_tokens}")
         max_tokens = min(params.max_tokens or limit, limit - len(prompt_ids))
         base_seed = params.seed if params.seed is not None else self._rng.getrandbits(62)
-        grammars = [self._grammar(params) for _ in range(params.n)]
+        grammars = [self._grammar(params, grammar) for _ in range(params.n)]
         children: list[str] = []
         self._children[request_id] = children  # first, so abort() can undo a partial add
         for i in range(params.n):
@@ -144,15 +146,27 @@ class Engine:
             self.scheduler.add(req)
             children.append(child_id)
 
-    def _grammar(self, params: SamplingParams) -> RequestGrammar | None:
+    def _grammar(self, params: SamplingParams, compiled: Any = None) -> RequestGrammar | None:
         if params.structured is None:
             return None
-        if self.tokenizer is None:
-            raise ValueError("structured outputs need the model's tokenizer")
+        compiler = self.grammar_compiler()
+        if compiled is not None:
+            return compiler.matcher_of(compiled)
+        return compiler.matcher(params.structured)
+
+    @property
+    def grammars(self) -> GrammarCompiler | None:
+        """The grammar compiler, if a constrained request built it."""
+        return self._grammars
+
+    def grammar_compiler(self) -> GrammarCompiler:
+        """The compiler of this engine's tokenizer (built on the first constrained request)."""
         if self._grammars is None:
+            if self.tokenizer is None:
+                raise ValueError("structured outputs need the model's tokenizer")
             self._grammars = GrammarCompiler(self.tokenizer, self.model.vocab_size,
                                              self.eos_token_ids)
-        return self._grammars.matcher(params.structured)
+        return self._grammars
 
     def _prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):

@@ -33,7 +33,7 @@ class ServerState:
     api_key: str | None = None
     created: int = 0
     prompt_tokenizer: Any = None  # a VerifiedTokenizer; encode(text, add_special_tokens)
-    grammars: Any = None  # a GrammarCompiler, built on the first constrained request
+    grammars: Any = None  # a GrammarPool (serve/grammar_pool.py): constraints compile there
     limits: RequestLimits = RequestLimits()
     sampling_defaults: dict[str, Any] | None = None  # the checkpoint's generation config
     metrics_public: bool = False  # with an API key: /metrics still open
@@ -43,15 +43,6 @@ class ServerState:
     def __post_init__(self) -> None:
         if self.chat_format is None:
             self.chat_format = ChatFormat.of(self.model_dir, self.trust_remote_code)
-
-    def check_constraint(self, spec: Any) -> None:
-        """Compile (and cache) a constraint here, so a bad one is a 400 before streaming."""
-        from deepinfer.core.structured import GrammarCompiler
-
-        if self.grammars is None:
-            eos = (self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id is not None else ()
-            self.grammars = GrammarCompiler(self.tokenizer, len(self.tokenizer), eos)
-        self.grammars.matcher(spec)
 
 
 def create_app(state: ServerState) -> FastAPI:

@@ -24,6 +24,8 @@ from deepinfer.serve.limits import RequestLimits
 from deepinfer.serve.rank_health import RankHealthConfig
 from deepinfer.serve.stream_pacing import DEFAULT_STREAM_INTERVAL
 
+DEFAULT_GRAMMAR_WORKERS = 2
+
 log = logging.getLogger("deepinfer.serve")
 
 
@@ -171,6 +173,20 @@ def _limit_args(p: Flags) -> None:
                    help="most stop strings (and stop token ids) in one request")
     p.add_argument("--max-request-body-mb", type=float, default=RequestLimits.max_body_mb,
                    help="larger request bodies are refused with 413")
+    p.add_argument("--max-tools", type=int, default=RequestLimits.max_tools,
+                   help="most tools in one chat request")
+    p.add_argument("--max-schema-kb", type=int, default=RequestLimits.max_schema_kb,
+                   help="largest constraint text (a response_format schema, regex or grammar; "
+                        "the schema of a forced tool call), in KB")
+    p.add_argument("--max-enum-values", type=int, default=RequestLimits.max_enum_values,
+                   help="most enum values and anyOf/oneOf branches in one constraint")
+    p.add_argument("--grammar-compile-timeout", type=float,
+                   default=RequestLimits.grammar_compile_timeout_s,
+                   help="seconds one constraint may take to compile; past it the request "
+                        "gets 400 and the grammar worker is replaced")
+    p.add_argument("--grammar-workers", type=int, default=DEFAULT_GRAMMAR_WORKERS,
+                   help="processes per API process that compile constraints (started on the "
+                        "first constrained request)")
 
 
 def _health_args(p: Flags) -> None:
@@ -215,7 +231,21 @@ def _flag_value(option: EngineOption, value: Any) -> Any:
 
 
 def request_limits(args: argparse.Namespace) -> RequestLimits:
-    return RequestLimits(args.max_n, args.max_prompts, args.max_stop, args.max_request_body_mb)
+    if args.grammar_workers < 1:
+        raise ValueError("--grammar-workers must be at least 1")
+    return RequestLimits(args.max_n, args.max_prompts, args.max_stop, args.max_request_body_mb,
+                         args.max_tools, args.max_schema_kb, args.max_enum_values,
+                         args.grammar_compile_timeout)
+
+
+def grammar_pool(args: argparse.Namespace, model_dir: str, ready: Any):
+    """The API process's grammar workers, compiling against the ranks' tokenizer facts."""
+    from deepinfer.serve.grammar_pool import GrammarPool
+    from deepinfer.serve.grammar_worker import WorkerSetup
+
+    setup = WorkerSetup(model_dir, ready.vocab_size, tuple(ready.stop_token_ids),
+                        args.trust_remote_code)
+    return GrammarPool(setup, args.grammar_workers, args.grammar_compile_timeout)
 
 
 def rank_health(args: argparse.Namespace) -> RankHealthConfig:
@@ -301,7 +331,8 @@ async def serve_http(args: argparse.Namespace, model_dir: str, client, ready: li
                         prompt_tokenizer=prompt_tokenizer, limits=request_limits(args),
                         sampling_defaults=sampling_defaults(args, model_dir),
                         metrics_public=args.metrics_public,
-                        trust_remote_code=args.trust_remote_code)
+                        trust_remote_code=args.trust_remote_code,
+                        grammars=grammar_pool(args, model_dir, ready[0]))
     if observes_engine:  # once per server, not once per API process
         log.info(state.chat_format.describe(model_dir))
     config = uvicorn.Config(create_app(state), host=args.host, port=args.port,
@@ -320,6 +351,7 @@ async def serve_http(args: argparse.Namespace, model_dir: str, client, ready: li
     finally:
         if refresh is not None:
             refresh.cancel()
+        await state.grammars.close()
 
 
 async def _refresh_engine_metrics(metrics, client) -> None:

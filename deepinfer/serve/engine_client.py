@@ -395,14 +395,15 @@ class EngineClient:
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        params: SamplingParams, prefix_cache: bool = True,
                        route_key: str = "", route: Route | None = None,
-                       final_only: bool = False) -> AsyncIterator[TokenDelta]:
+                       final_only: bool = False,
+                       grammar: str | None = None) -> AsyncIterator[TokenDelta]:
         """Stream the request's deltas; leaving early (disconnect, cancel) aborts it.
 
         `route` (from :meth:`route`) says where it runs and is released when it ends; without
         one, `route_key` picks the rank (affinity routing pins a conversation's key to a
         rank). `final_only`: the caller reads the answer at its end, so the rank sends each
-        sample's first token and then the rest at its end. Raises RankDiedError if the rank
-        dies."""
+        sample's first token and then the rest at its end. `grammar`: the constraint compiled
+        (serialized), which the rank loads. Raises RankDiedError if the rank dies."""
         if route is None:
             route = self.route(route_key, len(prompt_token_ids))
         rank = route.rank
@@ -414,7 +415,7 @@ class EngineClient:
             self._queues[request_id] = queue
             self._owner[request_id] = rank
             await self._send(rank, AddRequest(request_id, prompt_token_ids, params, prefix_cache,
-                                              final_only, self.client_id))
+                                              final_only, self.client_id, grammar))
             held = None
             while finished < params.n:
                 item = held if held is not None else await queue.get()

@@ -25,11 +25,13 @@ from deepinfer.serve.heap import freeze_startup_heap
 from deepinfer.serve.lockstep import (Lockstep, RebalanceTimer, init_rank_group,
                                       shutdown_group)
 from deepinfer.serve.rank_entry import RankSpec
+from deepinfer.serve.rank_grammars import PendingGrammars
 from deepinfer.serve.rank_outbox import RankOutbox
 from deepinfer.serve.stream_pacing import StreamPacer
 
 log = logging.getLogger("deepinfer.rank")
 IDLE_POLL_MS = 200  # how often an idle rank checks that its parent is alive
+GRAMMAR_POLL_MS = 5  # how often an otherwise idle rank looks for a prepared grammar
 EXPERT_STATS_EVERY_S = 1.0  # expert load is L x E numbers: reported at most this often
 REPORT_LINGER_MS = 10_000  # how long a failed start-up waits for its report to be sent
 
@@ -121,7 +123,7 @@ def run_rank(spec: RankSpec) -> None:
     freeze_startup_heap()  # start-up work: before the rank says it is ready for requests
     outbox.send(Ready(spec.rank, engine.kv.pool.num_usable + 1, engine.kv.block_size,
                             engine.token_limit(), engine.accelerator.name, host_pages,
-                            _stats(engine)))
+                            _stats(engine), engine.model.vocab_size, engine.eos_token_ids))
     clock, stop = StepClock(), threading.Event()
     beat = threading.Thread(target=_heartbeat, args=(ctx, spec, clock, stop),
                             name="deepinfer-heartbeat", daemon=True)
@@ -196,12 +198,14 @@ def _loop(engine: Engine, rank: int, inbox: zmq.Socket, outbox: RankOutbox, pare
           clock: StepClock | None = None, lockstep: Lockstep | None = None,
           experts: ExpertReporter | None = None, pacer: StreamPacer | None = None) -> None:
     clock, pacer = clock or StepClock(), pacer or StreamPacer()
+    grammars = PendingGrammars(engine)  # constrained requests wait there for their grammar
     poller = zmq.Poller()
     poller.register(inbox, zmq.POLLIN)
     while True:
         # In lockstep a busy peer needs this rank's vote (and dummy step) at once.
         peers_busy = lockstep is not None and lockstep.peers_busy
-        timeout = 0 if engine.has_unfinished_requests() or peers_busy else IDLE_POLL_MS
+        timeout = 0 if engine.has_unfinished_requests() or peers_busy else \
+            GRAMMAR_POLL_MS if grammars.waiting else IDLE_POLL_MS
         errors: list[RequestError] = []
         handled = False
         while poller.poll(timeout):
@@ -210,8 +214,11 @@ def _loop(engine: Engine, rank: int, inbox: zmq.Socket, outbox: RankOutbox, pare
             if isinstance(message, Control) and message.command == "shutdown":
                 outbox.reply(message.client, ControlReply(message.call_id, True))
                 return
-            _handle(engine, message, outbox, errors)
+            _handle(engine, message, outbox, errors, grammars)
             _pace(pacer, message)
+            handled = True
+        for message, grammar in grammars.ready():
+            _add(engine, message, errors, grammar)
             handled = True
         if os.getppid() != parent:
             return  # orphaned: the API process is gone
@@ -264,25 +271,37 @@ def _step(engine: Engine, clock: StepClock, lockstep: Lockstep | None,
 
 
 def _handle(engine: Engine, message: object, outbox: RankOutbox,
-            errors: list[RequestError]) -> None:
+            errors: list[RequestError], grammars: PendingGrammars | None = None) -> None:
     if isinstance(message, AddRequest):
         outbox.admit(message.request_id, message.client, message.params.n)
-        try:
-            engine.add_request(message.request_id, message.prompt_token_ids, message.params,
-                               prefix_cache=message.prefix_cache)
-        except ValueError as exc:
-            errors.append(RequestError(message.request_id, str(exc)))
-        except Exception as exc:  # noqa: BLE001 - a fault in one request is that request's
-            log.error("request %s could not be added", message.request_id, exc_info=exc)
-            engine.abort(message.request_id)
-            errors.append(RequestError(message.request_id, f"internal error while adding the "
-                                       f"request: {type(exc).__name__}: {exc}", 500))
+        if grammars is None or not grammars.hold(message):  # held: added once prepared
+            _add(engine, message, errors)
     elif isinstance(message, AbortRequest):
+        if grammars is not None:
+            grammars.drop(message.request_id)
         engine.abort(message.request_id)
         outbox.forget(message.request_id)
     elif isinstance(message, Control):
         outbox.reply(message.client, ControlReply(message.call_id,
                                                   _control(engine, message.command)))
+
+
+def _add(engine: Engine, message: AddRequest, errors: list[RequestError],
+         grammar: object = None) -> None:
+    """Add a request to the engine; `grammar`: its prepared grammar, or the exception its
+    preparation raised."""
+    try:
+        if isinstance(grammar, BaseException):
+            raise grammar
+        engine.add_request(message.request_id, message.prompt_token_ids, message.params,
+                           prefix_cache=message.prefix_cache, grammar=grammar)
+    except ValueError as exc:
+        errors.append(RequestError(message.request_id, str(exc)))
+    except Exception as exc:  # noqa: BLE001 - a fault in one request is that request's
+        log.error("request %s could not be added", message.request_id, exc_info=exc)
+        engine.abort(message.request_id)
+        errors.append(RequestError(message.request_id, f"internal error while adding the "
+                                   f"request: {type(exc).__name__}: {exc}", 500))
 
 
 def _control(engine: Engine, command: str) -> object:

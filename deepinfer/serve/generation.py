@@ -95,14 +95,16 @@ def check_length(prompt_len: int, params: SamplingParams, limit: int,
 
 async def stream_generation(client: EngineClient, metrics: ServerMetrics, request_id: str,
                             prompt_ids: list[int], params: SamplingParams, prefix_cache: bool,
-                            gen: Generation, route: Route, final_only: bool = False
+                            gen: Generation, route: Route, final_only: bool = False,
+                            grammar: str | None = None
                             ) -> AsyncIterator[tuple[TokenDelta, Choice]]:
     """Yield (delta, its choice) from the routed rank; record metrics once the whole
     generation is over. A rank that dies ends it with a 503. `final_only`: a non-streaming
-    response (EngineClient.generate)."""
+    response; `grammar`: the constraint compiled (EngineClient.generate)."""
     try:
         async for delta in client.generate(request_id, prompt_ids, params, prefix_cache,
-                                           route=route, final_only=final_only):
+                                           route=route, final_only=final_only,
+                                           grammar=grammar):
             yield delta, gen.apply(delta)
     except EngineRequestError as exc:
         raise APIError(str(exc), status=exc.status) from exc

@@ -21,6 +21,9 @@ class AddRequest:
     # a sample's first token (time to first token) and then the rest when it ends.
     final_only: bool = False
     client: int = 0  # the API process that sent it (--api-server-count): its results go there
+    # The constraint's grammar as the API process's grammar workers compiled it
+    # (CompiledGrammar.serialize_json); None where it sent none and the rank compiles.
+    grammar: str | None = None
 
 
 @dataclass(frozen=True)
@@ -156,6 +159,9 @@ class Ready:
     accelerator: str
     hicache_pages: int = 0  # host-tier pages of block_size tokens (0: HiCache off)
     stats: EngineStats | None = None  # so an idle rank shows in the per-rank metrics at once
+    # The tokenizer facts a grammar is compiled against (its bitmask size, its stop tokens).
+    vocab_size: int = 0
+    stop_token_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ from deepinfer.serve.router import Route, affinity_key
 from deepinfer.core.sampling import SamplingParams
 from deepinfer.serve.chat import (DsmlCalls, may_become_tool_call, parse_tool_calls, render_chat,
                                   tool_call_constraint)
+from deepinfer.serve.constraint_limits import check_constraint, check_tools
 from deepinfer.serve.deepseek_encoding import THINK_OPEN
 from deepinfer.serve.dsml_parser import DsmlMode, finish_reason
 from deepinfer.serve.errors import APIError
@@ -88,12 +89,16 @@ def _check_limits(limits: RequestLimits, body: ChatCompletionRequest | Completio
                        "token ids per request on this server", param="stop")
 
 
-async def _check_constraint(state, params: SamplingParams, param: str) -> None:
-    if params.structured is not None:
-        try:
-            await asyncio.to_thread(state.check_constraint, params.structured)
-        except ValueError as exc:
-            raise APIError(str(exc), param=param) from exc
+async def _compile_constraint(state, params: SamplingParams, param: str) -> str | None:
+    """The request's constraint within the limits and compiled (a 400 otherwise, before any
+    streaming): the grammar its rank loads, or None where there is none to send."""
+    if params.structured is None:
+        return None
+    check_constraint(state.limits, params.structured, param)
+    try:
+        return (await state.grammars.compile(params.structured)).serialized
+    except ValueError as exc:
+        raise APIError(str(exc), param=param) from exc
 
 
 async def _until_disconnect(request: Request, work: asyncio.Future) -> Any:
@@ -137,6 +142,7 @@ def check_template_kwargs(tokenizer: Any, kwargs: dict | None) -> None:
 
 async def chat_completions(state, body: ChatCompletionRequest, request: Request):
     params = _params(state, body)
+    check_tools(state.limits, body.tools)
     tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
     if body.tool_choice not in (None, "none", "auto") and not tools:
         raise APIError("tool_choice needs tools", param="tool_choice")
@@ -156,16 +162,18 @@ async def chat_completions(state, body: ChatCompletionRequest, request: Request)
         raise APIError(str(exc), param="tool_choice") from exc
     if constraint is not None:
         params.structured = constraint
-    await _check_constraint(state, params, "tools" if constraint else "response_format")
     prompt_ids = await asyncio.to_thread(state.prompt_tokenizer.encode, rendered.prompt, False)
-    check_length(len(prompt_ids), params, state.max_model_len)
+    check_length(len(prompt_ids), params, state.max_model_len)  # before any compile
+    grammar = await _compile_constraint(state, params,
+                                        "tools" if constraint else "response_format")
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     gen = Generation(prompt_ids, [Choice(i) for i in range(params.n)])
     key = affinity_key(request.headers, body.user,
                        [m.model_dump(exclude_none=True) for m in body.messages])
     route = route_request(state.client, key, len(prompt_ids))
     stream = stream_generation(state.client, state.metrics, rid, prompt_ids, params,
-                               body.prefix_cache, gen, route, final_only=not body.stream)
+                               body.prefix_cache, gen, route, final_only=not body.stream,
+                               grammar=grammar)
     use_tools = bool(tools) and body.tool_choice != "none"
     # DeepSeek-V4 output is read by the DSML parser: thinking when the prompt opened <think>.
     mode = DsmlMode(rendered.prompt.endswith(THINK_OPEN), use_tools) if dsml else None
@@ -282,7 +290,6 @@ def _chat_logprobs(state, items: list[TokenLogprobs]) -> dict:
 # ---- completions ---------------------------------------------------------------------------
 async def completions(state, body: CompletionRequest, request: Request):
     params = _params(state, body, len(body.prompts()))
-    await _check_constraint(state, params, "response_format")
     if body.suffix:
         raise APIError("suffix is not supported", param="suffix")
     prompts = []
@@ -297,6 +304,7 @@ async def completions(state, body: CompletionRequest, request: Request):
             ids = list(p)
         check_length(len(ids), params, state.max_model_len, param="prompt")
         prompts.append(ids)
+    grammar = await _compile_constraint(state, params, "response_format")
     rid = f"cmpl-{uuid.uuid4().hex}"
     gens = [Generation(ids, [Choice(i) for i in range(params.n)]) for ids in prompts]
     # Each prompt of a batch routes on its own key (headers or user pin them all together).
@@ -304,7 +312,8 @@ async def completions(state, body: CompletionRequest, request: Request):
     routes = _route_all(state, [affinity_key(request.headers, body.user, None, src)
                                 for src in sources], prompts)
     streams = [stream_generation(state.client, state.metrics, f"{rid}-{k}", ids, params,
-                                 body.prefix_cache, g, route, final_only=not body.stream)
+                                 body.prefix_cache, g, route, final_only=not body.stream,
+                                 grammar=grammar)
                for k, (ids, g, route) in enumerate(zip(prompts, gens, routes))]
     echo = [state.tokenizer.decode(ids) if body.echo else "" for ids in prompts]
     if body.stream:

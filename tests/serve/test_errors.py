@@ -174,3 +174,51 @@ def test_disconnect_with_api_key_frees_blocks(auth_server):
                    headers={"Authorization": f"Bearer {auth_server.api_key}"})
     auth_server.wait_idle(timeout=10.0)
     assert auth_server.metrics().get("vllm:generation_tokens_total", 0.0) - before < 450
+
+
+def _schema_format(schema) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+
+
+def _tools(n: int) -> list[dict]:
+    return [{"type": "function", "function": {"name": f"f{i}", "parameters": {
+        "type": "object", "properties": {}}}} for i in range(n)]
+
+
+LIMIT_CASES = {
+    # name: (body, the flag the error names, the param)
+    "too many tools": (chat_body(tools=_tools(513), tool_choice="required"), "--max-tools",
+                       "tools"),
+    "too many enum values": (chat_body(response_format=_schema_format(
+        {"enum": list(range(4097))})), "--max-enum-values", "response_format"),
+    "too many anyOf branches": (chat_body(response_format=_schema_format(
+        {"anyOf": [{"const": i} for i in range(4097)]})), "--max-enum-values",
+        "response_format"),
+    "schema too large": (chat_body(response_format=_schema_format(
+        {"type": "string", "description": "x" * (513 * 1024)})), "--max-schema-kb",
+        "response_format"),
+    "completion schema too large": (completion_body(response_format=_schema_format(
+        {"type": "string", "description": "x" * (513 * 1024)})), "--max-schema-kb",
+        "response_format"),
+}
+
+
+@pytest.mark.parametrize("case", list(LIMIT_CASES))
+def test_constraint_limits_name_their_flag(http, case):
+    body, flag, param = LIMIT_CASES[case]
+    route = "chat/completions" if "messages" in body else "completions"
+    err = assert_openai_error(http.post(f"/v1/{route}", json=body))
+    assert flag in err["message"] and err["param"] == param, err
+
+
+def test_prompt_length_is_checked_before_the_constraint(http):
+    """A prompt over the context is refused before its constraint is compiled: the error is
+    the length's, not the (invalid) schema's."""
+    long = [{"role": "user", "content": "word " * 700}]
+    for body in (chat_body(messages=long, response_format=_schema_format({"type": "nonsense"})),
+                 chat_body(messages=long, tools=[TOOL], tool_choice="required")):
+        err = assert_openai_error(http.post("/v1/chat/completions", json=body))
+        assert "context length" in err["message"], err
+    err = assert_openai_error(http.post("/v1/completions", json=completion_body(
+        prompt=[100] * 600, response_format=_schema_format({"type": "nonsense"}))))
+    assert "context length" in err["message"], err
