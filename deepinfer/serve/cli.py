@@ -157,6 +157,10 @@ def _connection_args(p: Flags) -> None:
     p.add_argument("--max-connections", type=int, default=ConnectionLimits.max_connections,
                    help="open connections per API process; more are answered 503 with "
                         "Retry-After and closed (0: the open-file limit less 256)")
+    p.add_argument("--socket-send-buffer-kb", type=int, default=ConnectionLimits.send_buffer_kb,
+                   help="the kernel's send buffer of each connection (SO_SNDBUF; 0: the "
+                        "kernel's, autotuned up to net.ipv4.tcp_wmem's maximum): what of a "
+                        "response can wait in the kernel for a client that does not read")
     p.add_argument("--max-stream-backlog", type=int, default=DEFAULT_STREAM_BACKLOG,
                    help="deltas a sample's stream may leave unread (its client not reading) "
                         "before the request is aborted on its rank")
@@ -171,7 +175,7 @@ def _connection_args(p: Flags) -> None:
 
 def connection_limits(args: argparse.Namespace) -> ConnectionLimits:
     return ConnectionLimits(args.header_timeout, args.body_timeout, args.write_timeout,
-                            args.max_connections)
+                            args.max_connections, args.socket_send_buffer_kb)
 
 
 def _health_args(p: Flags) -> None:

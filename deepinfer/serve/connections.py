@@ -15,6 +15,7 @@ import asyncio
 import json
 import logging
 import resource
+import socket
 from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Callable, ClassVar
@@ -39,6 +40,7 @@ class ConnectionLimits:
     body_timeout_s: float = 60.0  # from the headers to the body's last byte
     write_timeout_s: float = 30.0  # one response write blocked on a client that does not read
     max_connections: int = 0  # 0: from the open-file limit (default_max_connections)
+    send_buffer_kb: int = 0  # the kernel's send buffer of a connection (0: its own, autotuned)
 
     def __post_init__(self) -> None:
         if min(self.header_timeout_s, self.body_timeout_s, self.write_timeout_s) <= 0:
@@ -46,6 +48,8 @@ class ConnectionLimits:
                              "> 0 seconds")
         if self.max_connections < 0:
             raise ValueError(f"--max-connections must be >= 0, got {self.max_connections}")
+        if self.send_buffer_kb < 0:
+            raise ValueError(f"--socket-send-buffer-kb must be >= 0, got {self.send_buffer_kb}")
 
     @property
     def connection_cap(self) -> int:
@@ -87,6 +91,11 @@ class GuardedProtocol(HttpToolsProtocol):
     # ---- a request's headers and body ----------------------------------------------------
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        if self.limits.send_buffer_kb:
+            # Linux autotunes a send buffer up to 4 MB: that much of a stream can wait in the
+            # kernel for a client that does not read before a write blocks at all.
+            sock = transport.get_extra_info("socket")
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.limits.send_buffer_kb << 10)
         # Judged once, as it opens: a connection let in keeps serving however many come later.
         self._refused = len(self.connections) > self.cap
         self._arm(self.limits.header_timeout_s, self._headers_late)
