@@ -107,7 +107,7 @@ async def _slowloris(port: int, count: int, hold_s: float) -> str:
     for _ in range(count):
         try:
             reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        except OSError as exc:
+        except OSError:
             break
         writer.write(b"POST /v1/chat/completions HTTP/1.1\r\n")
         writers.append((reader, writer))

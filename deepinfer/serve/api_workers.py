@@ -121,7 +121,7 @@ async def start_workers(args: argparse.Namespace, model_dir: str, client: Engine
     settings = dict(config=client.config, num_ranks=client.num_ranks,
                     routing=client.router.policy, health=client.health,
                     stream_interval=client.stream_interval, api_servers=client.api_servers,
-                    ipc_dir=client.ipc_dir)
+                    ipc_dir=client.ipc_dir, stream_backlog=client.stream_backlog)
     workers, started = [], []
     for k in range(1, client.api_servers):
         started.append(spawn.Event())
@@ -140,12 +140,14 @@ async def start_workers(args: argparse.Namespace, model_dir: str, client: Engine
     return workers
 
 
-async def stop_workers(workers: list[mp.process.BaseProcess]) -> None:
+async def stop_workers(workers: list[mp.process.BaseProcess], timeout_s: float = 10.0) -> None:
+    """SIGTERM each (it drains its requests and stops: serve/shutdown.py), killed after
+    `timeout_s`."""
     for process in workers:
         if process.is_alive():
-            process.terminate()  # SIGTERM: uvicorn drains its connections and stops
+            process.terminate()
     for process in workers:
-        await asyncio.to_thread(process.join, 10)
+        await asyncio.to_thread(process.join, timeout_s)
         if process.is_alive():
             process.kill()
             await asyncio.to_thread(process.join, 5)

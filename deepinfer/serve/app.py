@@ -10,6 +10,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from deepinfer.serve.chat import ChatFormat
 from deepinfer.serve.engine_client import EngineClient, RankView
@@ -20,6 +21,7 @@ from deepinfer.serve.limits import RequestLimits
 from deepinfer.serve.metrics import ServerMetrics
 from deepinfer.serve.protocol import (ChatCompletionRequest, CompletionRequest,
                                       DetokenizeRequest, TokenizeRequest)
+from deepinfer.serve.shutdown import AdmissionMiddleware, Drain
 
 
 @dataclass
@@ -39,6 +41,8 @@ class ServerState:
     metrics_public: bool = False  # with an API key: /metrics still open
     chat_format: ChatFormat | None = None  # None: found from model_dir once, here
     trust_remote_code: bool = False  # the model folder's own Python may run (encoding.py)
+    large_bodies: Any = None  # a LargeBodyParser (serve/body_parse.py); None: all on the loop
+    drain: Drain | None = None  # admission while the server stops (serve/shutdown.py)
 
     def __post_init__(self) -> None:
         if self.chat_format is None:
@@ -71,6 +75,13 @@ def create_app(state: ServerState) -> FastAPI:
             state.metrics.bad_requests.labels(state.model_name).inc()
         return error_response(http_error_message(exc), exc.status_code)
 
+    @app.exception_handler(ClientDisconnect)
+    async def _gone(_: Request, exc: ClientDisconnect) -> JSONResponse:
+        # The client left while its body was read (or the body came too slowly and the
+        # connection was closed): nobody reads this answer, but a handled error is not logged
+        # as a crash.
+        return error_response("client disconnected", 499)
+
     @app.exception_handler(Exception)
     async def _internal(_: Request, exc: Exception) -> JSONResponse:
         return error_response(f"internal error: {type(exc).__name__}", 500)
@@ -80,6 +91,8 @@ def create_app(state: ServerState) -> FastAPI:
         app.add_middleware(APIKeyMiddleware, api_key=state.api_key,
                            open_paths=OPEN_PATHS | (METRICS_PATHS if state.metrics_public
                                                     else frozenset()))
+    if state.drain is not None:  # outermost: a stopping server answers everyone alike
+        app.add_middleware(AdmissionMiddleware, drain=state.drain)
 
     @app.post("/v1/chat/completions")
     async def _chat(request: Request,

@@ -20,6 +20,8 @@ from typing import Any, NoReturn, Sequence, TypeAlias
 
 from deepinfer.core.config import (EngineConfig, EngineOption, engine_config_from_options,
                                    engine_options, torchrun_parallel)
+from deepinfer.serve.connections import ConnectionLimits
+from deepinfer.serve.inbox import DEFAULT_STREAM_BACKLOG
 from deepinfer.serve.limits import RequestLimits
 from deepinfer.serve.rank_health import RankHealthConfig
 from deepinfer.serve.stream_pacing import DEFAULT_STREAM_INTERVAL
@@ -65,6 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     _engine_args(p.add_argument_group("engine"))
     _parallel_args(p.add_argument_group("parallel"))
     _limit_args(p.add_argument_group("request limits"))
+    _connection_args(p.add_argument_group("connections"))
     _health_args(p.add_argument_group("rank health"))
     _tokenizer_args(p.add_argument_group("prompt tokenizer"))
     p.add_argument("--log-level", default="info", type=str.lower,
@@ -189,6 +192,45 @@ def _limit_args(p: Flags) -> None:
                         "first constrained request)")
 
 
+DEFAULT_LARGE_BODY_KB = 256
+DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
+
+
+def _connection_args(p: Flags) -> None:
+    p.add_argument("--header-timeout", type=float, default=ConnectionLimits.header_timeout_s,
+                   help="seconds a connection has to send a request's headers (from its "
+                        "accept, or a keep-alive request's first byte); then it is closed")
+    p.add_argument("--body-timeout", type=float, default=ConnectionLimits.body_timeout_s,
+                   help="seconds a request's body may take after its headers; then it is "
+                        "answered 408 and the connection closed")
+    p.add_argument("--write-timeout", type=float, default=ConnectionLimits.write_timeout_s,
+                   help="seconds one response write may wait on a client that does not read "
+                        "(the socket's buffers full); then the connection is dropped and its "
+                        "request aborted")
+    p.add_argument("--max-connections", type=int, default=ConnectionLimits.max_connections,
+                   help="open connections per API process; more are answered 503 with "
+                        "Retry-After and closed (0: the open-file limit less 256)")
+    p.add_argument("--socket-send-buffer-kb", type=int, default=ConnectionLimits.send_buffer_kb,
+                   help="the kernel's send buffer of each connection (SO_SNDBUF; 0: the "
+                        "kernel's, autotuned up to net.ipv4.tcp_wmem's maximum): what of a "
+                        "response can wait in the kernel for a client that does not read")
+    p.add_argument("--max-stream-backlog", type=int, default=DEFAULT_STREAM_BACKLOG,
+                   help="deltas a sample's stream may leave unread (its client not reading) "
+                        "before the request is aborted on its rank")
+    p.add_argument("--large-body-kb", type=float, default=DEFAULT_LARGE_BODY_KB,
+                   help="request bodies of at least this many KiB are parsed and validated in "
+                        "a worker process, off the event loop")
+    p.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT_S,
+                   help="on SIGTERM/SIGINT: seconds requests in flight may go on (new ones "
+                        "get 503); then streams end with an error event and [DONE], other "
+                        "requests with 503")
+
+
+def connection_limits(args: argparse.Namespace) -> ConnectionLimits:
+    return ConnectionLimits(args.header_timeout, args.body_timeout, args.write_timeout,
+                            args.max_connections, args.socket_send_buffer_kb)
+
+
 def _health_args(p: Flags) -> None:
     p.add_argument("--rank-unhealthy-after", type=float,
                    default=RankHealthConfig.unhealthy_after_s,
@@ -264,7 +306,8 @@ async def serve(args: argparse.Namespace, model_dir: str, listener: socket.socke
     import_transformers()  # torch-free, before the tokenizer's thread and the ranks start
     client = EngineClient(engine_config(args, model_dir), args.dp, routing=args.routing,
                           health=rank_health(args), stream_interval=args.stream_interval,
-                          api_servers=args.api_server_count)
+                          api_servers=args.api_server_count,
+                          stream_backlog=args.max_stream_backlog)
     # The tokenizer loads and probes its backends (seconds) while the ranks start (longer):
     # this process only waits on them meanwhile.
     loading = asyncio.ensure_future(asyncio.to_thread(load_tokenizers, args, model_dir))
@@ -282,14 +325,22 @@ async def serve(args: argparse.Namespace, model_dir: str, listener: socket.socke
         if workers:
             log.info("%d API processes serve port %d", len(workers) + 1, args.port)
         _stop_if_any_exits(workers)
-        await serve_http(args, model_dir, client, ready, tokenizer, prompt_tokenizer, listener)
+        await serve_http(args, model_dir, client, ready, tokenizer, prompt_tokenizer, listener,
+                         on_stop=lambda: _stop_with(workers))
     finally:
         listener.close()
-        for process in workers:
-            asyncio.get_running_loop().remove_reader(process.sentinel)  # stopped on purpose
-        await stop_workers(workers)
+        _stop_with(workers)
+        await stop_workers(workers, http_stop_time(args))
         await client.shutdown()
         await _close_tokenizers(loading)
+
+
+def _stop_with(workers: list) -> None:
+    """The other API processes drain and stop along with this one (SIGTERM)."""
+    for process in workers:
+        asyncio.get_running_loop().remove_reader(process.sentinel)  # stopped on purpose
+        if process.is_alive():
+            process.terminate()
 
 
 def _stop_if_any_exits(workers: list) -> None:
@@ -308,13 +359,19 @@ def _stop_if_any_exits(workers: list) -> None:
 
 async def serve_http(args: argparse.Namespace, model_dir: str, client, ready: list,
                      tokenizer, prompt_tokenizer, listener: socket.socket,
-                     observes_engine: bool = True) -> None:
-    """This API process's app on the listening socket until a signal stops it."""
+                     observes_engine: bool = True,
+                     on_stop: Callable[[], None] = lambda: None) -> None:
+    """This API process's app on the listening socket until a signal stops it (then it
+    drains: serve/shutdown.py; `on_stop` runs as the drain begins)."""
     import time
 
     import uvicorn
 
     from deepinfer.serve.app import ServerState, create_app
+    from deepinfer.serve.body_parse import LargeBodyParser
+    from deepinfer.serve.connections import guarded_protocol
+    from deepinfer.serve.inbox import RequestAborted
+    from deepinfer.serve.shutdown import Drain, GracefulServer
     from deepinfer.serve.heap import freeze_startup_heap
     from deepinfer.serve.metrics import ServerMetrics
     from deepinfer.serve.moe_metrics import MoECollector
@@ -332,12 +389,22 @@ async def serve_http(args: argparse.Namespace, model_dir: str, client, ready: li
                         sampling_defaults=sampling_defaults(args, model_dir),
                         metrics_public=args.metrics_public,
                         trust_remote_code=args.trust_remote_code,
-                        grammars=grammar_pool(args, model_dir, ready[0]))
+                        grammars=grammar_pool(args, model_dir, ready[0]),
+                        large_bodies=LargeBodyParser(int(args.large_body_kb * 1024),
+                                                     ready[0].max_model_len),
+                        drain=Drain(args.shutdown_timeout))
     if observes_engine:  # once per server, not once per API process
         log.info(state.chat_format.describe(model_dir))
+    limits = connection_limits(args)
+    # uvicorn's own shutdown runs after the drain (serve/shutdown.py): its timeout only has
+    # to outlast a write or a body that is still blocked.
     config = uvicorn.Config(create_app(state), host=args.host, port=args.port,
-                            log_level=args.log_level, timeout_graceful_shutdown=5,
+                            log_level=args.log_level, ws="none",
+                            http=guarded_protocol(limits, metrics.connection_closed),
+                            timeout_graceful_shutdown=_http_stop_grace(limits),
                             timeout_keep_alive=args.timeout_keep_alive)
+    server = GracefulServer(config, state.drain, lambda: client.end_requests(
+        RequestAborted("the server is shutting down", 503)), on_stop)
     # uvicorn handles SIGINT/SIGTERM while it serves, then restores the previous handlers
     # and re-raises the signal; with the default handlers that kills the process before
     # the caller's `finally` can stop the ranks (orphaned ranks, leaked IPC folder).
@@ -347,11 +414,25 @@ async def serve_http(args: argparse.Namespace, model_dir: str, client, ready: li
         if metrics.multiprocess and observes_engine else None
     freeze_startup_heap()
     try:
-        await uvicorn.Server(config).serve(sockets=[listener])
+        await server.serve(sockets=[listener])
     finally:
         if refresh is not None:
             refresh.cancel()
         await state.grammars.close()
+        await asyncio.to_thread(state.large_bodies.close)
+
+
+def _http_stop_grace(limits: ConnectionLimits) -> float:
+    """uvicorn's wait, after the drain, for a response write or a body still blocked."""
+    return max(limits.write_timeout_s, limits.body_timeout_s) + 1.0
+
+
+def http_stop_time(args: argparse.Namespace) -> float:
+    """The longest an API process's stop may take: the drain, its grace for the requests it
+    ended, then uvicorn's own wait."""
+    from deepinfer.serve.shutdown import END_GRACE_S
+
+    return args.shutdown_timeout + END_GRACE_S + _http_stop_grace(connection_limits(args))
 
 
 async def _refresh_engine_metrics(metrics, client) -> None:

@@ -32,7 +32,7 @@ from deepinfer.core.config import EngineConfig, accelerator_from_env
 from deepinfer.serve.router import Route, Router
 from deepinfer.core.sampling import SamplingParams
 from deepinfer.models.registry import has_experts
-from deepinfer.serve.inbox import Inbox, coalesce
+from deepinfer.serve.inbox import DEFAULT_STREAM_BACKLOG, Inbox, RequestAborted, coalesce
 from deepinfer.serve.rank_entry import RankSpec, run_rank
 from deepinfer.serve.ipc import (AbortRequest, AddRequest, Control, ControlReply, EngineStats,
                                  ExpertStats, Failed, Heartbeat, RankEvent, Ready, StepResult,
@@ -55,8 +55,11 @@ class EngineClient:
     def __init__(self, config: EngineConfig, num_ranks: int = 1,
                  routing: str = "affinity", health: RankHealthConfig | None = None,
                  stream_interval: int = DEFAULT_STREAM_INTERVAL, api_servers: int = 1,
-                 client_id: int = 0, ipc_dir: str | None = None) -> None:
+                 client_id: int = 0, ipc_dir: str | None = None,
+                 stream_backlog: int = DEFAULT_STREAM_BACKLOG) -> None:
         self.config = config
+        self.stream_backlog = stream_backlog
+        self._ended: Exception | None = None  # set by end_requests: the server is stopping
         self.num_ranks = num_ranks
         self.stream_interval = stream_interval
         self.health = health or RankHealthConfig()
@@ -407,9 +410,11 @@ class EngineClient:
         if route is None:
             route = self.route(route_key, len(prompt_token_ids))
         rank = route.rank
-        queue = Inbox()
+        queue = Inbox(self.stream_backlog * params.n)
         finished = 0
         try:
+            if self._ended is not None:
+                raise self._ended
             if not self.router.alive[rank]:
                 raise RankDiedError(rank, self._ranks[rank].process.exitcode)
             self._queues[request_id] = queue
@@ -430,6 +435,24 @@ class EngineClient:
             route.release()
             if finished < params.n and not self._ranks[rank].state.gone:
                 await self._send(rank, AbortRequest(request_id), missing_ok=True)
+
+    def end_requests(self, error: Exception) -> None:
+        """End every request in flight, and every later one, with `error` (the server is
+        stopping); each is aborted on its rank as its stream ends."""
+        self._ended = error
+        for queue in self._queues.values():
+            queue.put_nowait(error)
+
+    def _shed(self, request_id: str, queue: Inbox) -> None:
+        """A stream that left more than its bound of deltas unread (its client does not read):
+        aborted on its rank now, its deltas dropped, and the error left for its stream.
+        (Its generate sends the rank a second abort as it ends: a no-op there.)"""
+        rank = self._owner.pop(request_id)
+        del self._queues[request_id]
+        queue.fail(RequestAborted(
+            f"the stream was aborted: its client left more than {queue.limit} events unread "
+            "(--max-stream-backlog)", 408))
+        self._background(self._send(rank, AbortRequest(request_id), missing_ok=True))
 
     async def control(self, command: str) -> list[object]:
         """Send a command to every live rank and gather the replies (None from a rank that
@@ -500,8 +523,8 @@ class EngineClient:
             self._ranks[result.rank].stats = result.stats
         for delta in result.deltas:
             queue = self._queues.get(delta.request_id)
-            if queue is not None:
-                queue.put_nowait(delta)
+            if queue is not None and not queue.put_nowait(delta):
+                self._shed(delta.request_id, queue)
         for error in result.errors:
             queue = self._queues.get(error.request_id)
             if queue is not None:

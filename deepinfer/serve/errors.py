@@ -23,12 +23,18 @@ def _default_type(status: int) -> str:
         return "ClientClosedRequest" if status == 499 else "error"
 
 
-def error_response(message: str, status: int = 400, param: str | None = None,
-                   err_type: str | None = None) -> JSONResponse:
+def error_body(message: str, status: int = 400, param: str | None = None,
+               err_type: str | None = None) -> dict:
     err = APIError(message, status, param, err_type)
-    body = {"error": {"message": err.message, "type": err.err_type, "param": err.param,
+    return {"error": {"message": err.message, "type": err.err_type, "param": err.param,
                       "code": status}}
-    return JSONResponse(body, status_code=status)
+
+
+def error_response(message: str, status: int = 400, param: str | None = None,
+                   err_type: str | None = None,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, status, param, err_type), status_code=status,
+                        headers=headers)
 
 
 def validation_message(errors: list[dict]) -> tuple[str, str | None]:

@@ -1,6 +1,7 @@
 """Running one engine request for the API: collect deltas, time them, and check limits."""
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
@@ -10,6 +11,7 @@ from deepinfer.serve.router import NoLiveRankError, Route
 from deepinfer.core.sampling import SamplingParams
 from deepinfer.serve.engine_client import EngineClient, EngineRequestError, RankDiedError
 from deepinfer.serve.errors import APIError
+from deepinfer.serve.inbox import RequestAborted
 from deepinfer.serve.ipc import TokenDelta
 from deepinfer.serve.metrics import ServerMetrics
 
@@ -99,8 +101,10 @@ async def stream_generation(client: EngineClient, metrics: ServerMetrics, reques
                             grammar: str | None = None
                             ) -> AsyncIterator[tuple[TokenDelta, Choice]]:
     """Yield (delta, its choice) from the routed rank; record metrics once the whole
-    generation is over. A rank that dies ends it with a 503. `final_only`: a non-streaming
-    response; `grammar`: the constraint compiled (EngineClient.generate)."""
+    generation is over, or as it is aborted: by the server (RequestAborted) or by its client
+    leaving (the consumer closes or cancels this generator). A rank that dies ends it with a
+    503; requests that fail are not recorded. `final_only`: a non-streaming response;
+    `grammar`: the constraint compiled (EngineClient.generate)."""
     try:
         async for delta in client.generate(request_id, prompt_ids, params, prefix_cache,
                                            route=route, final_only=final_only,
@@ -110,8 +114,20 @@ async def stream_generation(client: EngineClient, metrics: ServerMetrics, reques
         raise APIError(str(exc), status=exc.status) from exc
     except RankDiedError as exc:
         raise APIError(str(exc), status=503) from exc
-    reasons = [c.finish_reason or "abort" for c in gen.choices]
-    metrics.observe_request(reasons[0], len(prompt_ids), gen.num_output_tokens,
+    except RequestAborted as exc:
+        _observe(metrics, gen)
+        raise APIError(str(exc), status=exc.status) from exc
+    except (GeneratorExit, asyncio.CancelledError):
+        _observe(metrics, gen)
+        raise
+    _observe(metrics, gen)
+
+
+def _observe(metrics: ServerMetrics, gen: Generation) -> None:
+    """Record a generation that ended: "abort" if any sample had no end of its own."""
+    ended = all(c.finish_reason is not None for c in gen.choices)
+    metrics.observe_request(gen.choices[0].finish_reason if ended else "abort",
+                            len(gen.prompt_token_ids), gen.num_output_tokens,
                             None if gen.first_token is None else gen.first_token - gen.start,
                             gen.itls, time.monotonic() - gen.start)
 

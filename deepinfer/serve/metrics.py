@@ -30,9 +30,11 @@ _HICACHE_TOTALS = (
     ("load_seconds", "Seconds spent copying host to device"),
     ("store_seconds", "Seconds spent copying device to host"),
 )
-# The finish reasons a recorded generation can have (serve/generation.py: "abort" for a choice
-# that ended without one); failed requests raise before they are recorded.
+# The finish reasons a recorded generation can have (serve/generation.py: "abort" for one the
+# client left or the server aborted before its end); failed requests are not recorded.
 _FINISH_REASONS = ("stop", "length", "abort")
+# Why the server closed a connection early (serve/connections.py).
+_CLOSE_REASONS = ("header_timeout", "body_timeout", "write_timeout", "over_capacity")
 # Speculative decoding running totals (EngineStats.spec_<name>), as vLLM's spec_decode series.
 _SPEC_TOTALS = (
     ("drafts", "num_drafts", "Decode steps of a sequence that verified drafts"),
@@ -94,6 +96,10 @@ class ServerMetrics:
         self._seen: dict[tuple[int, str], float] = {}
         self.bad_requests = Counter("deepinfer:bad_requests", "Requests answered with 400",
                                     labels, registry=r)
+        self.closed_connections = Counter(
+            "deepinfer:http_connections_closed", "Connections the server closed early, by "
+            "reason: request headers or body too slow, a response write blocked on a client "
+            "that does not read, or over --max-connections", labels + ["reason"], registry=r)
         self.spec = {name: Counter(f"deepinfer:spec_decode_{series}", doc, labels, registry=r)
                      for name, series, doc in _SPEC_TOTALS}
         self.spec_per_position = Counter(
@@ -109,6 +115,8 @@ class ServerMetrics:
         m = self.model_name
         for reason in _FINISH_REASONS:
             self.requests.labels(m, reason)
+        for reason in _CLOSE_REASONS:
+            self.closed_connections.labels(m, reason)
         for metric in (self.prompt_tokens, self.generation_tokens, self.ttft, self.itl,
                        self.e2e, self.prefix_queries, self.prefix_hits, self.preemptions,
                        self.bad_requests):
@@ -173,6 +181,9 @@ class ServerMetrics:
         for gap in itls:
             itl.observe(gap)
         self.e2e.labels(m).observe(e2e)
+
+    def connection_closed(self, reason: str) -> None:
+        self.closed_connections.labels(self.model_name, reason).inc()
 
     def render(self) -> bytes:
         if not self.multiprocess:

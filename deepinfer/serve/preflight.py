@@ -17,7 +17,7 @@ class PreflightError(Exception):
 
 def check_args(args: argparse.Namespace) -> None:
     """Everything that can be known wrong from the flags alone."""
-    from deepinfer.serve.cli import engine_config, rank_health, request_limits
+    from deepinfer.serve.cli import connection_limits, engine_config, rank_health, request_limits
 
     if args.dp < 1:
         raise PreflightError(f"--dp must be >= 1, got {args.dp}")
@@ -32,10 +32,12 @@ def check_args(args: argparse.Namespace) -> None:
     if not args.timeout_keep_alive > 0:
         raise PreflightError(f"--timeout-keep-alive must be > 0 seconds, got "
                              f"{args.timeout_keep_alive}")
+    check_connection_args(args)
     try:
         engine_config(args, args.model or ".")
         request_limits(args)
         rank_health(args)
+        connection_limits(args)
     except ValueError as exc:
         raise PreflightError(str(exc)) from exc
     check_model_path(args.model)
@@ -66,6 +68,16 @@ def api_key(args: argparse.Namespace, argv: list[str]) -> str | None:
     if not key:
         raise PreflightError(f"--api-key-file {args.api_key_file}: the first line is empty")
     return key
+
+
+def check_connection_args(args: argparse.Namespace) -> None:
+    if args.max_stream_backlog < 1:
+        raise PreflightError(f"--max-stream-backlog must be >= 1, got {args.max_stream_backlog}")
+    if not args.large_body_kb > 0:
+        raise PreflightError(f"--large-body-kb must be > 0, got {args.large_body_kb}")
+    if args.shutdown_timeout < 0:
+        raise PreflightError(f"--shutdown-timeout must be >= 0 seconds, got "
+                             f"{args.shutdown_timeout}")
 
 
 def check_rank_env(args: argparse.Namespace) -> None:

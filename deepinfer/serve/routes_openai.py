@@ -254,10 +254,17 @@ async def _chat_chunks(state, rid: str, gen: Generation, stream: AsyncIterator,
             if delta.finished:
                 yield _final_chat_chunk(chunk, c, forced, tool_names, sent[c.index])
     except APIError as exc:
-        yield event({"error": {"message": exc.message, "type": exc.err_type, "code": exc.status}})
+        yield _error_event(exc)
         return
     # One write for the usage chunk and [DONE]: a socket send each is most of a chunk's cost.
     yield (events.usage(usage([gen])) if include_usage else "") + DONE
+
+
+def _error_event(exc: APIError) -> str:
+    """A stream's end when it fails: the error, then [DONE] as after any end (clients stop
+    reading at [DONE])."""
+    return event({"error": {"message": exc.message, "type": exc.err_type,
+                            "code": exc.status}}) + DONE
 
 
 def _final_chat_chunk(chunk, c: Choice, forced: str, tool_names: set[str] | None,
@@ -358,7 +365,7 @@ async def _completion_chunks(state, rid: str, gens: list[Generation], streams: l
                               _completion_logprobs(state, delta.logprobs) if want_logprobs
                               else None)
     except APIError as exc:
-        yield event({"error": {"message": exc.message, "type": exc.err_type, "code": exc.status}})
+        yield _error_event(exc)
         return
     yield (events.usage(usage(gens)) if include_usage else "") + DONE
 
