@@ -79,7 +79,7 @@ async def _request(port: int, path: str, body: bytes, timeout: float) -> str:
 
 
 async def _unread_streams(port: int, count: int, hold_s: float) -> str:
-    body = json.dumps({**PROBE, "max_tokens": 2000, "ignore_eos": True}).encode()
+    body = json.dumps({**PROBE, "max_tokens": 4000, "ignore_eos": True}).encode()
     writers = []
     for _ in range(count):
         # A small receive buffer: the kernel would otherwise read megabytes on its behalf.
@@ -191,6 +191,7 @@ def main() -> int:
     burners: list[subprocess.Popen] = []
     try:
         wait_healthy(server, f"http://127.0.0.1:{port}", log_path)
+        asyncio.run(probe_latencies(f"http://127.0.0.1:{port}", 3.0))  # warm: first requests
         burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
                    for _ in range(args.burners)]
         cases = []

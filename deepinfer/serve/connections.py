@@ -40,7 +40,10 @@ class ConnectionLimits:
     body_timeout_s: float = 60.0  # from the headers to the body's last byte
     write_timeout_s: float = 30.0  # one response write blocked on a client that does not read
     max_connections: int = 0  # 0: from the open-file limit (default_max_connections)
-    send_buffer_kb: int = 0  # the kernel's send buffer of a connection (0: its own, autotuned)
+    # The kernel's send buffer of a connection (0: its own, autotuned to megabytes): what a
+    # client that stops reading holds before a write waits and write_timeout_s starts. An SSE
+    # stream moves kilobytes a second, far below what 256 KiB carries at any round-trip time.
+    send_buffer_kb: int = 256
 
     def __post_init__(self) -> None:
         if min(self.header_timeout_s, self.body_timeout_s, self.write_timeout_s) <= 0:
