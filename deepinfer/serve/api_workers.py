@@ -63,7 +63,10 @@ class AttachedEngineClient(EngineClient):
         state = RankState(event.state)
         r.process = RemoteProcess(event.pid, event.exitcode, state is not RankState.DEAD)
         r.restarts, r.kill_reason = event.restarts, event.reason
-        if state is RankState.DEAD and r.state is not RankState.DEAD:
+        # A serving rank that starts again without dying left its step in a regroup.
+        if state is RankState.DEAD and r.state is not RankState.DEAD or \
+                state is RankState.STARTING and r.state in (RankState.SERVING,
+                                                            RankState.UNHEALTHY):
             error = RankDiedError(event.rank, event.exitcode, event.reason)
             self._own_lost[event.rank] += self._fail_requests(event.rank, error)
         r.lost_requests = event.lost_requests + self._own_lost[event.rank]

@@ -159,6 +159,18 @@ class Ready:
 
 
 @dataclass(frozen=True)
+class Regroup:
+    """To the surviving ranks of an expert-parallel group that lost a rank: drop every request
+    (the API process failed them), leave the old torch.distributed group and join a new one
+    with the replacement at `master_port`, taking `placement_from`'s expert placement; then
+    report Ready again. The model and the KV pool stay."""
+
+    master_port: int
+    placement_from: int
+    timeout_s: float  # the new group's: the replacement joins after its backoff and start
+
+
+@dataclass(frozen=True)
 class RankEvent:
     """What became of a rank, from API process 0 (which alone starts and watches the ranks)
     to the other API processes (--api-server-count); also their start-up snapshot."""

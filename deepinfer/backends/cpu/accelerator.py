@@ -41,6 +41,9 @@ class CPUAccelerator(Accelerator):
         torch.set_num_threads(threads)
         self.runner.ops.parallel = parallel  # MoE layers spread their experts over the ranks
 
+    def rebind_group(self, parallel: ParallelContext) -> None:
+        self.runner.rebind_group(parallel)  # start-up made no collective beyond the runtime's
+
     def configure(self, config: EngineConfig) -> None:
         self.runner.seed = config.seed
         self.runner.num_speculative_tokens = config.scheduler.num_speculative_tokens

@@ -95,6 +95,19 @@ class CUDAAccelerator(Accelerator):
             torch.cuda.set_device(self.device)
             self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
 
+    def rebind_group(self, parallel: ParallelContext) -> None:
+        # The replacement rank warms up and captures its graphs as it starts, running the MoE
+        # exchange in both: this rank runs them with it, in the same order. Its own graphs
+        # held the old group's communicator, so they are captured again.
+        self.parallel = parallel
+        self.runner.rebind_group(parallel)
+        self.graphs = self.prefill_graphs = None
+        block_size = self.cache.block_size
+        if self.on_gpu:
+            self.warm_up(block_size)
+            if not self.enforce_eager and self.graphable:
+                self.capture_graphs(block_size)
+
     def configure(self, config: EngineConfig) -> None:
         self.max_num_batched_tokens = config.scheduler.max_num_batched_tokens
         self.max_num_seqs = config.scheduler.max_num_seqs
