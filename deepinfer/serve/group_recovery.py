@@ -15,8 +15,6 @@ import asyncio
 import logging
 from dataclasses import dataclass, field
 
-import zmq
-
 from deepinfer.serve.ipc import Ready, Regroup
 from deepinfer.serve.rank_health import RankState
 from deepinfer.serve.ranks import RankDiedError
@@ -65,11 +63,8 @@ class GroupRecovery:
         # the new group's collectives, and this process as long for every Ready.
         timeout = self.health.backoff_s(self._ranks[lost].streak) + self.regroup_timeout_s
         message = Regroup(self.config.parallel.master_port, survivors[0], timeout)
-        for peer in survivors:
-            try:
-                self._ranks[peer].inbox.send_pyobj(message, flags=zmq.NOBLOCK)
-            except zmq.Again:
-                pass  # it is gone: its sentinel takes the group down
+        for peer in survivors:  # (one that is gone meanwhile: its sentinel takes it down)
+            self._background(self._send(peer, message, missing_ok=True))
         log.warning("expert-parallel group: ranks %s keep their model and wait for rank %d "
                     "in a new group (port %d)", survivors, lost, message.master_port)
         regrouping.restart = self._schedule_restart([lost], placement_from=survivors[0])
