@@ -118,7 +118,8 @@ class EngineClient(GroupRecovery):
         """A new group meets on a port picked afresh: the old group's may still be held (its
         store, sockets in TIME_WAIT). A port that was given is kept (several hosts: the other
         hosts' ranks come back to it)."""
-        self.config = _with_rendezvous(_without_port(self.config), self.num_ranks)
+        if self._auto_port:
+            self.config = _with_rendezvous(_without_port(self.config), self.num_ranks)
 
     def _spawn(self, rank: int, placement_from: int | None = None) -> _Rank:
         spawn = next(self._spawns)

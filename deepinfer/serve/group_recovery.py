@@ -54,8 +54,7 @@ class GroupRecovery:
         reason = f"left its step: its expert-parallel group lost rank {lost}, which {what}"
         for peer in survivors:
             self._leave_step(peer, reason)
-        if self._auto_port:  # the old group's port may still be held (see _fresh_port)
-            self._fresh_port()
+        self._fresh_port()
         loop = asyncio.get_running_loop()
         regrouping = Regrouping(lost, loop.time(), set(range(self.num_ranks)))
         self._regrouping = regrouping
@@ -125,6 +124,5 @@ class GroupRecovery:
             p.process.kill()
         if all(p.state is RankState.DEAD for p in self._ranks):
             failed, self._group_failed_start = self._group_failed_start, False
-            if self._auto_port:
-                self._fresh_port()
+            self._fresh_port()
             self._schedule_restart(list(range(self.num_ranks)), failed_start=failed)
