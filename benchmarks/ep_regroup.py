@@ -13,9 +13,11 @@ sent every 50 ms (each one waited for) and /health is read after each:
   Ready, which the API process measures; absent on servers that do not log it);
 - survivor_restarted: whether rank 0's pid changed.
 
+With --busy N, N processes spin on the CPU for the whole run (cores shared with other work).
 Writes results/ep_regroup.json (every repeat and the medians).
 
     python benchmarks/ep_regroup.py                       # 3 repeats, ~2 min on 2 cores
+    python benchmarks/ep_regroup.py --busy 2 --out benchmarks/results/ep_regroup_busy.json
     python benchmarks/ep_regroup.py --repeats 1 --out /tmp/ep.json
 """
 from __future__ import annotations
@@ -26,6 +28,7 @@ import re
 import shutil
 import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -50,6 +53,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3, help="fresh servers, one kill each")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for recovery")
     p.add_argument("--out", default=os.path.join(HERE, "results", "ep_regroup.json"))
+    p.add_argument("--busy", type=int, default=0, help="processes spinning on the CPU")
     p.add_argument("--note", default="")
     return p.parse_args(argv)
 
@@ -131,15 +135,23 @@ def run_once(ckpt: str, workdir: str, repeat: int, timeout: float) -> dict[str, 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    with tempfile.TemporaryDirectory(prefix="ep-regroup-") as workdir:
-        ckpt = make_moe_checkpoint(os.path.join(workdir, "tiny-moe"))
-        runs = [run_once(ckpt, workdir, i, args.timeout) for i in range(args.repeats)]
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
+                for _ in range(args.busy)]
+    try:
+        with tempfile.TemporaryDirectory(prefix="ep-regroup-") as workdir:
+            ckpt = make_moe_checkpoint(os.path.join(workdir, "tiny-moe"))
+            runs = [run_once(ckpt, workdir, i, args.timeout) for i in range(args.repeats)]
+    finally:
+        for spinner in spinners:
+            spinner.kill()
+            spinner.wait()
     keys = ("outage_s", "rank_start_s", "outage_minus_rank_start_s", "spawn_seen_s",
             "serving_seen_s", "cold_start_s")
     medians = {k: statistics.median(vals) for k in keys
                if (vals := [r[k] for r in runs if r.get(k) is not None])}
     out = {"machine": machine_environment(), "load_avg_1m": os.getloadavg()[0],
-           "note": args.note, "flags": SERVER_FLAGS, "runs": runs, "median": medians}
+           "note": args.note, "busy": args.busy, "flags": SERVER_FLAGS, "runs": runs,
+           "median": medians}
     log(f"median: {medians}; wrote {write_json(args.out, out)}")
     return 0
 
