@@ -58,6 +58,7 @@ def rejoin(engine: Engine, spec: RankSpec, regroup: Regroup, outbox: RankOutbox,
         pacer.drop(request_id)
         outbox.forget(request_id)
     lockstep = Lockstep()
-    log.info("rejoined the rank group on port %d after %.2f s, %d request(s) dropped",
-             regroup.master_port, time.monotonic() - started, len(dropped))
+    log.info("joined the new rank group on port %d after %.2f s (the replacement's start), "
+             "%d request(s) dropped", regroup.master_port, time.monotonic() - started,
+             len(dropped))
     return lockstep

@@ -547,10 +547,11 @@ def test_eplb_group_replaces_a_killed_rank_with_the_moved_placement(eplb, refere
     killed = time.monotonic()
     os.kill(before[0]["pid"], signal.SIGKILL)
     back = wait_until(lambda: (h := httpx.get(f"{eplb.url}/health", timeout=10)).status_code
-                      == 200 and h.json()["status"] == "ok" and h.json(), BACK_WITHIN_S,
-                      "the group to serve again")
+                      == 200 and (b := h.json())["ranks"][0]["pid"] != before[0]["pid"] and b,
+                      BACK_WITHIN_S, "the group to serve again with a new rank 0")
     recovered = time.monotonic() - killed
-    assert [r["pid"] == b["pid"] for r, b in zip(back["ranks"], before)] == [False, True]
+    assert back["status"] == "ok" and back["ranks"][1]["pid"] == before[1]["pid"]
+    assert [r["restarts"] - b["restarts"] for r, b in zip(back["ranks"], before)] == [1, 0]
     answers = _complete_all(eplb, PROMPTS, KEYS)
     assert [text for text, _, _ in answers] == reference
     print(f"\nEPLB group: serving again {recovered:.1f} s after rank 0 was killed")
