@@ -21,6 +21,7 @@ from deepinfer.serve.ranks import RankDiedError
 
 log = logging.getLogger("deepinfer.serve")
 LIVE = (RankState.SERVING, RankState.UNHEALTHY)
+READY_GRACE_S = 5.0  # past the survivors' own timeout, for their failure to reach us first
 
 
 @dataclass
@@ -61,16 +62,16 @@ class GroupRecovery:
         # The replacement's backoff and start, and then some: a survivor waits that long in
         # the new group's collectives, and this process as long for every Ready.
         timeout = self.health.backoff_s(self._ranks[lost].streak) + self.regroup_timeout_s
+        regrouping.restart = self._schedule_restart([lost], placement_from=survivors[0])
+        if regrouping.restart is None:  # not restarted (the limit): nobody to wait for
+            self._take_group_down(lost, what, False)
+            return
         message = Regroup(self.config.parallel.master_port, survivors[0], timeout)
         for peer in survivors:  # (one that is gone meanwhile: its sentinel takes it down)
             self._background(self._send(peer, message, missing_ok=True))
         log.warning("expert-parallel group: ranks %s keep their model and wait for rank %d "
                     "in a new group (port %d)", survivors, lost, message.master_port)
-        regrouping.restart = self._schedule_restart([lost], placement_from=survivors[0])
-        if regrouping.restart is None:  # not restarted (the limit): nobody to wait for
-            self._take_group_down(lost, what, False)
-            return
-        self._background(self._regroup_deadline(regrouping, timeout + 5.0))
+        self._background(self._regroup_deadline(regrouping, timeout + READY_GRACE_S))
 
     def _leave_step(self, peer: int, reason: str) -> None:
         """A survivor: its requests fail now (its step broke off with the dead rank's), and

@@ -366,6 +366,26 @@ def test_a_dead_rank_across_hosts_takes_its_group_down_and_it_restarts_as_one():
     asyncio.run(scenario())
 
 
+def test_another_api_process_fails_its_requests_on_a_survivor_that_regroups():
+    """--api-server-count: process 0's event that a serving rank starts again (same process:
+    a regroup) fails the other process's requests on it."""
+    from deepinfer.serve.api_workers import AttachedEngineClient
+    from deepinfer.serve.ipc import RankEvent
+
+    client = AttachedEngineClient(EngineConfig(ModelSpec("unused")), 2, client_id=1)
+    _made.append(client)
+    client._own_lost = [0, 0]
+    client._ranks = [_Rank(_Proc(1000 + rank), _Inbox(client, rank, []),
+                           state=RankState.SERVING) for rank in (0, 1)]
+    queue = asyncio.Queue()
+    client._queues["r0"], client._owner["r0"] = queue, 0
+    client._apply(RankEvent(0, "starting", 0, 1000, reason="left its step: its "
+                            "expert-parallel group lost rank 1, which was killed by SIGKILL"))
+    error = queue.get_nowait()
+    assert isinstance(error, RankDiedError) and "group lost rank 1" in str(error)
+    assert client.router.live_ranks() == [1] and client._ranks[0].lost_requests == 1
+
+
 @pytest.mark.parametrize("given_port", [0, 29611], ids=["regroup", "across-hosts"])
 def test_group_restarts_stop_at_the_limit(given_port):
     client, ports, _ = _group_client(given_port, max_restarts=1)
@@ -541,6 +561,7 @@ def test_killed_rank_fails_its_groups_requests_and_is_replaced_alone(dp2, refere
 def test_eplb_group_replaces_a_killed_rank_with_the_moved_placement(eplb, reference):
     """Rank 0 goes: its replacement takes rank 1's placement (EPLB moved experts since the
     start), and hosts the new group's store."""
+    _complete_all(eplb, PROMPTS, KEYS)  # tokens for the 1 s timer's rebalance
     wait_until(lambda: scrape(eplb.url).get("deepinfer:eplb_rebalances_total", 0) >= 1, 15,
                "an EPLB rebalance")
     before = httpx.get(f"{eplb.url}/health", timeout=10).json()["ranks"]
