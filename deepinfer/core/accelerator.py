@@ -43,6 +43,9 @@ class Capabilities:
     # step in flight (ModelBatch.from_last_step): the engine schedules and launches the next
     # step while this one runs (async scheduling).
     async_output: bool = False
+    # Implements rebind_group: an expert-parallel group that loses a rank is mended around the
+    # survivors (they keep their model); without it the whole group restarts.
+    rebind_group: bool = False
     # Activation dtypes the backend runs; a model asking for another is refused at load.
     dtypes: tuple[str, ...] = ("float32", "bfloat16")
 

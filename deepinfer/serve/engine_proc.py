@@ -140,7 +140,8 @@ def run_rank(spec: RankSpec) -> None:
 def _ready(engine: Engine, spec: RankSpec) -> Ready:
     host_pages = engine.hicache.layout.num_pages if engine.hicache is not None else 0
     return Ready(spec.rank, engine.kv.pool.num_usable + 1, engine.kv.block_size,
-                 engine.token_limit(), engine.accelerator.name, host_pages, _stats(engine))
+                 engine.token_limit(), engine.accelerator.name, host_pages, _stats(engine),
+                 engine.accelerator.capabilities.rebind_group)
 
 
 def _serve(engine: Engine, spec: RankSpec, inbox: zmq.Socket, outbox: RankOutbox,
@@ -159,8 +160,7 @@ def _serve(engine: Engine, spec: RankSpec, inbox: zmq.Socket, outbox: RankOutbox
             # A peer died mid-collective (or the group broke): the API process saw the death
             # and says what next, so no traceback.
             log.warning("rank group failed: %s: %s", type(exc).__name__, exc)
-            regroup = await_regroup(inbox, outbox, parent) \
-                if regroups(spec.config, spec.world_size) else None
+            regroup = await_regroup(inbox, outbox, parent) if _stays(engine, spec) else None
             if regroup is None:
                 log.error("rank group failed, exiting")
                 return True
@@ -172,6 +172,12 @@ def _serve(engine: Engine, spec: RankSpec, inbox: zmq.Socket, outbox: RankOutbox
             log.exception("could not rejoin the rank group, exiting")
             return True
         outbox.send(_ready(engine, spec))
+
+
+def _stays(engine: Engine, spec: RankSpec) -> bool:
+    """Whether this rank stays through a regroup when a peer is lost (else it exits)."""
+    return engine.accelerator.capabilities.rebind_group and \
+        regroups(spec.config, spec.world_size)
 
 
 def _start_engine(spec: RankSpec, registry) -> tuple[Engine, Lockstep | None]:

@@ -47,7 +47,7 @@ class GroupRecovery:
     def _can_regroup(self, rank: int, failed_start: bool) -> bool:
         if not self._regroups or failed_start or self._regrouping is not None:
             return False
-        return all(p.state in LIVE and not p.kill_reason
+        return all(p.state in LIVE and not p.kill_reason and p.ready.rebind_group
                    for peer, p in enumerate(self._ranks) if peer != rank)
 
     def _start_regroup(self, lost: int, what: str) -> None:

@@ -156,6 +156,7 @@ class Ready:
     accelerator: str
     hicache_pages: int = 0  # host-tier pages of block_size tokens (0: HiCache off)
     stats: EngineStats | None = None  # so an idle rank shows in the per-rank metrics at once
+    rebind_group: bool = False  # Capabilities.rebind_group: it can stay through a regroup
 
 
 @dataclass(frozen=True)

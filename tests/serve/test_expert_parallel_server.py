@@ -244,9 +244,13 @@ def _group_client(master_port: int, max_restarts: int = 5
 
     client._spawn, client._watch_exit = spawn, lambda rank: None
     client._ranks = [spawn(rank) for rank in range(2)]
-    for r in client._ranks:
-        r.state, r.serving_since = RankState.SERVING, 0.0
+    for rank, r in enumerate(client._ranks):
+        r.state, r.serving_since, r.ready = RankState.SERVING, 0.0, _ready_message(rank)
     return client, ports, sent
+
+
+def _ready_message(rank: int, rebind_group: bool = True) -> Ready:
+    return Ready(rank, 64, 16, 512, "fake", rebind_group=rebind_group)
 
 
 async def _lose(client: EngineClient, rank: int) -> None:
@@ -297,9 +301,9 @@ def test_a_dead_rank_of_a_one_host_group_is_replaced_alone():
         assert regroup[0].placement_from == 0 and len(ports) == 3
         assert client._ranks[0] is survivor and survivor.restarts == 0
         assert client._ranks[1].restarts == 1
-        client._on_ready(Ready(1, 64, 16, 512, "fake"))
+        client._on_ready(_ready_message(1))
         assert client.router.live_ranks() == []  # until every member is in the new group
-        client._on_ready(Ready(0, 64, 16, 512, "fake"))
+        client._on_ready(_ready_message(0))
         assert client.router.live_ranks() == [0, 1]
         assert all(r.state is RankState.SERVING for r in client._ranks)
 
@@ -320,7 +324,7 @@ def test_a_death_during_a_regroup_restarts_the_whole_group():
         assert all(r.state is RankState.STARTING for r in client._ranks)
         assert client._regrouping is None and ports[3] == ports[4] != ports[2]
         for rank in (0, 1):
-            client._on_ready(Ready(rank, 64, 16, 512, "fake"))
+            client._on_ready(_ready_message(rank))
         assert client.router.live_ranks() == [0, 1]
 
     asyncio.run(scenario())
@@ -332,10 +336,23 @@ def test_a_regroup_not_done_in_time_restarts_the_whole_group():
 
     async def scenario():
         await _lose(client, 1)
-        client._on_ready(Ready(1, 64, 16, 512, "fake"))  # the survivor never reports
+        client._on_ready(_ready_message(1))  # the survivor never reports
         await asyncio.sleep(0.2)
         await _settle(client)
         assert [r.restarts for r in client._ranks] == [1, 2]
+
+    asyncio.run(scenario())
+
+
+def test_a_backend_that_cannot_rebind_its_group_restarts_the_whole_group():
+    client, _, sent = _group_client(0)
+    client._ranks[0].ready = _ready_message(0, rebind_group=False)
+
+    async def scenario():
+        survivor = client._ranks[0]
+        await _lose(client, 1)
+        assert survivor.process.killed and not any(isinstance(m, Regroup) for _, m in sent)
+        assert [r.restarts for r in client._ranks] == [1, 1]
 
     asyncio.run(scenario())
 
@@ -360,7 +377,7 @@ def test_a_dead_rank_across_hosts_takes_its_group_down_and_it_restarts_as_one():
         assert all(r.state is RankState.STARTING and r.restarts == 1 for r in client._ranks)
         assert ports[2] == ports[3] == ports[0]  # the given port is kept
         for rank in (0, 1):
-            client._on_ready(Ready(rank, 64, 16, 512, "fake"))
+            client._on_ready(_ready_message(rank))
         assert client.router.live_ranks() == [0, 1]
 
     asyncio.run(scenario())
@@ -395,7 +412,7 @@ def test_group_restarts_stop_at_the_limit(given_port):
         restarted = [r.restarts for r in client._ranks]
         assert restarted == ([0, 1] if given_port == 0 else [1, 1])
         for rank in (0, 1):
-            client._on_ready(Ready(rank, 64, 16, 512, "fake"))
+            client._on_ready(_ready_message(rank))
         await _lose(client, 1)  # rank 1's second death in a row: the limit
         assert all(r.state is RankState.DEAD for r in client._ranks)
         assert client.router.live_ranks() == [] and client._regrouping is None

@@ -24,7 +24,8 @@ class CPUAccelerator(Accelerator):
     name = "cpu"
     capabilities = Capabilities(chunked_prefill=True, host_page_copy=True,
                                 host_copy_skips_null=True, speculative_decoding=True,
-                                async_output=True, dtypes=("float32", "bfloat16", "float16"))
+                                async_output=True, rebind_group=True,
+                                dtypes=("float32", "bfloat16", "float16"))
 
     def __init__(self) -> None:
         self.runner = TorchRunner("cpu", self.capabilities, CPUOps)

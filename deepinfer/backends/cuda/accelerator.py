@@ -51,7 +51,7 @@ class CUDAAccelerator(Accelerator):
     distributed_backend = "nccl"
     capabilities = Capabilities(chunked_prefill=True, host_page_copy=True,
                                 host_copy_skips_null=True, async_output=True,
-                                speculative_decoding=True,
+                                speculative_decoding=True, rebind_group=True,
                                 dtypes=("bfloat16", "float16", "float32"))
 
     def __init__(self, device: str | torch.device | None = None) -> None:
