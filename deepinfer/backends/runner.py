@@ -10,7 +10,7 @@ from typing import Any, Callable
 import torch
 
 from deepinfer.backends.paged_cache import PagedCache
-from deepinfer.core.accelerator import Capabilities, MemoryStats, ModelInfo
+from deepinfer.core.accelerator import Capabilities, MemoryStats, ModelInfo, ParallelContext
 from deepinfer.core.batch import SamplerOutput, SamplingRow
 from deepinfer.core.config import CacheConfig, ModelSpec
 from deepinfer.core.sampler import Sampler
@@ -172,6 +172,13 @@ class TorchRunner:
     def moe(self):
         """The model's ExpertRuntime, None for dense models."""
         return getattr(self.model, "moe", None)
+
+    def rebind_group(self, parallel: ParallelContext) -> None:
+        """The new group of a regroup, for everything that reads ops.parallel or holds the
+        group (the MoE runtime and its exchanges)."""
+        self.ops.parallel = parallel
+        if self.moe is not None:
+            self.moe.rebind(parallel)
 
     def expert_load(self) -> torch.Tensor | None:
         return None if self.moe is None else self.moe.expert_load()

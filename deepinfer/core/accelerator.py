@@ -47,6 +47,9 @@ class Capabilities:
     # sets prefill_beside_decodes: where a large chunk takes long next to a decode step (the
     # CPU), running streams would wait that long for each token while a prompt is prefilled.
     prefill_beside_decodes: int = 0
+    # Implements rebind_group: an expert-parallel group that loses a rank is mended around the
+    # survivors (they keep their model); without it the whole group restarts.
+    rebind_group: bool = False
     # Activation dtypes the backend runs; a model asking for another is refused at load.
     dtypes: tuple[str, ...] = ("float32", "bfloat16")
 
@@ -76,6 +79,10 @@ class ParallelContext:
     expert_parallel: bool = False
     # Extra expert slots beyond one per expert, for replicas of hot experts (EPLB).
     redundant_experts: int = 0
+    # A regroup (a rank of a running group was replaced): the rank whose expert placement
+    # every rank takes, as EPLB may have moved experts since the group started. None at a
+    # first start, where every rank begins from the same static placement.
+    placement_from: int | None = None
 
 
 @dataclass(frozen=True)
@@ -153,6 +160,15 @@ class Accelerator(ABC):
 
     def init_device(self, parallel: ParallelContext = ParallelContext()) -> None:
         """Per-rank environment and device setup (pinning, threads, visible devices)."""
+
+    def rebind_group(self, parallel: ParallelContext) -> None:
+        """Take a new process group of the same ranks, in place of the one init_device gave
+        (a peer rank died and was replaced; the old group is destroyed). The model, its
+        weights and the KV pool stay. It must make the same collective calls, in the same
+        order, as the replacement rank makes while it starts (init_device to
+        allocate_kv_cache). A backend that cannot keeps the default: the API process then
+        restarts the whole group."""
+        raise NotImplementedError(f"the {self.name} backend cannot take a new rank group")
 
     def configure(self, config: "EngineConfig") -> None:
         """Engine-wide settings, before load_model: the step limits (max_num_batched_tokens,

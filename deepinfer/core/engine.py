@@ -394,6 +394,20 @@ class Engine:
         if all(c not in self._samples for c in siblings):
             self._children.pop(sample.parent_id, None)
 
+    def rejoin_group(self, parallel: ParallelContext) -> int:
+        """Expert parallel, a peer rank was lost and replaced: every request ends (the API
+        process failed them when the peer died; their step broke off), the device's cached
+        pages go (a backend may run start-up steps over the pool again to match the new
+        rank's, see Accelerator.rebind_group), and the accelerator takes the new group. The
+        weights and the pool stay. Returns the ids of the requests dropped."""
+        dropped = list(self._children)
+        for request_id in dropped:
+            self.abort(request_id)
+        self._in_flight = None
+        self.kv.reset_prefix_cache()
+        self.accelerator.rebind_group(parallel)
+        return dropped
+
     def reset_prefix_cache(self) -> int:
         """Drop cached pages no request holds, on the device and in the host tier."""
         dropped = self.kv.reset_prefix_cache()

@@ -63,7 +63,10 @@ class AttachedEngineClient(EngineClient):
         state = RankState(event.state)
         r.process = RemoteProcess(event.pid, event.exitcode, not state.gone)
         r.restarts, r.kill_reason = event.restarts, event.reason
-        if state.gone and not r.state.gone:
+        # A serving rank that starts again without dying left its step in a regroup.
+        if state.gone and not r.state.gone or \
+                state is RankState.STARTING and r.state in (RankState.SERVING,
+                                                            RankState.UNHEALTHY):
             error = RankDiedError(event.rank, event.exitcode, event.reason)
             self._own_lost[event.rank] += self._fail_requests(event.rank, error)
         r.lost_requests = event.lost_requests + self._own_lost[event.rank]

@@ -8,9 +8,11 @@ sentinel is watched by the event loop: when a rank exits, its in-flight requests
 watchdog reads the ranks' heartbeats (serve/rank_health.py): a silent rank is routed around,
 and killed (then restarted) if it stays silent.
 
-Ranks in one expert-parallel group (lockstep, collectives in every MoE layer) live and die
-together: a rank that dies takes the group down (its peers are killed, every in-flight request
-fails, /health says 503), and the whole group restarts as one once every rank is gone.
+Ranks in one expert-parallel group (lockstep, collectives in every MoE layer) fail together:
+a rank that dies fails every in-flight request of the group and /health says 503. Only the dead
+rank is restarted: the survivors keep their model and KV pool and join a new torch.distributed
+group with the replacement (serve/group_recovery.py); where that cannot be done, the whole
+group is taken down and restarts as one.
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ import multiprocessing as mp
 import os
 import pickle
 import tempfile
+import time
 from typing import AsyncIterator, Callable, Mapping
 
 import zmq
@@ -32,8 +35,9 @@ from deepinfer.core.config import EngineConfig, accelerator_from_env
 from deepinfer.serve.router import Route, Router
 from deepinfer.core.sampling import SamplingParams
 from deepinfer.models.registry import has_experts
+from deepinfer.serve.group_recovery import GroupRecovery, Regrouping
 from deepinfer.serve.inbox import DEFAULT_STREAM_BACKLOG, Inbox, RequestAborted, coalesce
-from deepinfer.serve.rank_entry import RankSpec, run_rank
+from deepinfer.serve.rank_entry import RankSpec, regroups, run_rank
 from deepinfer.serve.ipc import (AbortRequest, AddRequest, Control, ControlReply, EngineStats,
                                  ExpertStats, Failed, Heartbeat, RankEvent, Ready, StepResult,
                                  TokenDelta)
@@ -51,7 +55,7 @@ RankEnv = Callable[[int, int, Mapping[str, str]], dict[str, str]]  # Accelerator
 log = logging.getLogger("deepinfer.serve")
 
 
-class EngineClient:
+class EngineClient(GroupRecovery):
     def __init__(self, config: EngineConfig, num_ranks: int = 1,
                  routing: str = "affinity", health: RankHealthConfig | None = None,
                  stream_interval: int = DEFAULT_STREAM_INTERVAL, api_servers: int = 1,
@@ -85,6 +89,9 @@ class EngineClient:
         self._group = False  # the ranks form one expert-parallel group (set by start)
         self._auto_port = False  # the group's rendezvous port was picked here, not given
         self._group_failed_start = False  # a rank of the group died while (re)starting
+        self._regroups = False  # a dead rank of the group is replaced alone (set by start)
+        self._regrouping: Regrouping | None = None  # the one in progress
+        self.regroup_timeout_s = START_TIMEOUT_S  # a replacement's start, as a first start's
         self._envs: list[dict[str, str]] = [{} for _ in range(num_ranks)]  # set by start
 
     # ---- lifecycle -----------------------------------------------------------------------
@@ -109,8 +116,16 @@ class EngineClient:
         self.config = _with_rendezvous(self.config, self.num_ranks)
         parallel = self.config.parallel
         self._group = parallel.ep and parallel.world_size > 1
+        self._regroups = regroups(self.config, self.num_ranks)
 
-    def _spawn(self, rank: int) -> _Rank:
+    def _fresh_port(self) -> None:
+        """A new group meets on a port picked afresh: the old group's may still be held (its
+        store, sockets in TIME_WAIT). A port that was given is kept (several hosts: the other
+        hosts' ranks come back to it)."""
+        if self._auto_port:
+            self.config = _with_rendezvous(_without_port(self.config), self.num_ranks)
+
+    def _spawn(self, rank: int, placement_from: int | None = None) -> _Rank:
         spawn = next(self._spawns)
         inbox = self._bind_inbox(rank, spawn)
         clients = range(self.api_servers)
@@ -119,7 +134,7 @@ class EngineClient:
                         tuple(output_addr(self._dir, k) for k in clients),
                         self.health.heartbeat_interval_s,
                         logging.getLevelName(logging.getLogger().getEffectiveLevel()),
-                        self._envs[rank], self.stream_interval)
+                        self._envs[rank], self.stream_interval, placement_from)
         process = mp.get_context("spawn").Process(target=run_rank, args=(spec,),
                                                   name=f"deepinfer-rank{rank}", daemon=True)
         process.start()
@@ -153,7 +168,7 @@ class EngineClient:
     def _event(self, rank: int) -> RankEvent:
         r = self._ranks[rank]
         return RankEvent(rank, r.state.value, r.spawn, r.process.pid, r.process.exitcode,
-                         r.kill_reason, r.restarts, r.lost_requests)
+                         r.kill_reason or r.group_reason, r.restarts, r.lost_requests)
 
     def _publish(self, rank: int) -> None:
         """Tell the other API processes what became of the rank."""
@@ -163,10 +178,11 @@ class EngineClient:
         for push in self._events:
             push.send_pyobj(event, flags=zmq.NOBLOCK)  # no high-water mark: never waits
 
-    def _background(self, coro) -> None:
+    def _background(self, coro) -> asyncio.Task:
         task = asyncio.create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        return task
 
     def _watch_exit(self, rank: int) -> None:
         # The sentinel becomes readable the moment the process ends: no polling delay.
@@ -191,6 +207,7 @@ class EngineClient:
             if isinstance(message, Ready):
                 self._ranks[message.rank].ready = message
                 self._ranks[message.rank].stats = message.stats
+                self._ranks[message.rank].spawned_at = None
                 pending.discard(message.rank)
 
     async def shutdown(self) -> None:
@@ -226,7 +243,7 @@ class EngineClient:
 
     def _rank_died(self, rank: int) -> None:
         """Fail everything the rank owed us at once, route around it, and restart it (in an
-        expert-parallel group: take the group down, and restart it with the group)."""
+        expert-parallel group: see GroupRecovery)."""
         r = self._ranks[rank]
         if self._closing or r.state.gone:
             return
@@ -257,27 +274,11 @@ class EngineClient:
                     fut.set_result(None)
         return len(lost)
 
-    def _group_rank_died(self, rank: int, what: str, failed_start: bool) -> None:
-        """Expert parallel: the peers of a dead rank wait in its collectives (a gloo timeout
-        at best, an NCCL hang at worst) and a lone new process could never join their group.
-        So the group goes down now: every peer is killed (its sentinel then fails its requests
-        like any death) and the group restarts as one once the last rank is gone."""
-        self._group_failed_start |= failed_start
-        for peer, p in enumerate(self._ranks):
-            if p.state.gone:
-                continue
-            self.router.mark_dead(peer)  # no new request for it, /health 503 at once
-            if not p.kill_reason:  # (a rank the watchdog killed keeps its own reason)
-                p.kill_reason = (f"was stopped: its expert-parallel group lost rank {rank}, "
-                                 f"which {what}")
-            p.process.kill()
-        if all(p.state.gone for p in self._ranks):
-            failed, self._group_failed_start = self._group_failed_start, False
-            self._schedule_restart(list(range(self.num_ranks)), failed_start=failed)
-
-    def _schedule_restart(self, ranks: list[int], failed_start: bool = False) -> None:
+    def _schedule_restart(self, ranks: list[int], failed_start: bool = False,
+                          placement_from: int | None = None) -> asyncio.Task | None:
         """Restart `ranks` together (one rank, or a whole expert-parallel group): the backoff
-        and the limit count their deaths in a row, as one."""
+        and the limit count their deaths in a row, as one. The restart's task; None when the
+        limit says no."""
         members = [self._ranks[rank] for rank in ranks]
         if self._served_long_enough(members):
             for m in members:
@@ -291,12 +292,12 @@ class EngineClient:
             for rank in ranks:  # /health and deepinfer:rank_failed say so from now on
                 self._ranks[rank].state = RankState.FAILED
                 self._publish(rank)
-            return
+            return None
         delay = self.health.backoff_s(streak)
         log.warning("restarting %s in %.1f s (restart %d in a row, at most %d)%s", who, delay,
                     streak + 1, self.health.max_restarts,
                     "; its last start failed" if failed_start else "")
-        self._background(self._restart(ranks, delay))
+        return self._background(self._restart(ranks, delay, placement_from))
 
     def _served_long_enough(self, members: list[_Rank]) -> bool:
         if any(m.serving_since is None for m in members):
@@ -304,19 +305,15 @@ class EngineClient:
         now = asyncio.get_running_loop().time()
         return all(now - m.serving_since >= self.health.stable_after_s for m in members)
 
-    async def _restart(self, ranks: list[int], delay: float) -> None:
+    async def _restart(self, ranks: list[int], delay: float,
+                       placement_from: int | None = None) -> None:
         await asyncio.sleep(delay)
         if self._closing:
             return
-        if self._group and self._auto_port:
-            # The old group's port may still be held (its store, sockets in TIME_WAIT): the
-            # new group meets on a fresh one. A port that was given (several hosts) is kept,
-            # as the other hosts' ranks come back to it.
-            self.config = _with_rendezvous(_without_port(self.config), self.num_ranks)
         for rank in ranks:
             old = self._ranks[rank]
             old.inbox.close(linger=0)
-            new = self._spawn(rank)
+            new = self._spawn(rank, placement_from)
             new.restarts, new.streak, new.lost_requests = \
                 old.restarts + 1, old.streak + 1, old.lost_requests
             new.ready, new.stats = old.ready, old.stats  # shown until the new process reports
@@ -325,9 +322,17 @@ class EngineClient:
             self._publish(rank)
 
     def _on_ready(self, message: Ready) -> None:
-        """A restarted rank loaded its model: it serves again."""
+        """A restarted rank loaded its model: it serves again (in a regroup: once every
+        member of the group is ready)."""
         r = self._ranks[message.rank]
         if r.state is not RankState.STARTING or r.kill_reason:  # (killed with its group)
+            return
+        if r.spawned_at is not None:
+            log.info("engine rank %d (pid %s) ready %.2f s after its spawn", message.rank,
+                     r.process.pid, time.monotonic() - r.spawned_at)
+            r.spawned_at = None
+        if self._regrouping is not None and message.rank in self._regrouping.waiting:
+            self._regroup_ready(message)
             return
         r.ready, r.stats, r.kill_reason = message, message.stats, ""
         r.state = RankState.SERVING

@@ -19,14 +19,15 @@ from deepinfer.core.accelerator import ParallelContext
 from deepinfer.core.engine import Engine
 from deepinfer.core.outputs import RequestOutput
 from deepinfer.serve.ipc import (AbortRequest, AddRequest, Control, ControlReply, EngineStats,
-                                 ExpertStats, Failed, Heartbeat, Ready, RequestError,
-                                 TokenDelta)
+                                 ExpertStats, Failed, Heartbeat, Ready, Regroup,
+                                 RequestError, TokenDelta)
 from deepinfer.serve.heap import freeze_startup_heap
 from deepinfer.serve.lockstep import (Lockstep, RebalanceTimer, init_rank_group,
                                       shutdown_group)
-from deepinfer.serve.rank_entry import RankSpec
+from deepinfer.serve.rank_entry import RankSpec, regroups
 from deepinfer.serve.rank_grammars import PendingGrammars
 from deepinfer.serve.rank_outbox import RankOutbox
+from deepinfer.serve.rank_regroup import await_regroup, rejoin
 from deepinfer.serve.stream_pacing import StreamPacer
 
 log = logging.getLogger("deepinfer.rank")
@@ -119,26 +120,14 @@ def run_rank(spec: RankSpec) -> None:
         ctx.destroy(linger=REPORT_LINGER_MS)
         return
     registry.engine_started(spec.config)
-    host_pages = engine.hicache.layout.num_pages if engine.hicache is not None else 0
     freeze_startup_heap()  # start-up work: before the rank says it is ready for requests
-    outbox.send(Ready(spec.rank, engine.kv.pool.num_usable + 1, engine.kv.block_size,
-                            engine.token_limit(), engine.accelerator.name, host_pages,
-                            _stats(engine), engine.model.vocab_size, engine.eos_token_ids))
+    outbox.send(_ready(engine, spec))
     clock, stop = StepClock(), threading.Event()
     beat = threading.Thread(target=_heartbeat, args=(ctx, spec, clock, stop),
                             name="deepinfer-heartbeat", daemon=True)
     beat.start()
-    failed = False
     try:
-        _loop(engine, spec.rank, inbox, outbox, parent, clock, lockstep, experts,
-              StreamPacer(spec.stream_interval))
-    except Exception as exc:  # noqa: BLE001 - below: a group failure is one log line
-        if lockstep is None:
-            raise
-        # A peer died mid-collective (or the group broke): expected when a rank of the group
-        # is lost, and the API process restarts the whole group, so no traceback.
-        log.error("rank group failed, exiting: %s: %s", type(exc).__name__, exc)
-        failed = True
+        failed = _serve(engine, spec, inbox, outbox, parent, clock, lockstep, experts)
     finally:
         stop.set()
         beat.join()
@@ -150,6 +139,50 @@ def run_rank(spec: RankSpec) -> None:
         sys.exit(1)
 
 
+def _ready(engine: Engine, spec: RankSpec) -> Ready:
+    host_pages = engine.hicache.layout.num_pages if engine.hicache is not None else 0
+    return Ready(spec.rank, engine.kv.pool.num_usable + 1, engine.kv.block_size,
+                 engine.token_limit(), engine.accelerator.name, host_pages, _stats(engine),
+                 engine.model.vocab_size, engine.eos_token_ids,
+                 engine.accelerator.capabilities.rebind_group)
+
+
+def _serve(engine: Engine, spec: RankSpec, inbox: zmq.Socket, outbox: RankOutbox,
+           parent: int, clock: StepClock, lockstep: Lockstep | None,
+           experts: ExpertReporter | None) -> bool:
+    """The step loop, joining a new rank group whenever the API process says one of the
+    group's ranks was replaced (Regroup); whether the group failed for good (exit 1)."""
+    pacer = StreamPacer(spec.stream_interval)
+    while True:
+        try:
+            regroup = _loop(engine, spec.rank, inbox, outbox, parent, clock, lockstep,
+                            experts, pacer)
+        except Exception as exc:  # noqa: BLE001 - below: a group failure is one log line
+            if lockstep is None:
+                raise
+            # A peer died mid-collective (or the group broke): the API process saw the death
+            # and says what next, so no traceback.
+            log.warning("rank group failed: %s: %s", type(exc).__name__, exc)
+            regroup = await_regroup(inbox, outbox, parent) if _stays(engine, spec) else None
+            if regroup is None:
+                log.error("rank group failed, exiting")
+                return True
+        if regroup is None:
+            return False
+        try:
+            lockstep = rejoin(engine, spec, regroup, outbox, pacer)
+        except Exception:  # noqa: BLE001 - the API process then restarts the whole group
+            log.exception("could not rejoin the rank group, exiting")
+            return True
+        outbox.send(_ready(engine, spec))
+
+
+def _stays(engine: Engine, spec: RankSpec) -> bool:
+    """Whether this rank stays through a regroup when a peer is lost (else it exits)."""
+    return engine.accelerator.capabilities.rebind_group and \
+        regroups(spec.config, spec.world_size)
+
+
 def _start_engine(spec: RankSpec, registry) -> tuple[Engine, Lockstep | None]:
     from deepinfer.core.plugins import select_accelerator
 
@@ -158,7 +191,8 @@ def _start_engine(spec: RankSpec, registry) -> tuple[Engine, Lockstep | None]:
     if not (parallel.ep and parallel.world_size > 1):
         context = ParallelContext(spec.rank, spec.world_size)
         return Engine(spec.config, accelerator, parallel=context), None
-    context = init_rank_group(parallel, spec.rank, accelerator.distributed_backend)
+    context = init_rank_group(parallel, spec.rank, accelerator.distributed_backend,
+                              placement_from=spec.placement_from)
     return Engine(spec.config, accelerator, parallel=context), Lockstep()
 
 
@@ -196,7 +230,9 @@ def _heartbeat(ctx: zmq.Context, spec: RankSpec, clock: StepClock,
 
 def _loop(engine: Engine, rank: int, inbox: zmq.Socket, outbox: RankOutbox, parent: int,
           clock: StepClock | None = None, lockstep: Lockstep | None = None,
-          experts: ExpertReporter | None = None, pacer: StreamPacer | None = None) -> None:
+          experts: ExpertReporter | None = None, pacer: StreamPacer | None = None
+          ) -> Regroup | None:
+    """Until a shutdown, an orphaned rank (None) or a Regroup (returned)."""
     clock, pacer = clock or StepClock(), pacer or StreamPacer()
     grammars = PendingGrammars(engine)  # constrained requests wait there for their grammar
     poller = zmq.Poller()
@@ -213,7 +249,9 @@ def _loop(engine: Engine, rank: int, inbox: zmq.Socket, outbox: RankOutbox, pare
             message = inbox.recv_pyobj()
             if isinstance(message, Control) and message.command == "shutdown":
                 outbox.reply(message.client, ControlReply(message.call_id, True))
-                return
+                return None
+            if isinstance(message, Regroup):
+                return message
             _handle(engine, message, outbox, errors, grammars)
             _pace(pacer, message)
             handled = True
@@ -221,7 +259,7 @@ def _loop(engine: Engine, rank: int, inbox: zmq.Socket, outbox: RankOutbox, pare
             _add(engine, message, errors, grammar)
             handled = True
         if os.getppid() != parent:
-            return  # orphaned: the API process is gone
+            return None  # orphaned: the API process is gone
         outputs = _step(engine, clock, lockstep, experts)
         errors += [RequestError(o.request_id, o.error, 500) for o in outputs if o.error]
         for error in errors:

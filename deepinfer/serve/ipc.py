@@ -162,6 +162,19 @@ class Ready:
     # The tokenizer facts a grammar is compiled against (its bitmask size, its stop tokens).
     vocab_size: int = 0
     stop_token_ids: tuple[int, ...] = ()
+    rebind_group: bool = False  # Capabilities.rebind_group: it can stay through a regroup
+
+
+@dataclass(frozen=True)
+class Regroup:
+    """To the surviving ranks of an expert-parallel group that lost a rank: drop every request
+    (the API process failed them), leave the old torch.distributed group and join a new one
+    with the replacement at `master_port`, taking `placement_from`'s expert placement; then
+    report Ready again. The model and the KV pool stay."""
+
+    master_port: int
+    placement_from: int
+    timeout_s: float  # the new group's: the replacement joins after its backoff and start
 
 
 @dataclass(frozen=True)

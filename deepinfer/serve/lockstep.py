@@ -22,14 +22,17 @@ from deepinfer.core.config import ParallelConfig
 COLLECTIVE_TIMEOUT = timedelta(seconds=60)
 
 
-def init_rank_group(parallel: ParallelConfig, local_rank: int, backend: str) -> ParallelContext:
-    """Join the group of all ranks of every host; returns the context init_device receives."""
+def init_rank_group(parallel: ParallelConfig, local_rank: int, backend: str,
+                    timeout: timedelta = COLLECTIVE_TIMEOUT,
+                    placement_from: int | None = None) -> ParallelContext:
+    """Join the group of all ranks of every host; returns the context init_device receives
+    (`placement_from`: a regroup's, see ParallelContext)."""
     rank = parallel.first_rank + local_rank
     dist.init_process_group(backend, init_method=f"tcp://{parallel.master_addr}:"
                             f"{parallel.master_port}", rank=rank,
-                            world_size=parallel.world_size, timeout=COLLECTIVE_TIMEOUT)
+                            world_size=parallel.world_size, timeout=timeout)
     return ParallelContext(rank, parallel.world_size, dist.group.WORLD, parallel.ep,
-                           parallel.eplb_redundant_experts)
+                           parallel.eplb_redundant_experts, placement_from)
 
 
 class Lockstep:
@@ -73,5 +76,7 @@ class RebalanceTimer:
 
 
 def shutdown_group() -> None:
+    """Leave the group: the world and every group made over it (the vote's, the MoE
+    layers' shape group)."""
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -25,6 +25,17 @@ class RankSpec:
     env: dict[str, str] = field(default_factory=dict)
     # Tokens a sample gathers before they are sent (stream_pacing.py).
     stream_interval: int = DEFAULT_STREAM_INTERVAL
+    # A replacement joining a running expert-parallel group: the surviving rank whose expert
+    # placement it takes (ParallelContext.placement_from). None at a group's first start.
+    placement_from: int | None = None
+
+
+def regroups(config: EngineConfig, num_ranks: int) -> bool:
+    """A rank of this expert-parallel group that dies is replaced while the others keep their
+    model (a regroup): only where one API process owns every rank of the group, as it alone
+    sees the death and tells the others. Across hosts the whole group restarts."""
+    parallel = config.parallel
+    return parallel.ep and 1 < parallel.world_size == num_ranks
 
 
 def run_rank(spec: RankSpec) -> None:

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import signal
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 import zmq.asyncio
 
@@ -69,6 +70,9 @@ class _Rank:
     busy_s: float = 0.0  # how long its step in progress ran, as of the last heartbeat
     experts: ExpertStats | None = None  # MoE models: its latest expert load and EPLB report
     spawn: int = 0  # which start of the rank this is (its input addresses carry it)
+    group_reason: str = ""  # a regroup: why it left its step (for its requests' message)
+    # time.monotonic() when it was spawned, until it reports Ready (the log says how long)
+    spawned_at: float | None = field(default_factory=time.monotonic)
 
 
 @dataclass

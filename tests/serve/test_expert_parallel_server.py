@@ -9,18 +9,22 @@ top-2, one MoE layer) with the SmolLM2 tokenizer, driven with token-id prompts:
 * two "hosts" on this machine (`--nnodes 2`, one rank each, gloo over loopback) answer as
   `--dp 1`, each its own requests, and both come back on their `--master-port` after one
   host's rank is killed;
-* a rank killed mid-generation takes its group down: every in-flight request ends with a 503,
-  /health says 503, and the whole group restarts and serves again.
+* a rank killed mid-generation fails its group's requests: every in-flight request ends with a
+  503 and /health says 503; only the killed rank restarts, the survivor (same process, its
+  KV pool freed) joins a new group with it, and they answer as before;
+* the EPLB server, its experts moved, loses a rank too: the replacement loads the placement
+  the survivor uses, and the answers stay equal to `--dp 1`'s.
 
-EngineClient's group bookkeeping (who is killed, the restart as one, the port, the restart
-limit) is also checked on fake rank processes, and torchrun's environment on a fake environ.
+EngineClient's group bookkeeping (the regroup, its fallback to restarting the whole group, the
+port, the restart limit) is also checked on fake rank processes, and torchrun's environment on
+a fake environ.
 
 A checkpoint with no tokenizer would get an empty one (transformers makes a 1-token tokenizer)
 and the answers' text would say nothing; hence the SmolLM2 tokenizer and its vocabulary.
 
 Every server the collected tests need is launched at once (their start-ups overlap on the few
 cores) and stopped, checked for leaks and tracebacks, at the end of the module. The rank-death
-test runs last: it restarts the `--dp 2` group.
+tests run after the others of their server.
 """
 from __future__ import annotations
 
@@ -42,7 +46,7 @@ from conftest import (ServerProcess, free_port, openai_client, per_rank, scrape,
                       wait_until)
 from deepinfer.core.config import EngineConfig, ModelSpec, ParallelConfig, torchrun_parallel
 from deepinfer.serve.engine_client import EngineClient, RankDiedError, _Rank
-from deepinfer.serve.ipc import Ready
+from deepinfer.serve.ipc import Ready, Regroup
 from deepinfer.serve.rank_health import RankHealthConfig, RankState
 from deepinfer.serve.router import Router, route_key
 from test_routing import _Inbox, _made, _Proc, _close_clients  # noqa: F401 - the fixture
@@ -221,9 +225,10 @@ class _KillableProc(_Proc):
         self.killed = True
 
 
-def _group_client(master_port: int, max_restarts: int = 5) -> tuple[EngineClient, list[int]]:
+def _group_client(master_port: int, max_restarts: int = 5
+                  ) -> tuple[EngineClient, list[int], list]:
     """A two-rank expert-parallel client of fake ranks; also the rendezvous port each spawn
-    got."""
+    got, and what was sent to the ranks ((rank, message))."""
     nnodes = 1 if master_port == 0 else 2  # a given port: as on several hosts
     parallel = ParallelConfig(ep=True, nnodes=nnodes, master_port=master_port)
     client = EngineClient(EngineConfig(ModelSpec("unused"), parallel=parallel), 2,
@@ -231,17 +236,21 @@ def _group_client(master_port: int, max_restarts: int = 5) -> tuple[EngineClient
                                                   restart_backoff_s=0.001))
     _made.append(client)
     client._rendezvous()
-    pids, ports = itertools.count(1000), []
+    pids, ports, sent = itertools.count(1000), [], []
 
-    def spawn(rank: int) -> _Rank:
+    def spawn(rank: int, placement_from: int | None = None) -> _Rank:
         ports.append(client.config.parallel.master_port)
-        return _Rank(_KillableProc(next(pids)), _Inbox(client, rank, []))
+        return _Rank(_KillableProc(next(pids)), _Inbox(client, rank, sent))
 
     client._spawn, client._watch_exit = spawn, lambda rank: None
     client._ranks = [spawn(rank) for rank in range(2)]
-    for r in client._ranks:
-        r.state, r.serving_since = RankState.SERVING, 0.0
-    return client, ports
+    for rank, r in enumerate(client._ranks):
+        r.state, r.serving_since, r.ready = RankState.SERVING, 0.0, _ready_message(rank)
+    return client, ports, sent
+
+
+def _ready_message(rank: int, rebind_group: bool = True) -> Ready:
+    return Ready(rank, 64, 16, 512, "fake", rebind_group=rebind_group)
 
 
 async def _lose(client: EngineClient, rank: int) -> None:
@@ -249,23 +258,111 @@ async def _lose(client: EngineClient, rank: int) -> None:
     any) runs its tiny backoff."""
     client._ranks[rank].process.alive = False
     client._rank_died(rank)
-    for peer, r in enumerate(client._ranks):
-        if r.process.killed and r.process.alive:
-            r.process.alive = False
-            client._rank_died(peer)
+    await _settle(client)
+
+
+async def _settle(client: EngineClient) -> None:
+    """Killed ranks exit (their sentinels) and restarts run their tiny backoff."""
     for _ in range(50):
+        for peer, r in enumerate(client._ranks):
+            if r.process.killed and r.process.alive:
+                r.process.alive = False
+                client._rank_died(peer)
         await asyncio.sleep(0.002)
 
 
-@pytest.mark.parametrize("given_port", [0, 29611], ids=["picked-port", "given-port"])
-def test_a_dead_rank_takes_its_group_down_and_it_restarts_as_one(given_port):
-    client, ports = _group_client(given_port)
-    assert client._group and ports[0] == ports[1] != 0
+def _with_requests(client: EngineClient) -> dict[int, asyncio.Queue]:
+    queues = {rank: asyncio.Queue() for rank in (0, 1)}
+    for rank, queue in queues.items():
+        client._queues[f"r{rank}"], client._owner[f"r{rank}"] = queue, rank
+    return queues
+
+
+def test_a_dead_rank_of_a_one_host_group_is_replaced_alone():
+    client, ports, sent = _group_client(0)
+    assert client._group and client._regroups and ports[0] == ports[1] != 0
 
     async def scenario():
-        queues = {rank: asyncio.Queue() for rank in (0, 1)}
-        for rank, queue in queues.items():
-            client._queues[f"r{rank}"], client._owner[f"r{rank}"] = queue, rank
+        queues = _with_requests(client)
+        survivor = client._ranks[0]
+        client._ranks[1].process.alive = False
+        client._rank_died(1)
+        # Every request of the group fails at once, and nothing is routed to it; the
+        # survivor is not killed: it leaves its step and waits in a new group.
+        for queue in queues.values():
+            assert isinstance(queue.get_nowait(), RankDiedError)
+        assert not survivor.process.killed and client.router.live_ranks() == []
+        assert survivor.state is RankState.STARTING and survivor.lost_requests == 1
+        await _settle(client)
+        regroup = [m for rank, m in sent if isinstance(m, Regroup)]
+        assert [rank for rank, m in sent if isinstance(m, Regroup)] == [0]
+        # A fresh port for the new group, which the replacement is started on.
+        assert regroup[0].master_port == ports[2] != ports[0]
+        assert regroup[0].placement_from == 0 and len(ports) == 3
+        assert client._ranks[0] is survivor and survivor.restarts == 0
+        assert client._ranks[1].restarts == 1
+        client._on_ready(_ready_message(1))
+        assert client.router.live_ranks() == []  # until every member is in the new group
+        client._on_ready(_ready_message(0))
+        assert client.router.live_ranks() == [0, 1]
+        assert all(r.state is RankState.SERVING for r in client._ranks)
+
+    asyncio.run(scenario())
+
+
+def test_a_death_during_a_regroup_restarts_the_whole_group():
+    client, ports, _ = _group_client(0)
+
+    async def scenario():
+        await _lose(client, 1)
+        survivor, replacement = client._ranks
+        replacement.process.alive = False  # the replacement dies while it starts
+        client._rank_died(1)
+        assert survivor.process.killed and "group lost rank 1" in survivor.kill_reason
+        await _settle(client)
+        assert [r.restarts for r in client._ranks] == [1, 2]
+        assert all(r.state is RankState.STARTING for r in client._ranks)
+        assert client._regrouping is None and ports[3] == ports[4] != ports[2]
+        for rank in (0, 1):
+            client._on_ready(_ready_message(rank))
+        assert client.router.live_ranks() == [0, 1]
+
+    asyncio.run(scenario())
+
+
+def test_a_regroup_not_done_in_time_restarts_the_whole_group():
+    client, _, _ = _group_client(0)
+    client.regroup_timeout_s = -4.9  # the deadline adds 5 s: 0.1 s
+
+    async def scenario():
+        await _lose(client, 1)
+        client._on_ready(_ready_message(1))  # the survivor never reports
+        await asyncio.sleep(0.2)
+        await _settle(client)
+        assert [r.restarts for r in client._ranks] == [1, 2]
+
+    asyncio.run(scenario())
+
+
+def test_a_backend_that_cannot_rebind_its_group_restarts_the_whole_group():
+    client, _, sent = _group_client(0)
+    client._ranks[0].ready = _ready_message(0, rebind_group=False)
+
+    async def scenario():
+        survivor = client._ranks[0]
+        await _lose(client, 1)
+        assert survivor.process.killed and not any(isinstance(m, Regroup) for _, m in sent)
+        assert [r.restarts for r in client._ranks] == [1, 1]
+
+    asyncio.run(scenario())
+
+
+def test_a_dead_rank_across_hosts_takes_its_group_down_and_it_restarts_as_one():
+    client, ports, _ = _group_client(29611)  # a given port and two hosts: no regroup
+    assert client._group and not client._regroups and ports[0] == ports[1] != 0
+
+    async def scenario():
+        queues = _with_requests(client)
         old = list(client._ranks)
         old[1].process.alive = False
         client._rank_died(1)
@@ -278,28 +375,48 @@ def test_a_dead_rank_takes_its_group_down_and_it_restarts_as_one(given_port):
         error = queues[0].get_nowait()
         assert isinstance(error, RankDiedError) and "group lost rank 1" in str(error)
         assert all(r.state is RankState.STARTING and r.restarts == 1 for r in client._ranks)
-        # A picked port is picked afresh; a given one (other hosts meet there) is kept.
-        assert ports[2] == ports[3] and (ports[2] == ports[0]) == (given_port != 0)
+        assert ports[2] == ports[3] == ports[0]  # the given port is kept
         for rank in (0, 1):
-            client._on_ready(Ready(rank, 64, 16, 512, "fake"))
+            client._on_ready(_ready_message(rank))
         assert client.router.live_ranks() == [0, 1]
 
     asyncio.run(scenario())
 
 
-def test_group_restarts_count_as_one_and_stop_at_the_limit():
-    client, ports = _group_client(0, max_restarts=1)
+def test_another_api_process_fails_its_requests_on_a_survivor_that_regroups():
+    """--api-server-count: process 0's event that a serving rank starts again (same process:
+    a regroup) fails the other process's requests on it."""
+    from deepinfer.serve.api_workers import AttachedEngineClient
+    from deepinfer.serve.ipc import RankEvent
+
+    client = AttachedEngineClient(EngineConfig(ModelSpec("unused")), 2, client_id=1)
+    _made.append(client)
+    client._own_lost = [0, 0]
+    client._ranks = [_Rank(_Proc(1000 + rank), _Inbox(client, rank, []),
+                           state=RankState.SERVING) for rank in (0, 1)]
+    queue = asyncio.Queue()
+    client._queues["r0"], client._owner["r0"] = queue, 0
+    client._apply(RankEvent(0, "starting", 0, 1000, reason="left its step: its "
+                            "expert-parallel group lost rank 1, which was killed by SIGKILL"))
+    error = queue.get_nowait()
+    assert isinstance(error, RankDiedError) and "group lost rank 1" in str(error)
+    assert client.router.live_ranks() == [1] and client._ranks[0].lost_requests == 1
+
+
+@pytest.mark.parametrize("given_port", [0, 29611], ids=["regroup", "across-hosts"])
+def test_group_restarts_stop_at_the_limit(given_port):
+    client, ports, _ = _group_client(given_port, max_restarts=1)
 
     async def scenario():
-        await _lose(client, 0)
-        assert [(r.state, r.streak) for r in client._ranks] == [(RankState.STARTING, 1)] * 2
-        client._ranks[1].process.alive = False  # dies while the group starts
-        client._rank_died(1)
-        client._on_ready(Ready(0, 64, 16, 512, "fake"))  # too late: rank 0 is being killed
-        assert client.router.live_ranks() == []
-        await _lose(client, 0)  # its sentinel: the second death in a row, the limit
+        await _lose(client, 1)
+        restarted = [r.restarts for r in client._ranks]
+        assert restarted == ([0, 1] if given_port == 0 else [1, 1])
+        for rank in (0, 1):
+            client._on_ready(_ready_message(rank))
+        await _lose(client, 1)  # rank 1's second death in a row: the limit
         assert all(r.state is RankState.DEAD for r in client._ranks)
-        assert client.router.live_ranks() == [] and len(ports) == 4
+        assert client.router.live_ranks() == [] and client._regrouping is None
+        assert [r.restarts for r in client._ranks] == restarted
 
     asyncio.run(scenario())
 
@@ -415,8 +532,7 @@ def _stream(server: ServerProcess, prompt: list[int], user: str, out: dict) -> N
     out["ended"] = time.monotonic()
 
 
-def test_killed_rank_takes_its_group_down_and_the_group_restarts(dp2, reference):
-    before = httpx.get(f"{dp2.url}/health", timeout=10).json()["ranks"]
+def test_killed_rank_fails_its_groups_requests_and_is_replaced_alone(dp2, reference):
     outs = [{} for _ in range(4)]
     readers = [threading.Thread(target=_stream, args=(dp2, PROMPTS[i], KEYS[i], outs[i]))
                for i in range(4)]
@@ -424,11 +540,12 @@ def test_killed_rank_takes_its_group_down_and_the_group_restarts(dp2, reference)
         reader.start()
     wait_until(lambda: all(len(o.get("events", ())) >= 3 for o in outs), 60, "every stream to flow")
     assert {o["rank"] for o in outs} == {0, 1}
+    before = httpx.get(f"{dp2.url}/health", timeout=10).json()["ranks"]
     killed = time.monotonic()
     os.kill(before[1]["pid"], signal.SIGKILL)
-    # Down at once (the restart waits a 1 s backoff, then the ranks load again).
+    # Down at once (the replacement waits a 1 s backoff, then starts).
     down = wait_until(lambda: (h := httpx.get(f"{dp2.url}/health", timeout=10)).status_code == 503
-                  and h.json(), 3, "/health to say 503")
+                      and h.json(), 3, "/health to say 503")
     assert down["status"] == "unavailable" and down["live"] == []
     for reader in readers:
         reader.join(max(0.0, killed + FAIL_WITHIN_S - time.monotonic()))
@@ -437,17 +554,42 @@ def test_killed_rank_takes_its_group_down_and_the_group_restarts(dp2, reference)
         assert out["ended"] - killed < FAIL_WITHIN_S and "exception" not in out
         error = out["events"][-1]["error"]
         assert error["code"] == 503, error
-        if out["rank"] == 0:  # the survivor was stopped with its group
+        if out["rank"] == 0:  # the survivor left its step with its group
             assert "expert-parallel group lost rank 1" in error["message"], error
     back = wait_until(lambda: (h := httpx.get(f"{dp2.url}/health", timeout=10)).status_code == 200
-                  and h.json()["status"] == "ok" and h.json(), BACK_WITHIN_S,
-                  "the group to serve again")
+                      and h.json()["status"] == "ok" and h.json(), BACK_WITHIN_S,
+                      "the group to serve again")
     recovered = time.monotonic() - killed
-    assert [r["restarts"] for r in back["ranks"]] == [r["restarts"] + 1 for r in before]
-    assert not {r["pid"] for r in back["ranks"]} & {r["pid"] for r in before}
+    # Only the killed rank was restarted; the survivor is the same process.
+    assert [r["restarts"] - b["restarts"] for r, b in zip(back["ranks"], before)] == [0, 1]
+    assert [r["pid"] == b["pid"] for r, b in zip(back["ranks"], before)] == [True, False]
+    # The survivor dropped the streams it ran: nothing runs there, no KV block is held.
+    assert per_rank(dp2.url, "deepinfer:rank_num_requests_running")[0] == 0
+    assert per_rank(dp2.url, "deepinfer:rank_kv_cache_usage_perc")[0] == 0
     answers = _complete_all(dp2, PROMPTS, KEYS)
     assert [text for text, _, _ in answers] == reference
     assert {rank for _, rank, _ in answers} == {0, 1}
+    dp2.wait_idle()
     print(f"\nkilled rank: every stream failed within "
           f"{max(o['ended'] for o in outs) - killed:.2f} s, group serving again after "
           f"{recovered:.1f} s")
+
+
+def test_eplb_group_replaces_a_killed_rank_with_the_moved_placement(eplb, reference):
+    """Rank 0 goes: its replacement takes rank 1's placement (EPLB moved experts since the
+    start), and hosts the new group's store."""
+    _complete_all(eplb, PROMPTS, KEYS)  # tokens for the 1 s timer's rebalance
+    wait_until(lambda: scrape(eplb.url).get("deepinfer:eplb_rebalances_total", 0) >= 1, 15,
+               "an EPLB rebalance")
+    before = httpx.get(f"{eplb.url}/health", timeout=10).json()["ranks"]
+    killed = time.monotonic()
+    os.kill(before[0]["pid"], signal.SIGKILL)
+    back = wait_until(lambda: (h := httpx.get(f"{eplb.url}/health", timeout=10)).status_code
+                      == 200 and (b := h.json())["ranks"][0]["pid"] != before[0]["pid"] and b,
+                      BACK_WITHIN_S, "the group to serve again with a new rank 0")
+    recovered = time.monotonic() - killed
+    assert back["status"] == "ok" and back["ranks"][1]["pid"] == before[1]["pid"]
+    assert [r["restarts"] - b["restarts"] for r, b in zip(back["ranks"], before)] == [1, 0]
+    answers = _complete_all(eplb, PROMPTS, KEYS)
+    assert [text for text, _, _ in answers] == reference
+    print(f"\nEPLB group: serving again {recovered:.1f} s after rank 0 was killed")

@@ -18,7 +18,8 @@ def _client(max_restarts: int) -> tuple[EngineClient, list[float]]:
     client._ranks = [_Rank(_Proc(1000), _Inbox(client, 0, []), state=RankState.SERVING,
                            serving_since=0.0)]
     pids = iter(range(2000, 3000))
-    client._spawn = lambda rank: _Rank(_Proc(next(pids)), _Inbox(client, rank, []))
+    client._spawn = lambda rank, placement_from=None: _Rank(_Proc(next(pids)),
+                                                            _Inbox(client, rank, []))
     client._watch_exit = lambda rank: None
     return client, []
 

@@ -24,7 +24,8 @@ class CPUAccelerator(Accelerator):
     name = "cpu"
     capabilities = Capabilities(chunked_prefill=True, host_page_copy=True,
                                 host_copy_skips_null=True, speculative_decoding=True,
-                                async_output=True, dtypes=("float32", "bfloat16", "float16"),
+                                async_output=True, rebind_group=True,
+                                dtypes=("float32", "bfloat16", "float16"),
                                 prefill_beside_decodes=256)
 
     def __init__(self) -> None:
@@ -41,6 +42,9 @@ class CPUAccelerator(Accelerator):
         threads = cpu_threads() or max(1, (os.cpu_count() or 1) // max(1, parallel.world_size))
         torch.set_num_threads(threads)
         self.runner.ops.parallel = parallel  # MoE layers spread their experts over the ranks
+
+    def rebind_group(self, parallel: ParallelContext) -> None:
+        self.runner.rebind_group(parallel)  # start-up made no collective beyond the runtime's
 
     def configure(self, config: EngineConfig) -> None:
         self.runner.seed = config.seed

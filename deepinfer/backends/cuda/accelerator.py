@@ -51,7 +51,7 @@ class CUDAAccelerator(Accelerator):
     distributed_backend = "nccl"
     capabilities = Capabilities(chunked_prefill=True, host_page_copy=True,
                                 host_copy_skips_null=True, async_output=True,
-                                speculative_decoding=True,
+                                speculative_decoding=True, rebind_group=True,
                                 dtypes=("bfloat16", "float16", "float32"))
 
     def __init__(self, device: str | torch.device | None = None) -> None:
@@ -94,6 +94,19 @@ class CUDAAccelerator(Accelerator):
         if self.on_gpu:
             torch.cuda.set_device(self.device)
             self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+
+    def rebind_group(self, parallel: ParallelContext) -> None:
+        # The replacement rank warms up and captures its graphs as it starts, running the MoE
+        # exchange in both: this rank runs them with it, in the same order. Its own graphs
+        # held the old group's communicator, so they are captured again.
+        self.parallel = parallel
+        self.runner.rebind_group(parallel)
+        self.graphs = self.prefill_graphs = None
+        block_size = self.cache.block_size
+        if self.on_gpu:
+            self.warm_up(block_size)
+            if not self.enforce_eager and self.graphable:
+                self.capture_graphs(block_size)
 
     def configure(self, config: EngineConfig) -> None:
         self.max_num_batched_tokens = config.scheduler.max_num_batched_tokens

@@ -69,15 +69,47 @@ class ExpertRuntime:
         self.static_exchange = None
         # Shapes are agreed on a host (gloo) group: no device sync before a forward. Made here,
         # as every rank builds its model, so every rank creates its groups in the same order.
-        self.shape_group = None
-        if ep:
-            self.shape_group = self.group if dist.get_backend(self.group) == "gloo" else \
-                dist.new_group(backend="gloo")
+        self.shape_group = _host_group(self.group) if ep else None
+        if ep and parallel.placement_from is not None:
+            self._take_placement(parallel.placement_from)
         self.blocks: list = []  # the MoE blocks, in layer order (their weights move on rebalance)
         self.padded_tokens = 0  # tokens every rank passes to the exchange this step
         self.device = torch.device("cpu")
         self._tables(torch.device("cpu"))
         self.total_load = torch.zeros((num_layers, num_experts), dtype=torch.int64)
+
+    def rebind(self, parallel: ParallelContext) -> None:
+        """Take a new group of the same ranks (a rank of the group was replaced): the same
+        calls, in the same order, as a rank joining it makes in _init, so the groups' creation
+        and the placement's broadcast are matched."""
+        if self.group is None:
+            return
+        if (parallel.rank, parallel.world_size) != (self.rank, self.num_ranks):
+            raise ValueError(f"a regroup keeps each rank's place: rank {self.rank} of "
+                             f"{self.num_ranks}, got {parallel.rank} of {parallel.world_size}")
+        self.group = parallel.group
+        for exchange in (self.exchange, self.all_to_all, self.static_exchange):
+            if exchange is not None:
+                exchange.group = parallel.group
+        self.shape_group = _host_group(self.group)
+        if parallel.placement_from is not None:
+            self._take_placement(parallel.placement_from)
+
+    def _take_placement(self, source: int) -> None:
+        """Collective: every rank takes `source`'s placement. A replaced rank loads its
+        experts from it (EPLB may have moved them since the group started); the others hold
+        it already."""
+        p = self.placement
+        layers, slots = p.phy2log.shape
+        log2phy = torch.full((layers, self.num_experts, self.max_replicas), -1, dtype=torch.int64)
+        log2phy[:, :, :p.log2phy.shape[2]] = p.log2phy
+        packed = torch.cat((p.phy2log, log2phy.view(layers, -1)), dim=1)
+        dist.broadcast(packed, source, group=self.shape_group)
+        log2phy = packed[:, slots:].reshape(layers, self.num_experts, self.max_replicas)
+        logcnt = (log2phy >= 0).sum(-1)
+        self.placement = Placement(packed[:, :slots].contiguous(),
+                                   log2phy[:, :, :int(logcnt.max())].contiguous(), logcnt,
+                                   self.num_ranks)
 
     @property
     def slots_per_rank(self) -> int:
@@ -233,3 +265,9 @@ class ExpertRuntime:
         out = weight.new_empty((self.num_ranks * weight.shape[0], *weight.shape[1:]))
         all_gather(out, weight.contiguous(), group=self.group)
         return out
+
+
+def _host_group(group):
+    """A gloo group over the ranks of `group` (itself when it is gloo): shapes and votes are
+    agreed on host tensors, without a device sync."""
+    return group if dist.get_backend(group) == "gloo" else dist.new_group(backend="gloo")
