@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import shutil
 import signal
 import statistics
 import subprocess
@@ -60,19 +59,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def make_moe_checkpoint(path: str) -> str:
     """The expert-parallel server tests' checkpoint: tiny random Qwen3-MoE, SmolLM2 tokenizer."""
-    import transformers
+    from checkpoints import make_moe_chat_checkpoint
 
-    from checkpoints import make_checkpoint
-    from deepinfer.models.default_model import ensure_default_model
-
-    os.makedirs(path, exist_ok=True)
-    source = ensure_default_model(progress=False)
-    for name in os.listdir(source):
-        if name.startswith(("tokenizer", "special_tokens")):
-            shutil.copy(os.path.join(source, name), path)
-    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
-    return make_checkpoint(path, "qwen3_moe", vocab_size=len(tokenizer),
-                           eos_token_id=tokenizer.eos_token_id)
+    return make_moe_chat_checkpoint(path)
 
 
 def complete(http, base: str) -> int:

@@ -1,6 +1,8 @@
 """Tiny random-weight checkpoints written by transformers itself (the independent reference)."""
 from __future__ import annotations
 
+import os
+import shutil
 from typing import Callable
 
 import torch
@@ -126,3 +128,26 @@ def write_fp8_checkpoint(source: str, fp8_dir: str, dequantized_dir: str,
     with open(os.path.join(fp8_dir, "config.json"), "w") as f:
         json.dump(config, f)
     return fp8_dir, dequantized_dir
+
+
+def copy_default_tokenizer(path: str) -> str:
+    """The embedded default model's tokenizer files (SmolLM2's vocabulary, chat template and
+    end token) copied into `path`: a server needs a tokenizer beside the weights."""
+    from deepinfer.models.default_model import ensure_default_model
+
+    os.makedirs(path, exist_ok=True)
+    source = ensure_default_model(progress=False)
+    for name in os.listdir(source):
+        if name.startswith(("tokenizer", "special_tokens")):
+            shutil.copy(os.path.join(source, name), path)
+    return path
+
+
+def make_moe_chat_checkpoint(path: str) -> str:
+    """make_checkpoint's random qwen3_moe with the default model's tokenizer (its vocabulary
+    and end token): the expert-parallel servers' checkpoint."""
+    import transformers
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(copy_default_tokenizer(path))
+    return make_checkpoint(path, "qwen3_moe", vocab_size=len(tokenizer),
+                           eos_token_id=tokenizer.eos_token_id)

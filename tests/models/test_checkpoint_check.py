@@ -10,7 +10,7 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from deepinfer.models.checkpoint_check import CheckpointError, check_gguf, check_hf_folder
-from tests.checkpoints import make_checkpoint
+from tests.checkpoints import copy_default_tokenizer, make_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -111,13 +111,7 @@ def test_a_rank_that_cannot_load_is_one_line(good, tmp_path, capsys):
     loading, and the server says why in one line (exit status 1, no traceback)."""
     from deepinfer.serve.cli import main
 
-    from deepinfer.models.default_model import ensure_default_model
-
-    folder = _copy(good, tmp_path)
-    source = ensure_default_model(progress=False)  # a tokenizer, which the server needs too
-    for name in os.listdir(source):
-        if name.startswith(("tokenizer", "special_tokens")):
-            shutil.copy(os.path.join(source, name), folder)
+    folder = copy_default_tokenizer(_copy(good, tmp_path))  # a server needs one too
     weights = os.path.join(folder, "model.safetensors")
     tensors = load_file(weights)
     tensors["model.norm.weight"] = tensors["model.norm.weight"][:10].clone()

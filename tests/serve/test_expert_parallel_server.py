@@ -32,7 +32,6 @@ import asyncio
 import itertools
 import json
 import os
-import shutil
 import signal
 import threading
 import time
@@ -79,20 +78,9 @@ def _server_args(master_port: int) -> dict[str, list[str]]:
 
 
 def make_moe_checkpoint(path: str) -> str:
-    """tests/checkpoints.py's random qwen3_moe, with the default model's tokenizer (its
-    vocabulary and end token)."""
-    import transformers
+    from checkpoints import make_moe_chat_checkpoint
 
-    from checkpoints import make_checkpoint
-    from deepinfer.models.default_model import ensure_default_model
-
-    source = ensure_default_model(progress=False)
-    for name in os.listdir(source):
-        if name.startswith(("tokenizer", "special_tokens")):
-            shutil.copy(os.path.join(source, name), path)
-    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
-    return make_checkpoint(path, "qwen3_moe", vocab_size=len(tokenizer),
-                           eos_token_id=tokenizer.eos_token_id)
+    return make_moe_chat_checkpoint(path)
 
 
 # ---- servers ---------------------------------------------------------------------------------
