@@ -55,7 +55,7 @@ def hostile_body(case: str) -> tuple[str, bytes]:
                      "required": [f"k{i}"]} for i in range(10_000)]
         body = _chat(response_format=_schema_format({"anyOf": branches}))
     elif case == "ids15mb":
-        ids = [1000 + i % 40000 for i in range(2_600_000)]
+        ids = [1000 + i % 40000 for i in range(2_150_000)]
         return "/v1/completions", json.dumps({"prompt": ids, "max_tokens": 1}).encode()
     else:
         raise ValueError(case)
@@ -163,7 +163,7 @@ async def run_case(case: str | None, port: int, seconds: float) -> dict:
 
 def plot(result: dict, path: str) -> None:
     plt = pyplot()
-    cases = [c for c in result["cases"] if c["case"] != "baseline"]
+    cases = [c for c in result["cases"] if c["case"] != "baseline"]  # (both baselines)
     fig, ax = plt.subplots(figsize=(7, 3.5))
     ax.bar([c["case"] for c in cases], [c["added_worst_s"] for c in cases])
     ax.axhline(1.0, color="red", linestyle="--", label="target: 1 s")
@@ -195,14 +195,15 @@ def main() -> int:
         burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
                    for _ in range(args.burners)]
         cases = []
-        for case in [None, *args.cases]:
+        for case in [None, *args.cases, None]:  # a baseline before and after the cases
             cases.append(asyncio.run(run_case(case, port, args.seconds)))
             log(f"{cases[-1]}")
     finally:
         for b in burners:
             b.kill()
         stop_server(server)
-    baseline = cases[0]["worst_s"]
+    # Against the worse of the two baselines: the host's own noise is not the case's doing.
+    baseline = max(cases[0]["worst_s"], cases[-1]["worst_s"])
     for c in cases:
         c["added_worst_s"] = c["worst_s"] - baseline
     with open(log_path) as f:

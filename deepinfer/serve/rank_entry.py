@@ -38,9 +38,17 @@ def regroups(config: EngineConfig, num_ranks: int) -> bool:
     return parallel.ep and 1 < parallel.world_size == num_ranks
 
 
+# OpenMP threads (torch's CPU kernels, libgomp) spin this many turns before they sleep, unless
+# the user sets it: libgomp's default spin is long enough that on a host whose cores are busy
+# with other work a step's threads wait on a descheduled peer for seconds (docs/benchmarks.md,
+# "One hostile client").
+GOMP_SPINCOUNT = "20000"
+
+
 def run_rank(spec: RankSpec) -> None:
     """Entry point of a rank process (multiprocessing spawn target): the rank's environment,
     then the engine's modules."""
+    os.environ.setdefault("GOMP_SPINCOUNT", GOMP_SPINCOUNT)  # read when torch loads libgomp
     os.environ.update(spec.env)
     from deepinfer.serve.engine_proc import run_rank as run
 
