@@ -90,11 +90,37 @@ def run(model: str | None, extra: list[str], body: bytes, posts: int) -> list[di
         proc.wait(120)
 
 
+def plot(results: dict, path: str) -> None:
+    """The worst /health latency during each post, on the loop against in the worker."""
+    from common import pyplot
+
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for k, (key, label) in enumerate((("on_the_loop", "parsed on the event loop"),
+                                      ("worker_process", "parsed in the worker process"))):
+        stalls = [post["health_max_during_post_ms"] for post in results[key]]
+        ax.bar([i + (k - 0.5) * 0.4 for i in range(len(stalls))], stalls, 0.4, label=label)
+    ax.axhline(50, color="red", linestyle="--", label="50 ms")
+    ax.set_xticks(range(len(results["on_the_loop"])),
+                  [f"post {i + 1}" for i in range(len(results["on_the_loop"]))])
+    ax.set_ylabel("worst /health latency during the post (ms)")
+    ax.set_title(f"a {results['body_bytes'] / 1e6:.1f} MB body of token ids")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="default: the embedded default model")
     parser.add_argument("--posts", type=int, default=3)
+    parser.add_argument("--replot", action="store_true", help="redraw the PNG from the JSON")
     args = parser.parse_args()
+    if args.replot:
+        from common import replot
+
+        replot(RESULTS, plot)
+        return
     body = json.dumps({"prompt": [1000] * IDS, "max_tokens": 1}).encode()
     results = {"body_bytes": len(body), "prompt_ids": IDS, "cpus": os.cpu_count(),
                "on_the_loop": run(args.model, ["--large-body-kb", str(64 << 10)], body,
@@ -103,6 +129,7 @@ def main() -> None:
     os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
     with open(RESULTS, "w") as f:
         json.dump(results, f, indent=2)
+    plot(results, os.path.splitext(RESULTS)[0] + ".png")
     print(json.dumps(results, indent=2))
 
 

@@ -23,6 +23,7 @@ Writes results/ep_regroup.json (every repeat and the medians).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import signal
@@ -54,7 +55,46 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", default=os.path.join(HERE, "results", "ep_regroup.json"))
     p.add_argument("--busy", type=int, default=0, help="processes spinning on the CPU")
     p.add_argument("--note", default="")
+    p.add_argument("--plot", nargs="+", metavar="JSON",
+                   help="draw these results side by side (ep_regroup.png beside the first) "
+                        "instead of running")
     return p.parse_args(argv)
+
+
+def _median(result: dict, key: str) -> float:
+    """A median of the result; a whole-group restart logs no rank's start: its ranks' start
+    as /health saw it (a new pid starting, to serving)."""
+    median = result["median"]
+    if key == "rank_start_s" and median.get(key) is None:
+        return median["serving_seen_s"] - median["spawn_seen_s"]
+    return median.get(key) or 0.0
+
+
+def plot(paths: list[str]) -> str:
+    """Median outage and one rank's start of each result file; the PNG's path."""
+    from common import pyplot
+
+    plt = pyplot()
+    results = []
+    for path in paths:
+        with open(path) as f:
+            results.append(json.load(f))
+    labels = [f"{(r['note'] or os.path.basename(p)).split(',')[0].split(':')[0]}\n"
+              f"{'busy' if r['busy'] else 'quiet'} cores" for r, p in zip(results, paths)]
+    fig, ax = plt.subplots(figsize=(7, 3.8))
+    for k, (key, label) in enumerate((("outage_s", "outage (kill to first answer)"),
+                                      ("rank_start_s", "rank start (whole group: all "
+                                                       "ranks')"))):
+        ax.bar([i + (k - 0.5) * 0.4 for i in range(len(results))],
+               [_median(r, key) for r in results], 0.4, label=label)
+    ax.set_xticks(range(len(results)), labels, fontsize=8)
+    ax.set_ylabel("seconds (median)")
+    ax.set_title("main: the whole group restarts; regroup: only the killed rank")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    out = os.path.join(os.path.dirname(paths[0]), "ep_regroup.png")
+    fig.savefig(out, dpi=120)
+    return out
 
 
 def make_moe_checkpoint(path: str) -> str:
@@ -124,6 +164,9 @@ def run_once(ckpt: str, workdir: str, repeat: int, timeout: float) -> dict[str, 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.plot:
+        log(f"wrote {plot(args.plot)}")
+        return 0
     spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
                 for _ in range(args.busy)]
     try:
