@@ -7,10 +7,13 @@ elsewhere); later starts load the build.
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import logging
 import os
+from collections.abc import Iterator
 
 import torch
 
@@ -96,14 +99,32 @@ def extension():
     if not any(name.endswith(".so") for name in os.listdir(build)):
         log.info("building the CPU backend's C++ kernels once into %s (about 30 s)", build)
     try:
-        # -fopenmp: ATen's parallel_for is OpenMP pragmas inlined into this code; without
-        # the flag they compile away and every kernel runs on one thread.
-        return load(name="deepinfer_cpu_kernels3", sources=_SOURCES, build_directory=build,
-                    extra_cflags=["-O3", "-fopenmp", *flags], extra_ldflags=["-fopenmp"])
+        with build_lock(build):
+            # -fopenmp: ATen's parallel_for is OpenMP pragmas inlined into this code; without
+            # the flag they compile away and every kernel runs on one thread.
+            return load(name="deepinfer_cpu_kernels3", sources=_SOURCES, build_directory=build,
+                        extra_cflags=["-O3", "-fopenmp", *flags], extra_ldflags=["-fopenmp"])
     except (OSError, RuntimeError) as exc:
         raise RuntimeError(f"could not build the CPU backend's kernels ({exc}); they need a C++ "
                            f"compiler and ninja. --quantization none serves the dequantized "
                            f"weights instead") from exc
+
+
+@contextlib.contextmanager
+def build_lock(build: str) -> Iterator[None]:
+    """One process at a time builds or loads into `build`, under a lock the kernel drops when
+    its holder dies. torch's own lock is a file that a killed build leaves behind, and every
+    later start would wait on it forever: under this lock, such a file is stale."""
+    with open(os.path.join(build, "deepinfer-build.lock"), "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        try:
+            stale = os.path.join(build, "lock")  # torch.utils.cpp_extension's FileBaton
+            if os.path.exists(stale):
+                log.warning("removing %s, left by a build that was stopped", stale)
+                os.remove(stale)
+            yield
+        finally:
+            fcntl.flock(held, fcntl.LOCK_UN)
 
 
 def fusable(kernels, *tensors: torch.Tensor) -> bool:
