@@ -73,16 +73,19 @@ class LargeBodyParser:
     async def parse(self, model: type[M], raw: bytes) -> M | BodyRefused:
         if self._pool is None:
             self._pool = ProcessPoolExecutor(MAX_WORKERS, mp_context=mp.get_context("spawn"))
+        pool = self._pool  # the one this parse ran in, whatever others did meanwhile
         try:
-            job = self._pool.submit(parse_body, model, raw, self.max_model_len)
+            job = pool.submit(parse_body, model, raw, self.max_model_len)
             return await asyncio.wait_for(asyncio.wrap_future(job), PARSE_TIMEOUT_S)
         except asyncio.TimeoutError:
             raise APIError(f"the request body was not parsed within {PARSE_TIMEOUT_S:g} s",
                            503) from None
         except BrokenProcessPool:
-            # A worker died (killed?): a new pool for the next body.
-            self._pool.shutdown(wait=False, cancel_futures=True)
-            self._pool = None
+            # A worker died (killed?): a new pool for the next body. Every parse in flight
+            # sees the break; only the first replaces the pool, so a newer one is left alone.
+            pool.shutdown(wait=False, cancel_futures=True)
+            if self._pool is pool:
+                self._pool = None
             raise APIError("the request body's parser failed; retry", 503) from None
 
     def close(self) -> None:

@@ -177,8 +177,13 @@ def _call_schema(function: dict, index: int = 0) -> dict:
     from the root and the parameters now sit under properties.arguments."""
     parameters = function.get("parameters") or {"type": "object"}
     defs: dict[str, Any] = {}
+    if not isinstance(parameters, dict):
+        raise ValueError(f"tools: {function['name']}'s parameters must be a JSON schema object")
     for key in ("$defs", "definitions"):
-        for name, schema in (parameters.get(key) or {}).items():
+        found = parameters.get(key) or {}
+        if not isinstance(found, dict):
+            raise ValueError(f"tools: {function['name']}'s parameters.{key} must be an object")
+        for name, schema in found.items():
             defs[f"{key}/{name}"] = schema
     prefix = f"t{index}_"
     renamed = {f"#/{old}": f"#/$defs/{prefix}{old.split('/', 1)[1]}" for old in defs}

@@ -153,10 +153,11 @@ def _serve(engine: Engine, spec: RankSpec, inbox: zmq.Socket, outbox: RankOutbox
     """The step loop, joining a new rank group whenever the API process says one of the
     group's ranks was replaced (Regroup); whether the group failed for good (exit 1)."""
     pacer = StreamPacer(spec.stream_interval)
+    grammars = PendingGrammars(engine)  # one background thread for the rank's whole life
     while True:
         try:
             regroup = _loop(engine, spec.rank, inbox, outbox, parent, clock, lockstep,
-                            experts, pacer)
+                            experts, pacer, grammars)
         except Exception as exc:  # noqa: BLE001 - below: a group failure is one log line
             if lockstep is None:
                 raise
@@ -169,6 +170,8 @@ def _serve(engine: Engine, spec: RankSpec, inbox: zmq.Socket, outbox: RankOutbox
                 return True
         if regroup is None:
             return False
+        for request_id in grammars.drop_all():  # failed by the API process with the rest
+            outbox.forget(request_id)
         try:
             lockstep = rejoin(engine, spec, regroup, outbox, pacer)
         except Exception:  # noqa: BLE001 - the API process then restarts the whole group
@@ -230,11 +233,12 @@ def _heartbeat(ctx: zmq.Context, spec: RankSpec, clock: StepClock,
 
 def _loop(engine: Engine, rank: int, inbox: zmq.Socket, outbox: RankOutbox, parent: int,
           clock: StepClock | None = None, lockstep: Lockstep | None = None,
-          experts: ExpertReporter | None = None, pacer: StreamPacer | None = None
-          ) -> Regroup | None:
+          experts: ExpertReporter | None = None, pacer: StreamPacer | None = None,
+          grammars: PendingGrammars | None = None) -> Regroup | None:
     """Until a shutdown, an orphaned rank (None) or a Regroup (returned)."""
     clock, pacer = clock or StepClock(), pacer or StreamPacer()
-    grammars = PendingGrammars(engine)  # constrained requests wait there for their grammar
+    # Constrained requests wait there for their grammar.
+    grammars = grammars if grammars is not None else PendingGrammars(engine)
     poller = zmq.Poller()
     poller.register(inbox, zmq.POLLIN)
     while True:

@@ -28,6 +28,11 @@ class GrammarError(ValueError):
     """A constraint that cannot be served: invalid, or over the compile time limit."""
 
 
+class GrammarUnavailable(RuntimeError):
+    """No grammar worker could take the constraint (one died idle, or none could start):
+    the server's fault, not the constraint's; a retry gets a fresh worker."""
+
+
 @dataclass(eq=False)
 class _Worker:
     process: asyncio.subprocess.Process
@@ -93,6 +98,11 @@ class GrammarPool:
             self._busy.add(worker)
             try:
                 result = await self._run(worker, spec)
+            except GrammarError as exc:  # over the time limit, or it took its worker down
+                self._busy.discard(worker)
+                await self._replace(worker)
+                self.cache.put(spec, InvalidConstraint(str(exc)))  # refused at once next time
+                raise
             except BaseException:
                 self._busy.discard(worker)
                 await self._replace(worker)
@@ -108,7 +118,10 @@ class GrammarPool:
         return outcome
 
     async def _run(self, worker: _Worker, spec: StructuredOutput) -> Compiled:
-        await worker.send(spec)
+        try:
+            await worker.send(spec)
+        except (ConnectionError, asyncio.IncompleteReadError) as exc:  # it died while idle
+            raise GrammarUnavailable("a grammar worker exited; retry the request") from exc
         try:
             return await asyncio.wait_for(worker.receive(), self.timeout_s)
         except asyncio.TimeoutError:
@@ -156,6 +169,10 @@ class GrammarPool:
         try:
             await worker.send(self.setup)
             ready = await asyncio.wait_for(worker.receive(), START_TIMEOUT_S)
+        except (ConnectionError, asyncio.IncompleteReadError, asyncio.TimeoutError) as exc:
+            await worker.kill()
+            raise GrammarUnavailable("a grammar worker could not start; retry the request") \
+                from exc
         except BaseException:
             await worker.kill()
             raise

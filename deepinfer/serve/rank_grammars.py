@@ -67,6 +67,11 @@ class PendingGrammars:
         """Forget an aborted request (its preparation still ends, and is cached)."""
         return self._pending.pop(request_id, None) is not None
 
+    def drop_all(self) -> list[str]:
+        """Forget every held request (a regroup failed them all); their ids."""
+        held, self._pending = list(self._pending), {}
+        return held
+
     @property
     def waiting(self) -> int:
         return len(self._pending)

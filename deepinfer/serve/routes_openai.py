@@ -18,6 +18,7 @@ from deepinfer.serve.constraint_limits import check_constraint, check_tools
 from deepinfer.serve.deepseek_encoding import THINK_OPEN
 from deepinfer.serve.dsml_parser import DsmlMode, finish_reason
 from deepinfer.serve.errors import APIError
+from deepinfer.serve.grammar_pool import GrammarUnavailable
 from deepinfer.serve.generation import (Choice, Generation, check_length, route_request,
                                         stream_generation, usage)
 from deepinfer.serve.limits import RequestLimits
@@ -99,6 +100,8 @@ async def _compile_constraint(state, params: SamplingParams, param: str) -> str 
         return (await state.grammars.compile(params.structured)).serialized
     except ValueError as exc:
         raise APIError(str(exc), param=param) from exc
+    except GrammarUnavailable as exc:
+        raise APIError(str(exc), 503) from exc
 
 
 async def _until_disconnect(request: Request, work: asyncio.Future) -> Any:

@@ -118,3 +118,10 @@ def test_an_agents_tool_turn_renders_with_a_template_that_knows_no_tool_calls(tm
                            [t.for_template() for t in turns], None, None)
     assert rendered.prompt == ('user:Weather?|assistant:<tool_call>\n{"name": "get_weather", '
                                '"arguments": {"city": "Paris"}}\n</tool_call>|tool:Sunny')
+
+
+def test_malformed_definitions_in_tool_parameters_are_a_value_error():
+    """A user error (the route answers 400), not an AttributeError (a 500)."""
+    bad = [{"type": "function", "function": {"name": "f", "parameters": {"$defs": ["x"]}}}]
+    with pytest.raises(ValueError, match=r"f's parameters.\$defs must be an object"):
+        tool_call_constraint(bad, "required")

@@ -52,7 +52,7 @@ async def _ticks_while(work) -> tuple[object, int]:
 
 
 def test_pool_compiles_away_from_the_loop_and_survives_its_time_limit(model_dir, tokenizer):
-    from deepinfer.serve.grammar_pool import GrammarError, GrammarPool
+    from deepinfer.serve.grammar_pool import GrammarError, GrammarPool, GrammarUnavailable
     from deepinfer.serve.grammar_worker import WorkerSetup
 
     async def scenario() -> None:
@@ -73,11 +73,19 @@ def test_pool_compiles_away_from_the_loop_and_survives_its_time_limit(model_dir,
                 await pool.compile(big_enum(3000, seed=2))
             assert time.perf_counter() - start < 30.0  # not waited out: the worker was killed
             pool.timeout_s = 60.0
+            with pytest.raises(GrammarError, match="--grammar-compile-timeout"):
+                await pool.compile(big_enum(3000, seed=2))  # refused from the cache, at once
+            assert not pool._busy
             ok = await pool.compile(StructuredOutput("regex", "c+"))  # a fresh worker
             assert ok.serialized
             with pytest.raises(GrammarError, match="parenthesis") as bad:
                 await pool.compile(StructuredOutput("regex", "(("))
             assert "/project" not in str(bad.value) and ".cc:" not in str(bad.value)
+            pool._idle[0].process.kill()  # a worker that dies while idle: the server's fault
+            await pool._idle[0].process.wait()
+            with pytest.raises(GrammarUnavailable, match="retry"):
+                await pool.compile(StructuredOutput("regex", "d+"))
+            assert (await pool.compile(StructuredOutput("regex", "d+"))).serialized  # retried
         finally:
             await pool.close()
         assert not pool._idle and not pool._busy
@@ -147,6 +155,9 @@ def test_pending_grammar_does_not_block_and_abort_drops_it():
     assert pending.hold(AddRequest("slow", [1], params))
     assert pending.ready() == [] and pending.waiting == 1  # the step loop goes on
     assert pending.drop("slow") and pending.waiting == 0
+    assert pending.hold(AddRequest("held", [1], params)) and pending.hold(
+        AddRequest("also", [1], params))
+    assert sorted(pending.drop_all()) == ["also", "held"] and pending.waiting == 0  # regroup
     gate.set_result("compiled")
 
 
