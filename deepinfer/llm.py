@@ -51,6 +51,9 @@ class GenerateOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     num_cached_tokens: int = 0
+    # SamplingParams.prompt_logprobs: vLLM's RequestOutput.prompt_logprobs, one entry per
+    # prompt token, None for the first; None when not asked for.
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 def llm_engine_config(model_path: str, **options: Any) -> EngineConfig:
@@ -115,6 +118,7 @@ class LLM:
     def _run(self, order: list[str]) -> list[GenerateOutput]:
         results: dict[str, GenerateOutput] = {}
         logprobs: dict[tuple[str, int], list[TokenLogprobs]] = {}
+        prompt_logprobs: dict[str, list[TokenLogprobs | None]] = {}
         failed: dict[str, str] = {}
         while self.engine.has_unfinished_requests():
             for out in self.engine.step():
@@ -123,10 +127,13 @@ class LLM:
                     continue
                 key = (out.request_id, out.index)
                 logprobs.setdefault(key, []).extend(out.new_logprobs)
+                if out.prompt_logprobs is not None:  # every sample scores the same prompt
+                    prompt_logprobs.setdefault(out.request_id, out.prompt_logprobs)
                 if not out.finished:
                     continue
                 result = results.setdefault(out.request_id, GenerateOutput(
-                    out.request_id, out.prompt_token_ids, [], out.num_cached_tokens))
+                    out.request_id, out.prompt_token_ids, [], out.num_cached_tokens,
+                    prompt_logprobs.get(out.request_id)))
                 result.outputs.append(CompletionOutput(
                     out.index, out.text, list(out.token_ids), out.finish_reason,
                     out.stop_reason, logprobs.pop(key)))

@@ -11,9 +11,9 @@ import torch
 
 from deepinfer.backends.paged_cache import PagedCache
 from deepinfer.core.accelerator import Capabilities, MemoryStats, ModelInfo, ParallelContext
-from deepinfer.core.batch import SamplerOutput, SamplingRow
+from deepinfer.core.batch import ModelBatch, SamplerOutput, SamplingRow, TokenLogprobs
 from deepinfer.core.config import CacheConfig, ModelSpec
-from deepinfer.core.sampler import Sampler
+from deepinfer.core.sampler import Sampler, score_tokens
 from deepinfer.models import hf_config
 from deepinfer.models.ops import ModelOps
 from deepinfer.models.quant.packed import gguf_block_kinds
@@ -21,6 +21,10 @@ from deepinfer.models.quant.plan import apply_plan, cast_unpacked, plan_packed
 from deepinfer.models.quant.source import checkpoint_source
 from deepinfer.models.registry import model_class
 from deepinfer.models.weights import init_dummy_weights
+
+# Scored prompt positions go through the lm_head this many at a time: a long chunk's float32
+# logits (rows x vocabulary) would otherwise take gigabytes at once.
+PROMPT_LOGPROB_ROWS = 256
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
@@ -160,6 +164,25 @@ class TorchRunner:
         if not rows:
             return SamplerOutput(token_ids=[], logprobs=[])
         return self.sampler.sample(logits, rows)
+
+    def prompt_logprobs(self, hidden: torch.Tensor, batch: ModelBatch
+                        ) -> dict[int, list[TokenLogprobs]]:
+        """SamplerOutput.prompt_logprobs of a step: the lm_head over the scored rows only,
+        `hidden` holding every query token's final hidden state in the batch's order."""
+        if not batch.prompt_logprobs:
+            return {}
+        starts = [0]
+        for q in batch.query_lens:
+            starts.append(starts[-1] + q)
+        out: dict[int, list[TokenLogprobs]] = {}
+        for rows in batch.prompt_logprobs:
+            first, entries = starts[rows.seq] + rows.first, []
+            for lo in range(0, len(rows.token_ids), PROMPT_LOGPROB_ROWS):
+                hi = min(lo + PROMPT_LOGPROB_ROWS, len(rows.token_ids))
+                logits = self.logits(hidden[first + lo:first + hi])
+                entries += score_tokens(logits, rows.token_ids[lo:hi], rows.num_top)
+            out[rows.seq] = entries
+        return out
 
     def sample_tokens(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """sample()'s ids left on the device (launch() of an async step)."""

@@ -39,11 +39,12 @@ class MTPSpeculator:
         hidden = self.runner.forward(self._tensor(batch.input_ids), positions, meta)
         rows = self._verify(batch, hidden)
         self._rewind_carry(batch, rows, saved)
+        prompt = self.runner.prompt_logprobs(hidden, batch)
         if not any(batch.spec.num_proposals):
-            return SamplerOutput.from_rows(rows)
+            return SamplerOutput.from_rows(rows, prompt)
         proposals = self._propose(batch, meta, positions, hidden, rows)
         return SamplerOutput.from_rows([dataclasses.replace(row, proposals=p)
-                                        for row, p in zip(rows, proposals)])
+                                        for row, p in zip(rows, proposals)], prompt)
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
         return tensor_on(values, self.runner.device)

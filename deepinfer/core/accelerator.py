@@ -50,6 +50,9 @@ class Capabilities:
     # Implements rebind_group: an expert-parallel group that loses a rank is mended around the
     # survivors (they keep their model); without it the whole group restarts.
     rebind_group: bool = False
+    # Computes ModelBatch.prompt_logprobs (the logits of scored prompt positions, besides
+    # the sampled ones); the engine refuses requests with prompt_logprobs elsewhere.
+    prompt_logprobs: bool = False
     # Activation dtypes the backend runs; a model asking for another is refused at load.
     dtypes: tuple[str, ...] = ("float32", "bfloat16")
 
@@ -195,7 +198,7 @@ class Accelerator(ABC):
     def launch(self, batch: "ModelBatch") -> StepFuture:
         """execute() without waiting for the tokens (Capabilities.async_output): the engine
         calls it only on steps whose rows need nothing but token ids back (no logprobs,
-        penalties, grammars or drafts), and reads the result after launching the next step,
+        penalties, grammars, drafts or prompt logprobs), and reads the result after launching the next step,
         whose batch may take input ids from this one (ModelBatch.from_last_step)."""
         return ReadyStep(self.execute(batch))
 

@@ -64,6 +64,18 @@ class InputsFromLastStep:
 
 
 @dataclass(frozen=True)
+class PromptLogprobRows:
+    """One sequence's prompt positions whose logprobs this step computes (prompt_logprobs):
+    the query rows [first, first + len(token_ids)) of sequence `seq`, each scored against the
+    prompt token that follows its position."""
+
+    seq: int  # index into the step's sequences
+    first: int  # the first scored row, counted from the start of the sequence's query
+    token_ids: list[int]  # the token after each scored position
+    num_top: int  # how many top alternatives each entry lists
+
+
+@dataclass(frozen=True)
 class ModelBatch:
     """One forward pass over a flattened set of sequences (prefill chunks and decodes).
 
@@ -92,6 +104,9 @@ class ModelBatch:
     # Decode rows in runs of this many of one sequence, positions consecutive (a verify step
     # run as decode rows, core/speculative.as_decode_rows); 1: every row its own sequence.
     tokens_per_seq: int = 1
+    # Sequences whose prompt positions are scored this step (requests asking for
+    # prompt_logprobs); the lm_head runs over these rows besides the sampled ones.
+    prompt_logprobs: list[PromptLogprobRows] = field(default_factory=list)
 
     @property
     def block_tables(self) -> list[list[int]]:
@@ -148,6 +163,9 @@ class SamplerOutput:
     # Speculative steps: every row in full (token_ids[i] is the first of its tokens); empty on
     # other steps.
     spec_rows: list[SampledRow] = field(default_factory=list)
+    # Per entry of ModelBatch.prompt_logprobs, keyed by its sequence index: one entry per
+    # scored position, in order.
+    prompt_logprobs: dict[int, list[TokenLogprobs]] = field(default_factory=dict)
 
     def rows(self) -> list[SampledRow]:
         if self.spec_rows:
@@ -155,7 +173,9 @@ class SamplerOutput:
         return [SampledRow([t], [lp]) for t, lp in zip(self.token_ids, self.logprobs)]
 
     @classmethod
-    def from_rows(cls, rows: list[SampledRow]) -> "SamplerOutput":
+    def from_rows(cls, rows: list[SampledRow],
+                  prompt_logprobs: dict[int, list[TokenLogprobs]] | None = None
+                  ) -> "SamplerOutput":
         spec = any(len(r.token_ids) > 1 or r.proposals for r in rows)
         return cls([r.token_ids[0] for r in rows], [r.logprobs[0] for r in rows],
-                   rows if spec else [])
+                   rows if spec else [], prompt_logprobs or {})

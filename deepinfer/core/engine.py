@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from deepinfer.core.accelerator import Accelerator, ParallelContext, StepFuture
+from deepinfer.core.batch import TokenLogprobs
 from deepinfer.core.config import EngineConfig
 from deepinfer.core.detokenizer import IncrementalDetokenizer
 from deepinfer.core.hicache import HiCache
@@ -23,7 +24,8 @@ from deepinfer.core.outputs import RequestOutput
 from deepinfer.core.padding import Buckets, dummy_batch
 from deepinfer.core.request import FinishReason, Request
 from deepinfer.core.sampling import SamplingParams
-from deepinfer.core.scheduler import Scheduler, SchedulerOutput, TokenUpdate
+from deepinfer.core.scheduler import (Scheduler, SchedulerOutput, TokenUpdate,
+                                      scored_prompt_positions)
 from deepinfer.core.step_faults import isolate
 from deepinfer.core.structured import GrammarCompiler, RequestGrammar
 
@@ -47,6 +49,7 @@ class _Sample:
     detok: IncrementalDetokenizer | None
     grammar: RequestGrammar | None = None
     text: str = ""
+    prompt_logprobs_sent: bool = False  # they go out once, with the sample's first tokens
 
 
 class Engine:
@@ -121,6 +124,10 @@ class Engine:
         step loop); without one a constrained request's grammar is compiled here."""
         if request_id in self._children:
             raise ValueError(f"request id {request_id!r} is already in flight")
+        if params.prompt_logprobs is not None and \
+                not self.accelerator.capabilities.prompt_logprobs:
+            raise ValueError(f"the {self.accelerator.name} backend does not compute "
+                             f"prompt_logprobs")
         prompt_ids = self._prompt_ids(prompt)
         limit = self.token_limit()
         if len(prompt_ids) >= limit:
@@ -241,7 +248,8 @@ class Engine:
         nothing of its request's newest token on the host (penalties count it, grammars
         advance on it, min_tokens may still ban EOS) and gives back token ids only."""
         return self._async and all(_needs_ids_only(s.request) for s in scheduled.seqs
-                                   if s.sampled)
+                                   if s.sampled) and \
+            not any(scored_prompt_positions(s.request, s.num_new_tokens) for s in scheduled.seqs)
 
     def _launch(self, scheduled: SchedulerOutput) -> list[RequestOutput]:
         """Launch this step, then read the one ahead while it runs: the outputs returned are
@@ -362,7 +370,18 @@ class Engine:
             finish_reason=req.finish_reason.value if req.finish_reason else None,
             stop_reason=req.stop_reason,
             new_logprobs=[lp for lp in update.logprobs[:kept] if lp is not None],
-            num_cached_tokens=max(req.num_cached_tokens, 0))
+            num_cached_tokens=max(req.num_cached_tokens, 0),
+            prompt_logprobs=self._prompt_logprobs(sample))
+
+    @staticmethod
+    def _prompt_logprobs(sample: _Sample) -> list[TokenLogprobs | None] | None:
+        """The prompt's entries (None for the first token, which nothing precedes), on the
+        sample's first output only."""
+        req = sample.request
+        if req.params.prompt_logprobs is None or sample.prompt_logprobs_sent:
+            return None
+        sample.prompt_logprobs_sent = True
+        return [None, *req.prompt_logprobs]
 
     def _add_token(self, sample: _Sample, token: int
                    ) -> tuple[str, tuple[FinishReason, str | None] | None]:

@@ -21,3 +21,6 @@ class RequestOutput:
     new_logprobs: list[TokenLogprobs] = field(default_factory=list)
     num_cached_tokens: int = 0
     error: str | None = None  # set when the engine failed the request (finish_reason "error")
+    # SamplingParams.prompt_logprobs: one entry per prompt token, None for the first (nothing
+    # precedes it); on a sample's first output only, None elsewhere.
+    prompt_logprobs: list[TokenLogprobs | None] | None = None

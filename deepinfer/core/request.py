@@ -5,6 +5,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from deepinfer.core.batch import TokenLogprobs
 from deepinfer.core.sampling import SamplingParams
 
 
@@ -50,6 +51,16 @@ class Request:
     num_pending: int = 0
     # Of num_computed_tokens, those the step in flight computes (its results not read yet).
     num_computed_in_flight: int = 0
+    # params.prompt_logprobs: the entries of prompt tokens 1.. scored so far, in order (a
+    # recompute after preemption scores nothing twice).
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
+
+    @property
+    def reads_prefix_cache(self) -> bool:
+        """Whether cached pages may stand in for computing its prompt: not when it asks for
+        the prompt's logprobs, which need the logits of every position (its own pages are
+        still cached for others)."""
+        return self.use_prefix_cache and self.params.prompt_logprobs is None
 
     @property
     def num_prompt_tokens(self) -> int:

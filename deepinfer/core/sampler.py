@@ -236,18 +236,31 @@ def _fill_logprobs(out: list[TokenLogprobs | None], raw_logprobs: torch.Tensor,
                    tokens: torch.Tensor, rows: Sequence[SamplingRow],
                    logprob_rows: list[int]) -> None:
     """Sampled-token logprob, its rank and the top-N list, all from the raw distribution."""
-    chosen = tokens[_index(logprob_rows, tokens.device)].unsqueeze(-1)
+    chosen = tokens[_index(logprob_rows, tokens.device)]
+    entries = _entries(raw_logprobs, chosen, max(rows[i].params.logprobs for i in logprob_rows))
+    for entry, i in zip(entries, logprob_rows):
+        n = rows[i].params.logprobs
+        out[i] = entry if len(entry.top) <= n else TokenLogprobs(
+            entry.token_id, entry.logprob, entry.rank, entry.top[:n])
+
+
+def score_tokens(logits: torch.Tensor, token_ids: Sequence[int],
+                 num_top: int) -> list[TokenLogprobs]:
+    """Row i's logprob of token_ids[i], its rank and the num_top most likely tokens, from the
+    raw distribution: a prompt token's entry given the tokens before it (prompt_logprobs)."""
+    raw_logprobs = torch.log_softmax(logits.to(torch.float32), dim=-1)
+    return _entries(raw_logprobs, tensor_on(list(token_ids), logits.device), num_top)
+
+
+def _entries(raw_logprobs: torch.Tensor, chosen: torch.Tensor,
+             widest: int) -> list[TokenLogprobs]:
+    """Per row: the chosen token's logprob, its rank, and the `widest` top tokens."""
+    chosen = chosen.unsqueeze(-1)
     chosen_logprob = raw_logprobs.gather(-1, chosen)
     # Rank 1 + the number of strictly more likely tokens: the argmax is always rank 1.
     ranks = (raw_logprobs > chosen_logprob).sum(dim=-1) + 1
-    widest = min(max(rows[i].params.logprobs for i in logprob_rows), raw_logprobs.shape[-1])
-    top_values, top_ids = raw_logprobs.topk(widest, dim=-1)
-
-    chosen_list = chosen.squeeze(-1).tolist()
-    chosen_logprob_list = chosen_logprob.squeeze(-1).tolist()
-    rank_list, top_value_list, top_id_list = ranks.tolist(), top_values.tolist(), top_ids.tolist()
-    for j, i in enumerate(logprob_rows):
-        n = rows[i].params.logprobs
-        out[i] = TokenLogprobs(
-            token_id=chosen_list[j], logprob=chosen_logprob_list[j], rank=rank_list[j],
-            top=list(zip(top_id_list[j][:n], top_value_list[j][:n])))
+    top_values, top_ids = raw_logprobs.topk(min(widest, raw_logprobs.shape[-1]), dim=-1)
+    rows = zip(chosen.squeeze(-1).tolist(), chosen_logprob.squeeze(-1).tolist(),
+               ranks.tolist(), top_ids.tolist(), top_values.tolist())
+    return [TokenLogprobs(token_id=t, logprob=lp, rank=r, top=list(zip(ids, values)))
+            for t, lp, r, ids, values in rows]

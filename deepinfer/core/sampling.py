@@ -45,6 +45,9 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logprobs: int | None = None  # number of top logprobs besides the sampled token
+    # Per prompt token after the first: its logprob given the tokens before it, its rank and
+    # this many top alternatives (None: off). Such a request computes its whole prompt.
+    prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     structured: StructuredOutput | None = None
@@ -85,6 +88,8 @@ class SamplingParams:
              f"{MAX_REPETITION_PENALTY}], got {self.repetition_penalty}"),
             (self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
              f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}"),
+            (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
+             f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}"),
             (all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty"),
             (all(isinstance(t, int) and 0 <= t <= INT32_MAX for t in self.stop_token_ids),
              "stop_token_ids must be non-negative int32 integers"),
@@ -97,7 +102,8 @@ class SamplingParams:
         """Numbers must be numbers: a NaN passes no range check, a bool or str must not
         reach the sampler's tensors."""
         ints = {"n": self.n, "top_k": self.top_k, "min_tokens": self.min_tokens,
-                "max_tokens": self.max_tokens, "seed": self.seed, "logprobs": self.logprobs}
+                "max_tokens": self.max_tokens, "seed": self.seed, "logprobs": self.logprobs,
+                "prompt_logprobs": self.prompt_logprobs}
         for name, value in ints.items():
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
                 raise ValueError(f"{name} must be an integer, got {value!r}")

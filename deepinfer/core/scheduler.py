@@ -19,8 +19,9 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from deepinfer.core.batch import (GroupBatch, InputsFromLastStep, ModelBatch, SampledRow,
-                                  SamplerOutput, SamplingRow, SpecBatch, TokenLogprobs)
+from deepinfer.core.batch import (GroupBatch, InputsFromLastStep, ModelBatch,
+                                  PromptLogprobRows, SampledRow, SamplerOutput, SamplingRow,
+                                  SpecBatch, TokenLogprobs)
 from deepinfer.core.config import SchedulerConfig
 from deepinfer.core.padding import Buckets, pad_batch
 from deepinfer.core.hicache import HiCache
@@ -244,7 +245,7 @@ class Scheduler:
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = hit_tokens
                 self.kv.record_lookup(req.num_tokens, device_tokens)
-                if self.hicache is not None and req.use_prefix_cache:
+                if self.hicache is not None and req.reads_prefix_cache:
                     self.hicache.record_lookup(device_tokens, host_tokens)
             req.num_computed_tokens = hit_tokens
             req.status = RequestStatus.RUNNING
@@ -286,6 +287,7 @@ class Scheduler:
         tables: list[list[list[int]]] = [[] for _ in range(num_groups)]
         slots: list[list[int]] = [[] for _ in range(num_groups)]
         state_slots: list[int] = []
+        scored: list[PromptLogprobRows] = []
         for i, seq in enumerate(out.seqs):
             req, start = seq.request, seq.request.num_computed_tokens
             end = start + seq.num_new_tokens
@@ -314,6 +316,12 @@ class Scheduler:
             slot = self.kv.state_slot(rid)
             if slot is not None:
                 state_slots.append(slot)
+            positions_scored = scored_prompt_positions(req, seq.num_new_tokens)
+            if positions_scored:
+                scored.append(PromptLogprobRows(
+                    i, positions_scored.start - start,
+                    req.prompt_token_ids[positions_scored.start + 1:positions_scored.stop + 1],
+                    req.params.prompt_logprobs))
             qlens.append(seq.num_new_tokens)
             slens.append(end)
             if seq.sampled:
@@ -327,7 +335,7 @@ class Scheduler:
         batch = ModelBatch(ids, positions, qlens, slens,
                            tuple(GroupBatch(t, s) for t, s in zip(tables, slots)), bs,
                            sample_indices, rows, state_slots, spec=self._spec_batch(out),
-                           from_last_step=from_last)
+                           from_last_step=from_last, prompt_logprobs=scored)
         return pad_batch(batch, self.buckets)
 
     def _spec_batch(self, out: SchedulerOutput) -> SpecBatch | None:
@@ -364,10 +372,11 @@ class Scheduler:
         Requests that ended since the step was launched take none."""
         rows = iter(sampled.rows())
         updates = []
-        for seq in out.seqs:
+        for i, seq in enumerate(out.seqs):
             row = next(rows) if seq.sampled else SampledRow([], [])
             if seq.request.is_finished:
                 continue
+            seq.request.prompt_logprobs.extend(sampled.prompt_logprobs.get(i, ()))
             updates.append(self._update_seq(seq, row))
         return updates
 
@@ -427,6 +436,17 @@ class Scheduler:
         if n_out >= req.max_tokens or req.num_prompt_tokens + n_out >= self.max_model_len:
             return FinishReason.LENGTH, None
         return None
+
+
+def scored_prompt_positions(req: Request, num_new_tokens: int) -> range:
+    """The positions whose prompt logprobs the request's next num_new_tokens score: the
+    logits at position p give prompt token p + 1's entry, up to the last prompt token's (its
+    logits sample the first output token); positions scored before are not scored again."""
+    if req.params.prompt_logprobs is None:
+        return range(0)
+    start = req.num_computed_tokens
+    return range(max(start, len(req.prompt_logprobs)),
+                 min(start + num_new_tokens, req.num_prompt_tokens - 1))
 
 
 def _sampled_rows(out: SchedulerOutput) -> dict[int, int]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
-from deepinfer.core.batch import SampledRow, SamplerOutput
+from deepinfer.core.batch import SampledRow, SamplerOutput, TokenLogprobs
 from deepinfer.core.scheduler import ScheduledSeq, SchedulerOutput
 
 
@@ -22,20 +22,24 @@ class IsolatedStep:
 
     seqs: list[ScheduledSeq] = field(default_factory=list)
     rows: list[SampledRow] = field(default_factory=list)  # one per sampled sequence
+    # Prompt logprobs by id() of the sequence that scored them (its index changes per part).
+    prompt: dict[int, list[TokenLogprobs]] = field(default_factory=dict)
     failed: list[tuple[ScheduledSeq, BaseException]] = field(default_factory=list)
 
     def survivors(self, keep: Callable[[ScheduledSeq], bool]
                   ) -> tuple[SchedulerOutput, SamplerOutput]:
         """The step without the sequences `keep` drops (e.g. siblings of a failed request)."""
-        out, rows = SchedulerOutput(), []
+        out, rows, prompt = SchedulerOutput(), [], {}
         samples = iter(self.rows)
         for seq in self.seqs:
             row = next(samples) if seq.sampled else None
             if keep(seq):
+                if id(seq) in self.prompt:
+                    prompt[len(out.seqs)] = self.prompt[id(seq)]
                 out.seqs.append(seq)
                 if row is not None:
                     rows.append(row)
-        return out, SamplerOutput.from_rows(rows)
+        return out, SamplerOutput.from_rows(rows, prompt)
 
 
 def isolate(execute: Callable[[SchedulerOutput], SamplerOutput],
@@ -60,3 +64,4 @@ def _run(execute: Callable[[SchedulerOutput], SamplerOutput], seqs: list[Schedul
         return
     result.seqs.extend(seqs)
     result.rows.extend(sampled.rows())
+    result.prompt.update({id(seqs[i]): entries for i, entries in sampled.prompt_logprobs.items()})

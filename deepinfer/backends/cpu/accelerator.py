@@ -2,6 +2,7 @@
 The shared torch runner does the work; this backend brings torch ops and host attention."""
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Sequence
 
@@ -24,7 +25,7 @@ class CPUAccelerator(Accelerator):
     name = "cpu"
     capabilities = Capabilities(chunked_prefill=True, host_page_copy=True,
                                 host_copy_skips_null=True, speculative_decoding=True,
-                                async_output=True, rebind_group=True,
+                                async_output=True, rebind_group=True, prompt_logprobs=True,
                                 dtypes=("float32", "bfloat16", "float16"),
                                 prefill_beside_decodes=256)
 
@@ -64,16 +65,19 @@ class CPUAccelerator(Accelerator):
     @torch.inference_mode()
     def forward_logits(self, batch: ModelBatch, all_tokens: bool = False) -> torch.Tensor:
         """Logits of each sampled sequence's last token (or of every token), float32."""
+        hidden, last = self._forward(batch)
+        return self.runner.logits(hidden if all_tokens else hidden[last])
+
+    def _forward(self, batch: ModelBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every query token's hidden state, and the rows of the sampled ones."""
         meta = CPUAttentionMeta.from_batch(batch, self.runner.cache.spec)
         input_ids = torch.tensor(batch.input_ids, dtype=torch.long)
         fill_from_last_step(input_ids, batch.from_last_step)
         positions = torch.tensor(batch.positions, dtype=torch.long)
         self.runner.begin_step(batch.num_tokens, batch.num_real_tokens)
         hidden = self.runner.forward(input_ids, positions, meta)
-        if all_tokens:
-            return self.runner.logits(hidden)
         last = [meta.query_starts[i] + meta.query_lens[i] - 1 for i in batch.sample_indices]
-        return self.runner.logits(hidden[torch.tensor(last, dtype=torch.long)])
+        return hidden, torch.tensor(last, dtype=torch.long)
 
     def _meta(self, batch: ModelBatch) -> CPUAttentionMeta:
         return CPUAttentionMeta.from_batch(batch, self.runner.cache.spec)
@@ -82,9 +86,13 @@ class CPUAccelerator(Accelerator):
         if batch.spec is not None:
             with torch.inference_mode():
                 return self.speculator.execute(batch)
-        logits = self.forward_logits(batch)
         with torch.inference_mode():
-            return self.runner.sample(logits, batch.sampling)
+            hidden, last = self._forward(batch)
+            out = self.runner.sample(self.runner.logits(hidden[last]), batch.sampling)
+            if batch.prompt_logprobs:
+                out = dataclasses.replace(
+                    out, prompt_logprobs=self.runner.prompt_logprobs(hidden, batch))
+            return out
 
     def launch(self, batch: ModelBatch) -> DeviceTokens:
         # Nothing here runs asynchronously, but the engine's async path is the same as on a

@@ -14,6 +14,7 @@ reads no host list (`graph_decode`), with one extra state slot for the padding r
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import logging
 import os
@@ -52,6 +53,7 @@ class CUDAAccelerator(Accelerator):
     capabilities = Capabilities(chunked_prefill=True, host_page_copy=True,
                                 host_copy_skips_null=True, async_output=True,
                                 speculative_decoding=True, rebind_group=True,
+                                prompt_logprobs=True,
                                 dtypes=("bfloat16", "float16", "float32"))
 
     def __init__(self, device: str | torch.device | None = None) -> None:
@@ -360,11 +362,25 @@ class CUDAAccelerator(Accelerator):
         if batch.spec is not None:  # eager: a verify step's queries are 1 + k tokens long
             with torch.inference_mode():
                 return self.speculator.execute(batch)
+        if batch.prompt_logprobs:
+            return self._execute_scoring(batch)
         logits, greedy = self._step_logits(batch)
         if greedy is not None and all_plain_greedy(batch.sampling):
             return SamplerOutput(greedy.tolist(), [None] * len(batch.sampling))
         with torch.inference_mode():
             return self.runner.sample(logits, batch.sampling)
+
+    @torch.inference_mode()
+    def _execute_scoring(self, batch: ModelBatch) -> SamplerOutput:
+        """A step that scores prompt positions runs eagerly: the graphs keep the logits of the
+        sampled rows only, the scored rows need their hidden states."""
+        padded, _ = self._agree(batch, False)
+        self._set_step(padded, batch)
+        inputs = self._eager_inputs(batch)
+        hidden = self._forward(inputs)
+        out = self.runner.sample(self.runner.logits(hidden[inputs.logits_index]),
+                                 batch.sampling)
+        return dataclasses.replace(out, prompt_logprobs=self.runner.prompt_logprobs(hidden, batch))
 
     def _step_meta(self, batch: ModelBatch):
         """The attention metadata of an eager step (the speculator's forwards)."""

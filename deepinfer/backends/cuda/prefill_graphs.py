@@ -55,10 +55,12 @@ class PrefillGraphs:
         self.forward: Forward | None = None  # what runs without a GPU, in place of a replay
 
     def can_run(self, batch: ModelBatch) -> bool:
-        """One sequence's chunk (no decode, no padding, no speculation) that fits a bucket."""
+        """One sequence's chunk (no decode, no padding, no speculation, no scored prompt
+        positions: a graph keeps the last row's logits only) that fits a bucket."""
         last = batch.from_last_step
         return (bool(self.graphs) and batch.num_seqs == 1 and not batch.is_decode_only
                 and batch.spec is None and batch.num_padding_seqs == 0
+                and not batch.prompt_logprobs
                 and (last is None or not len(last.token_indices))
                 and batch.num_tokens <= self.buckets[-1]
                 and -(-batch.seq_lens[0] // batch.block_size) <= self.max_blocks)

@@ -103,7 +103,7 @@ class GraphSpeculator(MTPSpeculator):
     def execute(self, batch: ModelBatch) -> SamplerOutput:
         # Sequences with fewer drafts (near max_tokens) are padded to k + 1 rows.
         rows = as_decode_rows(batch, self.q, self.null_state_slot)
-        if rows is None or not self.verify.can_run(rows):
+        if rows is None or not self.verify.can_run(rows) or batch.prompt_logprobs:
             return super().execute(batch)
         index = run_rows(batch.query_lens, self.q)  # each token's row
         saved = self._save_carry(batch)

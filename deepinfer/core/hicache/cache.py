@@ -153,7 +153,7 @@ class HiCache:
     # ---- hits ----------------------------------------------------------------------------
     def match(self, req: Request, num_device_pages: int) -> HostHit | None:
         """Host pages continuing the request's device hit of num_device_pages pages."""
-        if not req.use_prefix_cache:
+        if not req.reads_prefix_cache:
             return None
         bs = self.block_size
         limit = max(0, req.num_tokens - self.keep_tokens) // bs  # pages the whole hit may cover

@@ -111,7 +111,7 @@ class KVCacheManager:
         produces the logits the next token is sampled from.
         """
         empty: list[list[KVBlock]] = [[] for _ in self.groups]
-        if not (self.enable_caching and req.use_prefix_cache) or self.no_prefix_hits:
+        if not (self.enable_caching and req.reads_prefix_cache) or self.no_prefix_hits:
             return empty
         bs = self.block_size
         limit = (req.num_tokens - 1) // bs
