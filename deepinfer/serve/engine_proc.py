@@ -357,7 +357,7 @@ def _control(engine: Engine, command: str) -> object:
 def _delta(out: RequestOutput) -> TokenDelta:
     return TokenDelta(out.request_id, out.index, out.new_token_ids, out.new_text, out.finished,
                       out.finish_reason, out.stop_reason, out.new_logprobs,
-                      len(out.prompt_token_ids), out.num_cached_tokens)
+                      len(out.prompt_token_ids), out.num_cached_tokens, out.prompt_logprobs)
 
 
 def _stats(engine: Engine) -> EngineStats:

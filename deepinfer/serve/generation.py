@@ -41,6 +41,9 @@ class Generation:
     prompt_token_ids: list[int]
     choices: list[Choice]
     num_cached_tokens: int = 0
+    # SamplingParams.prompt_logprobs: the prompt's entries (None first), from the first delta
+    # that brings them (every sample scores the same prompt).
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
     start: float = field(default_factory=time.monotonic)
     first_token: float | None = None
     last_token: float | None = None
@@ -53,6 +56,8 @@ class Generation:
             choice.pieces.append(delta.new_text)
         choice.token_ids.extend(delta.new_token_ids)
         choice.logprobs.extend(delta.logprobs)
+        if self.prompt_logprobs is None:
+            self.prompt_logprobs = delta.prompt_logprobs
         if delta.finished:
             choice.finish_reason, choice.stop_reason = delta.finish_reason, delta.stop_reason
         self.num_cached_tokens = delta.num_cached_tokens

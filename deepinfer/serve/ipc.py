@@ -58,6 +58,9 @@ class TokenDelta:
     logprobs: list[TokenLogprobs]
     num_prompt_tokens: int
     num_cached_tokens: int
+    # SamplingParams.prompt_logprobs: the prompt's entries (None first), on a sample's first
+    # delta only.
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
     def then(self, later: "TokenDelta") -> "TokenDelta":
         """This delta and the next one of the same sample as one delta."""
@@ -73,7 +76,9 @@ class TokenDelta:
         return dataclasses.replace(
             last, new_token_ids=[t for d in deltas for t in d.new_token_ids],
             new_text="".join(d.new_text for d in deltas),
-            logprobs=[lp for d in deltas for lp in d.logprobs])
+            logprobs=[lp for d in deltas for lp in d.logprobs],
+            prompt_logprobs=next((d.prompt_logprobs for d in deltas
+                                  if d.prompt_logprobs is not None), None))
 
 
 @dataclass(frozen=True)

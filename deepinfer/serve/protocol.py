@@ -1,10 +1,12 @@
 """OpenAI request bodies (pydantic), and their translation into SamplingParams."""
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, ValidationInfo, field_validator,
+                      model_validator)
 
 from deepinfer.core.sampling import (INT32_MAX, INT64_MAX, INT64_MIN, MAX_LOGPROBS,
                                      SamplingParams, StructuredOutput)
@@ -81,6 +83,16 @@ class _Request(_Body):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     prefix_cache: bool = True  # False: this request neither reuses nor leaves cached pages
+    # vLLM's: each prompt token's logprob, rank and this many top alternatives, in the
+    # response (a whole body's field, so not with stream, as in vLLM).
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    @field_validator("prompt_logprobs")
+    @classmethod
+    def _not_streamed(cls, v: int | None, info: ValidationInfo) -> int | None:
+        if v is not None and info.data.get("stream"):
+            raise ValueError("prompt_logprobs are not available with stream: true")
+        return v
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
                         defaults: dict[str, Any] | None = None) -> SamplingParams:
@@ -100,6 +112,7 @@ class _Request(_Body):
             presence_penalty=pick("presence_penalty"),
             frequency_penalty=pick("frequency_penalty"),
             repetition_penalty=pick("repetition_penalty"), logprobs=logprobs,
+            prompt_logprobs=self.prompt_logprobs,
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens)
 
@@ -245,6 +258,9 @@ class CompletionRequest(_Request):
 
     def to_sampling_params(self, defaults: dict[str, Any] | None = None) -> SamplingParams:
         params = self.sampling_params(self.max_tokens, self.logprobs, defaults)
+        if self.echo and self.logprobs is not None and params.prompt_logprobs is None:
+            # The echoed prompt's tokens carry logprobs too (as vLLM does).
+            params = dataclasses.replace(params, prompt_logprobs=self.logprobs)
         params.structured = self.response_format.constraint() if self.response_format else None
         return params
 

@@ -22,6 +22,7 @@ from deepinfer.serve.grammar_pool import GrammarUnavailable
 from deepinfer.serve.generation import (Choice, Generation, check_length, route_request,
                                         stream_generation, usage)
 from deepinfer.serve.limits import RequestLimits
+from deepinfer.serve.prompt_logprobs import after_first_token, continued, vllm_prompt_logprobs
 from deepinfer.serve.protocol import ChatCompletionRequest, CompletionRequest
 from deepinfer.serve.sse import DONE, EventStream, event
 
@@ -197,7 +198,8 @@ async def chat_completions(state, body: ChatCompletionRequest, request: Request)
     choices = [_chat_choice(state, c, rendered.forced_prefix, names if use_tools else None,
                             body.logprobs, mode) for c in gen.choices]
     return JSONResponse({"id": rid, "object": "chat.completion", "created": _now(),
-                         "model": state.model_name, "choices": choices, "usage": usage([gen])},
+                         "model": state.model_name, "choices": choices, "usage": usage([gen]),
+                         "prompt_logprobs": _prompt_logprobs(state, gen)},
                         headers=_served_by(state, [route]))
 
 
@@ -330,7 +332,8 @@ async def completions(state, body: CompletionRequest, request: Request):
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return _RoutedStream(
             _completion_chunks(state, rid, gens, streams, echo, params.n, include_usage,
-                               body.logprobs is not None), routes, _served_by(state, routes))
+                               body.logprobs is not None, body.echo),
+            routes, _served_by(state, routes))
 
     async def collect() -> None:
         async for _ in _merge(streams):
@@ -345,8 +348,9 @@ async def completions(state, body: CompletionRequest, request: Request):
         for c in gen.choices:
             choices.append({"index": k * params.n + c.index, "text": echo[k] + c.text,
                             "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
-                            "logprobs": _completion_logprobs(state, c.logprobs)
-                            if body.logprobs is not None else None})
+                            "logprobs": _choice_logprobs(state, gen, c.logprobs, body.echo)
+                            if body.logprobs is not None else None,
+                            "prompt_logprobs": _prompt_logprobs(state, gen)})
     return JSONResponse({"id": rid, "object": "text_completion", "created": _now(),
                          "model": state.model_name, "choices": choices, "usage": usage(gens)},
                         headers=_served_by(state, routes))
@@ -354,19 +358,24 @@ async def completions(state, body: CompletionRequest, request: Request):
 
 async def _completion_chunks(state, rid: str, gens: list[Generation], streams: list,
                              echo: list[str], n: int, include_usage: bool,
-                             want_logprobs: bool) -> AsyncIterator[str]:
+                             want_logprobs: bool, echoes_prompt: bool = False
+                             ) -> AsyncIterator[str]:
     events = EventStream(rid, "text_completion", _now(), state.model_name)
     echoed: set[tuple[int, int]] = set()
+    offsets: dict[tuple[int, int], int] = {}  # characters of each choice's tokens so far
     try:
         async for k, (delta, c) in _merge(streams):
-            text = delta.new_text
-            if (k, c.index) not in echoed:
+            text, echoes = delta.new_text, (k, c.index) not in echoed
+            if echoes:
                 echoed.add((k, c.index))
                 text = echo[k] + text
+            logprobs = None
+            if want_logprobs:
+                logprobs = _choice_logprobs(state, gens[k], delta.logprobs,
+                                            echoes and echoes_prompt)
+                logprobs, offsets[k, c.index] = continued(logprobs, offsets.get((k, c.index), 0))
             yield events.text(k * n + c.index, text,
-                              delta.finish_reason if delta.finished else None,
-                              _completion_logprobs(state, delta.logprobs) if want_logprobs
-                              else None)
+                              delta.finish_reason if delta.finished else None, logprobs)
     except APIError as exc:
         yield _error_event(exc)
         return
@@ -382,6 +391,19 @@ def _completion_logprobs(state, items: list[TokenLogprobs]) -> dict:
     return {"tokens": tokens, "token_logprobs": [i.logprob for i in items],
             "top_logprobs": [{_token_text(state, t): lp for t, lp in i.top} for i in items],
             "text_offset": offsets}
+
+
+def _choice_logprobs(state, gen: Generation, items: list[TokenLogprobs], echo: bool) -> dict:
+    """A completion choice's logprobs; with echo the prompt's tokens come first (as vLLM
+    lays them out)."""
+    if not echo:
+        return _completion_logprobs(state, items)
+    return after_first_token(_token_text(state, gen.prompt_token_ids[0]),
+                             _completion_logprobs(state, [*gen.prompt_logprobs[1:], *items]))
+
+
+def _prompt_logprobs(state, gen: Generation) -> list | None:
+    return vllm_prompt_logprobs(gen.prompt_logprobs, lambda t: _token_text(state, t))
 
 
 async def _merge(streams: list[AsyncIterator]) -> AsyncIterator[tuple[int, Any]]:

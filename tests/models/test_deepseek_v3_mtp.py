@@ -74,6 +74,26 @@ def test_greedy_equals_plain_decoding_and_transformers(mtp_path, plain, k):
     assert llm.engine.kv.num_request_blocks() == 0
 
 
+def test_prompt_logprobs_under_speculation(mtp_path, plain):
+    # A 16-token budget scores the longer prompts chunk by chunk while the short one verifies
+    # drafts; the entries are transformers' and the tokens plain decoding's.
+    prompts = _prompts(LENGTHS, seed=1)
+    params = SamplingParams(temperature=0.0, max_tokens=N, ignore_eos=True, prompt_logprobs=2)
+    outs = _llm(mtp_path, 2, max_num_batched_tokens=16).generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in outs] == plain
+    ref = _reference_model(mtp_path)
+    for out, prompt in zip(outs, prompts):
+        with torch.no_grad():
+            logp = ref(torch.tensor([prompt])).logits[0].float().log_softmax(-1)
+        entries = out.prompt_logprobs
+        assert len(entries) == len(prompt) and entries[0] is None
+        for i, entry in enumerate(entries[1:], start=1):
+            assert entry.token_id == prompt[i]
+            assert entry.logprob == pytest.approx(logp[i - 1, prompt[i]].item(), abs=1e-4)
+            assert [v for _, v in entry.top] == pytest.approx(
+                logp[i - 1].topk(2).values.tolist(), abs=1e-4)
+
+
 @pytest.mark.parametrize("params", [GREEDY, SamplingParams(
     temperature=0.9, top_p=0.95, seed=7, max_tokens=N, ignore_eos=True, logprobs=2,
     repetition_penalty=1.3)], ids=["greedy", "seeded"])
