@@ -128,6 +128,46 @@ def test_short_chunks_of_one_sequence_run_the_prefill_graphs(tmp_path, monkeypat
     engine.shutdown()
 
 
+def test_prompt_logprobs_run_eagerly_and_equal_transformers(tmp_path, monkeypatch):
+    """A lone prompt that the prefill graphs would take, asking for prompt_logprobs: its step
+    runs eagerly (a graph keeps only the last row's logits), and each prompt token's logprob
+    and top 2 equal log_softmax of transformers' logits at the position before it."""
+    import transformers
+
+    from deepinfer.backends.cuda.prefill_graphs import PrefillGraphs
+    from tests.checkpoints import make_checkpoint
+
+    path = make_checkpoint(str(tmp_path / "llama"), "llama", torch.float32)
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    prompt = torch.randint(3, 250, (40,), generator=torch.Generator().manual_seed(7)).tolist()
+    with torch.no_grad():
+        ref = model(torch.tensor([prompt])).logits[0].float().log_softmax(-1)
+    config = EngineConfig(model=ModelSpec(path, dtype="float32"),
+                          cache=CacheConfig(block_size=16, num_blocks=32),
+                          scheduler=SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4))
+    engine = Engine(config, accelerator=_interpreted_cls()(), load_tokenizer=False)
+    engine.accelerator.capture_graphs(16)
+    graphed = []
+    run = PrefillGraphs.run
+    monkeypatch.setattr(PrefillGraphs, "run",
+                        lambda self, batch: graphed.append(batch) or run(self, batch))
+    engine.add_request("r", prompt, SamplingParams(temperature=0.0, max_tokens=2,
+                                                   prompt_logprobs=2))
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    assert graphed == []
+    entries = outs[0].prompt_logprobs
+    assert len(entries) == len(prompt) and entries[0] is None
+    for i, entry in enumerate(entries[1:], start=1):
+        assert entry.token_id == prompt[i]
+        assert entry.logprob == pytest.approx(ref[i - 1, prompt[i]].item(), abs=1e-4)
+        assert [v for _, v in entry.top] == pytest.approx(ref[i - 1].topk(2).values.tolist(),
+                                                          abs=1e-4)
+    assert outs[0].new_token_ids == [int(ref[-1].argmax())]
+    engine.shutdown()
+
+
 def test_one_token_steps_run_the_gemv(tmp_path, monkeypatch):
     """A lone request decodes one row a step: its projections and LM head go through the GEMV
     kernel (counted), and its greedy tokens still equal transformers'."""
