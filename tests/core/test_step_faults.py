@@ -133,3 +133,25 @@ def test_offline_llm_raises_once_the_others_finished(llama_dir, monkeypatch):
     with pytest.raises(RuntimeError, match="1 of 2 request.*injected sampling fault"):
         llm.generate([PROMPTS[0], PROMPTS[1]], [_params(1), _params(BAD_SEED)])
     _assert_idle(llm.engine)
+
+
+def test_prompt_logprobs_survive_a_batch_mates_fault(llama_dir):
+    # [plain, bad, scored] in one step: the scored request reruns alone (its index 0 there),
+    # and its entries reach it at its own index among the survivors (1).
+    scored = SamplingParams(temperature=0.0, max_tokens=3, prompt_logprobs=2)
+    clean = _engine(llama_dir)
+    clean.add_request("s", PROMPTS[3], scored)
+    expected = _run(clean)["s"][0].prompt_logprobs
+    engine = _engine(llama_dir)
+    engine.add_request("a", PROMPTS[1], _params(100))
+    engine.add_request("bad", PROMPTS[0], _params(BAD_SEED))
+    engine.add_request("s", PROMPTS[3], scored)
+    got = _run(engine)
+    assert got["bad"][-1].finish_reason == "error"
+    entries = got["s"][0].prompt_logprobs
+    assert len(entries) == len(PROMPTS[3]) and entries[0] is None
+    assert [(e.token_id, e.rank, [t for t, _ in e.top]) for e in entries[1:]] == \
+        [(e.token_id, e.rank, [t for t, _ in e.top]) for e in expected[1:]]
+    assert [e.logprob for e in entries[1:]] == \
+        pytest.approx([e.logprob for e in expected[1:]], abs=1e-5)
+    _assert_idle(engine)
