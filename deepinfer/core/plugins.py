@@ -65,6 +65,7 @@ class AcceleratorRow:
     priority: int
     status: str  # "available", "unavailable" or "failed: <reason>"
     description: str
+    why_unavailable: str = ""  # the backend's own account of what is missing
 
 
 class AcceleratorError(RuntimeError):
@@ -234,7 +235,8 @@ def select_accelerator(registry: PluginRegistry, name: str | None = None) -> typ
             raise AcceleratorError(
                 f"accelerator {info.name!r} failed to load: {_error_text(exc)}") from exc
         if not available:
-            raise AcceleratorError(f"accelerator {info.name!r} is not available on this machine")
+            raise AcceleratorError(f"accelerator {info.name!r} is not available on this "
+                                   f"machine: {cls.unavailable_reason()}")
         return cls
     for info in sorted(infos, key=lambda i: -i.priority):  # stable: ties keep registration order
         try:
@@ -253,8 +255,11 @@ def describe(registry: PluginRegistry) -> list[AcceleratorRow]:
     rows = []
     for info in sorted(registry.accelerators(), key=lambda i: -i.priority):
         try:
-            status = "available" if _probe(info.load()) else "unavailable"
+            cls = info.load()
+            status, why = ("available", "") if _probe(cls) else \
+                ("unavailable", cls.unavailable_reason())
         except Exception as exc:
-            status = f"failed: {_error_text(exc)}"
-        rows.append(AcceleratorRow(info.name, info.aliases, info.priority, status, info.description))
+            status, why = f"failed: {_error_text(exc)}", ""
+        rows.append(AcceleratorRow(info.name, info.aliases, info.priority, status,
+                                   info.description, why))
     return rows

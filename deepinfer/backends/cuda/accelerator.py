@@ -75,6 +75,17 @@ class CUDAAccelerator(Accelerator):
     def is_available(cls) -> bool:
         return torch.cuda.is_available() and importlib.util.find_spec("triton") is not None
 
+    @classmethod
+    def unavailable_reason(cls) -> str:
+        if torch.version.cuda is None:
+            return (f"torch {torch.__version__} is a build without CUDA: install a CUDA build "
+                    "of torch (https://pytorch.org/get-started/locally/), then "
+                    "pip install 'deepinfer[cuda]'")
+        if not torch.cuda.is_available():
+            return (f"torch {torch.__version__} (CUDA {torch.version.cuda}) sees no GPU: check "
+                    "the driver (nvidia-smi) and CUDA_VISIBLE_DEVICES")
+        return "Triton is not installed: pip install 'deepinfer[cuda]'"
+
     @property
     def on_gpu(self) -> bool:
         return self.device is not None and self.device.type == "cuda"
