@@ -15,6 +15,7 @@ import signal
 import socket
 import sys
 import tempfile
+import time
 from collections.abc import Callable
 from typing import Any, NoReturn, Sequence, TypeAlias
 
@@ -27,6 +28,7 @@ from deepinfer.serve.rank_health import RankHealthConfig
 from deepinfer.serve.stream_pacing import DEFAULT_STREAM_INTERVAL
 
 DEFAULT_GRAMMAR_WORKERS = 2
+_STARTED = time.monotonic()  # this process's start, near enough: for the "ready" log line
 
 log = logging.getLogger("deepinfer.serve")
 
@@ -314,9 +316,9 @@ async def serve(args: argparse.Namespace, model_dir: str, listener: socket.socke
     workers = []
     try:
         ready = await client.start()
-        log.info("%d rank(s) ready on %s: %d KV blocks of %d tokens, context %d", len(ready),
-                 ready[0].accelerator, ready[0].num_blocks, ready[0].block_size,
-                 ready[0].max_model_len)
+        log.info("%d rank(s) ready on %s: %d KV blocks of %d tokens, context %d (%.0f s after "
+                 "start)", len(ready), ready[0].accelerator, ready[0].num_blocks,
+                 ready[0].block_size, ready[0].max_model_len, time.monotonic() - _STARTED)
         if ready[0].hicache_pages:
             log.info("HiCache: %d host pages of %d tokens per rank", ready[0].hicache_pages,
                      ready[0].block_size)
@@ -395,6 +397,10 @@ async def serve_http(args: argparse.Namespace, model_dir: str, client, ready: li
                         drain=Drain(args.shutdown_timeout))
     if observes_engine:  # once per server, not once per API process
         log.info(state.chat_format.describe(model_dir))
+        # Benchmark clients (aiperf, genai-perf, vllm bench) load a tokenizer by the model's
+        # name, which offline finds nothing: this is the folder to give them.
+        log.info("tokenizer for clients that load one by model name: %s (aiperf --tokenizer)",
+                 model_dir)
     limits = connection_limits(args)
     # uvicorn's own shutdown runs after the drain (serve/shutdown.py): its timeout only has
     # to outlast a write or a body that is still blocked.
