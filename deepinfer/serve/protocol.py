@@ -8,7 +8,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from deepinfer.core.sampling import (INT32_MAX, INT64_MAX, INT64_MIN, MAX_LOGPROBS,
                                      SamplingParams, StructuredOutput)
-from deepinfer.serve.structured_fields import StructuredOutputs, requested_constraint
+from deepinfer.serve.structured_fields import (StructuredOutputs, requested_constraint,
+                                               structural_tag_text)
 
 MAX_NESTING = 64  # JSON depth of a body; deeper ones would only exhaust recursion downstream
 Count = Annotated[int, Field(ge=0, le=INT32_MAX)]  # token counts and ids: int32 range
@@ -156,10 +157,17 @@ class NamedToolChoice(BaseModel):
 
 
 class ResponseFormat(BaseModel):
-    type: Literal["text", "json_object", "json_schema"] = "text"
+    # Extra keys are a structural tag's (vLLM's type "structural_tag": format, or the older
+    # structures and triggers).
+    model_config = ConfigDict(extra="allow")
+
+    type: Literal["text", "json_object", "json_schema", "structural_tag"] = "text"
     json_schema: dict[str, Any] | None = None
 
     def constraint(self) -> StructuredOutput | None:
+        if self.type == "structural_tag":
+            return StructuredOutput("structural_tag", structural_tag_text(
+                {"type": "structural_tag", **(self.model_extra or {})}))
         if self.type == "json_object":
             return StructuredOutput("json_object")
         if self.type == "json_schema":

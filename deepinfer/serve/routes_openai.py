@@ -251,12 +251,15 @@ async def _echoed_chunks(chunks: AsyncIterator[str], rid: str, model: str, n: in
     """A chat stream with the echoed message after each choice's role chunk (the first n)."""
     events = EventStream(rid, "chat.completion.chunk", _now(), model)
     sent = 0
-    async for chunk in chunks:
-        yield chunk
-        sent += 1
-        if sent == n:
-            for index in range(n):
-                yield events.content(index, echo)
+    try:
+        async for chunk in chunks:
+            yield chunk
+            sent += 1
+            if sent == n:
+                for index in range(n):
+                    yield events.content(index, echo)
+    finally:  # a client gone: the inner stream aborts its engine requests now, not at GC
+        await chunks.aclose()
 
 
 def _chat_choice(state, c: Choice, forced: str, tool_names: set[str] | None,
