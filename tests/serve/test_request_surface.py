@@ -162,7 +162,8 @@ def test_continue_final_message_and_echo(client, http, hf_tokenizer):
              "return_token_ids": True}
     r = client.chat.completions.create(model=MODEL, messages=PREFILL, max_tokens=4,
                                        temperature=0, extra_body=extra)
-    prompt = http.post("/tokenize", json={"messages": PREFILL, **extra}).json()["tokens"]
+    prompt = http.post("/tokenize", json={"messages": PREFILL, "add_generation_prompt": False,
+                                          "continue_final_message": True}).json()["tokens"]
     assert r.model_extra["prompt_token_ids"] == prompt
     echoed = client.chat.completions.create(model=MODEL, messages=PREFILL, max_tokens=4,
                                             temperature=0, extra_body={**extra, "echo": True})
