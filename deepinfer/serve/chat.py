@@ -68,23 +68,45 @@ class ChatFormat:
 
 def render_chat(tokenizer: Any, chat: ChatFormat, messages: list[dict], tools: list[dict] | None,
                 tool_choice: Any, add_generation_prompt: bool = True,
-                template_kwargs: dict | None = None) -> RenderedChat:
+                template_kwargs: dict | None = None, continue_final: bool = False,
+                documents: list[dict] | None = None) -> RenderedChat:
+    """`continue_final`: the last message is left open (no end of turn after its content), so
+    the model continues it; `documents`: for templates that render RAG documents."""
     if tool_choice == "none":
         tools = None
     encoder = chat.encoder
     if encoder is not None:
         # DeepSeek checkpoints ship encoding.py: their renderer wins over any Jinja template.
+        if documents:
+            raise ValueError("documents are rendered by chat templates; this model's chat "
+                             "format takes none")
         prompt = encoder.encode_messages(messages, tools=tools, **(template_kwargs or {}))
+        if continue_final:
+            prompt = open_final_message(prompt, messages[-1].get("content") or "")
     else:
         if tokenizer.chat_template is None:
             raise ValueError("this model has no chat template; use /v1/completions")
         if "tool_calls" not in str(tokenizer.chat_template):
             messages = [_calls_as_text(m) for m in messages]
+        extra = {"documents": documents} if documents else {}
         prompt = tokenizer.apply_chat_template(
             messages, tools=tools, add_generation_prompt=add_generation_prompt,
-            tokenize=False, **(template_kwargs or {}))
+            continue_final_message=continue_final, tokenize=False, **extra,
+            **(template_kwargs or {}))
     forced = _forced_prefix(tool_choice) if tools and not chat.dsml else ""
     return RenderedChat(prompt + forced, forced)
+
+
+def open_final_message(prompt: str, final: str) -> str:
+    """The prompt cut right after the final message's content, as transformers'
+    continue_final_message cuts a template's output (templates that strip messages: the
+    stripped content)."""
+    for text in (final, final.strip()):
+        at = prompt.rfind(text) if text else -1
+        if at >= 0:
+            return prompt[:at + len(text)]
+    raise ValueError("continue_final_message needs a final message whose content the "
+                     "rendered chat contains")
 
 
 def _calls_as_text(message: dict) -> dict:

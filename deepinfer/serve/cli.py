@@ -139,6 +139,10 @@ def _server_args(p: Flags) -> None:
                    help="tokens a streamed sample gathers before the rank sends them (its "
                         "first token and its end go out at once): fewer, larger SSE chunks "
                         "and less API work per token under many streams")
+    p.add_argument("--ignore-unknown-fields", action="store_true",
+                   help="ignore request fields that neither OpenAI's nor vLLM's API defines "
+                        "(each name logged once) instead of refusing them with 400; fields "
+                        "they define are judged as docs/compatibility.md says either way")
     p.add_argument("--timeout-keep-alive", type=float, default=DEFAULT_KEEP_ALIVE_S,
                    help="seconds an idle keep-alive connection stays open; keep it well above "
                         "the longest event-loop turn (a burst of requests can make one last "
@@ -377,6 +381,7 @@ async def serve_http(args: argparse.Namespace, model_dir: str, client, ready: li
     from deepinfer.serve.heap import freeze_startup_heap
     from deepinfer.serve.metrics import ServerMetrics
     from deepinfer.serve.moe_metrics import MoECollector
+    from deepinfer.serve.request_fields import UnknownFields
     from deepinfer.serve.rank_metrics import RankCollector
     from deepinfer.serve.tokenizer_metrics import TokenizerCollector
 
@@ -394,7 +399,8 @@ async def serve_http(args: argparse.Namespace, model_dir: str, client, ready: li
                         grammars=grammar_pool(args, model_dir, ready[0]),
                         large_bodies=LargeBodyParser(int(args.large_body_kb * 1024),
                                                      ready[0].max_model_len),
-                        drain=Drain(args.shutdown_timeout))
+                        drain=Drain(args.shutdown_timeout),
+                        unknown_fields=UnknownFields(args.ignore_unknown_fields))
     if observes_engine:  # once per server, not once per API process
         log.info(state.chat_format.describe(model_dir))
         # Benchmark clients (aiperf, genai-perf, vllm bench) load a tokenizer by the model's

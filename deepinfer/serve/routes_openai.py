@@ -20,10 +20,11 @@ from deepinfer.serve.dsml_parser import DsmlMode, finish_reason
 from deepinfer.serve.errors import APIError
 from deepinfer.serve.grammar_pool import GrammarUnavailable
 from deepinfer.serve.generation import (Choice, Generation, check_length, route_request,
-                                        stream_generation, usage)
+                                        stream_generation, truncate_prompt, usage)
 from deepinfer.serve.limits import RequestLimits
 from deepinfer.serve.protocol import ChatCompletionRequest, CompletionRequest
 from deepinfer.serve.sse import DONE, EventStream, event
+from deepinfer.serve.structured_fields import constraint_field
 
 RANK_HEADER = "x-deepinfer-rank"  # which engine rank(s) served the request
 API_PROCESS_HEADER = "x-deepinfer-api-process"  # which API process (--api-server-count) did
@@ -118,13 +119,15 @@ async def _until_disconnect(request: Request, work: asyncio.Future) -> Any:
 # ---- chat ----------------------------------------------------------------------------------
 async def render(state, messages: list, tools: list[dict] | None = None,
                  tool_choice: Any = None, add_generation_prompt: bool = True,
-                 template_kwargs: dict | None = None):
+                 template_kwargs: dict | None = None, continue_final: bool = False,
+                 documents: list[dict] | None = None):
     """The chat rendered with the checkpoint's template; anything it rejects is a 400."""
     check_template_kwargs(state.tokenizer, template_kwargs)
     try:
         return await asyncio.to_thread(
             render_chat, state.tokenizer, state.chat_format, [m.for_template() for m in messages],
-            tools, tool_choice, add_generation_prompt, template_kwargs)
+            tools, tool_choice, add_generation_prompt, template_kwargs, continue_final,
+            documents)
     except (ValueError, TypeError, KeyError, AttributeError) as exc:
         raise APIError(f"could not render the chat: {exc}", param="messages") from exc
     except Exception as exc:  # template errors (jinja raise_exception) are user errors too
@@ -155,8 +158,12 @@ async def chat_completions(state, body: ChatCompletionRequest, request: Request)
     choice = body.tool_choice.model_dump() if hasattr(body.tool_choice, "function") \
         else body.tool_choice
     dsml = state.chat_format.dsml
+    if body.continue_final_message and choice not in (None, "none", "auto"):
+        raise APIError("continue_final_message cannot be combined with a forced tool call",
+                       param="continue_final_message")
     rendered = await render(state, body.messages, tools, choice, body.add_generation_prompt,
-                            body.chat_template_kwargs)
+                            template_variables(body), body.continue_final_message,
+                            body.documents)
     calls = DsmlCalls(rendered.prompt.endswith(THINK_OPEN), body.parallel_tool_calls) \
         if dsml else None
     try:
@@ -164,19 +171,25 @@ async def chat_completions(state, body: ChatCompletionRequest, request: Request)
     except ValueError as exc:
         raise APIError(str(exc), param="tool_choice") from exc
     if constraint is not None:
+        if params.structured is not None:
+            raise APIError(f"{constraint_field(body)} cannot be combined with a forced tool "
+                           "call", param="tool_choice")
         params.structured = constraint
-    prompt_ids = await asyncio.to_thread(state.prompt_tokenizer.encode, rendered.prompt, False)
+    prompt_ids = await asyncio.to_thread(state.prompt_tokenizer.encode, rendered.prompt,
+                                         body.add_special_tokens)
+    prompt_ids = truncate_prompt(prompt_ids, body.truncate_prompt_tokens, state.max_model_len)
     check_length(len(prompt_ids), params, state.max_model_len)  # before any compile
     grammar = await _compile_constraint(state, params,
-                                        "tools" if constraint else "response_format")
+                                        "tools" if constraint else constraint_field(body))
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     gen = Generation(prompt_ids, [Choice(i) for i in range(params.n)])
-    key = affinity_key(request.headers, body.user,
+    key = affinity_key(request.headers, body.prompt_cache_key or body.user,
                        [m.model_dump(exclude_none=True) for m in body.messages])
     route = route_request(state.client, key, len(prompt_ids))
     stream = stream_generation(state.client, state.metrics, rid, prompt_ids, params,
-                               body.prefix_cache, gen, route, final_only=not body.stream,
-                               grammar=grammar)
+                               body.uses_prefix_cache(), gen, route,
+                               final_only=not body.stream, grammar=grammar)
+    echo = chat_echo(body)
     use_tools = bool(tools) and body.tool_choice != "none"
     # DeepSeek-V4 output is read by the DSML parser: thinking when the prompt opened <think>.
     mode = DsmlMode(rendered.prompt.endswith(THINK_OPEN), use_tools) if dsml else None
@@ -184,6 +197,8 @@ async def chat_completions(state, body: ChatCompletionRequest, request: Request)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         chunks = _chat_chunks(state, rid, gen, stream, rendered.forced_prefix, names if use_tools
                               else None, include_usage, body.logprobs, mode)
+        if echo:
+            chunks = _echoed_chunks(chunks, rid, state.model_name, params.n, echo)
         return _RoutedStream(chunks, [route], _served_by(state, [route]))
 
     async def collect() -> None:
@@ -196,9 +211,55 @@ async def chat_completions(state, body: ChatCompletionRequest, request: Request)
         route.release()
     choices = [_chat_choice(state, c, rendered.forced_prefix, names if use_tools else None,
                             body.logprobs, mode) for c in gen.choices]
-    return JSONResponse({"id": rid, "object": "chat.completion", "created": _now(),
-                         "model": state.model_name, "choices": choices, "usage": usage([gen])},
-                        headers=_served_by(state, [route]))
+    response = {"id": rid, "object": "chat.completion", "created": _now(),
+                "model": state.model_name, "choices": choices, "usage": usage([gen])}
+    _chat_extensions(response, gen, echo, body.return_token_ids)
+    return JSONResponse(response, headers=_served_by(state, [route]))
+
+
+def template_variables(body: ChatCompletionRequest) -> dict | None:
+    """chat_template_kwargs, with reasoning_effort as a variable (vLLM passes it so too) unless
+    the kwargs set it."""
+    if body.reasoning_effort is None:
+        return body.chat_template_kwargs
+    return {"reasoning_effort": body.reasoning_effort, **(body.chat_template_kwargs or {})}
+
+
+def chat_echo(body: ChatCompletionRequest) -> str:
+    """vLLM's chat `echo`: the last message's content, when its role is the reply's (the
+    assistant's with a generation prompt, else the last message's own), leads the answer."""
+    if not body.echo:
+        return ""
+    last = body.messages[-1]
+    role = "assistant" if body.add_generation_prompt else last.role
+    return last.for_template()["content"] if last.role == role else ""
+
+
+def _chat_extensions(response: dict, gen: Generation, echo: str, token_ids: bool) -> None:
+    """A chat response with vLLM's extensions: the echoed message, the token ids."""
+    for choice, c in zip(response["choices"], gen.choices):
+        if echo:
+            choice["message"]["content"] = echo + (choice["message"]["content"] or "")
+        if token_ids:
+            choice["token_ids"] = list(c.token_ids)
+    if token_ids:
+        response["prompt_token_ids"] = gen.prompt_token_ids
+
+
+async def _echoed_chunks(chunks: AsyncIterator[str], rid: str, model: str, n: int,
+                         echo: str) -> AsyncIterator[str]:
+    """A chat stream with the echoed message after each choice's role chunk (the first n)."""
+    events = EventStream(rid, "chat.completion.chunk", _now(), model)
+    sent = 0
+    try:
+        async for chunk in chunks:
+            yield chunk
+            sent += 1
+            if sent == n:
+                for index in range(n):
+                    yield events.content(index, echo)
+    finally:  # a client gone: the inner stream aborts its engine requests now, not at GC
+        await chunks.aclose()
 
 
 def _chat_choice(state, c: Choice, forced: str, tool_names: set[str] | None,
@@ -305,32 +366,35 @@ async def completions(state, body: CompletionRequest, request: Request):
     prompts = []
     for p in body.prompts():
         if isinstance(p, str):
-            ids = await asyncio.to_thread(state.prompt_tokenizer.encode, p, True)
+            ids = await asyncio.to_thread(state.prompt_tokenizer.encode, p,
+                                          body.add_special_tokens)
         else:
             vocab = len(state.tokenizer)
             if not p or min(p) < 0 or max(p) >= vocab:  # C loops: a 32K prompt in 0.3 ms
                 raise APIError(f"prompt token ids must be non-empty and in [0, {vocab})",
                                param="prompt")
             ids = list(p)
+        ids = truncate_prompt(ids, body.truncate_prompt_tokens, state.max_model_len)
         check_length(len(ids), params, state.max_model_len, param="prompt")
         prompts.append(ids)
-    grammar = await _compile_constraint(state, params, "response_format")
+    grammar = await _compile_constraint(state, params, constraint_field(body))
     rid = f"cmpl-{uuid.uuid4().hex}"
     gens = [Generation(ids, [Choice(i) for i in range(params.n)]) for ids in prompts]
     # Each prompt of a batch routes on its own key (headers or user pin them all together).
     sources = body.prompts()
-    routes = _route_all(state, [affinity_key(request.headers, body.user, None, src)
-                                for src in sources], prompts)
+    routes = _route_all(state, [affinity_key(request.headers, body.prompt_cache_key or body.user,
+                                             None, src) for src in sources], prompts)
     streams = [stream_generation(state.client, state.metrics, f"{rid}-{k}", ids, params,
-                                 body.prefix_cache, g, route, final_only=not body.stream,
-                                 grammar=grammar)
+                                 body.uses_prefix_cache(), g, route,
+                                 final_only=not body.stream, grammar=grammar)
                for k, (ids, g, route) in enumerate(zip(prompts, gens, routes))]
     echo = [state.tokenizer.decode(ids) if body.echo else "" for ids in prompts]
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return _RoutedStream(
             _completion_chunks(state, rid, gens, streams, echo, params.n, include_usage,
-                               body.logprobs is not None), routes, _served_by(state, routes))
+                               body.logprobs is not None, body.return_token_ids), routes,
+            _served_by(state, routes))
 
     async def collect() -> None:
         async for _ in _merge(streams):
@@ -346,27 +410,37 @@ async def completions(state, body: CompletionRequest, request: Request):
             choices.append({"index": k * params.n + c.index, "text": echo[k] + c.text,
                             "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
                             "logprobs": _completion_logprobs(state, c.logprobs)
-                            if body.logprobs is not None else None})
+                            if body.logprobs is not None else None,
+                            **_token_ids(body.return_token_ids, gen.prompt_token_ids,
+                                         c.token_ids)})
     return JSONResponse({"id": rid, "object": "text_completion", "created": _now(),
                          "model": state.model_name, "choices": choices, "usage": usage(gens)},
                         headers=_served_by(state, routes))
 
 
+def _token_ids(wanted: bool, prompt: list[int] | None, output: list[int]) -> dict:
+    """vLLM's return_token_ids on a completions choice: the prompt's ids (None past the
+    first chunk of a stream) and the output's."""
+    return {"prompt_token_ids": prompt, "token_ids": list(output)} if wanted else {}
+
+
 async def _completion_chunks(state, rid: str, gens: list[Generation], streams: list,
                              echo: list[str], n: int, include_usage: bool,
-                             want_logprobs: bool) -> AsyncIterator[str]:
+                             want_logprobs: bool, want_ids: bool = False) -> AsyncIterator[str]:
     events = EventStream(rid, "text_completion", _now(), state.model_name)
     echoed: set[tuple[int, int]] = set()
     try:
         async for k, (delta, c) in _merge(streams):
-            text = delta.new_text
-            if (k, c.index) not in echoed:
+            text, first = delta.new_text, (k, c.index) not in echoed
+            if first:
                 echoed.add((k, c.index))
                 text = echo[k] + text
             yield events.text(k * n + c.index, text,
                               delta.finish_reason if delta.finished else None,
                               _completion_logprobs(state, delta.logprobs) if want_logprobs
-                              else None)
+                              else None,
+                              _token_ids(want_ids, gens[k].prompt_token_ids if first else None,
+                                         delta.new_token_ids))
     except APIError as exc:
         yield _error_event(exc)
         return
