@@ -14,6 +14,7 @@ from typing import Callable, Iterator
 
 from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from deepinfer.core.config import CacheConfig
 from deepinfer.core.histogram import STEP_TOKEN_BOUNDS
@@ -62,7 +63,8 @@ class EngineCollector(Collector):
         for v in reported:
             counts = v.stats.step_token_counts or (0,) * (len(STEP_TOKEN_BOUNDS) + 1)
             buckets, seen = [], 0
-            for bound, count in zip((*map(str, STEP_TOKEN_BOUNDS), "+Inf"), counts):
+            # Bounds written as prometheus_client's Histogram writes them ("8.0"), as vLLM's.
+            for bound, count in zip((*map(floatToGoString, STEP_TOKEN_BOUNDS), "+Inf"), counts):
                 seen += count
                 buckets.append((bound, seen))
             family.add_metric([self.model_name, str(v.rank)], buckets, v.stats.step_tokens_sum)

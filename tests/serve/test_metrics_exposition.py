@@ -190,3 +190,27 @@ def test_no_created_series():
     metrics.observe_request("stop", 3, 2, 0.1, [0.01], 0.2)
     text = _exposition([HICACHE_BUSY] * 2, EXPERTS) + metrics.render().decode()
     assert [line for line in text.splitlines() if "_created" in line] == []
+
+
+def test_engine_families_per_rank():
+    """Rank 0 waits on 2 requests for room and 1 for its grammar, and stepped 3 times (1, 9
+    and 600 tokens); rank 1 is dead: its waiting reads 0, its steps stay counted."""
+    counts = [0] * 14
+    counts[0], counts[2], counts[8] = 1, 1, 1  # (.., 1], (8, 16], (512, 1024]
+    busy = dataclasses.replace(IDLE, waiting=3, waiting_deferred=1,
+                               step_token_counts=tuple(counts), step_tokens_sum=610)
+    views = [_view(0, busy), dataclasses.replace(_view(1, busy), alive=False)]
+    metrics = ServerMetrics("m")
+    metrics.registry.register(EngineCollector(lambda: views, "m", [CACHE_INFO] * 2))
+    samples = _samples(metrics.render().decode())
+    waiting = "vllm:num_requests_waiting_by_reason"
+    assert _value(samples, waiting, engine="0", reason="capacity") == 2
+    assert _value(samples, waiting, engine="0", reason="deferred") == 1
+    assert _value(samples, waiting, engine="1", reason="capacity") == 0
+    steps = "vllm:iteration_tokens_total"
+    for engine in ("0", "1"):
+        assert [_value(samples, f"{steps}_bucket", engine=engine, le=le)
+                for le in ("1.0", "8.0", "16.0", "512.0", "1024.0", "+Inf")] == [1, 1, 2, 2, 3, 3]
+        assert _value(samples, f"{steps}_sum", engine=engine) == 610
+        assert _value(samples, f"{steps}_count", engine=engine) == 3
+    assert _value(samples, "vllm:cache_config_info", engine="1", **CACHE_INFO) == 1
