@@ -18,7 +18,6 @@ import argparse
 import html
 import json
 import math
-import os
 import random
 import re
 import shutil

@@ -91,8 +91,9 @@ class ServerMetrics:
     def __init__(self, model_name: str, observes_engine: bool = True, num_engines: int = 1,
                  max_model_len: int = 8192) -> None:
         # No NAME_created series (prometheus_client adds one per counter and histogram by
-        # default): vLLM exposes none, and each is one more series for every scraper to store.
-        # The switch is the library's, for this process; every API process builds this.
+        # default): no dashboard reads them, and each is one more series for every scraper
+        # to store. The switch is the library's, for this process; every API process (the
+        # processes that export) builds this.
         disable_created_metrics()
         # The process's own collectors (ranks, tokenizer) go here; the metrics below too,
         # unless they are multiprocess values (render reads those from the files).

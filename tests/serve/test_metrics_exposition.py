@@ -184,8 +184,8 @@ def test_moe_series_sum_the_ranks_and_show_the_latest_rebalance():
 
 
 def test_no_created_series():
-    """prometheus_client's NAME_created sample of each counter and histogram is switched off
-    (vLLM exposes none)."""
+    """prometheus_client's NAME_created sample of each counter and histogram is switched
+    off."""
     metrics = ServerMetrics("m")
     metrics.observe_request("stop", 3, 2, 0.1, [0.01], 0.2)
     text = _exposition([HICACHE_BUSY] * 2, EXPERTS) + metrics.render().decode()
