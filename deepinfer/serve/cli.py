@@ -379,6 +379,7 @@ async def serve_http(args: argparse.Namespace, model_dir: str, client, ready: li
     from deepinfer.serve.inbox import RequestAborted
     from deepinfer.serve.shutdown import Drain, GracefulServer
     from deepinfer.serve.heap import freeze_startup_heap
+    from deepinfer.serve.engine_metrics import EngineCollector, cache_config_labels
     from deepinfer.serve.metrics import ServerMetrics
     from deepinfer.serve.moe_metrics import MoECollector
     from deepinfer.serve.request_fields import UnknownFields
@@ -386,7 +387,9 @@ async def serve_http(args: argparse.Namespace, model_dir: str, client, ready: li
     from deepinfer.serve.tokenizer_metrics import TokenizerCollector
 
     name = args.served_model_name or os.path.basename(os.path.normpath(args.model or model_dir))
-    metrics = ServerMetrics(name, observes_engine)
+    metrics = ServerMetrics(name, observes_engine, len(ready), ready[0].max_model_len)
+    metrics.registry.register(EngineCollector(
+        client.ranks, name, [cache_config_labels(client.config.cache, r) for r in ready]))
     metrics.registry.register(TokenizerCollector(prompt_tokenizer, name))
     metrics.registry.register(RankCollector(client.ranks, client.router, name))
     metrics.registry.register(MoECollector(client.ranks, name))
