@@ -44,7 +44,7 @@ class ChatFormat:
     def of(cls, model_dir: str, trust_remote_code: bool = False,
            tool_call_parser: str = "auto") -> "ChatFormat":
         dsml = deepseek_encoding.uses_dsml(model_dir)
-        parser, why = find_parser(model_dir, tool_call_parser, dsml)
+        parser, why = find_parser(model_dir, tool_call_parser)
         path = os.path.join(model_dir, "encoding.py")
         if os.path.exists(path) and trust_remote_code:
             return cls(_load_encoding(path), dsml, f"{path} (--trust-remote-code)", parser, why)

@@ -19,11 +19,10 @@ __all__ = ["CHOICES", "PARSERS", "CallStream", "ForcedShape", "OutputReader", "T
            "ToolRequest", "find_parser", "is_forced", "named_function"]
 
 
-def find_parser(model_dir: str, requested: str = "auto",
-                dsml: bool = False) -> tuple[ToolParser, str]:
+def find_parser(model_dir: str, requested: str = "auto") -> tuple[ToolParser, str]:
     """The checkpoint's parser (`requested`, or found from its files) and why, for the log."""
     if requested == "auto":
-        name, why = detect(model_dir, dsml)
+        name, why = detect(model_dir)
     elif requested in PARSERS:
         name, why = requested, "--tool-call-parser"
     else:

@@ -8,6 +8,8 @@ import json
 import os
 from typing import Any
 
+from deepinfer.serve.deepseek_encoding import uses_dsml
+
 # Markers a family writes, most specific first (a DeepSeek template also speaks of JSON).
 MARKERS = (("<｜tool▁calls▁begin｜>", "deepseek_v3"), ("<｜tool▁call▁begin｜>", "deepseek_v3"),
            ("[TOOL_CALLS]", "mistral"), ("<tool_call>", "hermes"),
@@ -17,9 +19,9 @@ MODEL_TYPES = {"deepseek_v3": "deepseek_v3", "qwen2": "hermes", "qwen2_moe": "he
 DEFAULT = "hermes"
 
 
-def detect(model_dir: str, dsml: bool = False) -> tuple[str, str]:
+def detect(model_dir: str) -> tuple[str, str]:
     """The parser's name and why it was picked (for the start-up log)."""
-    if dsml:
+    if uses_dsml(model_dir):
         return "deepseek_v4", "the checkpoint answers in DSML"
     template = chat_template(model_dir)
     for marker, name in MARKERS:
