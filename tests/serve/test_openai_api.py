@@ -363,8 +363,7 @@ def _json_layout(call_text: str) -> str:
 
 def test_forced_call_cut_by_max_tokens_is_a_call_with_the_arguments_so_far(client):
     """As OpenAI answers a call cut off: tool_calls with the arguments written so far (a JSON
-    prefix of the whole call's), content null, finish_reason length; stream or not. The call
-    is compact JSON: no whitespace the model could spend its tokens on."""
+    prefix of the whole call's), content null, finish_reason length; stream or not."""
     kw = dict(tools=[WEATHER_TOOL, TIME_TOOL],
               tool_choice={"type": "function", "function": {"name": "get_weather"}})
     whole = chat(client, max_tokens=64, **kw).choices[0].message.tool_calls[0].function
@@ -379,8 +378,17 @@ def test_forced_call_cut_by_max_tokens_is_a_call_with_the_arguments_so_far(clien
                 (ch.delta.tool_calls or [])]
     assert reasons[0] == "length" and content[0] == ""
     assert [(f.name, f.arguments) for f in streamed] == [(call.name, call.arguments)]
-    for text in (whole.arguments, call.arguments):
-        layout = _json_layout('{"name": "get_weather", "arguments": ' + text)
+
+
+def test_forced_call_json_has_no_free_whitespace(client):
+    """A forced call is compact JSON: sampled from the random model (which, where JSON allows
+    whitespace, would often pick some), whitespace is only the one space after ':' and ','."""
+    r = chat(client, tools=[WEATHER_TOOL, TIME_TOOL], n=4, seed=11, temperature=1.5,
+             tool_choice={"type": "function", "function": {"name": "get_weather"}}, max_tokens=32)
+    for choice in r.choices:
+        arguments = choice.message.tool_calls[0].function.arguments
+        assert arguments.startswith("{"), arguments  # no tokens spent before the arguments
+        layout = _json_layout(arguments)
         assert re.findall(r"\s", layout) == re.findall(r"(?<=[:,])\s", layout), layout
 
 

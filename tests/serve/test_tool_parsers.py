@@ -137,6 +137,20 @@ def test_a_call_cut_off_carries_the_arguments_so_far(family):
     assert whole["function"]["arguments"].startswith(call["function"]["arguments"])
 
 
+def test_a_forced_call_cut_off_before_its_name_is_the_named_function():
+    parser = PARSERS["hermes"]()
+    for text in ("", "{", '{"na', '{"name": '):
+        message, finish = read(parser, text, "length", forced="<tool_call>\n", named="get_time")
+        assert finish == "length" and message["content"] is None
+        assert [(c["function"]["name"], c["function"]["arguments"])
+                for c in message["tool_calls"]] == [("get_time", "")]
+    # "required": a name cut off stands for the one tool it can still become, if one.
+    message, _ = read(parser, '{"name": "get_w', "length", forced="<tool_call>\n")
+    assert message["tool_calls"][0]["function"]["name"] == "get_weather"
+    message, _ = read(parser, '{"name": "get_', "length", forced="<tool_call>\n")
+    assert message == {"role": "assistant", "content": '<tool_call>\n{"name": "get_'}
+
+
 def test_hermes_reads_what_it_read_before():
     """The <tool_call> reading the server always had: several calls, "parameters" for
     "arguments", arguments as a JSON string, an unclosed last call."""

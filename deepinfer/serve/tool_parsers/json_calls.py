@@ -26,6 +26,7 @@ _MAX_SPACE = 64  # whitespace held back before a possible call; a bound keeps ho
 _PARTIAL_OBJECT = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)(")?'
                              r'(?:\s*,\s*"(?:arguments|parameters)"\s*:\s*(.*))?', re.DOTALL)
 
+_OBJECT_START = re.compile(r'\s*(\{\s*("(n(a(m(e("?)?)?)?)?)?\s*:?\s*)?)?', re.DOTALL)
 Call = tuple[str, str]  # a call's name and its arguments as JSON text
 
 
@@ -183,8 +184,9 @@ def _raw_arguments(body: str, arguments: Any) -> str:
 def partial_object_call(body: str, request: ToolRequest) -> Call | None:
     """The name and the arguments so far of a {"name": ..., "arguments": ... object cut off."""
     match = _PARTIAL_OBJECT.match(body)
-    if match is None:
-        return None
+    if match is None:  # cut off before the name: a forced call's name is known all the same
+        opened = _OBJECT_START.fullmatch(body) is not None
+        return (request.named, "") if opened and request.named is not None else None
     name = resolve_name(match.group(1), match.group(2) is not None, request)
     return None if name is None else (name, (match.group(3) or "").rstrip(_WS))
 
