@@ -42,6 +42,7 @@ class ServerState:
     metrics_public: bool = False  # with an API key: /metrics still open
     chat_format: ChatFormat | None = None  # None: found from model_dir once, here
     trust_remote_code: bool = False  # the model folder's own Python may run (encoding.py)
+    tool_call_parser: str = "auto"  # --tool-call-parser: a name, or auto (from the checkpoint)
     large_bodies: Any = None  # a LargeBodyParser (serve/body_parse.py); None: all on the loop
     drain: Drain | None = None  # admission while the server stops (serve/shutdown.py)
     # request fields no table knows: a 400, or ignored (--ignore-unknown-fields)
@@ -49,7 +50,8 @@ class ServerState:
 
     def __post_init__(self) -> None:
         if self.chat_format is None:
-            self.chat_format = ChatFormat.of(self.model_dir, self.trust_remote_code)
+            self.chat_format = ChatFormat.of(self.model_dir, self.trust_remote_code,
+                                             self.tool_call_parser)
 
 
 def create_app(state: ServerState) -> FastAPI:

@@ -26,6 +26,7 @@ from deepinfer.serve.inbox import DEFAULT_STREAM_BACKLOG
 from deepinfer.serve.limits import RequestLimits
 from deepinfer.serve.rank_health import RankHealthConfig
 from deepinfer.serve.stream_pacing import DEFAULT_STREAM_INTERVAL
+from deepinfer.serve.tool_parsers import CHOICES as TOOL_CALL_PARSERS
 
 DEFAULT_GRAMMAR_WORKERS = 2
 _STARTED = time.monotonic()  # this process's start, near enough: for the "ready" log line
@@ -104,6 +105,9 @@ def _model_args(p: Flags) -> None:
                    help="auto: the checkpoint's generation_config.json sets the sampling "
                         "defaults (temperature, top_p, top_k, min_p, repetition_penalty) of "
                         "requests that leave them unset; none: the OpenAI defaults")
+    p.add_argument("--tool-call-parser", default="auto", choices=TOOL_CALL_PARSERS,
+                   help="how tool calls are read and forced; auto: the family the checkpoint's "
+                        "chat template, tokenizer or model_type names (Hermes if none)")
 
 
 # uvicorn's own 5 s dropped streams at 1,024 at once: on uvloop a turn runs due timers before
@@ -399,6 +403,7 @@ async def serve_http(args: argparse.Namespace, model_dir: str, client, ready: li
                         sampling_defaults=sampling_defaults(args, model_dir),
                         metrics_public=args.metrics_public,
                         trust_remote_code=args.trust_remote_code,
+                        tool_call_parser=args.tool_call_parser,
                         grammars=grammar_pool(args, model_dir, ready[0]),
                         large_bodies=LargeBodyParser(int(args.large_body_kb * 1024),
                                                      ready[0].max_model_len),

@@ -12,11 +12,9 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from deepinfer.core.batch import TokenLogprobs
 from deepinfer.serve.router import Route, affinity_key
 from deepinfer.core.sampling import SamplingParams
-from deepinfer.serve.chat import (DsmlCalls, may_become_tool_call, parse_tool_calls, render_chat,
-                                  tool_call_constraint)
+from deepinfer.serve.chat import render_chat
 from deepinfer.serve.constraint_limits import check_constraint, check_tools
 from deepinfer.serve.deepseek_encoding import THINK_OPEN
-from deepinfer.serve.dsml_parser import DsmlMode, finish_reason
 from deepinfer.serve.errors import APIError
 from deepinfer.serve.grammar_pool import GrammarUnavailable
 from deepinfer.serve.generation import (Choice, Generation, check_length, route_request,
@@ -25,6 +23,8 @@ from deepinfer.serve.limits import RequestLimits
 from deepinfer.serve.protocol import ChatCompletionRequest, CompletionRequest
 from deepinfer.serve.sse import DONE, EventStream, event
 from deepinfer.serve.structured_fields import constraint_field
+from deepinfer.serve.tool_parsers import (ForcedShape, OutputReader, ToolRequest, is_forced,
+                                          named_function)
 
 RANK_HEADER = "x-deepinfer-rank"  # which engine rank(s) served the request
 API_PROCESS_HEADER = "x-deepinfer-api-process"  # which API process (--api-server-count) did
@@ -157,30 +157,31 @@ async def chat_completions(state, body: ChatCompletionRequest, request: Request)
         raise APIError("tool_choice names a function that is not in tools", param="tool_choice")
     choice = body.tool_choice.model_dump() if hasattr(body.tool_choice, "function") \
         else body.tool_choice
-    dsml = state.chat_format.dsml
-    if body.continue_final_message and choice not in (None, "none", "auto"):
+    parser = state.chat_format.tool_parser
+    forced = bool(tools) and is_forced(choice)
+    if body.continue_final_message and forced:
         raise APIError("continue_final_message cannot be combined with a forced tool call",
                        param="continue_final_message")
     rendered = await render(state, body.messages, tools, choice, body.add_generation_prompt,
                             template_variables(body), body.continue_final_message,
                             body.documents)
-    calls = DsmlCalls(rendered.prompt.endswith(THINK_OPEN), body.parallel_tool_calls) \
-        if dsml else None
-    try:
-        constraint = tool_call_constraint(tools, choice, calls)
-    except ValueError as exc:
-        raise APIError(str(exc), param="tool_choice") from exc
-    if constraint is not None:
+    # The prompt opened <think> (a thinking mode): reasoning comes first.
+    thinking = rendered.prompt.endswith(THINK_OPEN)
+    if forced:  # the parser's constraint makes the answer exactly a call
         if params.structured is not None:
             raise APIError(f"{constraint_field(body)} cannot be combined with a forced tool "
                            "call", param="tool_choice")
-        params.structured = constraint
+        try:
+            params.structured = parser.constraint(
+                tools, choice, ForcedShape(thinking, body.parallel_tool_calls))
+        except ValueError as exc:
+            raise APIError(str(exc), param="tool_choice") from exc
     prompt_ids = await asyncio.to_thread(state.prompt_tokenizer.encode, rendered.prompt,
                                          body.add_special_tokens)
     prompt_ids = truncate_prompt(prompt_ids, body.truncate_prompt_tokens, state.max_model_len)
     check_length(len(prompt_ids), params, state.max_model_len)  # before any compile
     grammar = await _compile_constraint(state, params,
-                                        "tools" if constraint else constraint_field(body))
+                                        "tools" if forced else constraint_field(body))
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     gen = Generation(prompt_ids, [Choice(i) for i in range(params.n)])
     key = affinity_key(request.headers, body.prompt_cache_key or body.user,
@@ -191,12 +192,12 @@ async def chat_completions(state, body: ChatCompletionRequest, request: Request)
                                final_only=not body.stream, grammar=grammar)
     echo = chat_echo(body)
     use_tools = bool(tools) and body.tool_choice != "none"
-    # DeepSeek-V4 output is read by the DSML parser: thinking when the prompt opened <think>.
-    mode = DsmlMode(rendered.prompt.endswith(THINK_OPEN), use_tools) if dsml else None
+    reader = parser.reader(ToolRequest(frozenset(names) if use_tools else frozenset(),
+                                       rendered.forced_prefix, named_function(choice), thinking,
+                                       use_tools))
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        chunks = _chat_chunks(state, rid, gen, stream, rendered.forced_prefix, names if use_tools
-                              else None, include_usage, body.logprobs, mode)
+        chunks = _chat_chunks(state, rid, gen, stream, reader, include_usage, body.logprobs)
         if echo:
             chunks = _echoed_chunks(chunks, rid, state.model_name, params.n, echo)
         return _RoutedStream(chunks, [route], _served_by(state, [route]))
@@ -209,8 +210,7 @@ async def chat_completions(state, body: ChatCompletionRequest, request: Request)
         await _until_disconnect(request, collect())
     finally:
         route.release()
-    choices = [_chat_choice(state, c, rendered.forced_prefix, names if use_tools else None,
-                            body.logprobs, mode) for c in gen.choices]
+    choices = [_chat_choice(state, c, reader, body.logprobs) for c in gen.choices]
     response = {"id": rid, "object": "chat.completion", "created": _now(),
                 "model": state.model_name, "choices": choices, "usage": usage([gen])}
     _chat_extensions(response, gen, echo, body.return_token_ids)
@@ -262,27 +262,18 @@ async def _echoed_chunks(chunks: AsyncIterator[str], rid: str, model: str, n: in
         await chunks.aclose()
 
 
-def _chat_choice(state, c: Choice, forced: str, tool_names: set[str] | None,
-                 want_logprobs: bool, mode: DsmlMode | None = None) -> dict:
-    # The forced tool-call opening is part of the output (streaming sends it too).
-    message: dict[str, Any] = {"role": "assistant", "content": forced + c.text}
-    reason = c.finish_reason
-    if mode is not None:
-        parsed = mode.parse(c.text)
-        message, reason = parsed.message(), finish_reason(len(parsed.tool_calls), reason)
-    elif tool_names is not None:
-        parsed = parse_tool_calls(forced + c.text, tool_names)
-        if parsed.tool_calls:
-            message = {"role": "assistant", "content": parsed.content,
-                       "tool_calls": parsed.tool_calls}
-            reason = "tool_calls"
+def _chat_choice(state, c: Choice, reader: OutputReader | None, want_logprobs: bool) -> dict:
+    if reader is None:
+        message, reason = {"role": "assistant", "content": c.text}, c.finish_reason
+    else:
+        message, reason = reader.message(c.text, c.finish_reason)
     return {"index": c.index, "message": message, "finish_reason": reason,
             "logprobs": _chat_logprobs(state, c.logprobs) if want_logprobs else None}
 
 
 async def _chat_chunks(state, rid: str, gen: Generation, stream: AsyncIterator,
-                       forced: str, tool_names: set[str] | None, include_usage: bool,
-                       want_logprobs: bool, mode: DsmlMode | None = None) -> AsyncIterator[str]:
+                       reader: OutputReader | None, include_usage: bool,
+                       want_logprobs: bool) -> AsyncIterator[str]:
     events = EventStream(rid, "chat.completion.chunk", _now(), state.model_name)
 
     def chunk(index: int, delta: dict, reason: str | None = None, logprobs=None) -> str:
@@ -291,32 +282,25 @@ async def _chat_chunks(state, rid: str, gen: Generation, stream: AsyncIterator,
 
     for c in gen.choices:
         yield chunk(c.index, {"role": "assistant", "content": ""})
-    sent = {c.index: 0 for c in gen.choices}  # chars of c.text already streamed
-    parsers = {c.index: mode.parser() for c in gen.choices} if mode is not None else {}
+    calls = {c.index: reader.stream() for c in gen.choices} if reader is not None else {}
     try:
         async for delta, c in stream:
             lp = _chat_logprobs(state, delta.logprobs) if want_logprobs and delta.logprobs \
                 else None
-            if parsers:
-                parser = parsers[c.index]
-                # Logprobs of tokens that are all held-back markup still go out.
-                deltas = parser.deltas(delta.new_text, delta.finished) or ([{}] if lp else [])
-                for i, d in enumerate(deltas):
-                    yield chunk(c.index, d, None, lp if i == 0 else None)
+            if reader is None:
+                if delta.new_text:
+                    yield events.content(c.index, delta.new_text, lp)
                 if delta.finished:
-                    yield chunk(c.index, {}, finish_reason(parser.num_calls, c.finish_reason))
+                    yield chunk(c.index, {}, c.finish_reason)
                 continue
-            if tool_names is None:
-                content = delta.new_text
-            elif forced or may_become_tool_call(c.text):
-                content = ""  # held back: it may still become a tool call
-            else:
-                content = c.text[sent[c.index]:]  # all that was held back, and this delta
-            if content:
-                yield events.content(c.index, content, lp)
-                sent[c.index] += len(content)
+            read = calls[c.index]
+            # Logprobs of tokens that are all held-back markup still go out.
+            deltas = read.deltas(delta.new_text, delta.finished, c.finish_reason) or (
+                [{}] if lp else [])
+            for i, d in enumerate(deltas):
+                yield chunk(c.index, d, None, lp if i == 0 else None)
             if delta.finished:
-                yield _final_chat_chunk(chunk, c, forced, tool_names, sent[c.index])
+                yield chunk(c.index, {}, read.finish_reason(c.finish_reason))
     except APIError as exc:
         yield _error_event(exc)
         return
@@ -329,20 +313,6 @@ def _error_event(exc: APIError) -> str:
     reading at [DONE])."""
     return event({"error": {"message": exc.message, "type": exc.err_type,
                             "code": exc.status}}) + DONE
-
-
-def _final_chat_chunk(chunk, c: Choice, forced: str, tool_names: set[str] | None,
-                      sent: int) -> str:
-    if tool_names is not None:
-        parsed = parse_tool_calls(forced + c.text, tool_names)
-        if parsed.tool_calls:
-            calls = [{"index": i, **call} for i, call in enumerate(parsed.tool_calls)]
-            delta: dict[str, Any] = {"tool_calls": calls}
-            if parsed.content:
-                delta["content"] = parsed.content[sent:] if sent else parsed.content
-            return chunk(c.index, delta, "tool_calls")
-    rest = (forced if sent == 0 and tool_names is not None else "") + c.text[sent:]
-    return chunk(c.index, {"content": rest} if rest else {}, c.finish_reason)
 
 
 def _token_text(state, token_id: int) -> str:
