@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from deepinfer.core.batch import TokenLogprobs
+from deepinfer.core.request import RequestTimes
 
 
 @dataclass
@@ -24,3 +25,4 @@ class RequestOutput:
     # SamplingParams.prompt_logprobs: one entry per prompt token, None for the first (nothing
     # precedes it); on a sample's first output only, None elsewhere.
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    times: RequestTimes | None = None  # on its last output: when it arrived, ran, made tokens
