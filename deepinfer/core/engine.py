@@ -249,9 +249,11 @@ class Engine:
     def _overlaps(self, scheduled: SchedulerOutput) -> bool:
         """Whether this step may run while the one ahead is unread: each sampled row needs
         nothing of its request's newest token on the host (penalties count it, grammars
-        advance on it, min_tokens may still ban EOS) and gives back token ids only."""
-        return self._async and all(_needs_ids_only(s.request) for s in scheduled.seqs
-                                   if s.sampled) and \
+        advance on it, min_tokens may still ban EOS) and gives back token ids only; no
+        sequence scores prompt positions (their entries come back with the step's output)."""
+        if not self._async:
+            return False
+        return all(_needs_ids_only(s.request) for s in scheduled.seqs if s.sampled) and \
             not any(scored_prompt_positions(s.request, s.num_new_tokens) for s in scheduled.seqs)
 
     def _launch(self, scheduled: SchedulerOutput) -> list[RequestOutput]:
