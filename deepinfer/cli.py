@@ -26,7 +26,11 @@ def format_table(rows: list[AcceleratorRow]) -> str:
 
 
 def print_plugins(registry: PluginRegistry) -> None:
-    print(format_table(describe(registry)))
+    rows = describe(registry)
+    print(format_table(rows))
+    for row in rows:
+        if row.why_unavailable:
+            print(f"\n{row.name} is unavailable: {row.why_unavailable}")
     names = [name for name, _ in registry.pm.list_name_plugin()]
     print(f"\nplugins loaded: {', '.join(sorted(names)) or 'none'}")
     if registry.failures:

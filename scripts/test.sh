@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # Install DeepInfer with its test extras and the example backend plugin, then run the tests.
-# torch is pinned so that pip takes the CPU wheel where one is on hand instead of a CUDA build.
+# A torch that is already installed (a CUDA or Neuron build) is kept; where there is none, torch
+# is pinned so that pip takes the CPU wheel where one is on hand instead of a CUDA build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-python3 -m pip install -q --disable-pip-version-check "torch==2.13.0"
+if ! python3 -c "import torch" 2>/dev/null; then
+    python3 -m pip install -q --disable-pip-version-check "torch==2.13.0"
+fi
 python3 -m pip install -q --disable-pip-version-check -e ".[test]" ./examples/plugin
-# The CPU backend's C++ kernels are built once here (about 30 s on two cores), not inside
+# The CPU backend's C++ kernels are built once here (1-2 minutes on two cores), not inside
 # whichever test first starts an engine.
 python3 -c "from deepinfer.backends.cpu.kernels import extension; extension()"
 # Two workers, a test file each at a time: most of the suite waits on spawned servers and rank

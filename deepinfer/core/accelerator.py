@@ -158,6 +158,12 @@ class Accelerator(ABC):
         """Cheap probe: can this backend run on this machine?"""
         return True
 
+    @classmethod
+    def unavailable_reason(cls) -> str:
+        """Why is_available() said no, and what would make it yes: the message a user gets
+        who asked for this backend by name."""
+        return "its availability probe found no usable device"
+
     def init_device(self, parallel: ParallelContext = ParallelContext()) -> None:
         """Per-rank environment and device setup (pinning, threads, visible devices)."""
 

@@ -18,6 +18,7 @@ from deepinfer.core.accelerator import Accelerator, ParallelContext, StepFuture
 from deepinfer.core.config import EngineConfig
 from deepinfer.core.detokenizer import IncrementalDetokenizer
 from deepinfer.core.hicache import HiCache
+from deepinfer.core.histogram import STEP_TOKEN_BOUNDS, CountHistogram
 from deepinfer.core.kv.manager import KVCacheManager
 from deepinfer.core.outputs import RequestOutput
 from deepinfer.core.padding import Buckets, dummy_batch
@@ -87,6 +88,7 @@ class Engine:
         self._grammars: GrammarCompiler | None = None  # built on the first constrained request
         self._broken_steps = 0
         self.num_dummy_steps = 0
+        self.step_tokens = CountHistogram(STEP_TOKEN_BOUNDS)  # tokens computed per real step
         self.last_step_prefilled = False
         # Async scheduling: not under expert parallel (ranks agree on each step's shape before
         # it runs) nor with drafts (the next step's drafts come from this one's results).
@@ -236,6 +238,7 @@ class Engine:
     def _run(self, scheduled: SchedulerOutput) -> list[RequestOutput]:
         """One step run to the end: execute, then every request takes its tokens."""
         failed: list[RequestOutput] = []
+        self.step_tokens.observe(scheduled.num_tokens)
         try:
             sampled = self._execute(scheduled)
             self._broken_steps = 0
@@ -266,6 +269,7 @@ class Engine:
             self.num_sync_fallbacks += 1
             return self._read_then_run(scheduled)
         self.num_overlapped_steps += self._in_flight is not None
+        self.step_tokens.observe(scheduled.num_tokens)
         done = self._read_in_flight()
         self.scheduler.advance(scheduled)
         self._in_flight = (scheduled, future)
@@ -373,7 +377,8 @@ class Engine:
             finish_reason=req.finish_reason.value if req.finish_reason else None,
             stop_reason=req.stop_reason,
             new_logprobs=[lp for lp in update.logprobs[:kept] if lp is not None],
-            num_cached_tokens=max(req.num_cached_tokens, 0))
+            num_cached_tokens=max(req.num_cached_tokens, 0),
+            times=req.times() if req.is_finished else None)
 
     def _add_token(self, sample: _Sample, token: int
                    ) -> tuple[str, tuple[FinishReason, str | None] | None]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from deepinfer.core.batch import TokenLogprobs
+from deepinfer.core.request import RequestTimes
 
 
 @dataclass
@@ -21,3 +22,4 @@ class RequestOutput:
     new_logprobs: list[TokenLogprobs] = field(default_factory=list)
     num_cached_tokens: int = 0
     error: str | None = None  # set when the engine failed the request (finish_reason "error")
+    times: RequestTimes | None = None  # on its last output: when it arrived, ran, made tokens

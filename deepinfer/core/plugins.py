@@ -46,6 +46,19 @@ class AcceleratorInfo:
     # before the backend is imported: e.g. the device cores each rank owns. Given the inherited
     # environment; called in the API process, which must not import the backend itself.
     rank_env: Callable[[int, int, Mapping[str, str]], dict[str, str]] | None = None
+    # A cheap check that needs no import of the backend: None where it can run here, else why
+    # not and what to install. Without it the class is loaded and asked (is_available): a
+    # backend whose module imports its kernels (Triton's) makes every start on a machine
+    # without its device pay that import.
+    probe: Callable[[], str | None] | None = None
+
+    def unavailable(self) -> str | None:
+        """Why this backend cannot run here (None: it can), loading it only if it has no
+        probe of its own."""
+        if self.probe is not None:
+            return self.probe()
+        cls = self.load()
+        return None if cls.is_available() else cls.unavailable_reason()
 
     def matches(self, name: str) -> bool:
         wanted = name.strip().lower()
@@ -65,6 +78,7 @@ class AcceleratorRow:
     priority: int
     status: str  # "available", "unavailable" or "failed: <reason>"
     description: str
+    why_unavailable: str = ""  # the backend's own account of what is missing
 
 
 class AcceleratorError(RuntimeError):
@@ -205,10 +219,6 @@ def load_plugins(group: str = ENTRY_POINT_GROUP) -> PluginRegistry:
     return registry
 
 
-def _probe(cls: type[Accelerator]) -> bool:
-    return bool(cls.is_available())
-
-
 def _summary(registry: PluginRegistry, infos: list[AcceleratorInfo]) -> str:
     names = ", ".join(i.name + (f" ({', '.join(i.aliases)})" if i.aliases else "") for i in infos)
     text = f"available: {names or 'none'}"
@@ -228,18 +238,19 @@ def select_accelerator(registry: PluginRegistry, name: str | None = None) -> typ
         if info is None:
             raise ValueError(f"unknown accelerator {requested!r}; {_summary(registry, infos)}")
         try:
-            cls = info.load()
-            available = _probe(cls)
+            why = info.unavailable()
+            cls = info.load() if why is None else None
         except Exception as exc:
             raise AcceleratorError(
                 f"accelerator {info.name!r} failed to load: {_error_text(exc)}") from exc
-        if not available:
-            raise AcceleratorError(f"accelerator {info.name!r} is not available on this machine")
+        if cls is None:
+            raise AcceleratorError(f"accelerator {info.name!r} is not available on this "
+                                   f"machine: {why}")
         return cls
     for info in sorted(infos, key=lambda i: -i.priority):  # stable: ties keep registration order
         try:
-            cls = info.load()
-            if _probe(cls):
+            if info.unavailable() is None:
+                cls = info.load()
                 log.info("selected accelerator %r (priority %d)", info.name, info.priority)
                 return cls
         except Exception as exc:  # reported, then the next backend is probed
@@ -253,8 +264,12 @@ def describe(registry: PluginRegistry) -> list[AcceleratorRow]:
     rows = []
     for info in sorted(registry.accelerators(), key=lambda i: -i.priority):
         try:
-            status = "available" if _probe(info.load()) else "unavailable"
+            why = info.unavailable() or ""
+            if not why:
+                info.load()  # available, and its module imports
+            status = "unavailable" if why else "available"
         except Exception as exc:
-            status = f"failed: {_error_text(exc)}"
-        rows.append(AcceleratorRow(info.name, info.aliases, info.priority, status, info.description))
+            status, why = f"failed: {_error_text(exc)}", ""
+        rows.append(AcceleratorRow(info.name, info.aliases, info.priority, status,
+                                   info.description, why))
     return rows

@@ -15,6 +15,17 @@ class RequestStatus(enum.Enum):
     FINISHED = "finished"
 
 
+@dataclass(frozen=True)
+class RequestTimes:
+    """A request's moments on its engine's clock (time.monotonic of the rank process): they
+    compare with each other, never with another process's clock."""
+
+    arrival: float  # added to the engine
+    first_scheduled: float  # first admitted into a step (a preemption does not move it)
+    first_token: float  # its first output token read back
+    last_token: float  # its latest output token read back
+
+
 class FinishReason(str, enum.Enum):
     STOP = "stop"  # eos, a stop token or a stop string
     LENGTH = "length"  # max_tokens or the context length
@@ -41,7 +52,9 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None  # the stop string or token that ended it
+    first_scheduled_time: float | None = None
     first_token_time: float | None = None
+    last_token_time: float | None = None
     # Speculative decoding: the tokens the draft layer proposed to follow the last one, to be
     # verified in the next step (cleared on preemption: the recompute proposes anew).
     draft_token_ids: list[int] = field(default_factory=list)
@@ -50,6 +63,19 @@ class Request:
     num_pending: int = 0
     # Of num_computed_tokens, those the step in flight computes (its results not read yet).
     num_computed_in_flight: int = 0
+
+    def took_tokens(self, now: float) -> None:
+        """Output tokens were read back at `now`."""
+        if self.first_token_time is None:
+            self.first_token_time = now
+        self.last_token_time = now
+
+    def times(self) -> RequestTimes | None:
+        """Its moments so far; None until it has a token."""
+        if self.first_token_time is None or self.first_scheduled_time is None:
+            return None
+        return RequestTimes(self.arrival_time, self.first_scheduled_time,
+                            self.first_token_time, self.last_token_time or self.first_token_time)
 
     @property
     def num_prompt_tokens(self) -> int:

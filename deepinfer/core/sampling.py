@@ -22,6 +22,10 @@ class StructuredOutput:
 
     kind: str
     spec: str = ""
+    # json_schema only: JSON without free whitespace (one space after ':' and ',', as
+    # json.dumps writes it). Forced tool calls use it: a model may otherwise spend its tokens
+    # on whitespace between JSON tokens. response_format keeps JSON's free whitespace.
+    compact: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in STRUCTURED_KINDS:

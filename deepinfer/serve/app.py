@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
@@ -21,6 +21,7 @@ from deepinfer.serve.limits import RequestLimits
 from deepinfer.serve.metrics import ServerMetrics
 from deepinfer.serve.protocol import (ChatCompletionRequest, CompletionRequest,
                                       DetokenizeRequest, TokenizeRequest)
+from deepinfer.serve.request_fields import UnknownFields
 from deepinfer.serve.shutdown import AdmissionMiddleware, Drain
 
 
@@ -41,12 +42,16 @@ class ServerState:
     metrics_public: bool = False  # with an API key: /metrics still open
     chat_format: ChatFormat | None = None  # None: found from model_dir once, here
     trust_remote_code: bool = False  # the model folder's own Python may run (encoding.py)
+    tool_call_parser: str = "auto"  # --tool-call-parser: a name, or auto (from the checkpoint)
     large_bodies: Any = None  # a LargeBodyParser (serve/body_parse.py); None: all on the loop
     drain: Drain | None = None  # admission while the server stops (serve/shutdown.py)
+    # request fields no table knows: a 400, or ignored (--ignore-unknown-fields)
+    unknown_fields: UnknownFields = field(default_factory=UnknownFields)
 
     def __post_init__(self) -> None:
         if self.chat_format is None:
-            self.chat_format = ChatFormat.of(self.model_dir, self.trust_remote_code)
+            self.chat_format = ChatFormat.of(self.model_dir, self.trust_remote_code,
+                                             self.tool_call_parser)
 
 
 def create_app(state: ServerState) -> FastAPI:
@@ -68,11 +73,13 @@ def create_app(state: ServerState) -> FastAPI:
         return error_response(message, 400, param)
 
     @app.exception_handler(HTTPException)
-    async def _http(_: Request, exc: HTTPException) -> JSONResponse:
+    async def _http(request: Request, exc: HTTPException) -> JSONResponse:
         # Starlette's own errors (unknown path, wrong method, a body that is not JSON text):
         # the OpenAI error body too, never FastAPI's {"detail": ...}.
         if exc.status_code == 400:
             state.metrics.bad_requests.labels(state.model_name).inc()
+        if exc.status_code == 404:
+            return error_response(not_found_message(request.url.path), 404)
         return error_response(http_error_message(exc), exc.status_code)
 
     @app.exception_handler(ClientDisconnect)
@@ -123,12 +130,13 @@ def create_app(state: ServerState) -> FastAPI:
         return JSONResponse(body, status_code=200 if body["live"] else 503)
 
     @app.post("/tokenize")
-    async def _tokenize(body: TokenizeRequest) -> dict:
+    async def _tokenize(body: TokenizeRequest = Depends(json_body(TokenizeRequest))) -> dict:
         check_model(state, body.model)
         return await tokenize(state, body)
 
     @app.post("/detokenize")
-    async def _detokenize(body: DetokenizeRequest) -> dict:
+    async def _detokenize(body: DetokenizeRequest = Depends(json_body(DetokenizeRequest))
+                          ) -> dict:
         check_model(state, body.model)
         vocab = len(state.tokenizer)
         if any(not 0 <= t < vocab for t in body.tokens):
@@ -183,17 +191,47 @@ def check_model(state: ServerState, model: str | None) -> None:
 
 
 async def tokenize(state: ServerState, body: TokenizeRequest) -> dict:
+    """vLLM's /tokenize: a prompt, or messages rendered as /v1/chat/completions renders them
+    (generation prompt, continued final message, tools, template variables)."""
     from deepinfer.serve.routes_openai import render
 
     if (body.prompt is None) == (body.messages is None):
         raise APIError("give exactly one of prompt or messages")
     if body.messages is not None:
-        rendered = await render(state, body.messages)
-        ids = await asyncio.to_thread(state.prompt_tokenizer.encode, rendered.prompt, False)
+        tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+        rendered = await render(state, body.messages, tools, None, body.add_generation_prompt,
+                                body.chat_template_kwargs, body.continue_final_message)
+        text, special = rendered.prompt, bool(body.add_special_tokens)
     else:
-        ids = await asyncio.to_thread(state.prompt_tokenizer.encode, body.prompt,
-                                      body.add_special_tokens)
-    return {"tokens": ids, "count": len(ids), "max_model_len": state.max_model_len}
+        text, special = body.prompt, body.add_special_tokens is not False
+    ids = await asyncio.to_thread(state.prompt_tokenizer.encode, text, special)
+    out = {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids,
+           "token_strs": None}
+    if body.return_token_strs:
+        out["token_strs"] = state.tokenizer.convert_ids_to_tokens(ids)
+    return out
+
+
+# Endpoints of OpenAI's and vLLM's APIs that this server does not serve: a 404 that says so.
+UNSUPPORTED_ENDPOINTS = (
+    "/v1/embeddings", "/v1/responses", "/v1/audio", "/v1/images", "/v1/moderations",
+    "/v1/rerank", "/v2/rerank", "/rerank", "/v1/score", "/score", "/pooling", "/classify",
+    "/v1/files", "/v1/batches", "/v1/fine_tuning", "/v1/assistants", "/v1/threads",
+    "/v1/vector_stores", "/v1/uploads", "/v1/realtime", "/v1/chat/completions/",
+    "/v1/conversations", "/v1/evals", "/v1/containers", "/v1/videos", "/v1/load_lora_adapter",
+    "/v1/unload_lora_adapter", "/invocations", "/v1/messages")
+SERVED_ENDPOINTS = ("POST /v1/chat/completions, POST /v1/completions, GET /v1/models, "
+                    "POST /tokenize, POST /detokenize, GET /health, GET /metrics, "
+                    "POST /reset_prefix_cache")
+
+
+def not_found_message(path: str) -> str:
+    """A 404's words: an endpoint of OpenAI's or vLLM's API this server lacks is named as
+    such; any other path is just not found. Both list what the server does serve."""
+    if any(path == p or path.startswith(p.rstrip("/") + "/") for p in UNSUPPORTED_ENDPOINTS):
+        return (f"This server does not support the {path} endpoint. It serves "
+                f"{SERVED_ENDPOINTS} (see docs/compatibility.md).")
+    return f"Not found: {path[:200]}. This server serves {SERVED_ENDPOINTS}."
 
 
 def now() -> int:

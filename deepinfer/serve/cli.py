@@ -15,6 +15,7 @@ import signal
 import socket
 import sys
 import tempfile
+import time
 from collections.abc import Callable
 from typing import Any, NoReturn, Sequence, TypeAlias
 
@@ -25,8 +26,10 @@ from deepinfer.serve.inbox import DEFAULT_STREAM_BACKLOG
 from deepinfer.serve.limits import RequestLimits
 from deepinfer.serve.rank_health import RankHealthConfig
 from deepinfer.serve.stream_pacing import DEFAULT_STREAM_INTERVAL
+from deepinfer.serve.tool_parsers import CHOICES as TOOL_CALL_PARSERS
 
 DEFAULT_GRAMMAR_WORKERS = 2
+_STARTED = time.monotonic()  # this process's start, near enough: for the "ready" log line
 
 log = logging.getLogger("deepinfer.serve")
 
@@ -102,6 +105,9 @@ def _model_args(p: Flags) -> None:
                    help="auto: the checkpoint's generation_config.json sets the sampling "
                         "defaults (temperature, top_p, top_k, min_p, repetition_penalty) of "
                         "requests that leave them unset; none: the OpenAI defaults")
+    p.add_argument("--tool-call-parser", default="auto", choices=TOOL_CALL_PARSERS,
+                   help="how tool calls are read and forced; auto: the family the checkpoint's "
+                        "chat template, tokenizer or model_type names (Hermes if none)")
 
 
 # uvicorn's own 5 s dropped streams at 1,024 at once: on uvloop a turn runs due timers before
@@ -137,6 +143,10 @@ def _server_args(p: Flags) -> None:
                    help="tokens a streamed sample gathers before the rank sends them (its "
                         "first token and its end go out at once): fewer, larger SSE chunks "
                         "and less API work per token under many streams")
+    p.add_argument("--ignore-unknown-fields", action="store_true",
+                   help="ignore request fields that neither OpenAI's nor vLLM's API defines "
+                        "(each name logged once) instead of refusing them with 400; fields "
+                        "they define are judged as docs/compatibility.md says either way")
     p.add_argument("--timeout-keep-alive", type=float, default=DEFAULT_KEEP_ALIVE_S,
                    help="seconds an idle keep-alive connection stays open; keep it well above "
                         "the longest event-loop turn (a burst of requests can make one last "
@@ -317,9 +327,9 @@ async def serve(args: argparse.Namespace, model_dir: str, listener: socket.socke
     workers = []
     try:
         ready = await client.start()
-        log.info("%d rank(s) ready on %s: %d KV blocks of %d tokens, context %d", len(ready),
-                 ready[0].accelerator, ready[0].num_blocks, ready[0].block_size,
-                 ready[0].max_model_len)
+        log.info("%d rank(s) ready on %s: %d KV blocks of %d tokens, context %d (%.0f s after "
+                 "start)", len(ready), ready[0].accelerator, ready[0].num_blocks,
+                 ready[0].block_size, ready[0].max_model_len, time.monotonic() - _STARTED)
         if ready[0].hicache_pages:
             log.info("HiCache: %d host pages of %d tokens per rank", ready[0].hicache_pages,
                      ready[0].block_size)
@@ -376,13 +386,17 @@ async def serve_http(args: argparse.Namespace, model_dir: str, client, ready: li
     from deepinfer.serve.inbox import RequestAborted
     from deepinfer.serve.shutdown import Drain, GracefulServer
     from deepinfer.serve.heap import freeze_startup_heap
+    from deepinfer.serve.engine_metrics import EngineCollector, cache_config_labels
     from deepinfer.serve.metrics import ServerMetrics
     from deepinfer.serve.moe_metrics import MoECollector
+    from deepinfer.serve.request_fields import UnknownFields
     from deepinfer.serve.rank_metrics import RankCollector
     from deepinfer.serve.tokenizer_metrics import TokenizerCollector
 
     name = args.served_model_name or os.path.basename(os.path.normpath(args.model or model_dir))
-    metrics = ServerMetrics(name, observes_engine)
+    metrics = ServerMetrics(name, observes_engine, len(ready), ready[0].max_model_len)
+    metrics.registry.register(EngineCollector(
+        client.ranks, name, [cache_config_labels(client.config.cache, r) for r in ready]))
     metrics.registry.register(TokenizerCollector(prompt_tokenizer, name))
     metrics.registry.register(RankCollector(client.ranks, client.router, name))
     metrics.registry.register(MoECollector(client.ranks, name))
@@ -392,12 +406,18 @@ async def serve_http(args: argparse.Namespace, model_dir: str, client, ready: li
                         sampling_defaults=sampling_defaults(args, model_dir),
                         metrics_public=args.metrics_public,
                         trust_remote_code=args.trust_remote_code,
+                        tool_call_parser=args.tool_call_parser,
                         grammars=grammar_pool(args, model_dir, ready[0]),
                         large_bodies=LargeBodyParser(int(args.large_body_kb * 1024),
                                                      ready[0].max_model_len),
-                        drain=Drain(args.shutdown_timeout))
+                        drain=Drain(args.shutdown_timeout),
+                        unknown_fields=UnknownFields(args.ignore_unknown_fields))
     if observes_engine:  # once per server, not once per API process
         log.info(state.chat_format.describe(model_dir))
+        # Benchmark clients (aiperf, genai-perf, vllm bench) load a tokenizer by the model's
+        # name, which offline finds nothing: this is the folder to give them.
+        log.info("tokenizer for clients that load one by model name: %s (aiperf --tokenizer)",
+                 model_dir)
     limits = connection_limits(args)
     # uvicorn's own shutdown runs after the drain (serve/shutdown.py): its timeout only has
     # to outlast a write or a body that is still blocked.

@@ -273,7 +273,7 @@ def _loop(engine: Engine, rank: int, inbox: zmq.Socket, outbox: RankOutbox, pare
         # and after steps whose tokens the pacer holds: the API's gauges (running, KV usage)
         # would otherwise keep stale numbers, through a long non-streaming generation too.
         if outputs or errors or handled:
-            outbox.step_result(rank, deltas, errors, _stats(engine))
+            outbox.step_result(rank, deltas, errors, _stats(engine, grammars.waiting))
         expert_stats = experts.due_stats() if experts is not None else None
         if expert_stats is not None:
             outbox.broadcast(expert_stats)
@@ -357,17 +357,22 @@ def _control(engine: Engine, command: str) -> object:
 def _delta(out: RequestOutput) -> TokenDelta:
     return TokenDelta(out.request_id, out.index, out.new_token_ids, out.new_text, out.finished,
                       out.finish_reason, out.stop_reason, out.new_logprobs,
-                      len(out.prompt_token_ids), out.num_cached_tokens)
+                      len(out.prompt_token_ids), out.num_cached_tokens, times=out.times)
 
 
-def _stats(engine: Engine) -> EngineStats:
+def _stats(engine: Engine, deferred: int = 0) -> EngineStats:
+    """`deferred`: requests the rank holds until their grammar is prepared (not yet in the
+    scheduler's queue, but waiting all the same)."""
     kv, sched = engine.kv, engine.scheduler
     host = {} if engine.hicache is None else \
         {f"hicache_{k}": v for k, v in vars(engine.hicache.stats()).items()}
     spec = sched.spec_stats
-    return EngineStats(len(sched.running), len(sched.waiting), kv.usage, kv.pool.num_usable,
-                       kv.stats.queries, kv.stats.hits, sched.num_preemptions,
-                       dummy_steps=engine.num_dummy_steps,
+    return EngineStats(len(sched.running), len(sched.waiting) + deferred, kv.usage,
+                       kv.pool.num_usable, kv.stats.queries, kv.stats.hits,
+                       sched.num_preemptions, dummy_steps=engine.num_dummy_steps,
+                       waiting_deferred=deferred,
+                       step_token_counts=tuple(engine.step_tokens.counts),
+                       step_tokens_sum=engine.step_tokens.total,
                        spec_tokens=spec.num_speculative_tokens, spec_drafts=spec.drafts,
                        spec_draft_tokens=spec.draft_tokens,
                        spec_accepted_tokens=spec.accepted_tokens,

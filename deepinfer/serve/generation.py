@@ -7,13 +7,14 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 from deepinfer.core.batch import TokenLogprobs
+from deepinfer.core.request import RequestTimes
 from deepinfer.serve.router import NoLiveRankError, Route
 from deepinfer.core.sampling import SamplingParams
 from deepinfer.serve.engine_client import EngineClient, EngineRequestError, RankDiedError
 from deepinfer.serve.errors import APIError
 from deepinfer.serve.inbox import RequestAborted
 from deepinfer.serve.ipc import TokenDelta
-from deepinfer.serve.metrics import ServerMetrics
+from deepinfer.serve.metrics import Phases, ServerMetrics
 
 
 @dataclass
@@ -26,6 +27,7 @@ class Choice:
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    times: RequestTimes | None = None  # from the rank, once it finished the sample
 
     @property
     def text(self) -> str:
@@ -55,6 +57,7 @@ class Generation:
         choice.logprobs.extend(delta.logprobs)
         if delta.finished:
             choice.finish_reason, choice.stop_reason = delta.finish_reason, delta.stop_reason
+            choice.times = delta.times
         self.num_cached_tokens = delta.num_cached_tokens
         return choice
 
@@ -73,6 +76,18 @@ class Generation:
     def num_output_tokens(self) -> int:
         return sum(len(c.token_ids) for c in self.choices)
 
+    def phases(self) -> Phases | None:
+        """Where the generation's time went on its rank, all n samples together (they share
+        the arrival and rank clock): None unless the rank finished every sample."""
+        times = [c.times for c in self.choices]
+        if not times or any(t is None for t in times):
+            return None
+        scheduled = min(t.first_scheduled for t in times)
+        first = min(t.first_token for t in times)
+        last = max(t.last_token for t in times)
+        return Phases(queue=scheduled - times[0].arrival, prefill=first - scheduled,
+                      decode=last - first, inference=last - scheduled)
+
 
 def route_request(client: EngineClient, route_key: str, prompt_tokens: int) -> Route:
     """Route before any response starts, so no live rank is a plain 503 (and the rank can be
@@ -81,6 +96,20 @@ def route_request(client: EngineClient, route_key: str, prompt_tokens: int) -> R
         return client.route(route_key, prompt_tokens)
     except NoLiveRankError as exc:
         raise APIError(str(exc), status=503) from exc
+
+
+def truncate_prompt(ids: list[int], keep: int | None, max_model_len: int,
+                    param: str = "truncate_prompt_tokens") -> list[int]:
+    """vLLM's truncate_prompt_tokens: the prompt's last `keep` tokens (-1: as many as the
+    context holds); more than the context is a 400."""
+    if keep is None:
+        return ids
+    if keep == -1:
+        keep = max_model_len
+    if keep < 1 or keep > max_model_len:
+        raise APIError(f"truncate_prompt_tokens must be -1 or in [1, {max_model_len}] (the "
+                       f"context length), got {keep}", param=param)
+    return ids[-keep:]
 
 
 def check_length(prompt_len: int, params: SamplingParams, limit: int,
@@ -115,21 +144,23 @@ async def stream_generation(client: EngineClient, metrics: ServerMetrics, reques
     except RankDiedError as exc:
         raise APIError(str(exc), status=503) from exc
     except RequestAborted as exc:
-        _observe(metrics, gen)
+        _observe(metrics, gen, params, route.rank)
         raise APIError(str(exc), status=exc.status) from exc
     except (GeneratorExit, asyncio.CancelledError):
-        _observe(metrics, gen)
+        _observe(metrics, gen, params, route.rank)
         raise
-    _observe(metrics, gen)
+    _observe(metrics, gen, params, route.rank)
 
 
-def _observe(metrics: ServerMetrics, gen: Generation) -> None:
+def _observe(metrics: ServerMetrics, gen: Generation, params: SamplingParams,
+             rank: int) -> None:
     """Record a generation that ended: "abort" if any sample had no end of its own."""
     ended = all(c.finish_reason is not None for c in gen.choices)
     metrics.observe_request(gen.choices[0].finish_reason if ended else "abort",
                             len(gen.prompt_token_ids), gen.num_output_tokens,
                             None if gen.first_token is None else gen.first_token - gen.start,
-                            gen.itls, time.monotonic() - gen.start)
+                            gen.itls, time.monotonic() - gen.start, engine=rank, n=params.n,
+                            max_tokens=params.max_tokens, phases=gen.phases())
 
 
 def usage(gens: list[Generation]) -> dict[str, Any]:

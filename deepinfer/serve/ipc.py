@@ -8,6 +8,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from deepinfer.core.batch import TokenLogprobs
+from deepinfer.core.request import RequestTimes
 from deepinfer.core.sampling import SamplingParams
 
 
@@ -58,6 +59,7 @@ class TokenDelta:
     logprobs: list[TokenLogprobs]
     num_prompt_tokens: int
     num_cached_tokens: int
+    times: RequestTimes | None = None  # a finished sample's moments on the rank's clock
 
     def then(self, later: "TokenDelta") -> "TokenDelta":
         """This delta and the next one of the same sample as one delta."""
@@ -108,6 +110,11 @@ class EngineStats:
     prefix_hits: int
     preemptions: int
     dummy_steps: int = 0  # lockstep ranks: steps run only to match a busy peer's collectives
+    # Of `waiting`, those held for their grammar (vLLM's "deferred"); the rest wait for room.
+    waiting_deferred: int = 0
+    # Tokens per step (core/histogram.py CountHistogram over STEP_TOKEN_BOUNDS): running totals.
+    step_token_counts: tuple[int, ...] = ()
+    step_tokens_sum: int = 0
     # HiCache (host tier) of this rank; all 0 when it is off. Totals except the page gauges.
     hicache_pages_used: int = 0
     hicache_pages_total: int = 0

@@ -11,8 +11,10 @@ them once per process), and it refreshes them every second as well as when it is
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram,
+                               disable_created_metrics, generate_latest)
 from prometheus_client.multiprocess import MultiProcessCollector
 
 from deepinfer.serve.metrics_env import MULTIPROC_ENV
@@ -43,6 +45,42 @@ _SPEC_TOTALS = (
 )
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
                     2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+# vLLM's buckets for the phases of a request (queue, prefill, decode, inference).
+_PHASE_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                  60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+_N_BUCKETS = (1, 2, 5, 10, 20)  # vLLM's, for the `n` request parameter
+_PHASES = (
+    ("queue", "vllm:request_queue_time_seconds", "Seconds from a request's arrival at its "
+     "rank to its first step"),
+    ("prefill", "vllm:request_prefill_time_seconds", "Seconds from a request's first step to "
+     "its first token on the rank (preemptions included)"),
+    ("decode", "vllm:request_decode_time_seconds", "Seconds from a request's first token to "
+     "its last on the rank (preemptions included)"),
+    ("inference", "vllm:request_inference_time_seconds", "Seconds from a request's first step "
+     "to its last token on the rank: prefill + decode"),
+)
+
+
+def buckets_1_2_5(most: int) -> tuple[int, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to `most` (vLLM's buckets for token counts, up to the
+    context length)."""
+    out, scale = [], 1
+    while True:
+        for mantissa in (1, 2, 5):
+            if mantissa * scale > most:
+                return tuple(out)
+            out.append(mantissa * scale)
+        scale *= 10
+
+
+@dataclass(frozen=True)
+class Phases:
+    """Where a generation's time went on its rank, in seconds (RequestTimes differences)."""
+
+    queue: float
+    prefill: float
+    decode: float
+    inference: float
 
 
 def multiprocess_mode() -> bool:
@@ -50,7 +88,13 @@ def multiprocess_mode() -> bool:
 
 
 class ServerMetrics:
-    def __init__(self, model_name: str, observes_engine: bool = True) -> None:
+    def __init__(self, model_name: str, observes_engine: bool = True, num_engines: int = 1,
+                 max_model_len: int = 8192) -> None:
+        # No NAME_created series (prometheus_client adds one per counter and histogram by
+        # default): no dashboard reads them, and each is one more series for every scraper
+        # to store. The switch is the library's, for this process; every API process (the
+        # processes that export) builds this.
+        disable_created_metrics()
         # The process's own collectors (ranks, tokenizer) go here; the metrics below too,
         # unless they are multiprocess values (render reads those from the files).
         self.registry = CollectorRegistry()
@@ -105,7 +149,28 @@ class ServerMetrics:
         self.spec_per_position = Counter(
             "deepinfer:spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted at "
             "each draft position (0: the first draft)", labels + ["position"], registry=r)
+        self.engines = [str(rank) for rank in range(num_engines)]
+        self._request_histograms(r, labels + ["engine"], max_model_len)
         self._zero_series()
+
+    def _request_histograms(self, r: CollectorRegistry | None, labels: list[str],
+                            max_model_len: int) -> None:
+        """vLLM's per-request histograms, by the rank (`engine`) that served the request."""
+        tokens = buckets_1_2_5(max_model_len)
+        self.request_prompt_tokens = Histogram(
+            "vllm:request_prompt_tokens", "Prompt tokens of a request", labels,
+            buckets=tokens, registry=r)
+        self.request_generation_tokens = Histogram(
+            "vllm:request_generation_tokens", "Tokens generated for a request (all n choices)",
+            labels, buckets=tokens, registry=r)
+        self.request_params_n = Histogram(
+            "vllm:request_params_n", "The n request parameter", labels, buckets=_N_BUCKETS,
+            registry=r)
+        self.request_params_max_tokens = Histogram(
+            "vllm:request_params_max_tokens", "The max_tokens request parameter, where a "
+            "request set it", labels, buckets=tokens, registry=r)
+        self.phases = {name: Histogram(series, doc, labels, buckets=_PHASE_BUCKETS, registry=r)
+                       for name, series, doc in _PHASES}
 
     def _zero_series(self) -> None:
         """Create the labelled children that exist from the start, so a counter that has not
@@ -121,6 +186,11 @@ class ServerMetrics:
                        self.e2e, self.prefix_queries, self.prefix_hits, self.preemptions,
                        self.bad_requests):
             metric.labels(m)
+        for metric in (self.request_prompt_tokens, self.request_generation_tokens,
+                       self.request_params_n, self.request_params_max_tokens,
+                       *self.phases.values()):
+            for engine in self.engines:
+                metric.labels(m, engine)
 
     def observe_engine(self, stats: list[EngineStats | None]) -> None:
         if not self.observes_engine:
@@ -170,8 +240,20 @@ class ServerMetrics:
         self._seen[(rank, key)] = total
 
     def observe_request(self, finish_reason: str, prompt_tokens: int, output_tokens: int,
-                        ttft: float | None, itls: list[float], e2e: float) -> None:
-        m = self.model_name
+                        ttft: float | None, itls: list[float], e2e: float, engine: int = 0,
+                        n: int = 1, max_tokens: int | None = None,
+                        phases: Phases | None = None) -> None:
+        """One generation that ended; `engine`: the rank that served it; `phases`: where its
+        time went on the rank (None when the rank did not finish it: aborted)."""
+        m, e = self.model_name, str(engine)
+        self.request_prompt_tokens.labels(m, e).observe(prompt_tokens)
+        self.request_generation_tokens.labels(m, e).observe(output_tokens)
+        self.request_params_n.labels(m, e).observe(n)
+        if max_tokens is not None:
+            self.request_params_max_tokens.labels(m, e).observe(max_tokens)
+        if phases is not None:
+            for name, histogram in self.phases.items():
+                histogram.labels(m, e).observe(getattr(phases, name))
         self.requests.labels(m, finish_reason).inc()
         self.prompt_tokens.labels(m).inc(prompt_tokens)
         self.generation_tokens.labels(m).inc(output_tokens)

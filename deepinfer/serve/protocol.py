@@ -9,6 +9,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from deepinfer.core.sampling import (INT32_MAX, INT64_MAX, INT64_MIN, MAX_LOGIT_BIAS,
                                      MAX_LOGPROBS, SamplingParams, StructuredOutput)
+from deepinfer.serve.structured_fields import (StructuredOutputs, requested_constraint,
+                                               structural_tag_text)
 
 MAX_NESTING = 64  # JSON depth of a body; deeper ones would only exhaust recursion downstream
 Count = Annotated[int, Field(ge=0, le=INT32_MAX)]  # token counts and ids: int32 range
@@ -48,12 +50,13 @@ def check_json_value(value: Any) -> None:
 
 
 class _Body(BaseModel):
-    # Clients send vendor fields through extra_body; unknown ones are ignored, as peers do.
+    # Fields the model does not hold are kept (model_extra) for serve/request_fields.py to
+    # judge: a known field asking nothing this server does is accepted, others are refused.
     # Infinity and NaN (which Python's JSON reader accepts) are never valid numbers here.
     # Strict: a string is not a number and a number is not a bool ("2" for n, true for
     # temperature, [true, false] as token ids are refused, not converted); ints still fill
     # float fields.
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, strict=True)
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False, strict=True)
 
     @model_validator(mode="before")
     @classmethod
@@ -86,6 +89,25 @@ class _Request(_Body):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     prefix_cache: bool = True  # False: this request neither reuses nor leaves cached pages
+    # vLLM's extensions and OpenAI fields that act here (docs/compatibility.md)
+    return_token_ids: bool = False  # token ids beside the text: choices' and the prompt's
+    truncate_prompt_tokens: int | None = Field(None, ge=-1, le=INT32_MAX)  # the last k; -1: all
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structural_tag: str | None = None
+    cache_salt: str | None = Field(None, min_length=1)  # isolates the request's prefix cache
+    prompt_cache_key: str | None = None  # pins a conversation to a rank, as `user` does
+
+    def uses_prefix_cache(self) -> bool:
+        """A salted request shares no cached pages: this server keeps no cache per salt, so
+        it neither reuses nor leaves any (stronger isolation than one cache per salt)."""
+        return self.prefix_cache and self.cache_salt is None
+
+    def constraint(self) -> StructuredOutput | None:
+        return requested_constraint(self)[0]
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
                         defaults: dict[str, Any] | None = None) -> SamplingParams:
@@ -136,6 +158,8 @@ _DEFAULTED = ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's; refused when true (request_fields.py)
+    include_obfuscation: bool | None = None  # OpenAI's padding of chunks: none here
 
 
 class FunctionDef(BaseModel):
@@ -155,10 +179,17 @@ class NamedToolChoice(BaseModel):
 
 
 class ResponseFormat(BaseModel):
-    type: Literal["text", "json_object", "json_schema"] = "text"
+    # Extra keys are a structural tag's (vLLM's type "structural_tag": format, or the older
+    # structures and triggers).
+    model_config = ConfigDict(extra="allow")
+
+    type: Literal["text", "json_object", "json_schema", "structural_tag"] = "text"
     json_schema: dict[str, Any] | None = None
 
     def constraint(self) -> StructuredOutput | None:
+        if self.type == "structural_tag":
+            return StructuredOutput("structural_tag", structural_tag_text(
+                {"type": "structural_tag", **(self.model_extra or {})}))
         if self.type == "json_object":
             return StructuredOutput("json_object")
         if self.type == "json_schema":
@@ -223,6 +254,12 @@ class ChatCompletionRequest(_Request):
     response_format: ResponseFormat | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's chat extensions
+    continue_final_message: bool = False  # the last message is left open to be continued
+    echo: bool = False  # the last message's content leads the answer when its role is the reply's
+    add_special_tokens: bool = False  # BOS etc. on top of what the template renders
+    documents: list[dict[str, str]] | None = None  # for templates that render RAG documents
+    reasoning_effort: str | None = None  # a template variable, for templates that read it
 
     @field_validator("top_logprobs")
     @classmethod
@@ -236,7 +273,7 @@ class ChatCompletionRequest(_Request):
             else self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         params = self.sampling_params(max_tokens, logprobs, defaults)
-        params.structured = self.response_format.constraint() if self.response_format else None
+        params.structured = self.constraint()
         return params
 
 
@@ -249,6 +286,7 @@ class CompletionRequest(_Request):
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     suffix: str | None = None
     response_format: ResponseFormat | None = None
+    add_special_tokens: bool = True  # BOS etc. before a text prompt
 
     @field_validator("prompt")
     @classmethod
@@ -267,7 +305,7 @@ class CompletionRequest(_Request):
 
     def to_sampling_params(self, defaults: dict[str, Any] | None = None) -> SamplingParams:
         params = self.sampling_params(self.max_tokens, self.logprobs, defaults)
-        params.structured = self.response_format.constraint() if self.response_format else None
+        params.structured = self.constraint()
         return params
 
 
@@ -275,7 +313,13 @@ class TokenizeRequest(_Body):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
-    add_special_tokens: bool = True
+    add_special_tokens: bool | None = None  # default: True for a prompt, False for messages
+    # vLLM's: the chat rendered as /v1/chat/completions renders it, and the tokens' strings
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[Tool] | None = None
+    return_token_strs: bool = False
 
 
 class DetokenizeRequest(_Body):

@@ -12,18 +12,19 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from deepinfer.core.batch import TokenLogprobs
 from deepinfer.serve.router import Route, affinity_key
 from deepinfer.core.sampling import SamplingParams
-from deepinfer.serve.chat import (DsmlCalls, may_become_tool_call, parse_tool_calls, render_chat,
-                                  tool_call_constraint)
+from deepinfer.serve.chat import render_chat
 from deepinfer.serve.constraint_limits import check_constraint, check_tools
 from deepinfer.serve.deepseek_encoding import THINK_OPEN
-from deepinfer.serve.dsml_parser import DsmlMode, finish_reason
 from deepinfer.serve.errors import APIError
 from deepinfer.serve.grammar_pool import GrammarUnavailable
 from deepinfer.serve.generation import (Choice, Generation, check_length, route_request,
-                                        stream_generation, usage)
+                                        stream_generation, truncate_prompt, usage)
 from deepinfer.serve.limits import RequestLimits
 from deepinfer.serve.protocol import ChatCompletionRequest, CompletionRequest
 from deepinfer.serve.sse import DONE, EventStream, event
+from deepinfer.serve.structured_fields import constraint_field
+from deepinfer.serve.tool_parsers import (ForcedShape, OutputReader, ToolRequest, is_forced,
+                                          named_function)
 
 UNLIKELY_LOGPROB = -9999.0  # OpenAI's logprob for a token that is very unlikely
 RANK_HEADER = "x-deepinfer-rank"  # which engine rank(s) served the request
@@ -137,13 +138,15 @@ async def _until_disconnect(request: Request, work: asyncio.Future) -> Any:
 # ---- chat ----------------------------------------------------------------------------------
 async def render(state, messages: list, tools: list[dict] | None = None,
                  tool_choice: Any = None, add_generation_prompt: bool = True,
-                 template_kwargs: dict | None = None):
+                 template_kwargs: dict | None = None, continue_final: bool = False,
+                 documents: list[dict] | None = None):
     """The chat rendered with the checkpoint's template; anything it rejects is a 400."""
     check_template_kwargs(state.tokenizer, template_kwargs)
     try:
         return await asyncio.to_thread(
             render_chat, state.tokenizer, state.chat_format, [m.for_template() for m in messages],
-            tools, tool_choice, add_generation_prompt, template_kwargs)
+            tools, tool_choice, add_generation_prompt, template_kwargs, continue_final,
+            documents)
     except (ValueError, TypeError, KeyError, AttributeError) as exc:
         raise APIError(f"could not render the chat: {exc}", param="messages") from exc
     except Exception as exc:  # template errors (jinja raise_exception) are user errors too
@@ -173,36 +176,49 @@ async def chat_completions(state, body: ChatCompletionRequest, request: Request)
         raise APIError("tool_choice names a function that is not in tools", param="tool_choice")
     choice = body.tool_choice.model_dump() if hasattr(body.tool_choice, "function") \
         else body.tool_choice
-    dsml = state.chat_format.dsml
+    parser = state.chat_format.tool_parser
+    forced = bool(tools) and is_forced(choice)
+    if body.continue_final_message and forced:
+        raise APIError("continue_final_message cannot be combined with a forced tool call",
+                       param="continue_final_message")
     rendered = await render(state, body.messages, tools, choice, body.add_generation_prompt,
-                            body.chat_template_kwargs)
-    calls = DsmlCalls(rendered.prompt.endswith(THINK_OPEN), body.parallel_tool_calls) \
-        if dsml else None
-    try:
-        constraint = tool_call_constraint(tools, choice, calls)
-    except ValueError as exc:
-        raise APIError(str(exc), param="tool_choice") from exc
-    if constraint is not None:
-        params.structured = constraint
-    prompt_ids = await asyncio.to_thread(state.prompt_tokenizer.encode, rendered.prompt, False)
+                            template_variables(body), body.continue_final_message,
+                            body.documents)
+    # The prompt opened <think> (a thinking mode): reasoning comes first.
+    thinking = rendered.prompt.endswith(THINK_OPEN)
+    if forced:  # the parser's constraint makes the answer exactly a call
+        if params.structured is not None:
+            raise APIError(f"{constraint_field(body)} cannot be combined with a forced tool "
+                           "call", param="tool_choice")
+        try:
+            params.structured = parser.constraint(
+                tools, choice, ForcedShape(thinking, body.parallel_tool_calls))
+        except ValueError as exc:
+            raise APIError(str(exc), param="tool_choice") from exc
+    prompt_ids = await asyncio.to_thread(state.prompt_tokenizer.encode, rendered.prompt,
+                                         body.add_special_tokens)
+    prompt_ids = truncate_prompt(prompt_ids, body.truncate_prompt_tokens, state.max_model_len)
     check_length(len(prompt_ids), params, state.max_model_len)  # before any compile
     grammar = await _compile_constraint(state, params,
-                                        "tools" if constraint else "response_format")
+                                        "tools" if forced else constraint_field(body))
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     gen = Generation(prompt_ids, [Choice(i) for i in range(params.n)])
-    key = affinity_key(request.headers, body.user,
+    key = affinity_key(request.headers, body.prompt_cache_key or body.user,
                        [m.model_dump(exclude_none=True) for m in body.messages])
     route = route_request(state.client, key, len(prompt_ids))
     stream = stream_generation(state.client, state.metrics, rid, prompt_ids, params,
-                               body.prefix_cache, gen, route, final_only=not body.stream,
-                               grammar=grammar)
+                               body.uses_prefix_cache(), gen, route,
+                               final_only=not body.stream, grammar=grammar)
+    echo = chat_echo(body)
     use_tools = bool(tools) and body.tool_choice != "none"
-    # DeepSeek-V4 output is read by the DSML parser: thinking when the prompt opened <think>.
-    mode = DsmlMode(rendered.prompt.endswith(THINK_OPEN), use_tools) if dsml else None
+    reader = parser.reader(ToolRequest(frozenset(names) if use_tools else frozenset(),
+                                       rendered.forced_prefix, named_function(choice), thinking,
+                                       use_tools))
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        chunks = _chat_chunks(state, rid, gen, stream, rendered.forced_prefix, names if use_tools
-                              else None, include_usage, body.logprobs, mode)
+        chunks = _chat_chunks(state, rid, gen, stream, reader, include_usage, body.logprobs)
+        if echo:
+            chunks = _echoed_chunks(chunks, rid, state.model_name, params.n, echo)
         return _RoutedStream(chunks, [route], _served_by(state, [route]))
 
     async def collect() -> None:
@@ -213,34 +229,70 @@ async def chat_completions(state, body: ChatCompletionRequest, request: Request)
         await _until_disconnect(request, collect())
     finally:
         route.release()
-    choices = [_chat_choice(state, c, rendered.forced_prefix, names if use_tools else None,
-                            body.logprobs, mode) for c in gen.choices]
-    return JSONResponse({"id": rid, "object": "chat.completion", "created": _now(),
-                         "model": state.model_name, "choices": choices, "usage": usage([gen])},
-                        headers=_served_by(state, [route]))
+    choices = [_chat_choice(state, c, reader, body.logprobs) for c in gen.choices]
+    response = {"id": rid, "object": "chat.completion", "created": _now(),
+                "model": state.model_name, "choices": choices, "usage": usage([gen])}
+    _chat_extensions(response, gen, echo, body.return_token_ids)
+    return JSONResponse(response, headers=_served_by(state, [route]))
 
 
-def _chat_choice(state, c: Choice, forced: str, tool_names: set[str] | None,
-                 want_logprobs: bool, mode: DsmlMode | None = None) -> dict:
-    # The forced tool-call opening is part of the output (streaming sends it too).
-    message: dict[str, Any] = {"role": "assistant", "content": forced + c.text}
-    reason = c.finish_reason
-    if mode is not None:
-        parsed = mode.parse(c.text)
-        message, reason = parsed.message(), finish_reason(len(parsed.tool_calls), reason)
-    elif tool_names is not None:
-        parsed = parse_tool_calls(forced + c.text, tool_names)
-        if parsed.tool_calls:
-            message = {"role": "assistant", "content": parsed.content,
-                       "tool_calls": parsed.tool_calls}
-            reason = "tool_calls"
+def template_variables(body: ChatCompletionRequest) -> dict | None:
+    """chat_template_kwargs, with reasoning_effort as a variable (vLLM passes it so too) unless
+    the kwargs set it."""
+    if body.reasoning_effort is None:
+        return body.chat_template_kwargs
+    return {"reasoning_effort": body.reasoning_effort, **(body.chat_template_kwargs or {})}
+
+
+def chat_echo(body: ChatCompletionRequest) -> str:
+    """vLLM's chat `echo`: the last message's content, when its role is the reply's (the
+    assistant's with a generation prompt, else the last message's own), leads the answer."""
+    if not body.echo:
+        return ""
+    last = body.messages[-1]
+    role = "assistant" if body.add_generation_prompt else last.role
+    return last.for_template()["content"] if last.role == role else ""
+
+
+def _chat_extensions(response: dict, gen: Generation, echo: str, token_ids: bool) -> None:
+    """A chat response with vLLM's extensions: the echoed message, the token ids."""
+    for choice, c in zip(response["choices"], gen.choices):
+        if echo:
+            choice["message"]["content"] = echo + (choice["message"]["content"] or "")
+        if token_ids:
+            choice["token_ids"] = list(c.token_ids)
+    if token_ids:
+        response["prompt_token_ids"] = gen.prompt_token_ids
+
+
+async def _echoed_chunks(chunks: AsyncIterator[str], rid: str, model: str, n: int,
+                         echo: str) -> AsyncIterator[str]:
+    """A chat stream with the echoed message after each choice's role chunk (the first n)."""
+    events = EventStream(rid, "chat.completion.chunk", _now(), model)
+    sent = 0
+    try:
+        async for chunk in chunks:
+            yield chunk
+            sent += 1
+            if sent == n:
+                for index in range(n):
+                    yield events.content(index, echo)
+    finally:  # a client gone: the inner stream aborts its engine requests now, not at GC
+        await chunks.aclose()
+
+
+def _chat_choice(state, c: Choice, reader: OutputReader | None, want_logprobs: bool) -> dict:
+    if reader is None:
+        message, reason = {"role": "assistant", "content": c.text}, c.finish_reason
+    else:
+        message, reason = reader.message(c.text, c.finish_reason)
     return {"index": c.index, "message": message, "finish_reason": reason,
             "logprobs": _chat_logprobs(state, c.logprobs) if want_logprobs else None}
 
 
 async def _chat_chunks(state, rid: str, gen: Generation, stream: AsyncIterator,
-                       forced: str, tool_names: set[str] | None, include_usage: bool,
-                       want_logprobs: bool, mode: DsmlMode | None = None) -> AsyncIterator[str]:
+                       reader: OutputReader | None, include_usage: bool,
+                       want_logprobs: bool) -> AsyncIterator[str]:
     events = EventStream(rid, "chat.completion.chunk", _now(), state.model_name)
 
     def chunk(index: int, delta: dict, reason: str | None = None, logprobs=None) -> str:
@@ -249,32 +301,25 @@ async def _chat_chunks(state, rid: str, gen: Generation, stream: AsyncIterator,
 
     for c in gen.choices:
         yield chunk(c.index, {"role": "assistant", "content": ""})
-    sent = {c.index: 0 for c in gen.choices}  # chars of c.text already streamed
-    parsers = {c.index: mode.parser() for c in gen.choices} if mode is not None else {}
+    calls = {c.index: reader.stream() for c in gen.choices} if reader is not None else {}
     try:
         async for delta, c in stream:
             lp = _chat_logprobs(state, delta.logprobs) if want_logprobs and delta.logprobs \
                 else None
-            if parsers:
-                parser = parsers[c.index]
-                # Logprobs of tokens that are all held-back markup still go out.
-                deltas = parser.deltas(delta.new_text, delta.finished) or ([{}] if lp else [])
-                for i, d in enumerate(deltas):
-                    yield chunk(c.index, d, None, lp if i == 0 else None)
+            if reader is None:
+                if delta.new_text:
+                    yield events.content(c.index, delta.new_text, lp)
                 if delta.finished:
-                    yield chunk(c.index, {}, finish_reason(parser.num_calls, c.finish_reason))
+                    yield chunk(c.index, {}, c.finish_reason)
                 continue
-            if tool_names is None:
-                content = delta.new_text
-            elif forced or may_become_tool_call(c.text):
-                content = ""  # held back: it may still become a tool call
-            else:
-                content = c.text[sent[c.index]:]  # all that was held back, and this delta
-            if content:
-                yield events.content(c.index, content, lp)
-                sent[c.index] += len(content)
+            read = calls[c.index]
+            # Logprobs of tokens that are all held-back markup still go out.
+            deltas = read.deltas(delta.new_text, delta.finished, c.finish_reason) or (
+                [{}] if lp else [])
+            for i, d in enumerate(deltas):
+                yield chunk(c.index, d, None, lp if i == 0 else None)
             if delta.finished:
-                yield _final_chat_chunk(chunk, c, forced, tool_names, sent[c.index])
+                yield chunk(c.index, {}, read.finish_reason(c.finish_reason))
     except APIError as exc:
         yield _error_event(exc)
         return
@@ -287,20 +332,6 @@ def _error_event(exc: APIError) -> str:
     reading at [DONE])."""
     return event({"error": {"message": exc.message, "type": exc.err_type,
                             "code": exc.status}}) + DONE
-
-
-def _final_chat_chunk(chunk, c: Choice, forced: str, tool_names: set[str] | None,
-                      sent: int) -> str:
-    if tool_names is not None:
-        parsed = parse_tool_calls(forced + c.text, tool_names)
-        if parsed.tool_calls:
-            calls = [{"index": i, **call} for i, call in enumerate(parsed.tool_calls)]
-            delta: dict[str, Any] = {"tool_calls": calls}
-            if parsed.content:
-                delta["content"] = parsed.content[sent:] if sent else parsed.content
-            return chunk(c.index, delta, "tool_calls")
-    rest = (forced if sent == 0 and tool_names is not None else "") + c.text[sent:]
-    return chunk(c.index, {"content": rest} if rest else {}, c.finish_reason)
 
 
 def _token_text(state, token_id: int) -> str:
@@ -338,32 +369,35 @@ async def completions(state, body: CompletionRequest, request: Request):
     prompts = []
     for p in body.prompts():
         if isinstance(p, str):
-            ids = await asyncio.to_thread(state.prompt_tokenizer.encode, p, True)
+            ids = await asyncio.to_thread(state.prompt_tokenizer.encode, p,
+                                          body.add_special_tokens)
         else:
             vocab = len(state.tokenizer)
             if not p or min(p) < 0 or max(p) >= vocab:  # C loops: a 32K prompt in 0.3 ms
                 raise APIError(f"prompt token ids must be non-empty and in [0, {vocab})",
                                param="prompt")
             ids = list(p)
+        ids = truncate_prompt(ids, body.truncate_prompt_tokens, state.max_model_len)
         check_length(len(ids), params, state.max_model_len, param="prompt")
         prompts.append(ids)
-    grammar = await _compile_constraint(state, params, "response_format")
+    grammar = await _compile_constraint(state, params, constraint_field(body))
     rid = f"cmpl-{uuid.uuid4().hex}"
     gens = [Generation(ids, [Choice(i) for i in range(params.n)]) for ids in prompts]
     # Each prompt of a batch routes on its own key (headers or user pin them all together).
     sources = body.prompts()
-    routes = _route_all(state, [affinity_key(request.headers, body.user, None, src)
-                                for src in sources], prompts)
+    routes = _route_all(state, [affinity_key(request.headers, body.prompt_cache_key or body.user,
+                                             None, src) for src in sources], prompts)
     streams = [stream_generation(state.client, state.metrics, f"{rid}-{k}", ids, params,
-                                 body.prefix_cache, g, route, final_only=not body.stream,
-                                 grammar=grammar)
+                                 body.uses_prefix_cache(), g, route,
+                                 final_only=not body.stream, grammar=grammar)
                for k, (ids, g, route) in enumerate(zip(prompts, gens, routes))]
     echo = [state.tokenizer.decode(ids) if body.echo else "" for ids in prompts]
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return _RoutedStream(
             _completion_chunks(state, rid, gens, streams, echo, params.n, include_usage,
-                               body.logprobs is not None), routes, _served_by(state, routes))
+                               body.logprobs is not None, body.return_token_ids), routes,
+            _served_by(state, routes))
 
     async def collect() -> None:
         async for _ in _merge(streams):
@@ -379,27 +413,37 @@ async def completions(state, body: CompletionRequest, request: Request):
             choices.append({"index": k * params.n + c.index, "text": echo[k] + c.text,
                             "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
                             "logprobs": _completion_logprobs(state, c.logprobs)
-                            if body.logprobs is not None else None})
+                            if body.logprobs is not None else None,
+                            **_token_ids(body.return_token_ids, gen.prompt_token_ids,
+                                         c.token_ids)})
     return JSONResponse({"id": rid, "object": "text_completion", "created": _now(),
                          "model": state.model_name, "choices": choices, "usage": usage(gens)},
                         headers=_served_by(state, routes))
 
 
+def _token_ids(wanted: bool, prompt: list[int] | None, output: list[int]) -> dict:
+    """vLLM's return_token_ids on a completions choice: the prompt's ids (None past the
+    first chunk of a stream) and the output's."""
+    return {"prompt_token_ids": prompt, "token_ids": list(output)} if wanted else {}
+
+
 async def _completion_chunks(state, rid: str, gens: list[Generation], streams: list,
                              echo: list[str], n: int, include_usage: bool,
-                             want_logprobs: bool) -> AsyncIterator[str]:
+                             want_logprobs: bool, want_ids: bool = False) -> AsyncIterator[str]:
     events = EventStream(rid, "text_completion", _now(), state.model_name)
     echoed: set[tuple[int, int]] = set()
     try:
         async for k, (delta, c) in _merge(streams):
-            text = delta.new_text
-            if (k, c.index) not in echoed:
+            text, first = delta.new_text, (k, c.index) not in echoed
+            if first:
                 echoed.add((k, c.index))
                 text = echo[k] + text
             yield events.text(k * n + c.index, text,
                               delta.finish_reason if delta.finished else None,
                               _completion_logprobs(state, delta.logprobs) if want_logprobs
-                              else None)
+                              else None,
+                              _token_ids(want_ids, gens[k].prompt_token_ids if first else None,
+                                         delta.new_token_ids))
     except APIError as exc:
         yield _error_event(exc)
         return

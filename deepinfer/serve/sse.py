@@ -41,10 +41,13 @@ class EventStream:
         return self._head + json.dumps(choice, ensure_ascii=False) + _TAIL
 
     def text(self, index: int, text: str, finish_reason: str | None = None,
-             logprobs: dict | None = None) -> str:
-        """A completions choice."""
+             logprobs: dict | None = None, extra: dict | None = None) -> str:
+        """A completions choice; `extra`: more keys of the choice (vLLM's token ids)."""
+        more = "".join(f",{encode_basestring(k)}:{json.dumps(v)}" for k, v in extra.items()) \
+            if extra else ""
         return (f'{self._head}{{"index":{index},"text":{encode_basestring(text)},'
-                f'"finish_reason":{_reason(finish_reason)},"logprobs":{_json(logprobs)}}}{_TAIL}')
+                f'"finish_reason":{_reason(finish_reason)},"logprobs":{_json(logprobs)}'
+                f'{more}}}{_TAIL}')
 
     def content(self, index: int, content: str, logprobs: dict | None = None) -> str:
         """A chat choice whose delta is content only, not the last."""

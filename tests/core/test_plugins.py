@@ -5,6 +5,7 @@ import argparse
 import textwrap
 
 import pytest
+import torch
 
 from deepinfer.cli import main
 from deepinfer.core.accelerator import Accelerator
@@ -23,6 +24,10 @@ def fake_accelerator(name: str, available: bool = True) -> type[Accelerator]:
         @classmethod
         def is_available(cls) -> bool:
             return available
+
+        @classmethod
+        def unavailable_reason(cls) -> str:
+            return f"no {name} device"
 
         def load_model(self, spec): ...
         def num_kv_blocks(self, cache): return 2
@@ -84,6 +89,7 @@ def test_probe_takes_highest_priority_available_backend():
     rows = describe(registry)
     assert [r.name for r in rows] == ["gone", "absent", "mid", "low"]
     assert [r.status for r in rows[1:]] == ["unavailable", "available", "available"]
+    assert rows[1].why_unavailable == "no absent device"  # the backend's own reason
     assert rows[0].status.startswith("failed: ImportError: libfoo.so")
 
 
@@ -114,7 +120,8 @@ def test_requested_backend_that_fails_to_load_raises_with_its_reason(monkeypatch
 
 def test_requested_backend_that_is_unavailable_raises():
     registry = registry_with(info("cpu", 0), info("absent", 3, available=False))
-    with pytest.raises(AcceleratorError, match="'absent' is not available"):
+    with pytest.raises(AcceleratorError,
+                       match="'absent' is not available on this machine: no absent device"):
         select_accelerator(registry, "absent")
 
 
@@ -233,3 +240,10 @@ def test_malformed_hook_results_are_reported():
     assert select_accelerator(registry, "fast").__name__ == "fast"  # a name beats an alias
     assert registry.models() == {}
     assert {f.name for f in registry.failures} == {"sloppy"} and len(registry.failures) == 2
+
+
+@pytest.mark.skipif(torch.version.cuda is not None, reason="a CUDA build of torch is installed")
+def test_nvidia_on_a_cpu_torch_says_which_torch_to_install():
+    registry = load_plugins()
+    with pytest.raises(AcceleratorError, match="is a build without CUDA: install a CUDA build"):
+        select_accelerator(registry, "nvidia")

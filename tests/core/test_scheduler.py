@@ -180,3 +180,44 @@ def test_n_samples_share_one_request_id(tmp_path):
             indices.add(out.index)
     assert indices == {0, 1, 2}
     _assert_no_leaks(engine)
+
+
+def test_request_times_survive_preemption(tmp_path):
+    """A request's first step is its first admission, a preemption's re-admission does not
+    move it; its moments are ordered and come with its last output."""
+    import time
+
+    engine = _engine(tmp_path, num_blocks=24, budget=16)  # tight: preempts
+    rng = random.Random(1)
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    for i in range(12):
+        engine.add_request(str(i), [rng.randrange(1, 97) for _ in range(rng.randrange(3, 30))],
+                           params)
+    first_seen: dict[str, tuple[float, float]] = {}  # the step it was first seen running in
+    times = {}
+    while engine.has_unfinished_requests():
+        before = time.monotonic()
+        outputs = engine.step()
+        after = time.monotonic()
+        for req in engine.scheduler.running:
+            first_seen.setdefault(req.request_id, (before, after))
+        times.update({o.request_id: o.times for o in outputs if o.finished})
+        assert all(o.times is None for o in outputs if not o.finished)
+    assert engine.scheduler.num_preemptions > 0
+    assert len(times) == 12
+    for rid, t in times.items():
+        assert t.arrival <= t.first_scheduled <= t.first_token <= t.last_token
+        before, after = first_seen[rid]
+        assert before <= t.first_scheduled <= after, rid
+
+
+def test_step_tokens_count_every_computed_token(tmp_path):
+    """Without the prefix cache a request computes its prompt, then each output token but its
+    last."""
+    engine = _engine(tmp_path, caching=False)
+    prompts = [list(range(1, n)) for n in (5, 17, 30)]
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, SamplingParams(max_tokens=6, ignore_eos=True))
+    _drain(engine)
+    assert engine.step_tokens.total == sum(len(p) + 6 - 1 for p in prompts)
+    assert sum(engine.step_tokens.counts) >= 6

@@ -123,6 +123,7 @@ class Case:
     method: str = "POST"
     status: int = 400
     headers: tuple[tuple[str, str], ...] = ()  # extra headers (the API key cases)
+    param: str | None = None  # the field the error body must name, where the case checks it
 
     def request_kwargs(self) -> dict:
         headers = dict(self.headers)
@@ -386,6 +387,75 @@ def _tokenizer_cases() -> list[Case]:
             + [Case(f"detokenize-{k}", DETOKENIZE, v) for k, v in detokenize.items()])
 
 
+def _surface_cases() -> list[Case]:
+    """Fields of OpenAI's or vLLM's API that this server refuses, fields no API defines, and
+    fields that contradict each other: each a 400 naming the field (docs/compatibility.md)."""
+    so = "structured_outputs"
+    named = {
+        # (path, body, the field the error names)
+        "unknown-scalar": (CHAT, chat(foo=1), "foo"),
+        "unknown-null": (COMPLETIONS, completion(bar=None), "bar"),
+        "unknown-nested-10": (COMPLETIONS, completion(vendor=nested_list(10)), "vendor"),
+        "unknown-on-tokenize": (TOKENIZE, {"prompt": "Hi", "foo": 1}, "foo"),
+        "unknown-on-detokenize": (DETOKENIZE, {"tokens": [1], "foo": 1}, "foo"),
+        "chat-field-on-completions": (COMPLETIONS, completion(messages=HI), "messages"),
+        "store-true": (CHAT, chat(store=True), "store"),
+        "metadata-string": (CHAT, chat(metadata="x"), "metadata"),
+        "audio": (CHAT, chat(audio={"voice": "alloy", "format": "wav"}), "audio"),
+        "modalities-audio": (CHAT, chat(modalities=["text", "audio"]), "modalities"),
+        "prediction": (CHAT, chat(prediction={"type": "content", "content": "x"}),
+                       "prediction"),
+        "web-search": (CHAT, chat(web_search_options={}), "web_search_options"),
+        "functions": (CHAT, chat(functions=[{"name": "f"}]), "functions"),
+        "function-call": (CHAT, chat(function_call="auto"), "function_call"),
+        "chat-template": (CHAT, chat(chat_template="{{ 7 * 7 }}"), "chat_template"),
+        "chat-template-on-tokenize": (TOKENIZE, {"messages": HI, "chat_template": "x"},
+                                      "chat_template"),
+        "best-of-above-n": (COMPLETIONS, completion(best_of=2), "best_of"),
+        "beam-search": (COMPLETIONS, completion(use_beam_search=True), "use_beam_search"),
+        "priority": (CHAT, chat(priority=1), "priority"),
+        "logits-processors": (CHAT, chat(logits_processors=["os.system"]), "logits_processors"),
+        "guided-backend-outlines": (CHAT, chat(guided_decoding_backend="outlines"),
+                                    "guided_decoding_backend"),
+        "stream-options-without-stream": (CHAT, chat(stream_options={"include_usage": True}),
+                                          "stream_options"),
+        "continuous-usage-stats": (COMPLETIONS, completion(
+            stream=True, stream_options={"continuous_usage_stats": True}), "stream_options"),
+        "continue-final-and-generation-prompt": (CHAT, chat(continue_final_message=True),
+                                                 "continue_final_message"),
+        "continue-final-and-generation-prompt-tokenize": (
+            TOKENIZE, {"messages": HI, "continue_final_message": True},
+            "continue_final_message"),
+        "top-logprobs-without-logprobs": (CHAT, chat(top_logprobs=2), "top_logprobs"),
+        "return-token-ids-chat-stream": (CHAT, chat(stream=True, return_token_ids=True),
+                                         "return_token_ids"),
+        "truncate-zero": (COMPLETIONS, completion(truncate_prompt_tokens=0),
+                          "truncate_prompt_tokens"),
+        "truncate-minus-two": (CHAT, chat(truncate_prompt_tokens=-2), "truncate_prompt_tokens"),
+        "truncate-over-context": (CHAT, chat(truncate_prompt_tokens=TINY_CONTEXT + 1),
+                                  "truncate_prompt_tokens"),
+        "two-constraints": (CHAT, chat(guided_regex="a+", response_format={
+            "type": "json_object"}), "guided_regex"),
+        "structured-outputs-two-kinds": (COMPLETIONS, completion(
+            structured_outputs={"regex": "a", "choice": ["a"]}), so),
+        "structured-outputs-none": (COMPLETIONS, completion(structured_outputs={}), so),
+        "structured-outputs-unknown-key": (COMPLETIONS, completion(
+            structured_outputs={"regexp": "a"}), "structured_outputs.regexp"),
+        "structured-outputs-bad-regex": (CHAT, chat(structured_outputs={"regex": "("}), so),
+        "structured-outputs-backend": (CHAT, chat(structured_outputs={
+            "regex": "a", "backend": "outlines"}), so),
+        "guided-choice-empty": (COMPLETIONS, completion(guided_choice=[]), "guided_choice"),
+        "guided-json-text-not-json": (CHAT, chat(guided_json="{nope"), "guided_json"),
+        "guided-grammar-bad": (CHAT, chat(guided_grammar="root ::= "), "guided_grammar"),
+        "constraint-and-forced-tool": (CHAT, chat(tools=[TOOL], tool_choice="required",
+                                                  guided_regex="a"), "tool_choice"),
+        "cache-salt-empty": (CHAT, chat(cache_salt=""), "cache_salt"),
+        "documents-not-strings": (CHAT, chat(documents=[{"title": 5}]), "documents.0.title"),
+    }
+    return [Case(f"surface-{name}", path, body, param=param)
+            for name, (path, body, param) in named.items()]
+
+
 def _raw_body_cases() -> list[Case]:
     """Bodies that are not a JSON object, sent as bytes to every JSON route (each parses its own
     body, so each can fail on its own)."""
@@ -480,15 +550,19 @@ def _auth_cases() -> list[Case]:
 
 
 TINY_CASES = (_chat_cases() + _completion_cases() + _tokenizer_cases() + _raw_body_cases()
-              + _size_cases() + _route_cases())
+              + _size_cases() + _route_cases() + _surface_cases())
 AUTH_CASES = _auth_cases()
 
-# Unknown fields are ignored, as OpenAI-compatible peers do: the baseline with extras must give
-# the baseline's tokens.
+# Fields OpenAI's or vLLM's API defines that ask nothing of this server are accepted with no
+# effect (docs/compatibility.md): the baseline with them must give the baseline's tokens.
 ACCEPTED = {
-    "unknown-scalar": {"foo": 1},
-    "unknown-null": {"bar": None},
-    "unknown-object": {"metadata": {"trace": "abc", "tags": ["a", "b"]}},
-    "openai-fields-not-served": {"store": False, "service_tier": "auto"},
-    "unknown-nested-10": {"vendor": nested_list(10)},
+    "metadata-object": {"metadata": {"trace": "abc", "tags": "a,b"}},
+    "openai-fields-not-served": {"store": False, "service_tier": "auto",
+                                 "safety_identifier": "u1", "prompt_cache_retention": "24h"},
+    "best-of-equal-to-n": {"best_of": 1},
+    "vllm-defaults": {"use_beam_search": False, "length_penalty": 1.0, "priority": 0,
+                      "spaces_between_special_tokens": True, "request_id": "r-1",
+                      "guided_decoding_backend": "xgrammar", "bad_words": [],
+                      "logits_processors": None, "return_tokens_as_token_ids": False},
+    "prompt-cache-key": {"prompt_cache_key": "conversation-7"},
 }

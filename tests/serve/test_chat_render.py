@@ -6,8 +6,14 @@ import json
 
 import pytest
 
-from deepinfer.serve.chat import ChatFormat, render_chat, tool_call_constraint
+from deepinfer.serve.chat import ChatFormat, render_chat
 from deepinfer.serve.deepseek_encoding import BOS
+from deepinfer.serve.tool_parsers import ForcedShape, is_forced
+from deepinfer.serve.tool_parsers.hermes import HermesParser
+
+
+def tool_call_constraint(tools, tool_choice):
+    return HermesParser().constraint(tools, tool_choice, ForcedShape())
 
 
 class _TemplateTokenizer:
@@ -72,7 +78,7 @@ def test_named_tool_choice_forces_the_call_and_its_schema(tmp_path):
     assert schema["properties"]["arguments"]["properties"]["x"] == {"type": "integer"}
     both = json.loads(tool_call_constraint(tools, "required").spec)
     assert [o["properties"]["name"]["const"] for o in both["anyOf"]] == ["f", "g"]
-    assert tool_call_constraint(tools, "auto") is None
+    assert not is_forced("auto") and tool_call_constraint(tools, choice).compact
 
 
 def test_tool_schemas_with_defs_resolve_from_the_call_schema():

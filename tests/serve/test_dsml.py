@@ -19,13 +19,15 @@ import openai.types.chat as oai
 import pytest
 
 from deepinfer.core.batch import TokenLogprobs
-from deepinfer.serve.chat import ChatFormat, DsmlCalls, render_chat, tool_call_constraint
+from deepinfer.serve.chat import ChatFormat, render_chat
 from deepinfer.serve.deepseek_encoding import encode_messages
 from deepinfer.serve.dsml_parser import (CallArguments, CallStart, DsmlMode, DsmlParser, Text,
                                          openai_deltas, parse)
 from deepinfer.serve.generation import Choice, Generation
 from deepinfer.serve.ipc import TokenDelta
 from deepinfer.serve.routes_openai import _chat_choice, _chat_chunks
+from deepinfer.serve.tool_parsers import ForcedShape, ToolRequest
+from deepinfer.serve.tool_parsers.deepseek_v4 import DeepSeekV4Parser
 
 BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
 WEATHER = {"type": "function", "function": {
@@ -362,7 +364,9 @@ def _run_route(outputs: list[list[str]], mode: DsmlMode, reason: str = "stop",
     (the SSE objects, the non-streaming choices for the same text)."""
     state = SimpleNamespace(model_name="dsv4", tokenizer=SimpleNamespace(decode=lambda ids: "t"))
     gen = Generation([1, 2, 3], [Choice(i) for i in range(len(outputs))])
-    names = {"get_weather", "get_time", "search", "f", "write"} if mode.tools else None
+    names = {"get_weather", "get_time", "search", "f", "write"} if mode.tools else set()
+    reader = DeepSeekV4Parser().reader(ToolRequest(frozenset(names), thinking=mode.thinking,
+                                                   use_tools=mode.tools))
 
     async def stream():
         for k in range(max(map(len, outputs))):
@@ -375,8 +379,8 @@ def _run_route(outputs: list[list[str]], mode: DsmlMode, reason: str = "stop",
                     yield delta, gen.apply(delta)
 
     async def run() -> list[str]:
-        return [s async for s in _chat_chunks(state, "chatcmpl-1", gen, stream(), "", names,
-                                              True, logprobs, mode)]
+        return [s async for s in _chat_chunks(state, "chatcmpl-1", gen, stream(), reader,
+                                              True, logprobs)]
 
     # The events of the byte stream (one write may carry several: usage and [DONE]).
     sse = "".join(asyncio.run(run())).split("\n\n")
@@ -384,7 +388,7 @@ def _run_route(outputs: list[list[str]], mode: DsmlMode, reason: str = "stop",
     objects = [json.loads(s.removeprefix("data: ")) for s in sse[:-2]]
     for obj in objects:
         oai.ChatCompletionChunk.model_validate(obj)
-    choices = [_chat_choice(state, c, "", names, False, mode) for c in gen.choices]
+    choices = [_chat_choice(state, c, reader, False) for c in gen.choices]
     oai.ChatCompletion.model_validate({"id": "x", "object": "chat.completion", "created": 0,
                                        "model": "dsv4", "choices": choices})
     return objects, choices
@@ -501,7 +505,7 @@ def _walk(v4_vocab, constraint, thinking: bool, seed: int) -> str:
                                                  "function": {"name": "forecast"}}])
 def test_forced_tool_choice_gives_dsml_calls(v4_vocab, choice, thinking):
     pytest.importorskip("xgrammar")
-    constraint = tool_call_constraint([TIME, FORECAST], choice, DsmlCalls(thinking))
+    constraint = DeepSeekV4Parser().constraint([TIME, FORECAST], choice, ForcedShape(thinking))
     assert constraint.kind == "structural_tag"
     for seed in range(3):
         parsed = DsmlMode(thinking, True).parse(_walk(v4_vocab, constraint, thinking, seed))

@@ -1,6 +1,7 @@
-"""The whole /metrics exposition (ServerMetrics + RankCollector + TokenizerCollector), built from
-fake rank views, parsed with prometheus_client's own parser: every family once, every sample
-once, zero counters present at 0, and every family documented in docs/metrics.md as exposed."""
+"""The whole /metrics exposition (ServerMetrics + RankCollector + EngineCollector +
+TokenizerCollector), built from fake rank views, parsed with prometheus_client's own parser:
+every family once, every sample once, zero counters present at 0, no NAME_created series, and
+every family documented in docs/metrics.md as exposed."""
 from __future__ import annotations
 
 import dataclasses
@@ -17,6 +18,7 @@ from deepinfer.serve.router import Router
 from deepinfer.serve.engine_client import RankView
 from deepinfer.models.moe.runtime import RebalanceReport
 from deepinfer.serve.ipc import EngineStats, ExpertStats
+from deepinfer.serve.engine_metrics import EngineCollector
 from deepinfer.serve.metrics import ServerMetrics
 from deepinfer.serve.moe_metrics import MoECollector
 from deepinfer.serve.rank_metrics import RankCollector
@@ -53,6 +55,7 @@ class _FakeTokenizer:
                                    "sum_s": 0.0}}
 
 
+CACHE_INFO = {"block_size": "16", "num_gpu_blocks": "10", "enable_prefix_caching": "True"}
 # An MoE rank after one EPLB rebalance: 2 MoE layers of 4 experts.
 EXPERTS = ExpertStats(0, [[5, 0, 2, 1], [3, 3, 1, 1]], 1, RebalanceReport(0.02, 1.6, 1.1, 64, 3))
 
@@ -70,6 +73,7 @@ def _exposition(stats: list[EngineStats], experts: ExpertStats | None = None) ->
     metrics.registry.register(TokenizerCollector(_FakeTokenizer(), "m"))
     metrics.registry.register(RankCollector(lambda: views, Router(len(views)), "m"))
     metrics.registry.register(MoECollector(lambda: views, "m"))
+    metrics.registry.register(EngineCollector(lambda: views, "m", [CACHE_INFO] * len(views)))
     metrics.observe_engine(stats)
     return metrics.render().decode()
 
@@ -161,9 +165,7 @@ def _documented() -> dict[str, str]:
 
 def test_docs_list_every_family_as_exposed():
     parsed = list(text_string_to_metric_families(_exposition([HICACHE_BUSY] * 2, EXPERTS)))
-    # prometheus_client's NAME_created gauge of each counter/histogram: the doc says so once.
-    created = {f"{f.name}_created" for f in parsed if f.type in ("counter", "histogram")}
-    families = {_exposed_name(f.name, f.type): f.type for f in parsed if f.name not in created}
+    families = {_exposed_name(f.name, f.type): f.type for f in parsed}
     documented = _documented()
     assert {n: t for n, t in families.items() if documented.get(n) != t} == {}
     assert {n: t for n, t in documented.items() if families.get(n) != t} == {}
@@ -179,3 +181,36 @@ def test_moe_series_sum_the_ranks_and_show_the_latest_rebalance():
     assert _value(samples, "deepinfer:eplb_last_stall_seconds") == 0.02
     dense = {name for name, _ in _samples(_exposition([IDLE]))}
     assert not any("moe" in name or "eplb" in name for name in dense)
+
+
+def test_no_created_series():
+    """prometheus_client's NAME_created sample of each counter and histogram is switched
+    off."""
+    metrics = ServerMetrics("m")
+    metrics.observe_request("stop", 3, 2, 0.1, [0.01], 0.2)
+    text = _exposition([HICACHE_BUSY] * 2, EXPERTS) + metrics.render().decode()
+    assert [line for line in text.splitlines() if "_created" in line] == []
+
+
+def test_engine_families_per_rank():
+    """Rank 0 waits on 2 requests for room and 1 for its grammar, and stepped 3 times (1, 9
+    and 600 tokens); rank 1 is dead: its waiting reads 0, its steps stay counted."""
+    counts = [0] * 14
+    counts[0], counts[2], counts[8] = 1, 1, 1  # (.., 1], (8, 16], (512, 1024]
+    busy = dataclasses.replace(IDLE, waiting=3, waiting_deferred=1,
+                               step_token_counts=tuple(counts), step_tokens_sum=610)
+    views = [_view(0, busy), dataclasses.replace(_view(1, busy), alive=False)]
+    metrics = ServerMetrics("m")
+    metrics.registry.register(EngineCollector(lambda: views, "m", [CACHE_INFO] * 2))
+    samples = _samples(metrics.render().decode())
+    waiting = "vllm:num_requests_waiting_by_reason"
+    assert _value(samples, waiting, engine="0", reason="capacity") == 2
+    assert _value(samples, waiting, engine="0", reason="deferred") == 1
+    assert _value(samples, waiting, engine="1", reason="capacity") == 0
+    steps = "vllm:iteration_tokens_total"
+    for engine in ("0", "1"):
+        assert [_value(samples, f"{steps}_bucket", engine=engine, le=le)
+                for le in ("1.0", "8.0", "16.0", "512.0", "1024.0", "+Inf")] == [1, 1, 2, 2, 3, 3]
+        assert _value(samples, f"{steps}_sum", engine=engine) == 610
+        assert _value(samples, f"{steps}_count", engine=engine) == 3
+    assert _value(samples, "vllm:cache_config_info", engine="1", **CACHE_INFO) == 1

@@ -18,7 +18,6 @@ import httpx
 import pytest
 
 from conftest import UNTRUSTED_MARKER
-from deepinfer.serve.chat import TOOL_OPEN, may_become_tool_call, parse_tool_calls
 
 MODEL = "tiny-chat"
 TINY_CONTEXT = 512  # the tiny checkpoint's max_position_embeddings (conftest.py)
@@ -400,55 +399,20 @@ def test_prefix_caching(client, http, tiny_server):
 
 
 # ---- tool calls ------------------------------------------------------------------------------
-def test_parse_tool_calls_unit():
-    names = {"get_weather", "get_time"}
-    p = parse_tool_calls('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}'
-                         '\n</tool_call>', names)
-    assert p.content is None and len(p.tool_calls) == 1
-    call = p.tool_calls[0]
-    assert call["type"] == "function" and call["id"].startswith("call_")
-    assert call["function"]["name"] == "get_weather"
-    assert json.loads(call["function"]["arguments"]) == {"city": "Paris"}
-
-    p = parse_tool_calls('Let me check. <tool_call>{"name": "get_time", "parameters": '
-                         '{"city": "Oslo"}}</tool_call><tool_call>{"name": "get_weather", '
-                         '"arguments": {"city": "Oslo"}}</tool_call>', names)
-    assert p.content == "Let me check."
-    assert [c["function"]["name"] for c in p.tool_calls] == ["get_time", "get_weather"]
-    assert json.loads(p.tool_calls[0]["function"]["arguments"]) == {"city": "Oslo"}
-    assert p.tool_calls[0]["id"] != p.tool_calls[1]["id"]
-
-    # unterminated final call (the model hit its stop token first) still parses
-    p = parse_tool_calls('<tool_call>{"name": "get_time", "arguments": "{}"}', names)
-    assert p.tool_calls[0]["function"]["arguments"] == "{}"
-    # unknown function, invalid JSON, or no call at all: plain content, untouched
-    for text in ['<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>',
-                 '<tool_call>{"name": "get_time", "arguments": {"city": </tool_call>',
-                 "Just text, no call.", ""]:
-        p = parse_tool_calls(text, names)
-        assert p.tool_calls == [] and p.content == text
-
-    assert may_become_tool_call("Sure <tool") and may_become_tool_call("x <tool_call>{")
-    assert not may_become_tool_call("Sure, here it is.")
-    assert TOOL_OPEN == "<tool_call>"
-
-
 def test_tool_choice_named_non_stream(client):
     # After the forced `<tool_call>` opening, the call's JSON schema constrains the output, so
     # even the random model can only write a valid call to get_weather; it may still run out
-    # of tokens inside the free-text city string, which must then end by length.
+    # of tokens inside the free-text city string: then the call carries the arguments so far.
     r = chat(client, tools=[WEATHER_TOOL, TIME_TOOL],
              tool_choice={"type": "function", "function": {"name": "get_weather"}},
              max_tokens=48)
     choice = r.choices[0]
-    if choice.message.tool_calls:
-        assert choice.finish_reason == "tool_calls"
-        assert [c.function.name for c in choice.message.tool_calls] == ["get_weather"]
+    assert [c.function.name for c in choice.message.tool_calls] == ["get_weather"]
+    assert choice.message.content is None
+    if choice.finish_reason == "tool_calls":
         assert isinstance(json.loads(choice.message.tool_calls[0].function.arguments), dict)
     else:
         assert choice.finish_reason == "length" and r.usage.completion_tokens == 48
-        assert choice.message.content.replace(" ", "").replace("\n", "").startswith(
-            '<tool_call>{"name":"get_weather"')
 
 
 def test_tool_choice_named_stream_matches_non_stream(client):
@@ -457,13 +421,46 @@ def test_tool_choice_named_stream_matches_non_stream(client):
     full = chat(client, **kw).choices[0]
     chunks, content, reasons = stream_chat(client, **kw)
     calls = [tc for c in chunks for ch in c.choices for tc in (ch.delta.tool_calls or [])]
-    if calls:
-        assert reasons[0] == "tool_calls" == full.finish_reason
-        assert [tc.function.arguments for tc in calls] == \
-            [c.function.arguments for c in full.message.tool_calls]
-    else:
-        assert reasons[0] == full.finish_reason == "length"
-        assert content[0] == full.message.content
+    assert reasons[0] == full.finish_reason and content[0] == ""
+    assert [tc.function.arguments for tc in calls] == \
+        [c.function.arguments for c in full.message.tool_calls]
+
+
+def _json_layout(call_text: str) -> str:
+    """A call's JSON text with its string values emptied (one cut off too): what is left is
+    the JSON's own punctuation and whitespace."""
+    return re.sub(r'"(?:[^"\\]|\\.)*("|$)', '""', call_text)
+
+
+def test_forced_call_cut_by_max_tokens_is_a_call_with_the_arguments_so_far(client):
+    """As OpenAI answers a call cut off: tool_calls with the arguments written so far (a JSON
+    prefix of the whole call's), content null, finish_reason length; stream or not."""
+    kw = dict(tools=[WEATHER_TOOL, TIME_TOOL],
+              tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    whole = chat(client, max_tokens=64, **kw).choices[0].message.tool_calls[0].function
+    r = chat(client, max_tokens=14, **kw)
+    choice = r.choices[0]
+    assert choice.finish_reason == "length" and choice.message.content is None
+    call = choice.message.tool_calls[0].function
+    assert call.name == "get_weather" and r.usage.completion_tokens == 14
+    assert whole.arguments.startswith(call.arguments)
+    chunks, content, reasons = stream_chat(client, max_tokens=14, **kw)
+    streamed = [tc.function for c in chunks for ch in c.choices for tc in
+                (ch.delta.tool_calls or [])]
+    assert reasons[0] == "length" and content[0] == ""
+    assert [(f.name, f.arguments) for f in streamed] == [(call.name, call.arguments)]
+
+
+def test_forced_call_json_has_no_free_whitespace(client):
+    """A forced call is compact JSON: sampled from the random model (which, where JSON allows
+    whitespace, would often pick some), whitespace is only the one space after ':' and ','."""
+    r = chat(client, tools=[WEATHER_TOOL, TIME_TOOL], n=4, seed=11, temperature=1.5,
+             tool_choice={"type": "function", "function": {"name": "get_weather"}}, max_tokens=32)
+    for choice in r.choices:
+        arguments = choice.message.tool_calls[0].function.arguments
+        assert arguments.startswith("{"), arguments  # no tokens spent before the arguments
+        layout = _json_layout(arguments)
+        assert re.findall(r"\s", layout) == re.findall(r"(?<=[:,])\s", layout), layout
 
 
 def test_json_schema_response_format_constrains_the_random_model(client):

@@ -13,6 +13,7 @@ import functools
 import hashlib
 import logging
 import os
+import time
 from collections.abc import Iterator
 
 import torch
@@ -96,18 +97,24 @@ def extension():
     build = os.path.join(cache_dir(), "extensions",
                          f"cpu_kernels3-torch{torch.__version__}-{kind}-{_header_digest()}")
     os.makedirs(build, exist_ok=True)
-    if not any(name.endswith(".so") for name in os.listdir(build)):
-        log.info("building the CPU backend's C++ kernels once into %s (about 30 s)", build)
+    fresh = not any(name.endswith(".so") for name in os.listdir(build))
+    if fresh:
+        log.info("building the CPU backend's C++ kernels once into %s (1-2 minutes on two "
+                 "cores; later starts load them)", build)
+    start = time.monotonic()
     try:
         with build_lock(build):
             # -fopenmp: ATen's parallel_for is OpenMP pragmas inlined into this code; without
             # the flag they compile away and every kernel runs on one thread.
-            return load(name="deepinfer_cpu_kernels3", sources=_SOURCES, build_directory=build,
-                        extra_cflags=["-O3", "-fopenmp", *flags], extra_ldflags=["-fopenmp"])
+            module = load(name="deepinfer_cpu_kernels3", sources=_SOURCES, build_directory=build,
+                          extra_cflags=["-O3", "-fopenmp", *flags], extra_ldflags=["-fopenmp"])
     except (OSError, RuntimeError) as exc:
         raise RuntimeError(f"could not build the CPU backend's kernels ({exc}); they need a C++ "
                            f"compiler and ninja. --quantization none serves the dequantized "
                            f"weights instead") from exc
+    if fresh:
+        log.info("built the CPU backend's C++ kernels in %.0f s", time.monotonic() - start)
+    return module
 
 
 @contextlib.contextmanager

@@ -14,7 +14,6 @@ reads no host list (`graph_decode`), with one extra state slot for the padding r
 """
 from __future__ import annotations
 
-import importlib.util
 import logging
 import os
 import time
@@ -30,6 +29,7 @@ from deepinfer.backends.cuda.graphs import DecodeGraphs, RowLayout
 from deepinfer.backends.cuda.group_inputs import GroupedDecodeRows, grouped_inputs
 from deepinfer.backends.cuda.prefill_graphs import PrefillGraphs
 from deepinfer.backends.cuda.spec_graphs import GraphSpeculator
+from deepinfer.backends.cuda import plugin
 from deepinfer.backends.cuda.memory import GIB, kv_budget
 from deepinfer.backends.cuda.step_inputs import DecodeRows, StepInputs, pack_batch, unpack_batch
 from deepinfer.backends.runner import TorchRunner
@@ -73,7 +73,11 @@ class CUDAAccelerator(Accelerator):
 
     @classmethod
     def is_available(cls) -> bool:
-        return torch.cuda.is_available() and importlib.util.find_spec("triton") is not None
+        return plugin.unavailable_reason() is None
+
+    @classmethod
+    def unavailable_reason(cls) -> str:
+        return plugin.unavailable_reason() or ""
 
     @property
     def on_gpu(self) -> bool:

@@ -53,6 +53,12 @@ class NeuronAccelerator(Accelerator):
 
         return available()
 
+    @classmethod
+    def unavailable_reason(cls) -> str:
+        from deepinfer.backends.neuron.device import unavailable_reason
+
+        return unavailable_reason()
+
     def init_device(self, parallel: ParallelContext = ParallelContext()) -> None:
         if self.device.kind == "cpu":
             threads = cpu_threads() or max(1, (os.cpu_count() or 1) // max(1, parallel.world_size))

@@ -99,6 +99,16 @@ def available(environ: Mapping[str, str] = os.environ) -> bool:
     return _has_torch_neuron() or _has_torch_neuronx()
 
 
+def unavailable_reason(environ: Mapping[str, str] = os.environ) -> str:
+    kind = requested_kind(environ)
+    wanted = {"neuron": "TorchNeuron (torch.neuron) is not importable or sees no NeuronCore",
+              "xla": "torch-neuronx is not installed"}.get(
+        kind, "neither TorchNeuron (torch.neuron) nor torch-neuronx is installed")
+    return (f"{wanted} ({DEVICE_ENV}={environ.get(DEVICE_ENV, 'auto')}): on a Trainium host "
+            "install the Neuron SDK's torch-neuronx or TorchNeuron (Neuron docs, \"Setup\"); "
+            f"anywhere, {DEVICE_ENV}=cpu runs the backend's static graphs on the CPU")
+
+
 def select_device(environ: Mapping[str, str] = os.environ) -> NeuronDevice:
     kind = requested_kind(environ)
     if kind == "auto":
@@ -111,7 +121,4 @@ def select_device(environ: Mapping[str, str] = os.environ) -> NeuronDevice:
         _persistent_cache(os.environ)
         xla = importlib.import_module("torch_xla")
         return NeuronDevice("xla", xla.device(), "xla")
-    raise NeuronUnavailable(
-        f"no Neuron runtime here ({DEVICE_ENV}={environ.get(DEVICE_ENV, 'auto')}): install "
-        f"TorchNeuron (or torch-neuronx) on a Trainium host, or set {DEVICE_ENV}=cpu to run "
-        f"the backend's static graphs on the CPU")
+    raise NeuronUnavailable(f"no Neuron runtime here: {unavailable_reason(environ)}")

@@ -17,10 +17,17 @@ def _load_neuron() -> type["Accelerator"]:
     return NeuronAccelerator
 
 
+def _unavailable() -> str | None:
+    from deepinfer.backends.neuron import device
+
+    return None if device.available() else device.unavailable_reason()
+
+
 @hookimpl
 def deepinfer_register_accelerators() -> list[AcceleratorInfo]:
     return [AcceleratorInfo(
         name="neuron", aliases=("trainium", "trn"), priority=20, load=_load_neuron,
+        probe=_unavailable,
         rank_env=plugin_rank_env,  # each rank its own NeuronCores, before the runtime loads
         description="AWS Trainium: static shapes, fixed KV pool, static MoE (TorchNeuron; "
                     "DEEPINFER_NEURON_DEVICE=cpu runs its graphs on the host)",

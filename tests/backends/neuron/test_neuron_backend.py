@@ -154,6 +154,10 @@ def test_device_adapter_selection(monkeypatch):
     assert not device.available({})
     with pytest.raises(device.NeuronUnavailable, match="DEEPINFER_NEURON_DEVICE=cpu"):
         device.select_device({})
+    # Asked for by name, the backend says what is missing and what to install.
+    assert "torch-neuronx is not installed" in device.unavailable_reason(
+        {"DEEPINFER_NEURON_DEVICE": "xla"})
+    assert "neither TorchNeuron" in device.unavailable_reason({})
     with pytest.raises(ValueError, match="DEEPINFER_NEURON_DEVICE='tpu'"):
         device.requested_kind({"DEEPINFER_NEURON_DEVICE": "tpu"})
     env = {"NEURON_CC_FLAGS": "--model-type=transformer"}
