@@ -62,6 +62,37 @@ def test_logprobs_match_a_dense_forward(llm, smollm2_dir):
         assert [t for t, _ in item.top] == row.topk(2).indices.tolist()
 
 
+def test_logit_bias_forces_a_token_and_logprobs_stay_raw(llm):
+    """+100 on the second most likely token makes greedy decoding take it at every step (the
+    async path: no logprobs) while its logprob and rank stay the unbiased model's."""
+    prompt = "The three primary colours are"
+    plain = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=1, logprobs=2))
+    first = plain[0].outputs[0].logprobs[0]
+    (top1, _), (second, second_logprob) = first.top
+    forced = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True,
+                            logit_bias={second: 100.0, top1: -100.0})
+    assert llm.generate(prompt, forced)[0].outputs[0].token_ids == [second] * 4
+    forced.logprobs, forced.max_tokens = 2, 1
+    item = llm.generate(prompt, forced)[0].outputs[0].logprobs[0]
+    assert (item.token_id, item.rank) == (second, 2)
+    assert item.logprob == pytest.approx(second_logprob, abs=1e-5)
+    assert [t for t, _ in item.top] == [top1, second]
+    assert [lp for _, lp in item.top] == pytest.approx([lp for _, lp in first.top], abs=1e-5)
+
+
+def test_allowed_token_ids_bound_seeded_samples_and_unknown_ids_are_refused(llm):
+    allowed = llm.tokenizer.encode(" red green blue", add_special_tokens=False)
+    params = SamplingParams(temperature=1.0, seed=3, max_tokens=12, ignore_eos=True,
+                            allowed_token_ids=allowed)
+    out = llm.generate("My favourite colour is", params)[0].outputs[0]
+    assert len(out.token_ids) == 12 and set(out.token_ids) <= set(allowed)
+    vocab = llm.engine.model.vocab_size
+    with pytest.raises(ValueError, match="allowed_token_ids"):
+        llm.generate("Hi", SamplingParams(allowed_token_ids=[vocab]))
+    with pytest.raises(ValueError, match="logit_bias"):
+        llm.generate("Hi", SamplingParams(logit_bias={vocab + 1: 5.0}))
+
+
 def test_prefix_cache_reuses_pages_across_calls(llm):
     system = "You are a helpful assistant. " * 8
     llm.generate(system + "Hi", SamplingParams(max_tokens=2))

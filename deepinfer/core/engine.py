@@ -131,6 +131,7 @@ class Engine:
             raise ValueError(f"the {self.accelerator.name} backend does not compute "
                              f"prompt_logprobs")
         prompt_ids = self._prompt_ids(prompt)
+        self._check_token_fields(params)
         limit = self.token_limit()
         if len(prompt_ids) >= limit:
             raise ValueError(f"prompt has {len(prompt_ids)} tokens; this model's context "
@@ -193,6 +194,16 @@ class Engine:
             bad = [t for t in ids if not 0 <= t < vocab]
             raise ValueError(f"token ids out of range [0, {vocab}): {bad[:5]}")
         return ids
+
+    def _check_token_fields(self, params: SamplingParams) -> None:
+        """logit_bias and allowed_token_ids name tokens of this model (SamplingParams checked
+        that they are non-negative ints)."""
+        vocab = self.model.vocab_size
+        for name, ids in (("logit_bias", params.logit_bias),
+                          ("allowed_token_ids", params.allowed_token_ids)):
+            if ids and max(ids) >= vocab:
+                raise ValueError(f"{name} holds token ids out of range [0, {vocab}): "
+                                 f"{sorted(t for t in ids if t >= vocab)[:5]}")
 
     def abort(self, request_id: str) -> None:
         self._end(request_id, FinishReason.ABORT)

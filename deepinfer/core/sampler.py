@@ -1,11 +1,15 @@
 """Sampler: turns one step's logits into one token (and optional logprobs) per SamplingRow.
 
 Order of operations, per row:
-  1. logprobs from the RAW logits (what the model said, before any request processing);
+  1. logprobs from the RAW logits (what the model said, before any request processing: vLLM's
+     default logprobs mode), so penalties, logit_bias, allowed_token_ids, grammars and
+     temperature never change a reported logprob or rank, only which token is sampled;
   2. repetition / frequency / presence penalties;
-  3. min_tokens: EOS and stop token ids are banned until enough tokens were generated;
-  4. greedy rows take the argmax;
-  5. other rows: temperature, top-k, top-p, min-p, then an exponential race.
+  3. logit_bias: each listed token's bias is added to its logit;
+  4. masks (-inf): min_tokens bans EOS and stop token ids until enough tokens were generated,
+     allowed_token_ids bans every token it does not list, a grammar every token it rejects;
+  5. greedy rows take the argmax;
+  6. other rows: temperature, top-k, top-p, min-p, then an exponential race.
 
 The race (argmax of probs / E, E ~ Exp(1)) draws a token with probability exactly probs, and its
 noise comes from a generator seeded by (seed, step) only, so a seeded request samples the same
@@ -81,7 +85,9 @@ class Sampler:
                         if logprob_rows else None)
 
         _apply_penalties(logits, rows)
+        _apply_logit_bias(logits, rows)
         _apply_min_tokens(logits, rows)
+        _apply_allowed_tokens(logits, rows)
         _apply_bitmasks(logits, rows)
 
         tokens = argmax_rows(logits)  # final for greedy rows
@@ -98,14 +104,16 @@ class Sampler:
 
 def all_plain_greedy(rows: Sequence[SamplingRow]) -> bool:
     """Whether every row's token is its logits' argmax, with nothing else asked (no
-    penalties, logprobs, banned tokens or grammar): a backend's own argmax then serves."""
+    penalties, logit_bias, allowed_token_ids, logprobs, banned tokens or grammar): a backend's
+    own argmax then serves."""
     return all(_is_plain_greedy(row) for row in rows)
 
 
 def _is_plain_greedy(row: SamplingRow) -> bool:
     params = row.params
-    return (params.greedy and not params.uses_penalties and params.logprobs is None
-            and len(row.output_token_ids) >= params.min_tokens and row.token_bitmask is None)
+    return (params.greedy and not params.uses_penalties and not params.adjusts_logits
+            and params.logprobs is None and len(row.output_token_ids) >= params.min_tokens
+            and row.token_bitmask is None)
 
 
 def unpack_bitmask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -170,6 +178,56 @@ def _apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
     sub = sub - _column([p.frequency_penalty for p in params], device) * output_counts
     sub = sub - _column([p.presence_penalty for p in params], device) * (output_counts > 0)
     logits[index] = sub
+
+
+def _apply_logit_bias(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+    """logits[row, token] += bias for every row's logit_bias, all rows in one scatter (in
+    place). Ids past the logits' width (the engine refuses them) are skipped."""
+    biased = [(i, row.params.logit_bias) for i, row in enumerate(rows) if row.params.logit_bias]
+    if not biased:
+        return
+    row_ids: list[int] = []
+    token_ids: list[int] = []
+    values: list[float] = []
+    for i, bias in biased:  # list-level copies: a vocabulary-sized bias costs C loops only
+        row_ids += [i] * len(bias)
+        token_ids += bias.keys()
+        values += bias.values()
+    token_ids, row_ids, values = _in_vocab(logits.shape[-1], token_ids, row_ids, values)
+    device = logits.device
+    # Keys are unique per row, so accumulate only adds each bias once (and -inf stays -inf).
+    logits.index_put_((_index(row_ids, device), _index(token_ids, device)),
+                      tensor_on(values, device, torch.float32), accumulate=True)
+
+
+def _in_vocab(vocab: int, token_ids: list[int], *columns: list) -> tuple[list, ...]:
+    """token_ids and the columns beside them, less the entries whose id is past the logits'
+    width (a Python loop only when there is one)."""
+    if not token_ids or max(token_ids) < vocab:
+        return (token_ids, *columns)
+    kept = [k for k, token in enumerate(token_ids) if token < vocab]
+    return tuple([column[k] for k in kept] for column in (token_ids, *columns))
+
+
+def _apply_allowed_tokens(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+    """-inf for every token outside a row's allowed_token_ids (a mask, as a grammar's); one
+    bool mask for the batch, filled in one scatter."""
+    limited = [(i, row.params.allowed_token_ids) for i, row in enumerate(rows)
+               if row.params.allowed_token_ids is not None]
+    if not limited:
+        return
+    vocab, device = logits.shape[-1], logits.device
+    row_ids: list[int] = []
+    token_ids: list[int] = []
+    for i, allowed in limited:
+        row_ids += [i] * len(allowed)
+        token_ids += allowed
+    token_ids, row_ids = _in_vocab(vocab, token_ids, row_ids)
+    banned = torch.zeros(logits.shape, dtype=torch.bool, device=device)
+    banned[_index([i for i, _ in limited], device)] = True
+    if token_ids:
+        banned[_index(row_ids, device), _index(token_ids, device)] = False
+    logits.masked_fill_(banned, float("-inf"))
 
 
 def _apply_min_tokens(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:

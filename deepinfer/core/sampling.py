@@ -3,12 +3,14 @@ user input becomes a ValueError (HTTP 400 in the server), never a dead engine.""
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20
 INT32_MAX = 2**31 - 1  # counts and token ids: more than any vocabulary or context holds
 INT64_MIN, INT64_MAX = -2**63, 2**63 - 1
 MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 2.0
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range for logit_bias values: [-100, 100]
 STRUCTURED_KINDS = ("json_object", "json_schema", "regex", "ebnf", "structural_tag")
 
 
@@ -48,6 +50,10 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    # Token id -> added to its logit after the penalties, in [-MAX_LOGIT_BIAS, MAX_LOGIT_BIAS]
+    # (OpenAI's logit_bias: -100 bans a token in practice, +100 forces it).
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None  # sample only among these ids (vLLM's field)
     logprobs: int | None = None  # number of top logprobs besides the sampled token
     # Per prompt token after the first: its logprob given the tokens before it, its rank and
     # this many top alternatives (None: off). Such a request computes its whole prompt.
@@ -64,6 +70,7 @@ class SamplingParams:
         if self.top_k == -1:
             self.top_k = 0
         self._validate()
+        self._check_token_fields()
 
     def _validate(self) -> None:
         self._check_types()
@@ -120,6 +127,36 @@ class SamplingParams:
                     or not math.isfinite(value):
                 raise ValueError(f"{name} must be a finite number, got {value!r}")
 
+    def _check_token_fields(self) -> None:
+        """logit_bias and allowed_token_ids hold int32 token ids (whether the model has them is
+        the engine's to check); biases are finite numbers within OpenAI's range. Normalized
+        to a plain dict of floats and a plain list, an empty bias to None."""
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, Mapping):
+                raise ValueError(f"logit_bias must map token ids to biases, got "
+                                 f"{type(self.logit_bias).__name__}")
+            bias = dict(self.logit_bias)
+            for token, value in bias.items():
+                if not _is_token_id(token):
+                    raise ValueError(f"logit_bias keys must be non-negative int32 token ids, "
+                                     f"got {token!r}")
+                # A NaN fails the range check too.
+                if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                        or not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+                    raise ValueError(f"logit_bias values must be numbers in [-{MAX_LOGIT_BIAS:g}, "
+                                     f"{MAX_LOGIT_BIAS:g}], got {value!r} for token {token}")
+            self.logit_bias = {token: float(value) for token, value in bias.items()} or None
+        if self.allowed_token_ids is not None:
+            if isinstance(self.allowed_token_ids, (str, bytes, Mapping)) \
+                    or not isinstance(self.allowed_token_ids, Iterable):
+                raise ValueError("allowed_token_ids must be a list of token ids")
+            allowed = list(self.allowed_token_ids)
+            if not allowed:
+                raise ValueError("allowed_token_ids must not be empty")
+            if not all(map(_is_token_id, allowed)):
+                raise ValueError("allowed_token_ids must be non-negative int32 token ids")
+            self.allowed_token_ids = allowed
+
     @property
     def greedy(self) -> bool:
         return self.temperature < 1e-5 or self.top_k == 1
@@ -128,3 +165,12 @@ class SamplingParams:
     def uses_penalties(self) -> bool:
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
                 or self.repetition_penalty != 1.0)
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """A logit_bias or allowed_token_ids: the raw logits' argmax may not be the token."""
+        return self.logit_bias is not None or self.allowed_token_ids is not None
+
+
+def _is_token_id(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= INT32_MAX

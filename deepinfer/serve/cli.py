@@ -184,6 +184,9 @@ def _limit_args(p: Flags) -> None:
                    help="most prompts in one /v1/completions request")
     p.add_argument("--max-stop", type=int, default=RequestLimits.max_stop,
                    help="most stop strings (and stop token ids) in one request")
+    p.add_argument("--max-biased-tokens", type=int, default=RequestLimits.max_biased_tokens,
+                   help="most logit_bias entries (and most allowed_token_ids) in one request "
+                        "(default: the vocabulary's size)")
     p.add_argument("--max-request-body-mb", type=float, default=RequestLimits.max_body_mb,
                    help="larger request bodies are refused with 413")
     p.add_argument("--max-tools", type=int, default=RequestLimits.max_tools,
@@ -287,7 +290,7 @@ def request_limits(args: argparse.Namespace) -> RequestLimits:
         raise ValueError("--grammar-workers must be at least 1")
     return RequestLimits(args.max_n, args.max_prompts, args.max_stop, args.max_request_body_mb,
                          args.max_tools, args.max_schema_kb, args.max_enum_values,
-                         args.grammar_compile_timeout)
+                         args.grammar_compile_timeout, args.max_biased_tokens)
 
 
 def grammar_pool(args: argparse.Namespace, model_dir: str, ready: Any):

@@ -3,18 +3,20 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from deepinfer.core.sampling import (INT32_MAX, INT64_MAX, INT64_MIN, MAX_LOGPROBS,
-                                     SamplingParams, StructuredOutput)
+from deepinfer.core.sampling import (INT32_MAX, INT64_MAX, INT64_MIN, MAX_LOGIT_BIAS,
+                                     MAX_LOGPROBS, SamplingParams, StructuredOutput)
 from deepinfer.serve.structured_fields import (StructuredOutputs, requested_constraint,
                                                structural_tag_text)
 
 MAX_NESTING = 64  # JSON depth of a body; deeper ones would only exhaust recursion downstream
 Count = Annotated[int, Field(ge=0, le=INT32_MAX)]  # token counts and ids: int32 range
 Seed = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
+_TOKEN_KEY = re.compile(r"[0-9]{1,10}")  # a logit_bias key: a token id in decimal digits
 
 
 _SCALARS = {int, float, bool, type(None)}  # what json.loads makes besides str, list, dict
@@ -69,6 +71,9 @@ class _Request(_Body):
     n: int = Field(1, ge=1, le=INT32_MAX)
     stop: str | list[str] | None = None
     stop_token_ids: list[Count] | None = None
+    # As OpenAI sends it: token ids as JSON object keys (strings) -> a bias in [-100, 100].
+    logit_bias: dict[str, float] | None = None
+    allowed_token_ids: Annotated[list[Count], Field(min_length=1)] | None = None
     seed: Seed | None = None
     temperature: float | None = None
     top_p: float | None = None
@@ -125,13 +130,30 @@ class _Request(_Body):
             stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos,
             presence_penalty=pick("presence_penalty"),
             frequency_penalty=pick("frequency_penalty"),
-            repetition_penalty=pick("repetition_penalty"), logprobs=logprobs,
+            repetition_penalty=pick("repetition_penalty"), logit_bias=self.token_bias(),
+            allowed_token_ids=self.allowed_token_ids, logprobs=logprobs,
             prompt_logprobs=self.prompt_logprobs,
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens)
 
     def stop_list(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        for key, bias in (v or {}).items():
+            if not _TOKEN_KEY.fullmatch(key):
+                raise ValueError(f"logit_bias keys must be token ids (digits), got {key!r}")
+            if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise ValueError(f"logit_bias values must be in [-{MAX_LOGIT_BIAS:g}, "
+                                 f"{MAX_LOGIT_BIAS:g}], got {bias} for token {key}")
+        return v
+
+    def token_bias(self) -> dict[int, float] | None:
+        """logit_bias with its keys as the token ids they spell."""
+        return None if self.logit_bias is None else \
+            {int(key): bias for key, bias in self.logit_bias.items()}
 
 
 # The sampling fields a request may leave unset (None) to take the server's default.

@@ -97,12 +97,10 @@ _GENERATION: dict[str, Rule] = {
     "prompt_cache_options": Rule("pages stay in the prefix cache until evicted (LRU); "
                                  "prefixes are matched page by page, with no breakpoints",
                                  of_type(dict), "must be an object"),
-    "logit_bias": Rule("", empty, "is not supported by this server"),
     "best_of": Rule("best_of equal to n returns every sample, as n does", _best_of,
                     "other than n is not supported: this server returns every sample it "
                     "draws (best_of must equal n)"),
     # vLLM
-    "allowed_token_ids": Rule("", unset, "is not supported by this server"),
     "use_beam_search": Rule("sampling is the default", one_of(False),
                             "is not supported: this server does not run beam search"),
     "length_penalty": Rule("it applies to beam search only", one_of(1.0),

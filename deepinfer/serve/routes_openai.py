@@ -27,6 +27,7 @@ from deepinfer.serve.structured_fields import constraint_field
 from deepinfer.serve.tool_parsers import (ForcedShape, OutputReader, ToolRequest, is_forced,
                                           named_function)
 
+UNLIKELY_LOGPROB = -9999.0  # OpenAI's logprob for a token that is very unlikely
 RANK_HEADER = "x-deepinfer-rank"  # which engine rank(s) served the request
 API_PROCESS_HEADER = "x-deepinfer-api-process"  # which API process (--api-server-count) did
 
@@ -74,6 +75,7 @@ def _params(state, body: ChatCompletionRequest | CompletionRequest,
     vocab = len(state.tokenizer)
     if any(t >= vocab for t in body.stop_token_ids or ()):
         raise APIError(f"stop_token_ids must be in [0, {vocab})", param="stop_token_ids")
+    _check_token_fields(state.limits, body, vocab)
     try:
         return body.to_sampling_params(state.sampling_defaults)
     except ValueError as exc:
@@ -90,6 +92,23 @@ def _check_limits(limits: RequestLimits, body: ChatCompletionRequest | Completio
     if max(len(body.stop_list()), len(body.stop_token_ids or ())) > limits.max_stop:
         raise APIError(f"at most {limits.max_stop} stop strings and {limits.max_stop} stop "
                        "token ids per request on this server", param="stop")
+
+
+def _check_token_fields(limits: RequestLimits, body: ChatCompletionRequest | CompletionRequest,
+                        vocab: int) -> None:
+    """logit_bias and allowed_token_ids: token ids of this tokenizer, at most
+    --max-biased-tokens of each (by default the vocabulary's size), since the sampler
+    scatters every entry at every step."""
+    bound = limits.max_biased_tokens or vocab
+    bias = body.token_bias() or {}
+    for param, ids in (("logit_bias", bias), ("allowed_token_ids", body.allowed_token_ids)):
+        if not ids:
+            continue
+        if len(ids) > bound:
+            raise APIError(f"{param} may hold at most {bound} token ids on this server, got "
+                           f"{len(ids)}", param=param)
+        if max(ids) >= vocab:  # the schema made them non-negative
+            raise APIError(f"{param} token ids must be in [0, {vocab})", param=param)
 
 
 async def _compile_constraint(state, params: SamplingParams, param: str) -> str | None:
@@ -321,13 +340,27 @@ def _token_text(state, token_id: int) -> str:
     return state.tokenizer.decode([token_id])
 
 
+def _json_logprob(logprob: float) -> float:
+    """-inf (a token the model rules out) as the -9999.0 OpenAI documents: JSON has no -inf."""
+    return max(logprob, UNLIKELY_LOGPROB)
+
+
 def _chat_logprobs(state, items: list[TokenLogprobs]) -> dict:
     def entry(tid: int, lp: float) -> dict:
         text = _token_text(state, tid)
-        return {"token": text, "logprob": lp, "bytes": list(text.encode())}
+        return {"token": text, "logprob": _json_logprob(lp), "bytes": list(text.encode())}
 
     return {"content": [{**entry(i.token_id, i.logprob),
-                         "top_logprobs": [entry(t, lp) for t, lp in i.top]} for i in items]}
+                         "top_logprobs": [entry(t, lp) for t, lp in _chat_top(i)]}
+                        for i in items]}
+
+
+def _chat_top(item: TokenLogprobs) -> list[tuple[int, float]]:
+    """A chat token's top_logprobs as vLLM gives them: the first N (top_logprobs) of the
+    sampled token followed by the most likely ones, the sampled token listed once. Greedy
+    decoding samples the most likely token, so there this is the N most likely in order."""
+    others = [(token, lp) for token, lp in item.top if token != item.token_id]
+    return [(item.token_id, item.logprob), *others][:len(item.top)]
 
 
 # ---- completions ---------------------------------------------------------------------------
@@ -431,8 +464,8 @@ def _completion_logprobs(state, items: list[TokenLogprobs]) -> dict:
     for t in tokens:
         offsets.append(pos)
         pos += len(t)
-    return {"tokens": tokens, "token_logprobs": [i.logprob for i in items],
-            "top_logprobs": [{_token_text(state, t): lp for t, lp in i.top} for i in items],
+    return {"tokens": tokens, "token_logprobs": [_json_logprob(i.logprob) for i in items],
+            "top_logprobs": [_completion_top(state, text, i) for text, i in zip(tokens, items)],
             "text_offset": offsets}
 
 
@@ -447,6 +480,16 @@ def _choice_logprobs(state, gen: Generation, items: list[TokenLogprobs], echo: b
 
 def _prompt_logprobs(state, gen: Generation) -> list | None:
     return vllm_prompt_logprobs(gen.prompt_logprobs, lambda t: _token_text(state, t))
+
+
+def _completion_top(state, text: str, item: TokenLogprobs) -> dict[str, float]:
+    """The sampled token (`text`) and the N most likely, as OpenAI's legacy completions and
+    vLLM give them: up to N + 1 entries, the sampled token alone for `logprobs: 0`. Keys are
+    token texts, so equal texts merge; the sampled token's own logprob stays under its text."""
+    top = {text: _json_logprob(item.logprob)}
+    for token, lp in item.top:
+        top.setdefault(_token_text(state, token), _json_logprob(lp))
+    return top
 
 
 async def _merge(streams: list[AsyncIterator]) -> AsyncIterator[tuple[int, Any]]:

@@ -145,3 +145,22 @@ def test_the_backend_picks_the_cap_unless_the_config_does(tmp_path):
             .prefill_beside_decodes
 
     assert (cap(None), cap(0), cap(4)) == (16, 0, 4)
+
+
+def test_logit_bias_and_allowed_ids_outside_the_vocabulary_are_refused(tmp_path):
+    """Ids the model does not have are a ValueError naming the field, before anything is
+    queued; the last id of the vocabulary is taken."""
+    import pytest
+
+    engine = _engine(tmp_path)
+    vocab = engine.model.vocab_size
+    prompt = _prompt(5, 1)
+    for field, value in (("logit_bias", {3: 1.0, vocab: -100.0}),
+                         ("allowed_token_ids", [1, vocab + 7])):
+        params = dataclasses.replace(GREEDY, **{field: value})
+        with pytest.raises(ValueError, match=f"{field} .*out of range \\[0, {vocab}\\)"):
+            engine.add_request(field, prompt, params)
+        assert not engine.has_unfinished_requests()
+    engine.add_request("edge", prompt, dataclasses.replace(
+        GREEDY, max_tokens=2, logit_bias={vocab - 1: 1.0}, allowed_token_ids=[vocab - 1]))
+    assert engine.has_unfinished_requests()

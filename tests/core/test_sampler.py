@@ -446,3 +446,130 @@ def test_two_stage_argmax_equals_torch_argmax(dtype):
         assert torch.equal(argmax_rows(x), x.argmax(dim=-1))
     odd = torch.randn(2, 1000, generator=g)  # no equal split: plain argmax
     assert torch.equal(argmax_rows(odd), odd.argmax(dim=-1))
+
+
+# ----------------------------------------------------------------------------- logit_bias
+
+
+def biased(logits: Sequence[float], bias: dict[int, float]) -> list[float]:
+    return [x + bias.get(t, 0.0) for t, x in enumerate(logits)]
+
+
+def only(logits: Sequence[float], allowed: Sequence[int]) -> list[float]:
+    return [x if t in allowed else -np.inf for t, x in enumerate(logits)]
+
+
+def test_logit_bias_samples_the_softmax_of_the_biased_logits() -> None:
+    bias = {1: 1.5, 0: -2.0, 6: 3.0}
+    params = SamplingParams(logit_bias=bias, temperature=0.8, top_p=0.9)
+    expected = ref_filtered_probs(biased(LOGITS, bias), temperature=0.8, top_p=0.9)
+    assert_follows(draw(LOGITS, params), expected)
+
+
+@pytest.mark.parametrize("bias", [0.8, 0.4, -0.3])
+def test_logit_bias_is_added_after_the_penalties(bias: float) -> None:
+    """Token 0 was seen: the repetition penalty halves its logit (2.0 -> 1.0), then the bias
+    is added; with 0.8 it beats token 1's 1.5 only in that order ((2.0 + 0.8) / 2 = 1.4)."""
+    logits = [2.0, 1.5, 0.0, -1.0]
+    params = SamplingParams(logit_bias={0: bias}, repetition_penalty=2.0, presence_penalty=0.1,
+                            **GREEDY)
+    reference = biased(ref_penalized(logits, [0], [2], repetition=2.0, presence=0.1), {0: bias})
+    assert greedy_pick(logits, params, prompt=[0], output=[2]) == int(np.argmax(reference))
+
+
+def test_bias_of_minus_100_bans_and_plus_100_forces_under_greedy() -> None:
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(5, 50, generator=gen) * 3
+    top = logits.argmax(dim=-1).tolist()
+    rows = [row(SamplingParams(**GREEDY)),
+            row(SamplingParams(logit_bias={top[1]: -100}, **GREEDY)),
+            row(SamplingParams(logit_bias={7: 100}, **GREEDY)),
+            # an id past the logits' width is skipped, the rest still applies
+            row(SamplingParams(logit_bias={50 + 3: 100, 9: 100}, **GREEDY)),
+            # a bias never lifts a mask: EOS stays banned until min_tokens
+            row(SamplingParams(logit_bias={top[4]: 100}, min_tokens=2, **GREEDY),
+                output=[1], eos=(top[4],))]
+    out = Sampler().sample(logits, rows)
+    second = [t for t in logits[1].argsort(descending=True).tolist() if t != top[1]][0]
+    without_eos = [t for t in logits[4].argsort(descending=True).tolist() if t != top[4]][0]
+    assert out.token_ids == [top[0], second, 7, 9, without_eos]
+    assert Sampler().sample_tokens(logits, rows).tolist() == out.token_ids  # the async path
+
+
+# ----------------------------------------------------------------------------- allowed ids
+
+
+@pytest.mark.parametrize("filters", [{}, {"top_k": 2}, {"min_p": 0.4, "temperature": 1.4}])
+def test_allowed_token_ids_sample_only_the_set(filters: dict) -> None:
+    """Seeded samples never leave the set and follow the softmax of the masked logits (the
+    filters then apply within the set)."""
+    allowed = [1, 3, 4, 6]
+    params = SamplingParams(allowed_token_ids=allowed, **filters)
+    samples = draw(LOGITS, params)
+    assert set(samples.tolist()) <= set(allowed)
+    assert_follows(samples, ref_filtered_probs(only(LOGITS, allowed), **filters))
+
+
+def test_allowed_token_ids_greedy_takes_the_best_allowed_in_a_mixed_batch() -> None:
+    gen = torch.Generator().manual_seed(6)
+    logits = torch.randn(3, 64, generator=gen)
+    allowed = [2, 17, 40]
+    rows = [row(SamplingParams(allowed_token_ids=allowed, **GREEDY)),
+            row(SamplingParams(**GREEDY)),
+            row(SamplingParams(allowed_token_ids=[63], logit_bias={5: 100}, **GREEDY))]
+    out = Sampler().sample(logits, rows).token_ids
+    assert out[0] == max(allowed, key=lambda t: logits[0, t].item())
+    assert out[1] == logits[1].argmax().item()
+    assert out[2] == 63  # a bias cannot bring back a token the set leaves out
+
+
+def test_logprobs_stay_raw_under_bias_and_allowed_ids() -> None:
+    gen = torch.Generator().manual_seed(7)
+    logits = torch.randperm(30, generator=gen).float().unsqueeze(0) * 0.1
+    raw = np_log_softmax(logits[0].numpy())
+    for params in (SamplingParams(logit_bias={4: 100.0}, logprobs=3, **GREEDY),
+                   SamplingParams(allowed_token_ids=[4, 9], logprobs=3, temperature=1.0)):
+        out = Sampler().sample(logits, [row(params, seed=3)])
+        info, token = out.logprobs[0], out.token_ids[0]
+        assert token in (4, 9) and info.token_id == token
+        assert info.logprob == pytest.approx(raw[token], abs=1e-5)
+        assert info.rank == 1 + int((raw > raw[token]).sum())
+        assert [t for t, _ in info.top] == np.argsort(-raw)[:3].tolist()
+
+
+def test_bias_and_allowed_ids_are_never_plain_greedy() -> None:
+    from deepinfer.core.sampler import all_plain_greedy
+
+    assert all_plain_greedy([row(SamplingParams(**GREEDY))])
+    assert not all_plain_greedy([row(SamplingParams(logit_bias={1: 0.5}, **GREEDY))])
+    assert not all_plain_greedy([row(SamplingParams(allowed_token_ids=[1], **GREEDY))])
+    assert all_plain_greedy([row(SamplingParams(logit_bias={}, **GREEDY))])  # no bias at all
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(logit_bias={1: 100.5}), "logit_bias"), (dict(logit_bias={1: -101}), "logit_bias"),
+    (dict(logit_bias={1: float("nan")}), "logit_bias"),
+    (dict(logit_bias={1: float("inf")}), "logit_bias"),
+    (dict(logit_bias={1: "2"}), "logit_bias"), (dict(logit_bias={1: True}), "logit_bias"),
+    (dict(logit_bias={-1: 1.0}), "logit_bias"), (dict(logit_bias={"5": 1.0}), "logit_bias"),
+    (dict(logit_bias={2**31: 1.0}), "logit_bias"), (dict(logit_bias={True: 1.0}), "logit_bias"),
+    (dict(logit_bias=[1, 2]), "logit_bias"),
+    (dict(allowed_token_ids=[]), "allowed_token_ids"),
+    (dict(allowed_token_ids=[3, -1]), "allowed_token_ids"),
+    (dict(allowed_token_ids=[2**31]), "allowed_token_ids"),
+    (dict(allowed_token_ids=["1"]), "allowed_token_ids"),
+    (dict(allowed_token_ids="12"), "allowed_token_ids"),
+    (dict(allowed_token_ids=5), "allowed_token_ids"),
+])
+def test_sampling_params_refuse_bad_token_fields(kwargs: dict, field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+def test_sampling_params_take_token_fields_at_their_edges() -> None:
+    params = SamplingParams(logit_bias={0: 100, 2**31 - 1: -100.0},
+                            allowed_token_ids=(0, 2**31 - 1))
+    assert params.logit_bias == {0: 100.0, 2**31 - 1: -100.0}
+    assert params.allowed_token_ids == [0, 2**31 - 1] and params.adjusts_logits
+    assert SamplingParams(logit_bias={}).logit_bias is None
+    assert not SamplingParams().adjusts_logits

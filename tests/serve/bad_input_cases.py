@@ -233,6 +233,14 @@ def _chat_cases() -> list[Case]:
         "stop-token-ids-beyond-vocab": chat(stop_token_ids=[VOCAB]),
         "stop-token-ids-over-max-stop": chat(stop_token_ids=list(range(17))),
         "stop-token-ids-string": chat(stop_token_ids="x"),
+        "logit-bias-beyond-vocab": chat(logit_bias={str(VOCAB): 1}),
+        "logit-bias-key-int64-overflow": chat(logit_bias={str(2**63): 1}),
+        "logit-bias-infinity": chat(logit_bias={"5": Raw("Infinity")}),
+        "logit-bias-nan": chat(logit_bias={"5": Raw("NaN")}),
+        "logit-bias-list": chat(logit_bias=[5]),
+        "allowed-token-ids-beyond-vocab": chat(allowed_token_ids=[1, VOCAB]),
+        "allowed-token-ids-empty": chat(allowed_token_ids=[]),
+        "allowed-token-ids-string": chat(allowed_token_ids="5"),
         "stop-over-max-stop": chat(stop=[f"s{i}" for i in range(17)]),
         "stop-empty-string": chat(stop=""),
         "stop-empty-item": chat(stop=["ok", ""]),
@@ -341,6 +349,8 @@ def _completion_cases() -> list[Case]:
         "stream-prompts-over-max-prompts": completion(stream=True, prompt=["Hi"] * 65),
         "stream-prompt-ids-beyond-context": completion(stream=True, prompt=[100] * 600),
         "stream-suffix": completion(stream=True, suffix="the end"),
+        "stream-logit-bias-beyond-vocab": completion(stream=True, logit_bias={str(VOCAB): 1}),
+        "stream-allowed-token-ids-negative": completion(stream=True, allowed_token_ids=[-1]),
     }
     return [Case(f"completions-{name}", COMPLETIONS, body) for name, body in cases.items()]
 

@@ -299,6 +299,9 @@ def test_boundaries_of_the_table_are_valid(tiny):
     assert r.status_code == 200, r.text
     r = tiny.post(COMPLETIONS, completion(prompt=[100] * (TINY_CONTEXT - 2)))
     assert r.status_code == 200, r.text
+    r = tiny.post(COMPLETIONS, completion(logit_bias={str(VOCAB - 1): 100},
+                                          allowed_token_ids=[0, VOCAB - 1]))
+    assert r.status_code == 200, r.text
 
 
 # ---- tests: accepted extras ------------------------------------------------------------------

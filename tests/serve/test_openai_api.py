@@ -263,6 +263,77 @@ def test_chat_logprobs(client):
     assert chat(client, max_tokens=2).choices[0].logprobs is None
 
 
+def test_completions_top_logprobs_hold_the_sampled_token(client):
+    """As OpenAI's legacy completions and vLLM: the N most likely plus the sampled token, so
+    `logprobs: 0` lists the sampled token alone (its text is `tokens`' entry). Random weights
+    spread the tiny model's mass over the vocabulary: samples are rarely in the top 2."""
+    kw = dict(temperature=1.0, seed=11, max_tokens=6, extra_body={"ignore_eos": True})
+    lp = complete(client, "Numbers: 1 2 3", logprobs=0, **kw).choices[0].logprobs
+    assert lp.top_logprobs == [{t: v} for t, v in zip(lp.tokens, lp.token_logprobs)]
+    wide = complete(client, "Numbers: 1 2 3", logprobs=2, **kw).choices[0].logprobs
+    assert wide.tokens == lp.tokens  # the same seed samples the same tokens
+    for token, chosen, top in zip(wide.tokens, wide.token_logprobs, wide.top_logprobs):
+        assert top[token] == chosen and 1 <= len(top) <= 3
+    assert any(len(top) == 3 for top in wide.top_logprobs)
+
+
+def test_chat_top_logprobs_lead_with_the_sampled_token(client):
+    """vLLM's chat list: the first top_logprobs of [sampled token, most likely ones]."""
+    r = chat(client, temperature=1.0, seed=5, max_tokens=6, logprobs=True, top_logprobs=3,
+             extra_body={"ignore_eos": True})
+    for item in r.choices[0].logprobs.content:
+        first, *rest = item.top_logprobs
+        assert len(rest) == 2 and (first.token, first.logprob) == (item.token, item.logprob)
+        assert item.token not in [t.token for t in rest]
+        values = [t.logprob for t in rest]
+        assert values == sorted(values, reverse=True)
+
+
+def test_logit_bias_forces_a_token_under_greedy_decoding(client, http):
+    """OpenAI's logit_bias (token ids as string keys): +100 makes greedy decoding take that
+    token at every step, -100 keeps the unbiased favourite out."""
+    token = tokenize(http, prompt=" lighthouse", add_special_tokens=False)[0]
+    text = http.post("/detokenize", json={"tokens": [token]}).json()["prompt"]
+    r = complete(client, "Once upon a time", max_tokens=4, logprobs=0,
+                 logit_bias={str(token): 100}, extra_body={"ignore_eos": True})
+    assert r.choices[0].logprobs.tokens == [text] * 4
+    r = chat(client, max_tokens=3, logit_bias={str(token): 100},
+             extra_body={"ignore_eos": True})
+    assert r.choices[0].message.content == text * 3
+    free = complete(client, "Once upon a time", max_tokens=1, logprobs=1)
+    first = free.choices[0].logprobs.tokens[0]
+    favourite = tokenize(http, prompt=first, add_special_tokens=False)
+    if len(favourite) == 1:  # the favourite's text tokenizes back to that one id
+        banned = complete(client, "Once upon a time", max_tokens=1, logprobs=1,
+                          logit_bias={str(favourite[0]): -100})
+        assert banned.choices[0].logprobs.tokens[0] != first
+
+
+def test_allowed_token_ids_keep_seeded_samples_in_the_set(client, http):
+    allowed = tokenize(http, prompt=" red green blue", add_special_tokens=False)
+    texts = {http.post("/detokenize", json={"tokens": [t]}).json()["prompt"] for t in allowed}
+    r = complete(client, "Colours:", temperature=1.0, seed=2, max_tokens=10, logprobs=0,
+                 extra_body={"ignore_eos": True, "allowed_token_ids": allowed})
+    assert len(r.choices[0].logprobs.tokens) == 10
+    assert set(r.choices[0].logprobs.tokens) <= texts
+
+
+@pytest.mark.parametrize("field, value", [
+    ("logit_bias", {"49152": 1}), ("logit_bias", {"-1": 1}), ("logit_bias", {"x": 1}),
+    ("logit_bias", {"5": 101}), ("allowed_token_ids", [49152]), ("allowed_token_ids", []),
+])
+def test_bad_logit_bias_and_allowed_ids_are_400s_naming_the_field(client, field, value):
+    import openai
+
+    extra = {"extra_body": {field: value}}
+    with pytest.raises(openai.BadRequestError) as info:
+        complete(client, "Hi", max_tokens=1, **extra)
+    assert info.value.param == field
+    with pytest.raises(openai.BadRequestError) as info:
+        chat(client, max_tokens=1, stream=True, **extra)
+    assert info.value.param == field
+
+
 def test_stop_strings(client):
     prompt = "A list of colours: red, green,"
     base = complete(client, prompt, max_tokens=16, extra_body={"ignore_eos": True})

@@ -68,3 +68,35 @@ def test_prompt_shapes_keep_their_meaning(prompt: Any) -> None:
 def test_bad_prompts_are_refused(prompt: Any) -> None:
     with pytest.raises(ValueError):
         CompletionRequest.model_validate({"prompt": prompt})
+
+
+def test_logit_bias_keys_become_token_ids_and_the_limit_bounds_both_fields() -> None:
+    """OpenAI's logit_bias arrives with string keys; the server's bound (by default the
+    vocabulary's size) counts distinct ids, and each field is refused under its own name."""
+    from deepinfer.serve.errors import APIError
+    from deepinfer.serve.limits import RequestLimits
+    from deepinfer.serve.routes_openai import _check_token_fields
+
+    body = CompletionRequest.model_validate(
+        {"prompt": "x", "logit_bias": {"7": -100, "007": 5, "12": 0.5},
+         "allowed_token_ids": [3, 4, 4]})
+    params = body.to_sampling_params()
+    assert params.logit_bias == {7: 5.0, 12: 0.5} and params.allowed_token_ids == [3, 4, 4]
+    _check_token_fields(RequestLimits(), body, vocab=13)
+    _check_token_fields(RequestLimits(max_biased_tokens=3), body, vocab=13)
+    for limits, vocab, param in ((RequestLimits(), 12, "logit_bias"),
+                                 (RequestLimits(max_biased_tokens=2), 100, "allowed_token_ids"),
+                                 (RequestLimits(max_biased_tokens=1), 100, "logit_bias")):
+        with pytest.raises(APIError) as info:
+            _check_token_fields(limits, body, vocab)
+        assert info.value.param == param and info.value.status == 400
+    with pytest.raises(ValueError):
+        RequestLimits(max_biased_tokens=0)
+
+
+@pytest.mark.parametrize("bias", [{"1.5": 1}, {" 1": 1}, {"+1": 1}, {"-1": 1}, {"1e3": 1},
+                                  {"\u0661": 1}, {"12345678901": 1}, {"1": 100.01},
+                                  {"1": -101}, {"1": "5"}, {"1": True}, [1, 2]], ids=repr)
+def test_bad_logit_bias_is_refused_at_the_schema(bias: Any) -> None:
+    with pytest.raises(ValueError, match="logit_bias"):
+        CompletionRequest.model_validate({"prompt": "x", "logit_bias": bias})
