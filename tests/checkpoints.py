@@ -151,3 +151,45 @@ def make_moe_chat_checkpoint(path: str) -> str:
     tokenizer = transformers.AutoTokenizer.from_pretrained(copy_default_tokenizer(path))
     return make_checkpoint(path, "qwen3_moe", vocab_size=len(tokenizer),
                            eos_token_id=tokenizer.eos_token_id)
+
+
+# A Hermes-style chat template in the Qwen2.5 convention (ChatML turns, which the default
+# model's tokenizer has as special tokens): the tools' JSON in the system turn, an assistant's
+# tool_calls as <tool_call>{"name": ..., "arguments": ...}</tool_call>, and consecutive tool
+# results as <tool_response> blocks in one user turn. The server's own rendering of tool calls
+# (for templates without them) is not involved when a checkpoint ships this.
+HERMES_TOOL_TEMPLATE = """\
+{%- if tools %}
+{{- '<|im_start|>system\\n' }}
+{%- if messages[0].role == 'system' %}{{- messages[0].content + '\\n\\n' }}{%- endif %}
+{{- '# Tools\\n\\nYou are provided with function signatures within <tools></tools> XML tags:\
+\\n<tools>' }}
+{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}
+{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and \
+arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{"name": <function-name>, \
+"arguments": <args-json-object>}\\n</tool_call><|im_end|>\\n' }}
+{%- elif messages[0].role == 'system' %}
+{{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}
+{%- endif %}
+{%- for message in messages %}
+{%- if message.role == 'user' or (message.role == 'system' and not loop.first)
+      or (message.role == 'assistant' and not message.tool_calls) %}
+{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}
+{%- elif message.role == 'assistant' %}
+{{- '<|im_start|>assistant' }}
+{%- if message.content %}{{- '\\n' + message.content }}{%- endif %}
+{%- for call in message.tool_calls %}
+{%- set call = call.function if call.function is defined else call %}
+{{- '\\n<tool_call>\\n{"name": "' + call.name + '", "arguments": ' }}
+{{- call.arguments if call.arguments is string else call.arguments | tojson }}
+{{- '}\\n</tool_call>' }}
+{%- endfor %}
+{{- '<|im_end|>\\n' }}
+{%- elif message.role == 'tool' %}
+{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}
+{{- '\\n<tool_response>\\n' + message.content + '\\n</tool_response>' }}
+{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}
+"""

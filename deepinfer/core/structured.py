@@ -15,6 +15,10 @@ from deepinfer.core.grammar_errors import clean_message
 from deepinfer.core.sampling import StructuredOutput
 
 _CACHE_SIZE = 64
+# Whitespace between a JSON schema's tokens, in characters at a stretch: enough for a newline
+# and the indent of pretty-printed JSON several levels deep, while a model that keeps choosing
+# whitespace (which the schema otherwise allows forever) is made to write the next token.
+MAX_JSON_WHITESPACE = 20
 
 
 def import_xgrammar() -> Any:
@@ -40,7 +44,10 @@ def compile_constraint(compiler: Any, spec: StructuredOutput) -> Any:
         if spec.kind == "json_object":
             return compiler.compile_builtin_json_grammar()
         if spec.kind == "json_schema":
-            return compiler.compile_json_schema(spec.spec, any_whitespace=not spec.compact)
+            if spec.compact:  # forced tool calls: json.dumps spacing, nothing to spend
+                return compiler.compile_json_schema(spec.spec, any_whitespace=False)
+            return compiler.compile_json_schema(spec.spec,
+                                                max_whitespace_cnt=MAX_JSON_WHITESPACE)
         if spec.kind == "regex":
             return compiler.compile_regex(spec.spec)
         if spec.kind == "structural_tag":

@@ -17,6 +17,9 @@ session: a worker starts only the servers its own modules need.
 * `smol`: the embedded default model (SmolLM2-135M-Instruct, no --model) for end-to-end checks.
 * `dp2`: the `tiny` server's checkpoint and flags with `--dp 2` (two rank processes, affinity
   routing), for data-parallel routing; it must be left idle too.
+* `tools`: the `tiny` server's weights and tokenizer with a Hermes-style chat template that
+  renders tools, tool calls and tool results itself (tests/checkpoints.py), and room for the
+  longer prompts that tools make, for agent frameworks as clients; it must be left idle too.
 """
 from __future__ import annotations
 
@@ -42,9 +45,10 @@ TINY_NUM_KV_BLOCKS = 64
 TINY_BLOCK_SIZE = 16
 TINY_CONTEXT = 512
 API_KEY = "test-secret-key"
+TOOLS_CONTEXT = 2048
 SERVER_FIXTURES = {"tiny_server": "tiny", "auth_server": "auth", "smol_server": "smol",
-                   "dp2_server": "dp2"}
-IDLE_CHECKED = ("tiny", "dp2")
+                   "dp2_server": "dp2", "tools_server": "tools"}
+IDLE_CHECKED = ("tiny", "dp2", "tools")
 
 
 # ---- process helpers (Linux /proc, so no psutil is needed) -----------------------------------
@@ -284,9 +288,10 @@ def per_rank(url: str, name: str, **match: str) -> dict[int, float]:
 
 
 # ---- the random-weight checkpoint ------------------------------------------------------------
-def make_tiny_chat_checkpoint(path: str, context: int = TINY_CONTEXT) -> str:
-    """A random 2-layer llama using the default model's tokenizer and chat template, of
-    `context` positions."""
+def make_tiny_chat_checkpoint(path: str, context: int = TINY_CONTEXT,
+                              chat_template: str | None = None) -> str:
+    """A random 2-layer llama using the default model's tokenizer and chat template (or
+    `chat_template` instead), of `context` positions."""
     import torch
     import transformers
 
@@ -296,6 +301,9 @@ def make_tiny_chat_checkpoint(path: str, context: int = TINY_CONTEXT) -> str:
     for name in os.listdir(source):
         if name.startswith(("tokenizer", "special_tokens", "chat_template")):
             shutil.copy(os.path.join(source, name), path)
+    if chat_template is not None:  # transformers reads chat_template.jinja before the config
+        with open(os.path.join(path, "chat_template.jinja"), "w") as f:
+            f.write(chat_template)
     tokenizer = transformers.AutoTokenizer.from_pretrained(path)
     config = transformers.LlamaConfig(
         hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -342,6 +350,12 @@ class ServerPool:
         if "smol" in wanted:  # needs no checkpoint: start it first
             self.launch("smol", ["--block-size", "16", "--num-kv-blocks", "256",
                                  "--max-num-seqs", "4"], "SmolLM2-135M-Instruct")
+        if "tools" in wanted:
+            self.launch("tools", ["--model", self._tools_checkpoint(), "--block-size",
+                                  str(TINY_BLOCK_SIZE), "--num-kv-blocks", "256",
+                                  "--max-num-seqs", "8", "--max-num-batched-tokens", "512",
+                                  "--dtype", "float32", "--served-model-name", "tiny-tools"],
+                        "tiny-tools")
         if not wanted & {"tiny", "auth", "dp2"}:
             return
         common = ["--model", self._tiny_checkpoint(), "--block-size", str(TINY_BLOCK_SIZE),
@@ -365,6 +379,12 @@ class ServerPool:
             self._tiny_ckpt = plant_untrusted_encoder(make_tiny_chat_checkpoint(
                 str(self.tmp_path_factory.mktemp("tiny-chat"))))
         return self._tiny_ckpt
+
+    def _tools_checkpoint(self) -> str:
+        from checkpoints import HERMES_TOOL_TEMPLATE
+
+        return make_tiny_chat_checkpoint(str(self.tmp_path_factory.mktemp("tiny-tools")),
+                                         TOOLS_CONTEXT, HERMES_TOOL_TEMPLATE)
 
     def get(self, name: str) -> ServerProcess:
         server = self.servers[name]
@@ -427,6 +447,11 @@ def smol_server(module_servers) -> ServerProcess:
 @pytest.fixture(scope="module")
 def dp2_server(module_servers) -> ServerProcess:
     return module_servers.get("dp2")
+
+
+@pytest.fixture(scope="module")
+def tools_server(module_servers) -> ServerProcess:
+    return module_servers.get("tools")
 
 
 def openai_client(server: ServerProcess, api_key: str = "unused", **kwargs):
