@@ -34,6 +34,7 @@ from enum import Enum
 from typing import Callable
 
 from deepinfer.serve.deepseek_encoding import DSML, THINK_CLOSE, to_json
+from deepinfer.serve.stream_markers import WHITESPACE, holdback, trailing_space
 
 BLOCK_NAMES = ("tool_calls", "function_calls")  # DeepSeek-V4's block, and V3.2's
 INVOKE_OPEN, INVOKE_CLOSE = f"<{DSML}invoke", f"</{DSML}invoke>"
@@ -41,8 +42,7 @@ PARAM_OPEN, PARAM_CLOSE = f"<{DSML}parameter", f"</{DSML}parameter>"
 _INVOKE_RE = re.compile(re.escape(INVOKE_OPEN) + r'\s+name="([^"]*)"\s*>')
 _PARAM_RE = re.compile(re.escape(PARAM_OPEN)
                        + r'\s+name="([^"]*)"(?:\s+string="(true|false)")?\s*>')
-_WS = " \t\r\n"
-_MAX_SPACE = 64  # whitespace before a block that is left out; a bound keeps holding cheap
+_WS = WHITESPACE
 _MAX_TAG = 512  # chars without a closing '>': no tag of this format is that long
 
 
@@ -122,7 +122,7 @@ class DsmlParser:
         markers = ([THINK_CLOSE] if reasoning else []) + self._openers
         pos, marker = _earliest(self._buf, markers)
         if marker is None:
-            keep = 0 if final else _holdback(self._buf, markers, bool(self._openers))
+            keep = 0 if final else holdback(self._buf, markers, bool(self._openers))
             self._emit(out, self._buf[:len(self._buf) - keep], reasoning)
             self._buf = self._buf[len(self._buf) - keep:]
             return False
@@ -131,7 +131,7 @@ class DsmlParser:
             self._emit(out, before, reasoning)
             self._state = _State.CONTENT
         else:  # the blank line before a block is part of the block
-            self._emit(out, before[:len(before) - _trailing_space(before)], reasoning)
+            self._emit(out, before[:len(before) - trailing_space(before)], reasoning)
             self._block_close = "</" + marker[1:]
             self._state = _State.BLOCK
         return True
@@ -237,27 +237,6 @@ def _earliest(text: str, markers: list[str]) -> tuple[int, str | None]:
         if pos >= 0 and pos < best:
             best, found = pos, marker
     return best, found
-
-
-def _holdback(text: str, markers: list[str], with_space: bool) -> int:
-    """How many chars at the end of `text` could still begin a marker (with the whitespace
-    before it, when a marker takes that whitespace along)."""
-    keep = 0
-    for marker in markers:
-        for n in range(min(len(marker) - 1, len(text)), keep, -1):
-            if text.endswith(marker[:n]):
-                keep = n
-                break
-    if with_space:
-        keep += _trailing_space(text[:len(text) - keep])
-    return keep
-
-
-def _trailing_space(text: str) -> int:
-    n = 0
-    while n < min(len(text), _MAX_SPACE) and text[-1 - n] in _WS:
-        n += 1
-    return n
 
 
 def _json_value(value: str, string: str | None) -> str:

@@ -17,11 +17,11 @@ from abc import abstractmethod
 from enum import Enum
 from typing import Any
 
+from deepinfer.serve.stream_markers import WHITESPACE, holdback, trailing_space
 from deepinfer.serve.tool_parsers.base import (CallStream, OutputReader, ToolParser,
                                                ToolRequest, finish_reason, new_call_id)
 
-_WS = " \t\r\n"
-_MAX_SPACE = 64  # whitespace held back before a possible call; a bound keeps holding cheap
+_WS = WHITESPACE
 # The start of a {"name": ..., "arguments"/"parameters": ...} object, however far it got.
 _PARTIAL_OBJECT = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)(")?'
                              r'(?:\s*,\s*"(?:arguments|parameters)"\s*:\s*(.*))?', re.DOTALL)
@@ -102,12 +102,12 @@ class JsonCallStream(CallStream):
         if self._state is _State.TEXT:
             pos, marker = _earliest(self._buf, self._p.openers)
             if marker is None:
-                keep = 0 if final else _holdback(self._buf, self._p.openers)
+                keep = 0 if final else holdback(self._buf, self._p.openers)
                 self._content(out, self._buf[:len(self._buf) - keep])
                 self._buf = self._buf[len(self._buf) - keep:]
                 return
             before = self._buf[:pos]
-            space = _trailing_space(before)
+            space = trailing_space(before)
             self._content(out, before[:len(before) - space])
             self._held, self._buf = before[len(before) - space:], self._buf[pos:]
             self._state = _State.CALLS
@@ -225,22 +225,3 @@ def _earliest(text: str, markers: tuple[str, ...]) -> tuple[int, str | None]:
         if 0 <= pos < best:
             best, found = pos, marker
     return best, found
-
-
-def _holdback(text: str, markers: tuple[str, ...]) -> int:
-    """Chars at the end of `text` that could still begin a marker, with the whitespace before
-    them (left out of the content if a call follows)."""
-    keep = 0
-    for marker in markers:
-        for n in range(min(len(marker) - 1, len(text)), keep, -1):
-            if text.endswith(marker[:n]):
-                keep = n
-                break
-    return keep + _trailing_space(text[:len(text) - keep])
-
-
-def _trailing_space(text: str) -> int:
-    n = 0
-    while n < min(len(text), _MAX_SPACE) and text[-1 - n] in _WS:
-        n += 1
-    return n
