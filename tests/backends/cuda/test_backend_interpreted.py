@@ -64,7 +64,9 @@ def test_engine_greedy_equals_transformers(tmp_path, family):
     """Chunked prefill (16-token budget over a 16-token block size), mixed prefill + decode
     steps (their decodes through the decode kernel), then a second round that hits the prefix
     cache (the 75-token prompt's last chunk over its cached 64 runs split-K): every greedy
-    token equals transformers' generate in float32."""
+    token equals transformers' generate in float32. The prefix cache's path is the same for
+    every family (and round 1's later chunks already attend over cached pages), so qwen3
+    runs round 1 only."""
     import transformers
 
     from tests.checkpoints import make_checkpoint
@@ -83,7 +85,7 @@ def test_engine_greedy_equals_transformers(tmp_path, family):
                           scheduler=SchedulerConfig(max_num_batched_tokens=16, max_num_seqs=4))
     engine = Engine(config, accelerator=_interpreted_cls()(), load_tokenizer=False)
     params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
-    for round_ in range(2):
+    for round_ in range(2 if family == "llama" else 1):
         assert _greedy_round(engine, prompts, params, round_) == expected, f"round {round_}"
     assert engine.kv.pool.num_free == engine.kv.pool.num_usable
     engine.shutdown()

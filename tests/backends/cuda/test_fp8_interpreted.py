@@ -124,7 +124,7 @@ def _greedy_top(engine: Engine, new: int) -> tuple[list[int], list[list[tuple[in
 
 def _check_against(engine: Engine, dequantized: str) -> None:
     """Prefill logits (12 tokens x 2 routes over 8 experts: the w8a8 grouped GEMMs), then
-    six greedy steps (one token: the weight-only expert GEMVs) whose top-5 logprobs must be
+    four greedy steps (one token: the weight-only expert GEMVs) whose top-5 logprobs must be
     transformers' on the same tokens within the prefill check's tolerance: the steps read the
     prompt's K and V, which carry FP8's rounding of its activations (~8% of the logits'
     spread). The kernels' own precision is tested in test_fused_moe_fp8.py; a wrong slot,
@@ -133,10 +133,10 @@ def _check_against(engine: Engine, dequantized: str) -> None:
                                                                   dtype=torch.float32).eval()
     engine.accelerator.allocate_kv_cache(8, 16)
     _assert_close(_prefill_logits(engine), _reference_logits(reference, PROMPT))
-    ours, tops = _greedy_top(engine, 6)
+    ours, tops = _greedy_top(engine, 4)
     engine.shutdown()
     expected = _reference_logits(reference, PROMPT + ours)[len(PROMPT) - 1:-1].log_softmax(-1)
-    assert len(tops) == len(expected) == 6
+    assert len(tops) == len(expected) == 4
     for step, top in zip(expected, tops):
         ids, logprobs = zip(*top)
         assert (torch.tensor(logprobs) - step[list(ids)]).abs().max() < 0.2 * step.std()

@@ -31,7 +31,7 @@ def _accelerator():
 
     return CUDAAccelerator()
 
-N = 10
+N = 6
 GREEDY = SamplingParams(temperature=0.0, max_tokens=N, ignore_eos=True)
 LENGTHS = (5, 19)
 
