@@ -97,8 +97,9 @@ def _mtp_engine(checkpoint: str, tmp_path) -> Engine:
 
 def test_mtp_verify_steps_run_as_decode_rows(checkpoint, reference, short_prompts,
                                              tmp_path):
-    """Speculative decoding with the MTP layer: each verify step runs its 1 + 2 tokens per sequence as decode rows through
-    the compressor and attention kernels, and the answers stay transformers' greedy ones."""
+    """Speculative decoding with the MTP layer: each verify step runs its 1 + 2 tokens per
+    sequence as decode rows through the compressor and attention kernels, and the answers
+    stay transformers' greedy ones."""
     from deepinfer.backends.cuda.kernels import compress_decode
 
     engine = _mtp_engine(checkpoint, tmp_path)
