@@ -104,9 +104,10 @@ def route_request(client: EngineClient, route_key: str, prompt_tokens: int) -> R
 
 
 def truncate_prompt(ids: list[int], keep: int | None, max_model_len: int,
-                    param: str = "truncate_prompt_tokens") -> list[int]:
+                    side: str | None = None, param: str = "truncate_prompt_tokens"
+                    ) -> list[int]:
     """vLLM's truncate_prompt_tokens: the prompt's last `keep` tokens (-1: as many as the
-    context holds); more than the context is a 400."""
+    context holds), or its first with `side` "right"; more than the context is a 400."""
     if keep is None:
         return ids
     if keep == -1:
@@ -114,7 +115,7 @@ def truncate_prompt(ids: list[int], keep: int | None, max_model_len: int,
     if keep < 1 or keep > max_model_len:
         raise APIError(f"truncate_prompt_tokens must be -1 or in [1, {max_model_len}] (the "
                        f"context length), got {keep}", param=param)
-    return ids[-keep:]
+    return ids[:keep] if side == "right" else ids[-keep:]
 
 
 def check_length(prompt_len: int, params: SamplingParams, limit: int,

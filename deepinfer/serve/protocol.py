@@ -93,6 +93,7 @@ class _Request(_Body):
     # vLLM's extensions and OpenAI fields that act here (docs/compatibility.md)
     return_token_ids: bool = False  # token ids beside the text: choices' and the prompt's
     truncate_prompt_tokens: int | None = Field(None, ge=-1, le=INT32_MAX)  # the last k; -1: all
+    truncation_side: Literal["left", "right"] | None = None  # "right": keep the first k instead
     structured_outputs: StructuredOutputs | None = None
     guided_json: str | dict[str, Any] | None = None
     guided_regex: str | None = None

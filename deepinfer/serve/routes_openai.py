@@ -198,7 +198,8 @@ async def chat_completions(state, body: ChatCompletionRequest, request: Request)
             raise APIError(str(exc), param="tool_choice") from exc
     prompt_ids = await asyncio.to_thread(state.prompt_tokenizer.encode, rendered.prompt,
                                          body.add_special_tokens)
-    prompt_ids = truncate_prompt(prompt_ids, body.truncate_prompt_tokens, state.max_model_len)
+    prompt_ids = truncate_prompt(prompt_ids, body.truncate_prompt_tokens, state.max_model_len,
+                                 body.truncation_side)
     check_length(len(prompt_ids), params, state.max_model_len)  # before any compile
     grammar = await _compile_constraint(state, params,
                                         "tools" if forced else constraint_field(body))
@@ -379,7 +380,8 @@ async def completions(state, body: CompletionRequest, request: Request):
                 raise APIError(f"prompt token ids must be non-empty and in [0, {vocab})",
                                param="prompt")
             ids = list(p)
-        ids = truncate_prompt(ids, body.truncate_prompt_tokens, state.max_model_len)
+        ids = truncate_prompt(ids, body.truncate_prompt_tokens, state.max_model_len,
+                                  body.truncation_side)
         check_length(len(ids), params, state.max_model_len, param="prompt")
         prompts.append(ids)
     grammar = await _compile_constraint(state, params, constraint_field(body))
@@ -417,11 +419,15 @@ async def completions(state, body: CompletionRequest, request: Request):
                             "logprobs": _choice_logprobs(state, gen, c.logprobs, body.echo)
                             if body.logprobs is not None else None,
                             "prompt_logprobs": _prompt_logprobs(state, gen),
-                            **_token_ids(body.return_token_ids, gen.prompt_token_ids,
-                                         c.token_ids)})
+                            **(_token_ids(body.return_token_ids, gen.prompt_token_ids,
+                                          c.token_ids) or _NO_TOKEN_IDS)})
     return JSONResponse({"id": rid, "object": "text_completion", "created": _now(),
                          "model": state.model_name, "choices": choices, "usage": usage(gens)},
                         headers=_served_by(state, routes))
+
+
+# vLLM's completions choice has both keys, null unless return_token_ids asked for them.
+_NO_TOKEN_IDS = {"prompt_token_ids": None, "token_ids": None}
 
 
 def _token_ids(wanted: bool, prompt: list[int] | None, output: list[int]) -> dict:

@@ -449,6 +449,11 @@ def test_forced_call_cut_by_max_tokens_is_a_call_with_the_arguments_so_far(clien
                 (ch.delta.tool_calls or [])]
     assert reasons[0] == "length" and content[0] == ""
     assert [(f.name, f.arguments) for f in streamed] == [(call.name, call.arguments)]
+    # "required" cut off before any call could be read: no call, and none of the forced
+    # opening's markup as content.
+    early = chat(client, max_tokens=1, tools=[WEATHER_TOOL, TIME_TOOL],
+                 tool_choice="required").choices[0]
+    assert early.finish_reason == "length" and not early.message.content
 
 
 def test_forced_call_json_has_no_free_whitespace(client):

@@ -224,6 +224,14 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(client):
     chat = client.chat.completions.create(model=MODEL, messages=HI, max_tokens=1,
                                           extra_body={"truncate_prompt_tokens": 3})
     assert chat.usage.prompt_tokens == 3
+    head = client.completions.create(
+        model=MODEL, prompt=ids, max_tokens=1, temperature=0,
+        extra_body={"truncate_prompt_tokens": 4, "truncation_side": "right",
+                    "return_token_ids": True})
+    assert head.choices[0].model_extra["prompt_token_ids"] == ids[:4]
+    plain = client.completions.create(model=MODEL, prompt=ids, max_tokens=1).choices[0]
+    # vLLM's choice has both keys, null when not asked for.
+    assert plain.model_extra["prompt_token_ids"] is None and plain.model_extra["token_ids"] is None
 
 
 CHOICES = ["red", "green", "deep blue"]

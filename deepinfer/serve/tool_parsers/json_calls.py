@@ -125,7 +125,9 @@ class JsonCallStream(CallStream):
             if call is None and engine_reason == "length":
                 call = self._p.read_partial(tail, self._r)
             self._call(out, call)
-        if not self.num_calls:  # markup that held no call: it was text after all
+        # Markup that held no call was text after all; but a forced call's opening (ours) cut
+        # off before any call could be read is no answer text: nothing is returned as content.
+        if not self.num_calls and not self._r.forced:
             self._content(out, self._held + self._region)
 
     def _call(self, out: list[dict], call: Call | None) -> None:
