@@ -8,7 +8,7 @@ if ! python3 -c "import torch" 2>/dev/null; then
     python3 -m pip install -q --disable-pip-version-check "torch==2.13.0"
 fi
 python3 -m pip install -q --disable-pip-version-check -e ".[test]" ./examples/plugin
-# The CPU backend's C++ kernels are built once here (1-2 minutes on two cores), not inside
+# The CPU backend's C++ kernels are built once here, not inside
 # whichever test first starts an engine.
 python3 -c "from deepinfer.backends.cpu.kernels import extension; extension()"
 # Two workers, a test file each at a time: most of the suite waits on spawned servers and rank

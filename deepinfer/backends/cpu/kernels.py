@@ -99,8 +99,8 @@ def extension():
     os.makedirs(build, exist_ok=True)
     fresh = not any(name.endswith(".so") for name in os.listdir(build))
     if fresh:
-        log.info("building the CPU backend's C++ kernels once into %s (1-2 minutes on two "
-                 "cores; later starts load them)", build)
+        log.info("building the CPU backend's C++ kernels once into %s (tens of seconds on "
+                 "idle cores, minutes on busy ones; later starts load them)", build)
     start = time.monotonic()
     try:
         with build_lock(build):
