@@ -141,4 +141,6 @@ class ToolParser(ABC):
     def write_calls(self, calls: list[dict]) -> str:
         """OpenAI tool calls as this format writes them in an assistant turn (for templates
         that render no tool_calls: the calls stay in the prompt as text)."""
-        raise NotImplementedError(f"{self.name} does not write calls as text")
+        # Only DeepSeek-V4's DSML has none: its own encoder renders tool turns, no template.
+        raise ValueError(f"the {self.name} tool-call format cannot be written into a chat "
+                         "template that renders no tool_calls; pick another --tool-call-parser")
