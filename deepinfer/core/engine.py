@@ -405,7 +405,7 @@ class Engine:
                    ) -> tuple[str, tuple[FinishReason, str | None] | None]:
         """One new token through the request's grammar and detokenizer: its new text, and the
         stop it makes (a complete grammar, a stop string), if any."""
-        stop = None
+        stop: tuple[FinishReason, str | None] | None = None
         if sample.grammar is not None and not sample.request.is_finished:
             # The grammar is complete once it accepts a stop token; nothing may follow.
             if not sample.grammar.accept(token) or sample.grammar.terminated:
@@ -431,7 +431,7 @@ class Engine:
         if all(c not in self._samples for c in siblings):
             self._children.pop(sample.parent_id, None)
 
-    def rejoin_group(self, parallel: ParallelContext) -> int:
+    def rejoin_group(self, parallel: ParallelContext) -> list[str]:
         """Expert parallel, a peer rank was lost and replaced: every request ends (the API
         process failed them when the peer died; their step broke off), the device's cached
         pages go (a backend may run start-up steps over the pool again to match the new

@@ -295,9 +295,10 @@ def _fill_logprobs(out: list[TokenLogprobs | None], raw_logprobs: torch.Tensor,
                    logprob_rows: list[int]) -> None:
     """Sampled-token logprob, its rank and the top-N list, all from the raw distribution."""
     chosen = tokens[_index(logprob_rows, tokens.device)]
-    entries = _entries(raw_logprobs, chosen, max(rows[i].params.logprobs for i in logprob_rows))
-    for entry, i in zip(entries, logprob_rows):
-        n = rows[i].params.logprobs
+    # logprob_rows holds only the rows that asked for logprobs: none of them is None.
+    counts = [rows[i].params.logprobs or 0 for i in logprob_rows]
+    entries = _entries(raw_logprobs, chosen, max(counts))
+    for entry, i, n in zip(entries, logprob_rows, counts):
         out[i] = entry if len(entry.top) <= n else TokenLogprobs(
             entry.token_id, entry.logprob, entry.rank, entry.top[:n])
 

@@ -112,20 +112,20 @@ class SamplingParams:
     def _check_types(self) -> None:
         """Numbers must be numbers: a NaN passes no range check, a bool or str must not
         reach the sampler's tensors."""
-        ints = {"n": self.n, "top_k": self.top_k, "min_tokens": self.min_tokens,
+        ints: dict[str, int | None] = {"n": self.n, "top_k": self.top_k, "min_tokens": self.min_tokens,
                 "max_tokens": self.max_tokens, "seed": self.seed, "logprobs": self.logprobs,
                 "prompt_logprobs": self.prompt_logprobs}
         for name, value in ints.items():
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
                 raise ValueError(f"{name} must be an integer, got {value!r}")
-        floats = {"temperature": self.temperature, "top_p": self.top_p, "min_p": self.min_p,
-                  "presence_penalty": self.presence_penalty,
-                  "frequency_penalty": self.frequency_penalty,
-                  "repetition_penalty": self.repetition_penalty}
-        for name, value in floats.items():
-            if isinstance(value, bool) or not isinstance(value, (int, float)) \
-                    or not math.isfinite(value):
-                raise ValueError(f"{name} must be a finite number, got {value!r}")
+        floats: dict[str, float | None] = {
+            "temperature": self.temperature, "top_p": self.top_p, "min_p": self.min_p,
+            "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
+            "repetition_penalty": self.repetition_penalty}
+        for name, number in floats.items():
+            if isinstance(number, bool) or not isinstance(number, (int, float)) \
+                    or not math.isfinite(number):
+                raise ValueError(f"{name} must be a finite number, got {number!r}")
 
     def _check_token_fields(self) -> None:
         """logit_bias and allowed_token_ids hold int32 token ids (whether the model has them is

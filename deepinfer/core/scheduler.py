@@ -239,7 +239,7 @@ class Scheduler:
             if not self._allocate(req, host_tokens + num_new + ahead, cached, loaded):
                 break
             self.waiting.popleft()
-            if host is not None:
+            if host is not None and self.hicache is not None:
                 end = num_cached + len(host.pages)
                 self.hicache.load(req, host, [ids[num_cached:end] for ids in
                                               self.kv.group_block_ids(req.request_id)])
@@ -285,7 +285,12 @@ class Scheduler:
         pending_at: list[int] = []
         pending_rows: list[int] = []
         num_groups = len(self.kv.groups)
-        ids, positions, qlens, slens, sample_indices, rows = [], [], [], [], [], []
+        ids: list[int] = []
+        positions: list[int] = []
+        qlens: list[int] = []
+        slens: list[int] = []
+        sample_indices: list[int] = []
+        rows: list[SamplingRow] = []
         tables: list[list[list[int]]] = [[] for _ in range(num_groups)]
         slots: list[list[int]] = [[] for _ in range(num_groups)]
         state_slots: list[int] = []
@@ -323,7 +328,7 @@ class Scheduler:
                 scored.append(PromptLogprobRows(
                     i, positions_scored.start - start,
                     req.prompt_token_ids[positions_scored.start + 1:positions_scored.stop + 1],
-                    req.params.prompt_logprobs))
+                    req.params.prompt_logprobs or 0))
             qlens.append(seq.num_new_tokens)
             slens.append(end)
             if seq.sampled:
@@ -333,7 +338,7 @@ class Scheduler:
                                         req.prompt_token_ids, req.output_token_ids,
                                         req.eos_token_ids))
         from_last = InputsFromLastStep(pending_at, pending_rows, in_flight[1]) \
-            if pending_at else None
+            if pending_at and in_flight is not None else None
         batch = ModelBatch(ids, positions, qlens, slens,
                            tuple(GroupBatch(t, s) for t, s in zip(tables, slots)), bs,
                            sample_indices, rows, state_slots, spec=self._spec_batch(out),

@@ -48,7 +48,11 @@ def as_decode_rows(batch: ModelBatch, pad_to: int | None = None,
 
 def _runs(batch: ModelBatch, q: int, null_state_slot: int) -> ModelBatch:
     """The batch's tokens in runs of q rows per sequence, null rows after a shorter one's."""
-    ids, positions, seq_lens, slots, states = [], [], [], [[] for _ in batch.groups], []
+    ids: list[int] = []
+    positions: list[int] = []
+    seq_lens: list[int] = []
+    states: list[int] = []
+    slots: list[list[int]] = [[] for _ in batch.groups]
     tables: list[list[list[int]]] = [[] for _ in batch.groups]
     start = 0
     for i, length in enumerate(batch.query_lens):

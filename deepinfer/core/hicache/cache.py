@@ -100,6 +100,11 @@ class _Copy:
     state: tuple[HostPage, int] | None = None
     held: Held | None = None
 
+    def add(self, handle: CopyHandle | None) -> None:
+        """Track a copy's handle; None is a copy that was done when the call returned."""
+        if handle is not None:
+            self.handles.append(handle)
+
 
 class HiCache:
     def __init__(self, accelerator: Accelerator, layout: HostPoolLayout, block_size: int,
@@ -196,13 +201,15 @@ class HiCache:
         self.pool.pin(pages)
         copy = _Copy([], list(reversed(pages)), True, time.perf_counter())
         try:
-            copy.handles.append(self.accelerator.copy_pages(
+            copy.add(self.accelerator.copy_pages(
                 [p.page_id for p in pages], device_blocks, to_device=True))
             nbytes = len(pages) * self.layout.page_bytes
             if self.restores_state:
                 self.pool.touch_state(pages[-1])
-                copy.handles.append(self.accelerator.copy_state(
-                    pages[-1].state_slot, req.request_id, hit.end_tokens, to_device=True))
+                slot = pages[-1].state_slot
+                assert slot is not None  # restores_state: every hit page keeps its state
+                copy.add(self.accelerator.copy_state(
+                    slot, req.request_id, hit.end_tokens, to_device=True))
                 nbytes += self.layout.state_slot_bytes
         except BaseException:
             self.pool.unpin(copy.pinned)
@@ -257,13 +264,14 @@ class HiCache:
             copy.held = hold(missing)
         try:
             if fresh:
-                copy.handles.append(self.accelerator.copy_pages(
+                copy.add(self.accelerator.copy_pages(
                     [p.page_id for p in fresh],
                     [[blocks[i] for i in missing] for blocks in device_blocks], to_device=False))
             nbytes = len(fresh) * self.layout.page_bytes
             # The prompt's last full page carries the state a later turn resumes from.
-            if whole and num_full == req.num_prompt_tokens // bs:
-                nbytes += self._store_state(req, chain[-1], num_full * bs, copy)
+            last = chain[-1] if chain else None
+            if whole and last is not None and num_full == req.num_prompt_tokens // bs:
+                nbytes += self._store_state(req, last, num_full * bs, copy)
         except BaseException:
             copy.commits, copy.handles = [], []
             self._finish(copy)
@@ -292,7 +300,7 @@ class HiCache:
         if slot is None:
             return 0
         try:
-            copy.handles.append(self.accelerator.copy_state(slot, req.request_id, num_tokens,
+            copy.add(self.accelerator.copy_state(slot, req.request_id, num_tokens,
                                                             to_device=False))
         except BaseException:
             self.pool.release_state_slot(slot)
@@ -311,7 +319,6 @@ class HiCache:
 
     # ---- copies in flight ----------------------------------------------------------------
     def _track(self, copy: _Copy) -> None:
-        copy.handles = [h for h in copy.handles if h is not None]
         if copy.handles:
             self._inflight.append(copy)
         else:

@@ -117,7 +117,7 @@ class HostPagePool:
         return out
 
     def _evict(self, page: HostPage) -> None:
-        if self._index.get(page.block_hash) is page:
+        if page.block_hash is not None and self._index.get(page.block_hash) is page:
             del self._index[page.block_hash]
         page.block_hash, page.token_ids = None, None
         self._drop_state(page)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import hashlib
 from array import array
-from typing import Sequence
+from typing import Callable, Sequence
 
 BlockHash = bytes
 
@@ -20,7 +20,7 @@ def hash_block(parent: BlockHash | None, tokens: Sequence[int], extra: bytes = b
     return h.digest()
 
 
-def extend_block_hashes(hashes: list[BlockHash], token_ids_of: "callable", num_tokens: int,
+def extend_block_hashes(hashes: list[BlockHash], token_ids_of: Callable[[int, int], Sequence[int]], num_tokens: int,
                         block_size: int, extra: bytes = b"") -> None:
     """Append hashes for every page that is full within the first num_tokens tokens.
 

@@ -66,7 +66,7 @@ class KVCacheManager:
         # A model with per-request state (a compressor's carry-over) cannot resume from cached
         # pages alone unless its pages store that state: else no device prefix hits.
         self.stateful = spec is not None and spec.state_bytes > 0
-        self.no_prefix_hits = self.stateful and not spec.state_in_pages
+        self.no_prefix_hits = spec is not None and self.stateful and not spec.state_in_pages
         # How many leading pages of each request are already registered in the prefix cache.
         self._cached_pages: dict[str, int] = {}
         self._free_slots = list(range(num_state_slots - 1, -1, -1))
@@ -142,8 +142,11 @@ class KVCacheManager:
     def _hit_blocks(self, g: _Group, hashes: Sequence[bytes], req: Request,
                     pages: int) -> list[KVBlock]:
         first = g.first_visible_page(pages * self.block_size, self.block_size)
-        return [g.null if p < first else g.lookup(hashes, req, p, self.block_size)
-                for p in range(pages)]
+        blocks = [g.null if p < first else g.lookup(hashes, req, p, self.block_size)
+                  for p in range(pages)]
+        hits = [b for b in blocks if b is not None]
+        assert len(hits) == pages, "a hit's pages were checked present by _hits"
+        return hits
 
     def record_lookup(self, num_query_tokens: int, num_hit_tokens: int) -> None:
         # Counted once per admitted request, not per retried lookup.
