@@ -42,6 +42,7 @@ from deepinfer.core.batch import ModelBatch, SamplerOutput
 from deepinfer.core.config import CacheConfig, EngineConfig, ModelSpec, cpu_threads
 from deepinfer.core.sampler import all_plain_greedy
 from deepinfer.core.transfer import tensor_on, to_device
+from deepinfer.backends.cuda.settings import cuda_settings
 
 log = logging.getLogger(__name__)
 CONTEXT_CLASSES = (2048, 8192, 32768)  # grouped models' decode graphs: bounds below the longest
@@ -130,7 +131,7 @@ class CUDAAccelerator(Accelerator):
 
         # DEEPINFER_CUDA_GEMV=0 sends one-token projections to cuBLAS too: the baseline the
         # GEMV kernel is measured against (benchmarks/cuda/profile_steps.py).
-        use_gemv = os.environ.get("DEEPINFER_CUDA_GEMV", "1") != "0"
+        use_gemv = cuda_settings().gemv
         self.runner = TorchRunner(self.device, self.capabilities,
                                   lambda cache: CUDAOps(cache, use_gemv, self.num_sms), self.seed)
         self.runner.ops.parallel = self.parallel

@@ -41,6 +41,7 @@ from deepinfer.models.moe.routing import RouteCounts, RouterSpec
 from deepinfer.models.deepseek_v4.paged_ops import DecodeLens, DecodeTarget, PagedRows
 from deepinfer.models.ops import ModelOps, QKNorm
 from deepinfer.models.quant.packed import FP8Experts, FP8Weight, PackedWeight
+from deepinfer.backends.cuda.settings import cuda_settings, interpreted
 
 
 def sdpa_backends(names: str) -> tuple:
@@ -71,13 +72,12 @@ class CUDAOps(ModelOps):
         self.split_counters = SplitCounters()  # the one-kernel decode's merge tickets
         # DEEPINFER_CUDA_FUSED_DECODE=0: rotary + KV write, then split-K attention, then the
         # merge, as three kernels (the baseline the one-kernel decode is measured against).
-        self.fused_decode = os.environ.get("DEEPINFER_CUDA_FUSED_DECODE", "1") != "0"
-        self.sdpa_backends = sdpa_backends(os.environ.get("DEEPINFER_CUDA_SDPA_PREFILL", ""))
-        self.fp8_cublas = os.environ.get("DEEPINFER_CUDA_FP8_CUBLAS", "1") != "0"
+        self.fused_decode = cuda_settings().fused_decode
+        self.sdpa_backends = sdpa_backends(cuda_settings().sdpa_prefill)
+        self.fp8_cublas = cuda_settings().fp8_cublas
         # FP8 projections of 2..SKINNY_MAX_M tokens (decode batches) on the skinny GEMM;
         # DEEPINFER_CUDA_FP8_SKINNY=0: on the prefill GEMM, the baseline it is measured against.
-        self.fp8_skinny_max = (SKINNY_MAX_M if os.environ.get("DEEPINFER_CUDA_FP8_SKINNY", "1")
-                               != "0" else GEMV_AUTO_M)
+        self.fp8_skinny_max = SKINNY_MAX_M if cuda_settings().fp8_skinny else GEMV_AUTO_M
         self.skinny_counters = SplitCounters()  # the skinny GEMM's split tickets
 
     def _window(self, layer: int) -> int:
@@ -195,7 +195,7 @@ class CUDAOps(ModelOps):
 
     @staticmethod
     def _on_triton(x: torch.Tensor) -> bool:
-        return x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+        return x.is_cuda or interpreted()
 
     def fused_experts(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                       weights: torch.Tensor, slots: torch.Tensor,
@@ -241,7 +241,7 @@ class CUDAOps(ModelOps):
         engine tests)."""
         one_fresh = (bool(self.sdpa_backends) and not window and meta.seq_lens.shape[0] == 1
                      and meta.max_seq_len == meta.max_query_len == q.shape[0])
-        if os.environ.get("TRITON_INTERPRET") == "1":
+        if interpreted():
             return one_fresh
         return (one_fresh and q.is_cuda and q.dtype != torch.float32
                 and q.shape[-1] in (64, 128) and q.shape[0] >= SDPA_MIN_TOKENS)

@@ -24,8 +24,9 @@ from typing import Callable, Mapping
 
 import torch
 
+from deepinfer.backends.neuron.env import neuron_settings
+
 DEVICE_ENV = "DEEPINFER_NEURON_DEVICE"
-DEVICE_KINDS = ("auto", "neuron", "xla", "cpu")
 
 
 class NeuronUnavailable(RuntimeError):
@@ -79,14 +80,11 @@ def _persistent_cache(environ) -> None:
         environ["NEURON_CC_FLAGS"] = f"{flags} --cache_dir={where}".strip()
 
 
-def requested_kind(environ: Mapping[str, str] = os.environ) -> str:
-    kind = environ.get(DEVICE_ENV, "auto").strip().lower() or "auto"
-    if kind not in DEVICE_KINDS:
-        raise ValueError(f"{DEVICE_ENV}={kind!r}: expected one of {', '.join(DEVICE_KINDS)}")
-    return kind
+def requested_kind(environ: Mapping[str, str] | None = None) -> str:
+    return neuron_settings(environ).device
 
 
-def available(environ: Mapping[str, str] = os.environ) -> bool:
+def available(environ: Mapping[str, str] | None = None) -> bool:
     """Cheap probe (nothing is imported): a Neuron runtime is installed, or the host device
     was asked for."""
     kind = requested_kind(environ)
@@ -99,17 +97,17 @@ def available(environ: Mapping[str, str] = os.environ) -> bool:
     return _has_torch_neuron() or _has_torch_neuronx()
 
 
-def unavailable_reason(environ: Mapping[str, str] = os.environ) -> str:
+def unavailable_reason(environ: Mapping[str, str] | None = None) -> str:
     kind = requested_kind(environ)
     wanted = {"neuron": "TorchNeuron (torch.neuron) is not importable or sees no NeuronCore",
               "xla": "torch-neuronx is not installed"}.get(
         kind, "neither TorchNeuron (torch.neuron) nor torch-neuronx is installed")
-    return (f"{wanted} ({DEVICE_ENV}={environ.get(DEVICE_ENV, 'auto')}): on a Trainium host "
+    return (f"{wanted} ({DEVICE_ENV}={kind}): on a Trainium host "
             "install the Neuron SDK's torch-neuronx or TorchNeuron (Neuron docs, \"Setup\"); "
             f"anywhere, {DEVICE_ENV}=cpu runs the backend's static graphs on the CPU")
 
 
-def select_device(environ: Mapping[str, str] = os.environ) -> NeuronDevice:
+def select_device(environ: Mapping[str, str] | None = None) -> NeuronDevice:
     kind = requested_kind(environ)
     if kind == "auto":
         kind = "neuron" if _has_torch_neuron() else "xla" if _has_torch_neuronx() else ""
@@ -118,7 +116,7 @@ def select_device(environ: Mapping[str, str] = os.environ) -> NeuronDevice:
     if kind == "neuron" and _has_torch_neuron():
         return NeuronDevice("neuron", torch.device("neuron"), "neuron")
     if kind == "xla" and _has_torch_neuronx():
-        _persistent_cache(os.environ)
+        _persistent_cache(os.environ)  # written: torch_xla reads it at import
         xla = importlib.import_module("torch_xla")
         return NeuronDevice("xla", xla.device(), "xla")
     raise NeuronUnavailable(f"no Neuron runtime here: {unavailable_reason(environ)}")

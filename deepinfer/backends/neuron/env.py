@@ -21,8 +21,11 @@ Runtime variables set here, and where they are documented:
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
-from typing import Any, Callable, Mapping
+import math
+from dataclasses import dataclass
+from typing import Mapping
+
+from deepinfer.core.settings import flag, read_settings, setting
 
 VISIBLE_CORES = "NEURON_RT_VISIBLE_CORES"
 LOGICAL_NC_CONFIG = "NEURON_LOGICAL_NC_CONFIG"
@@ -35,30 +38,56 @@ EXEC_TIMEOUT = "NEURON_RT_EXEC_TIMEOUT"
 ASYNC_INFLIGHT = "NEURON_RT_ASYNC_EXEC_MAX_INFLIGHT_REQUESTS"
 
 
-def _flag(text: str) -> bool:
-    value = text.strip().lower()
-    if value not in ("1", "true", "yes", "on", "0", "false", "no", "off"):
-        raise ValueError(f"expected 1/0, true/false, yes/no or on/off, got {text!r}")
-    return value in ("1", "true", "yes", "on")
+DEVICE_KINDS = ("auto", "neuron", "xla", "cpu")
+# Capacity per expert slot = factor x the mean routes per slot: 2x absorbs ordinary router skew;
+# a heavier hot expert costs a dense rerun of its layer, never a dropped token.
+DEFAULT_CAPACITY_FACTOR = 2.0
 
 
-def _setting(default: Any, env: str, parse: Callable[[str], Any]) -> Any:
-    """A field with its default and the DEEPINFER_NEURON_* variable that overrides it, so that
-    both live in one place (settings_from_env reads the table)."""
-    return field(default=default, metadata={"env": env, "parse": parse})
+def _device_kind(text: str) -> str:
+    kind = text.strip().lower()
+    if kind not in DEVICE_KINDS:
+        raise ValueError(f"expected one of {', '.join(DEVICE_KINDS)}")
+    return kind
+
+
+def positive_factor(text: str) -> float:
+    factor = float(text)
+    if not math.isfinite(factor) or factor <= 0:
+        raise ValueError(f"expected a positive number, the capacity per expert slot as a "
+                         f"multiple of its mean load (default {DEFAULT_CAPACITY_FACTOR})")
+    return factor
+
+
+@dataclass(frozen=True)
+class NeuronSettings:
+    """The backend's own switches (the runtime's per-rank ones are NeuronRankSetup's)."""
+
+    # auto: TorchNeuron, else torch-neuronx; cpu: the static graphs on the host.
+    device: str = setting("auto", "DEEPINFER_NEURON_DEVICE", _device_kind)
+    # The grouped expert path's capacity factor (a step that would overflow reruns dense).
+    moe_capacity: float = setting(DEFAULT_CAPACITY_FACTOR, "DEEPINFER_NEURON_MOE_CAPACITY",
+                                  positive_factor)
+    # Time attention, router exchange, experts and combine at the graph-split boundaries.
+    region_timing: bool = setting(False, "DEEPINFER_NEURON_REGION_TIMING", flag)
+
+
+def neuron_settings(environ: Mapping[str, str] | None = None) -> NeuronSettings:
+    """The switches from `environ` (default: this process's environment)."""
+    return read_settings(NeuronSettings, environ)
 
 
 @dataclass(frozen=True)
 class NeuronRankSetup:
     """How the NeuronCores of this host are split over its ranks, and the runtime's settings."""
 
-    cores_per_rank: int = _setting(0, "DEEPINFER_NEURON_CORES_PER_RANK", int)  # 0: even share
-    total_cores: int = _setting(0, "DEEPINFER_NEURON_TOTAL_CORES", int)  # 0: the visible ones
+    cores_per_rank: int = setting(0, "DEEPINFER_NEURON_CORES_PER_RANK", int)  # 0: even share
+    total_cores: int = setting(0, "DEEPINFER_NEURON_TOTAL_CORES", int)  # 0: the visible ones
     # trn2: 1 or 2 (None: the runtime's default, 2 on trn2)
-    logical_nc_config: int | None = _setting(None, "DEEPINFER_NEURON_LOGICAL_NC_CONFIG", int)
-    root_comm: str = _setting("", "DEEPINFER_NEURON_ROOT_COMM", str)  # host:port of rank 0
-    exec_timeout_s: int | None = _setting(None, "DEEPINFER_NEURON_EXEC_TIMEOUT_S", int)
-    basic_mode: bool = _setting(False, "DEEPINFER_NEURON_BASIC_MODE", _flag)  # no async exec
+    logical_nc_config: int | None = setting(None, "DEEPINFER_NEURON_LOGICAL_NC_CONFIG", int)
+    root_comm: str = setting("", "DEEPINFER_NEURON_ROOT_COMM", str)  # host:port of rank 0
+    exec_timeout_s: int | None = setting(None, "DEEPINFER_NEURON_EXEC_TIMEOUT_S", int)
+    basic_mode: bool = setting(False, "DEEPINFER_NEURON_BASIC_MODE", flag)  # no async exec
 
     def __post_init__(self) -> None:
         if self.cores_per_rank < 0 or self.total_cores < 0:
@@ -79,19 +108,7 @@ def _check_address(address: str) -> None:
 
 def settings_from_env(environ: Mapping[str, str]) -> NeuronRankSetup:
     """The setup from DEEPINFER_NEURON_* variables; an unset or empty one keeps its default."""
-    values = {}
-    for f in fields(NeuronRankSetup):
-        text = environ.get(f.metadata["env"], "").strip()
-        if text:
-            values[f.name] = _parsed(f.metadata["env"], f.metadata["parse"], text)
-    return NeuronRankSetup(**values)
-
-
-def _parsed(name: str, parse: Callable[[str], Any], text: str) -> Any:
-    try:
-        return parse(text)
-    except ValueError as exc:
-        raise ValueError(f"{name}={text!r}: {exc}") from None
+    return read_settings(NeuronRankSetup, environ)
 
 
 def parse_cores(text: str) -> list[int]:
@@ -185,8 +202,6 @@ def rank_env(setup: NeuronRankSetup, rank: int, world_size: int,
 def plugin_rank_env(rank: int, world_size: int, base_env: Mapping[str, str]) -> dict[str, str]:
     """AcceleratorInfo.rank_env of the neuron backend: the setup read from `base_env`; nothing
     when its graphs run on the host (DEEPINFER_NEURON_DEVICE=cpu: no NeuronCores to split)."""
-    from deepinfer.backends.neuron.device import requested_kind
-
-    if requested_kind(base_env) == "cpu":
+    if neuron_settings(base_env).device == "cpu":
         return {}
     return rank_env(settings_from_env(base_env), rank, world_size, base_env)

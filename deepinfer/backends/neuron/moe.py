@@ -18,20 +18,17 @@ from __future__ import annotations
 import contextlib
 
 import math
-import os
 from typing import Any, Callable, Mapping, Protocol
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from deepinfer.backends.neuron.env import DEFAULT_CAPACITY_FACTOR, neuron_settings
 from deepinfer.models.moe.exchange import all_gather
 from deepinfer.models.moe.experts import swiglu
 
 CAPACITY_ENV = "DEEPINFER_NEURON_MOE_CAPACITY"
-# Capacity per slot = factor x the mean routes per slot: 2x absorbs ordinary router skew; a
-# heavier hot expert costs a dense rerun of its layer, never a dropped token.
-DEFAULT_CAPACITY_FACTOR = 2.0
 # Steps of at most this many gathered tokens get capacity = tokens: a token sends at most one
 # route to a slot, so they can never overflow (no host read of the counts), and at decode sizes
 # a factor-sized capacity would overflow on most steps (the mean load is a fraction of a token).
@@ -85,17 +82,9 @@ def expert_counts(ids: torch.Tensor, valid: torch.Tensor, num_slots: int) -> tor
 
 
 # ---- capacity --------------------------------------------------------------------------------
-def capacity_factor(environ: Mapping[str, str] = os.environ) -> float:
+def capacity_factor(environ: Mapping[str, str] | None = None) -> float:
     """The factor from DEEPINFER_NEURON_MOE_CAPACITY (DEFAULT_CAPACITY_FACTOR if unset)."""
-    raw = environ.get(CAPACITY_ENV, "").strip()
-    if not raw:
-        return DEFAULT_CAPACITY_FACTOR
-    try:
-        return _checked_factor(float(raw))
-    except ValueError:
-        raise ValueError(f"{CAPACITY_ENV}={raw!r}: expected a positive number, the capacity "
-                         f"per expert slot as a multiple of its mean load (default "
-                         f"{DEFAULT_CAPACITY_FACTOR})") from None
+    return neuron_settings(environ).moe_capacity
 
 
 def _checked_factor(factor: float) -> float:

@@ -8,16 +8,17 @@ is a shared no-op context: zero cost.
 from __future__ import annotations
 
 import contextlib
-import os
 import time
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Mapping
+
+from deepinfer.backends.neuron.env import neuron_settings
 
 TIMING_ENV = "DEEPINFER_NEURON_REGION_TIMING"
 REGIONS = ("attention", "router_exchange", "experts", "combine")
 
 
-def timing_requested(environ=os.environ) -> bool:
-    return environ.get(TIMING_ENV, "0").strip() not in ("", "0", "false", "no")
+def timing_requested(environ: Mapping[str, str] | None = None) -> bool:
+    return neuron_settings(environ).region_timing
 
 
 class RegionTimer:

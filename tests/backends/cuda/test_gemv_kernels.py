@@ -8,6 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from deepinfer.backends.cuda.kernels import gemv as gemv_module
+from deepinfer.backends.cuda.settings import CudaSettings
 from deepinfer.backends.cuda.kernels.gemv import (PRELOAD_PER_THREAD, GemvConfig, config_for,
                                                   gemv, preload_cols)
 
@@ -66,7 +68,7 @@ def test_preload_is_a_power_of_two_within_the_thread_budget(monkeypatch) -> None
     for n in (6144, 4096, 28672, 128256):  # Llama-3-8B's rows of 4096: whole, the LM head too
         assert preload_cols(config_for(n, 4096), 4096) == 4096
     assert preload_cols(config_for(4096, 14336), 14336) == 8192  # its down_proj: over half
-    monkeypatch.setenv("DEEPINFER_CUDA_GEMV_PRELOAD", "0")
+    monkeypatch.setattr(gemv_module, "cuda_settings", lambda: CudaSettings(gemv_preload=False))
     assert preload_cols(config_for(5120, 2048), 2048) == config_for(5120, 2048).block_k
 
 

@@ -18,13 +18,13 @@ adds it itself; with several, the merge adds it once (base-2 log-sum-exp of each
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import triton
 import triton.language as tl
 
 from deepinfer.backends.cuda.kernels.decode_attention import (choose_num_splits, split_tiles,
+from deepinfer.backends.cuda.settings import interpreted
                                                               tile_slots)
 
 _LOG2E = 1.0 / math.log(2.0)
@@ -150,7 +150,7 @@ def _merge_with_sink_kernel(
 def _block_n(head_dim: int) -> int:
     """16 under the interpreter, so tests meet several tiles; 32 at V4's head_dim 512 keeps a
     key tile at 32 KiB (bf16)."""
-    if os.environ.get("TRITON_INTERPRET") == "1":
+    if interpreted():
         return 16
     return 64 if head_dim <= 128 else 32
 

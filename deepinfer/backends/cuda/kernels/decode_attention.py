@@ -18,7 +18,6 @@ seq_lens.
 from __future__ import annotations
 
 import math
-import os
 from typing import NamedTuple
 
 import torch
@@ -27,6 +26,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from deepinfer.backends.cuda.kernels.pdl import launch_kwargs
+from deepinfer.backends.cuda.settings import interpreted
 
 _LN2 = math.log(2.0)
 _LOG2E = 1.0 / _LN2
@@ -193,7 +193,7 @@ def _config(head_dim: int) -> DecodeConfig:
     """64-token tiles keep enough bytes in flight on the GPU without spilling at D=128.
     32 under the interpreter, so that tests meet tiles both inside one block and across blocks.
     """
-    if os.environ.get("TRITON_INTERPRET") == "1":
+    if interpreted():
         return DecodeConfig(32, 4, 1)
     return DecodeConfig(64 if head_dim <= 128 else 32, 4, 3)
 

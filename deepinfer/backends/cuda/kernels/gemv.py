@@ -14,7 +14,6 @@ saved their ~2 us launches but slowed the GEMV by as much, so they stay separate
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +22,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
 from deepinfer.backends.cuda.kernels.pdl import launch_kwargs
+from deepinfer.backends.cuda.settings import cuda_settings
 
 
 @dataclass(frozen=True)
@@ -44,7 +44,7 @@ def preload_cols(cfg: GemvConfig, k: int) -> int:
     PRELOAD_PER_THREAD values a thread. DEEPINFER_CUDA_GEMV_PRELOAD=0: block_k (one tile)."""
     if cfg.first_k:
         return cfg.first_k
-    if os.environ.get("DEEPINFER_CUDA_GEMV_PRELOAD", "1") == "0":
+    if not cuda_settings().gemv_preload:
         return cfg.block_k
     budget = PRELOAD_PER_THREAD * 32 * cfg.num_warps // cfg.block_n
     return max(cfg.block_k, min(triton.next_power_of_2(k), triton.next_power_of_2(budget + 1) // 2))

@@ -13,11 +13,11 @@ launches in torch. Math in the reference's order and roundings.
 """
 from __future__ import annotations
 
-import os
 
 import torch
 import triton
 import triton.language as tl
+from deepinfer.backends.cuda.settings import interpreted
 
 _BLOCK_H = 512  # hidden channels a program (or a loop step) handles
 
@@ -25,7 +25,7 @@ _BLOCK_H = 512  # hidden channels a program (or a loop step) handles
 def _tokens_per_program() -> int:
     """One token a program on a GPU (the gates' reductions stay inside a warp); many under the
     interpreter, whose cost is per program."""
-    return 16 if os.environ.get("TRITON_INTERPRET") == "1" else 1
+    return 16 if interpreted() else 1
 
 
 @triton.jit

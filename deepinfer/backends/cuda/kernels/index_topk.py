@@ -10,13 +10,13 @@ the selection that grows with the context. The selection itself is torch.topk ov
 """
 from __future__ import annotations
 
-import os
 
 import torch
 import triton
 import triton.language as tl
 
 from deepinfer.backends.cuda.kernels.compressed_decode import _entry_rows
+from deepinfer.backends.cuda.settings import interpreted
 
 _MIN_DOT = 16
 
@@ -47,7 +47,7 @@ def _index_scores_kernel(
 
 
 def _block_n() -> int:
-    return 16 if os.environ.get("TRITON_INTERPRET") == "1" else 64
+    return 16 if interpreted() else 64
 
 
 def index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,

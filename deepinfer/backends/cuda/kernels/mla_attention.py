@@ -23,7 +23,6 @@ Launches are CUDA-graph safe: grids and constexprs depend on shapes and num_spli
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import triton
@@ -35,6 +34,7 @@ from deepinfer.backends.cuda.kernels.decode_attention import (DecodeConfig, choo
                                                               tile_slots)
 from deepinfer.backends.cuda.kernels.pdl import launch_kwargs
 from deepinfer.backends.cuda.kernels.prefill_attention import PrefillConfig
+from deepinfer.backends.cuda.settings import interpreted
 
 _LOG2E = 1.0 / math.log(2.0)
 # tl.dot needs every dimension >= 16: head rows and the rotary part are padded up to it.
@@ -204,7 +204,7 @@ def choose_mla_num_splits(batch: int, heads: int, max_seq_len: int, num_sms: int
 
 
 def _interpreted() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
+    return interpreted()
 
 
 def _decode_config(kv_lora_rank: int) -> DecodeConfig:

@@ -16,9 +16,9 @@ Off under the Triton interpreter, before Hopper, and with DEEPINFER_CUDA_PDL=0.
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
+from deepinfer.backends.cuda.settings import cuda_settings, interpreted
 
 
 @functools.cache
@@ -27,9 +27,9 @@ def _device_supports_pdl(index: int) -> bool:
 
 
 def pdl_enabled(device: torch.device) -> bool:
-    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+    if device.type != "cuda" or interpreted():
         return False
-    if os.environ.get("DEEPINFER_CUDA_PDL", "1") == "0":
+    if not cuda_settings().pdl:
         return False
     return _device_supports_pdl(device.index if device.index is not None
                                 else torch.cuda.current_device())

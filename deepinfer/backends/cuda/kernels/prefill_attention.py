@@ -22,7 +22,6 @@ decode kernel's merge combines them (choose_prefill_splits says when).
 from __future__ import annotations
 
 import math
-import os
 from typing import NamedTuple
 
 import torch
@@ -31,6 +30,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from deepinfer.backends.cuda.kernels.decode_attention import (check_layout, check_window,
+from deepinfer.backends.cuda.settings import interpreted
                                                               merge_splits, tile_slots)
 
 _LN2 = math.log(2.0)
@@ -48,7 +48,7 @@ class PrefillConfig(NamedTuple):
 def _config(head_dim: int, dtype: torch.dtype) -> PrefillConfig:
     """Tile shapes by head size and dtype: large tiles for the tensor cores on Hopper; small
     ones under the interpreter, where each tile costs host time and tests want many edges."""
-    if os.environ.get("TRITON_INTERPRET") == "1":
+    if interpreted():
         return PrefillConfig(16, 32, 4, 1)
     if dtype == torch.float32:  # twice the bytes per element: halve the tiles
         return PrefillConfig(64, 32, 4, 2)
@@ -230,7 +230,7 @@ def choose_prefill_splits(num_seqs: int, q_heads: int, max_query_len: int, max_s
 def min_keys_per_split() -> int:
     """1K keys: a 128-token chunk over 32K keys runs 16 splits, 0.19 ms a layer on the H200
     against 0.91 unsplit. Under the interpreter, one tile, so that small tests split."""
-    return 32 if os.environ.get("TRITON_INTERPRET") == "1" else 1024
+    return 32 if interpreted() else 1024
 
 
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -309,7 +309,7 @@ def _tma_ok(k_cache: torch.Tensor, v_cache: torch.Tensor, block_size: int,
     16-byte aligned rows; other cases gather the tile slot by slot."""
     if cfg.block_n > block_size:
         return False
-    if os.environ.get("TRITON_INTERPRET") == "1":
+    if interpreted():
         return True
     if not k_cache.is_cuda or torch.cuda.get_device_capability(k_cache.device)[0] < 9:
         return False
