@@ -24,8 +24,8 @@ import triton
 import triton.language as tl
 
 from deepinfer.backends.cuda.kernels.decode_attention import (choose_num_splits, split_tiles,
-from deepinfer.backends.cuda.settings import interpreted
                                                               tile_slots)
+from deepinfer.backends.cuda.settings import interpreted
 
 _LOG2E = 1.0 / math.log(2.0)
 _MIN_DOT = 16  # tl.dot needs every dimension >= 16: head rows are padded up to it

@@ -30,8 +30,8 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from deepinfer.backends.cuda.kernels.decode_attention import (check_layout, check_window,
-from deepinfer.backends.cuda.settings import interpreted
                                                               merge_splits, tile_slots)
+from deepinfer.backends.cuda.settings import interpreted
 
 _LN2 = math.log(2.0)
 _LOG2E = 1.0 / _LN2
