@@ -42,11 +42,8 @@ class EventHandle:
 
 
 # CTAs of a store (256 threads, 4 loads in flight each: 16 KiB of writes to host memory per
-# CTA). Measured on an H200 beside a model's prefill chunk (bench_page_copy store_overlap,
-# results/cuda/page_copy_store_sweep.txt): 2 CTAs store at 49 GB/s and slow the chunk by 2%;
-# 3 or 4 CTAs reach the PCIe limit (52 GB/s), and the writes queued behind it then stall the
-# model's own memory traffic: the chunk takes 1.5-1.8x as long, and with 16 CTAs it waits
-# out the whole copy (85.6 against 18.7 ms).
+# CTA): few enough that the writes never reach the PCIe limit, where the queue behind them
+# stalls the model's own memory traffic (docs/benchmarks.md, "Tuned constants").
 STORE_CTAS = 2
 
 

@@ -21,9 +21,8 @@ from deepinfer.models.moe.exchange import (AllGatherExchange, AllToAllExchange, 
 from deepinfer.models.moe.routing import RouteCounts
 
 # Agreed step sizes (tokens per rank) from which MoE layers exchange routes all-to-all rather
-# than all-gather + reduce-scatter. On two H200s (NVLink; benchmarks/cuda/ep_bench.py --parts
-# exchange, ep_exchange.json) all-gather won at every size measured, 1.5-2.1x at 1 to 8192
-# tokens per rank, so all-to-all is kept for larger steps (and, untested, more ranks).
+# than all-gather + reduce-scatter: all-gather won at every size measured on one NVLink host
+# (docs/benchmarks.md, "Tuned constants"), so all-to-all is kept for larger steps.
 ALL_TO_ALL_MIN_TOKENS = 16384
 
 

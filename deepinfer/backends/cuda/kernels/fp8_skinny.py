@@ -40,9 +40,8 @@ from deepinfer.backends.cuda.kernels.rotary_decode import SplitCounters
 
 _GROUP = tl.constexpr(GROUP)
 MAX_ROWS = 64  # the most rows the kernel takes: BLOCK_T's largest tile
-# The most rows the backend sends it. At 64 the H200 sweep had it even with cuBLAS over a
-# layer's four projections (118.6 against 119.5 us: faster on o and down, slower on qkv and
-# gate_up); at 2-32 it is faster on all four.
+# The most rows the backend sends it: up to here it beats cuBLAS on each of a layer's four
+# projections (docs/benchmarks.md, "Tuned constants").
 SKINNY_MAX_M = 32
 
 

@@ -77,17 +77,9 @@ class MoeConfig:
 # (most routes per expert slot, config): the first row whose bound is >= T*k/S applies. Routes
 # per slot is the M of each expert's GEMM, so one table fits MoEs of any expert count (vLLM's
 # tuned H200 tables for these two shapes switch BLOCK_M at the same M per expert too).
-# From the H200 sweep of moe_bench.py --sweep (results/cuda/fused_moe_sweep.json; 6 tiles per
-# GEMM and BLOCK_M, bf16), each row within 5% of the sweep's best at every T measured. With this
-# table (results/cuda/fused_moe.json), us per layer and share of the roofline (the distinct
-# experts' weight bytes over 4.8 TB/s, or the FLOPs over 989 TFLOP/s, whichever is longer):
-#   T                            1     8    32   128   512  2048   8192
-#   Qwen3-30B-A3B       us      33   139   269   317   332   489   1328
-#                   % roof      47    76    81    80    76    52     47
-#   Mixtral-8x7B        us     178   617   655   700  1054  2927  10533
-#                   % roof      82    89    90    84    56    50     55
-# Small T is weight-bound (3.6-4.3 TB/s) except Qwen's T=1, where the four launches' ramps are
-# most of the 33 us; large T reaches 470-550 TFLOP/s (a dense cuBLAS GEMM: ~790 on an H200).
+# From the H200 sweep of moe_bench.py --sweep (results/cuda/fused_moe_sweep.json); each row is
+# within a few percent of the sweep's best at every T measured (docs/benchmarks.md, "Tuned
+# constants", has the table's time per layer against the roofline).
 MOE_CONFIGS: tuple[tuple[float, MoeConfig], ...] = (
     (16, MoeConfig(16, Tiles(64, 128, 4, 4), Tiles(32, 256, 4, 3))),
     (64, MoeConfig(64, Tiles(64, 64, 4, 3), Tiles(128, 64, 8, 3))),

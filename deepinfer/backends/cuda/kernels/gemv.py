@@ -51,10 +51,8 @@ def preload_cols(cfg: GemvConfig, k: int) -> int:
 
 
 # Rows up to this wide are read whole before the wait by two-row, four-warp programs (64
-# values a thread). Alone, back to back, those tiles are 2-8% slower than the best of the sweep
-# at the Llama-3-8B shapes; behind the norms and attention kernels that let them launch early,
-# as in a decode step, the 32 layers' projections and norms took 3.79 against 3.92 ms
-# (bench_gemv --chain-tiles, gemv_tiles.json).
+# values a thread): not the fastest tiles alone, but the fastest behind the kernels that let
+# them launch early, as in a decode step (docs/benchmarks.md, "Tuned constants").
 WHOLE_ROW_COLS = 4096
 
 
@@ -66,7 +64,7 @@ def config_for(n: int, k: int) -> GemvConfig:
     if k <= WHOLE_ROW_COLS:  # qkv, o, gate_up, lm_head of 4096-wide models: whole rows
         return GemvConfig(2, 1024, 4)
     # down_proj [4096 x 14336]: long rows, few of them; two rows of eight warps read their
-    # first 8192 columns before the wait (3.83 against 3.97 ms for the chain with 16 rows).
+    # first 8192 columns before the wait.
     return GemvConfig(2, 1024, 8)
 
 
