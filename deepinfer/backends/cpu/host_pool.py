@@ -12,7 +12,7 @@ from typing import Sequence
 
 import torch
 
-from deepinfer.backends.paged_cache import PagedCache
+from deepinfer.backends.torch.paged_cache import PagedCache
 from deepinfer.core.kv.block_pool import NULL_BLOCK_ID
 
 

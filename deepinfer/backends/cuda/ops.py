@@ -36,7 +36,7 @@ from deepinfer.backends.cuda.kernels.prefill_attention import (choose_prefill_sp
 from deepinfer.backends.cuda.kernels.rotary import apply_rotary_, rotary_store_kv_
 from deepinfer.backends.cuda.kernels.rotary_decode import SplitCounters, rotary_decode_attention
 from deepinfer.backends.cuda.step_inputs import AttentionMeta
-from deepinfer.backends.paged_cache import PagedCache
+from deepinfer.backends.torch.paged_cache import PagedCache
 from deepinfer.models.moe.routing import RouteCounts, RouterSpec
 from deepinfer.models.deepseek_v4.paged_ops import DecodeLens, DecodeTarget, PagedRows
 from deepinfer.models.ops import ModelOps, QKNorm

@@ -337,7 +337,7 @@ def test_chunk_subset_tables_keep_each_chunks_offset_and_group():
 
 
 def _cpu_cache(num_blocks: int, seed: int):
-    from deepinfer.backends.paged_cache import PagedCache
+    from deepinfer.backends.torch.paged_cache import PagedCache
 
     cache = PagedCache()
     cache.spec = _two_group_spec()
