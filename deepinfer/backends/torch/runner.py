@@ -56,11 +56,11 @@ def _restore_float32(model: torch.nn.Module) -> None:
                     params[name].data = params[name].data.float()
 
 
-def check_ops(model: torch.nn.Module, ops: ModelOps, backend: str) -> None:
+def check_ops(architecture: str, traits: ModelTraits, ops: ModelOps, backend: str) -> None:
     """Refuse a model whose op mixins (ModelTraits.ops) the backend's ops do not inherit."""
-    missing = missing_ops(model.traits, ops)
+    missing = missing_ops(traits, ops)
     if missing:
-        raise ValueError(f"{type(model).__name__} needs {missing[0].__name__}, which backend "
+        raise ValueError(f"{architecture} needs {missing[0].__name__}, which backend "
                          f"{backend!r} does not provide")
 
 
@@ -103,7 +103,7 @@ class TorchRunner:
         arch = hf_config.architecture(config)
         with torch.device("meta"):
             model = model_class(arch)(config, self.ops, max_len, **self._draft_options(arch))
-        check_ops(model, self.ops, self.backend)
+        check_ops(arch, model.traits, self.ops, self.backend)
         _check_draft_count(model.traits, self.num_speculative_tokens)
         source = checkpoint_source(spec.path, config, spec.quantization, self.ops.packed_kinds)
         dummy = spec.load_format == "dummy"
