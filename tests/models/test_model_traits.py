@@ -3,6 +3,7 @@ before any weight is read, a backend whose ops lack one: the error names the mix
 backend. Only config.json is written: the check runs on the meta-device build, before the
 weights are read."""
 import pytest
+import torch
 import transformers
 
 from deepinfer.backends.cpu.ops import CPUOps
@@ -13,12 +14,14 @@ from deepinfer.core.accelerator import Capabilities
 from deepinfer.core.config import ModelSpec
 from deepinfer.models.deepseek_v4.model import DeepseekV4ForCausalLM
 from deepinfer.models.deepseek_v4.ops import DeepSeekV4Ops
+from deepinfer.models.llama import LlamaForCausalLM
 from deepinfer.models.mla_ops import MLAOps
 from deepinfer.models.moe.ops import MoEOps
 from deepinfer.models.traits import ModelTraits, missing_ops
 
 SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, vocab_size=256, max_position_embeddings=256)
+MOE = dict(head_dim=16, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2)
 
 
 class DenseOnlyOps(ReferenceOps):
@@ -36,8 +39,7 @@ def _load(ops, path: str, backend: str = "fake"):
 
 
 def test_a_moe_model_on_ops_without_moe_ops_is_refused(tmp_path):
-    path = _config_only(tmp_path, transformers.Qwen3MoeConfig(
-        head_dim=16, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, **SMALL))
+    path = _config_only(tmp_path, transformers.Qwen3MoeConfig(**MOE, **SMALL))
     with pytest.raises(ValueError) as refused:
         _load(DenseOnlyOps, path)
     assert str(refused.value) == \
@@ -51,11 +53,11 @@ def test_deepseek_v4_on_the_neuron_ops_names_the_v4_mixin():
         check_ops("DeepseekV4ForCausalLM", DeepseekV4ForCausalLM.traits, neuron_ops, "neuron")
 
 
-def test_a_dense_model_needs_no_moe_ops(tmp_path):
-    path = _config_only(tmp_path, transformers.LlamaConfig(**SMALL))
-    runner = TorchRunner("cpu", Capabilities(), DenseOnlyOps)
-    runner.load(ModelSpec(path, load_format="dummy"))
-    assert runner.model.traits.ops == () and runner.moe is None
+def test_a_llama_needs_moe_ops_only_with_experts():
+    with torch.device("meta"):
+        dense = LlamaForCausalLM(transformers.LlamaConfig(**SMALL), None, 64)
+        moe = LlamaForCausalLM(transformers.Qwen3MoeConfig(**MOE, **SMALL), None, 64)
+    assert dense.traits.ops == () and moe.traits.ops == (MoEOps,)
 
 
 def test_backends_declare_the_mixins_they_run():
