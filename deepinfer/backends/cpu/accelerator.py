@@ -1,5 +1,6 @@
 """CPUAccelerator: the reference backend and the embedded default on machines without a GPU.
-The shared torch runner does the work; this backend brings torch ops and host attention."""
+The shared torch runner does the work; this backend brings the reference ops with its C++
+kernels (ops.py) and the reference attention metadata."""
 from __future__ import annotations
 
 import dataclasses

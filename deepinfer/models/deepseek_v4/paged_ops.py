@@ -1,8 +1,8 @@
 """DeepSeek-V4's decode-step ops over paged storage, and their references.
 
 A decode step has one query per sequence, so its attention and its indexer's selection batch
-over sequences: `DeepSeekV4Ops.compressed_decode_attention` and `DeepSeekV4Ops.indexer_topk` (models/
-ops.py) take the paged tensors plus each sequence's block table, and a backend with kernels
+over sequences: `DeepSeekV4Ops.compressed_decode_attention` and `DeepSeekV4Ops.indexer_topk`
+(ops.py) take the paged tensors plus each sequence's block table, and a backend with kernels
 (CUDA) reads the pages itself. The references here gather each sequence's rows and run the
 model's own torch math (attention.attend, compressor.select_topk), so every backend computes
 what transformers does.

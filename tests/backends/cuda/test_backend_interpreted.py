@@ -222,7 +222,8 @@ def test_decode_rows_equal_eager_inputs(tmp_path):
         s.computed, s.outputs = len(s.prompt), [7]
     batch = build_batch([Chunk(s) for s in seqs])
     eager = acc.forward_logits(batch)
-    graphs = DecodeGraphs(4, DecodeRows(8, BLOCK_SIZE, lambda b: 2), torch.device("cpu"))  # two padding rows
+    # Two padding rows.
+    graphs = DecodeGraphs(4, DecodeRows(8, BLOCK_SIZE, lambda b: 2), torch.device("cpu"))
     graphs.tokens[:3] = torch.tensor([5, 7, 9])  # the step in flight sampled 7 for seq 1
     in_flight = InputsFromLastStep(token_indices=[1], rows=[1], source=None)
     batch_ids = list(batch.input_ids)
