@@ -9,9 +9,9 @@ from typing import Sequence
 
 import torch
 
-from deepinfer.backends.cpu.host_pool import CPUHostPool
 from deepinfer.backends.cpu.ops import CPUOps
 from deepinfer.backends.torch.attention import PagedAttentionMeta
+from deepinfer.backends.torch.host_pool import CPUHostPool
 from deepinfer.backends.torch.runner import TorchRunner
 from deepinfer.backends.torch.speculative import MTPSpeculator
 from deepinfer.backends.torch.step_future import DeviceTokens, fill_from_last_step
