@@ -6,6 +6,8 @@ import importlib.metadata
 import pytest
 
 from deepinfer.backends.cpu.accelerator import CPUAccelerator
+from deepinfer.backends.cpu.ops import CPUOps
+from deepinfer.backends.torch.ops import ReferenceOps
 from deepinfer.core.accelerator import Accelerator
 from deepinfer.core.config import ENV_ACCELERATOR
 from deepinfer.core.plugins import describe, load_plugins, select_accelerator
@@ -32,4 +34,7 @@ def test_example_plugin_passes_conformance(tmp_path):
     # Written as a third-party backend is: on the public Accelerator and runner, not by
     # subclassing a built-in backend.
     assert issubclass(backend, Accelerator) and not issubclass(backend, CPUAccelerator)
+    from deepinfer_example_plugin.ops import ExampleOps
+
+    assert issubclass(ExampleOps, ReferenceOps) and not issubclass(ExampleOps, CPUOps)
     run_conformance(backend, str(tmp_path), shapes=KV_SHAPES)

@@ -153,7 +153,7 @@ def check_bf16_logits(family: str, workdir: str) -> dict:
     acc = CUDAAccelerator()
     acc.init_device()
     acc.load_model(ModelSpec(path, dtype="bfloat16"))
-    acc.allocate_kv_cache(64, 16, capture=False)
+    acc.allocate_kv_cache(64, 16)  # allocation only: no warm-up, no graphs
     prompt = torch.randint(3, SHAPES[family]["vocab_size"], (300,)).tolist()
     blocks = list(range(40, 40 + 19))[::-1]  # non-contiguous, reversed block table
     slots = [blocks[p // 16] * 16 + p % 16 for p in range(300)]

@@ -146,7 +146,7 @@ class Accelerator(ABC):
     """A backend. One instance per rank process.
 
     Lifecycle: init_device -> configure -> load_model -> num_kv_blocks -> allocate_kv_cache
-    -> execute* -> shutdown.
+    -> warm_up -> capture_graphs -> execute* -> shutdown.
     """
 
     name: str = "abstract"
@@ -175,7 +175,7 @@ class Accelerator(ABC):
         (a peer rank died and was replaced; the old group is destroyed). The model, its
         weights and the KV pool stay. It must make the same collective calls, in the same
         order, as the replacement rank makes while it starts (init_device to
-        allocate_kv_cache). A backend that cannot keeps the default: the API process then
+        capture_graphs). A backend that cannot keeps the default: the API process then
         restarts the whole group."""
         raise NotImplementedError(f"the {self.name} backend cannot take a new rank group")
 
@@ -195,7 +195,16 @@ class Accelerator(ABC):
     def allocate_kv_cache(self, num_blocks: int, block_size: int,
                           num_state_slots: int = 0) -> None:
         """Allocate num_blocks blocks in every KV group (block 0 is the null block, padding
-        only) and, for models with per-request state, num_state_slots state slots."""
+        only) and, for models with per-request state, num_state_slots state slots. It only
+        allocates: warm_up and capture_graphs follow."""
+
+    def warm_up(self) -> None:
+        """After allocate_kv_cache: compile or load what the first requests would otherwise
+        wait for (kernels for each step shape), leaving the KV pool as allocated."""
+
+    def capture_graphs(self) -> None:
+        """After warm_up: record the graphs steps replay (CUDA graphs, a static-shape
+        backend's compiled buckets); a backend without graphs keeps this no-op."""
 
     @abstractmethod
     def execute(self, batch: "ModelBatch") -> "SamplerOutput":

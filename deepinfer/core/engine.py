@@ -72,6 +72,8 @@ class Engine:
         # Every sequence that can run at once holds one state slot (models with state only).
         num_slots = config.scheduler.max_num_seqs if self.model.kv_spec.state_bytes else 0
         self.accelerator.allocate_kv_cache(num_blocks, config.cache.block_size, num_slots)
+        self.accelerator.warm_up()
+        self.accelerator.capture_graphs()
         self.kv = KVCacheManager(num_blocks, config.cache.block_size,
                                  config.cache.enable_prefix_caching, self.model.kv_spec,
                                  num_slots)

@@ -4,13 +4,17 @@ RMSNorm, with the residual stream carried beside the hidden states so each resid
 into the next norm (ops.add_rms_norm)."""
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
 from torch import nn
 
+from deepinfer.models.moe.ops import MoEOps
+from deepinfer.models.moe.runtime import ExpertRuntime
 from deepinfer.models.ops import ModelOps
 from deepinfer.models.rope import rope_cos_sin
+from deepinfer.models.traits import ModelTraits
 from deepinfer.models.weights import Embedding
 
 
@@ -60,7 +64,9 @@ class GatedMLP(nn.Module):
 
 class DecoderStack(nn.Module):
     """Embedding, decoder layers, final norm and LM head: the causal LM body every family
-    shares. A family builds its layers and declares its KV spec and checkpoint names."""
+    shares. A family builds its layers and declares its KV spec, checkpoint names and traits."""
+
+    traits = ModelTraits()
 
     def __init__(self, config: Any, ops: ModelOps, max_model_len: int, vocab_size: int,
                  hidden_size: int, eps: float, tie_word_embeddings: bool,
@@ -74,12 +80,17 @@ class DecoderStack(nn.Module):
                                                                   bias=False)
         self.rope_cos: torch.Tensor | None = None
         self.rope_sin: torch.Tensor | None = None
+        self.moe: ExpertRuntime | None = None  # a family with MoE layers sets its runtime
+
+    def _moe_traits(self, runtime: ExpertRuntime | None, *ops: type) -> ModelTraits:
+        """The class's traits, with MoEOps among the needed ops when the config has experts."""
+        needed = ops + ((MoEOps,) if runtime is not None else ())
+        return dataclasses.replace(type(self).traits, ops=needed)
 
     @property
     def needs_collectives(self) -> bool:
         """MoE layers exchange tokens with the other ranks in every forward."""
-        runtime = getattr(self, "moe", None)
-        return runtime is not None and runtime.exchange is not None
+        return self.moe is not None and self.moe.exchange is not None
 
     def init_rope(self, rotary_dim: int, device: torch.device | str) -> None:
         """Rotary tables, computed (not loaded) in float32; the backend casts them."""

@@ -34,10 +34,13 @@ from deepinfer.core.kv.spec import KVSpec, latent_layer
 from deepinfer.models.decoder import DecoderLayer, DecoderStack, GatedMLP
 from deepinfer.models.deepseek_mtp import MTP_NAMES, DeepseekMTP
 from deepinfer.models.moe.configs import deepseek_moe, moe_runtime
+from deepinfer.models.mla_ops import MLAOps
 from deepinfer.models.moe.layer import MoEBlock, moe_checkpoint_target
+from deepinfer.models.moe.ops import MoEOps
 from deepinfer.models.ops import ModelOps
 from deepinfer.models.rope import rope_parameters
 from deepinfer.models.quant.tensors import QUANTIZED_TYPES
+from deepinfer.models.traits import ModelTraits
 from deepinfer.models.weights import Target, load_mapped
 
 _FUSED_MLP = {"gate_proj": 0, "up_proj": 1}
@@ -174,7 +177,7 @@ class MLAttention(nn.Module):
 
 
 class DeepseekV3ForCausalLM(DecoderStack):
-    has_mtp_draft = True  # the runner may build it with mtp=True (speculative decoding)
+    traits = ModelTraits(ops=(MLAOps, MoEOps), mtp_draft=True)
 
     def __init__(self, config: PretrainedConfig, ops: ModelOps, max_model_len: int,
                  mtp: bool = False) -> None:
@@ -190,6 +193,7 @@ class DeepseekV3ForCausalLM(DecoderStack):
         super().__init__(config, ops, max_model_len, d.vocab_size, d.hidden_size, d.rms_norm_eps,
                          d.tie_word_embeddings, layers)
         self.moe = runtime
+        self.traits = self._moe_traits(runtime, MLAOps)  # dense V3 checkpoints need no MoEOps
         self.mtp = _build_mtp(config, d, ops, scale) if mtp else None
 
     def kv_spec(self) -> KVSpec:

@@ -117,6 +117,7 @@ class LlamaForCausalLM(DecoderStack):
         super().__init__(config, ops, max_model_len, d.vocab_size, d.hidden_size, d.rms_norm_eps,
                          d.tie_word_embeddings, layers)
         self.moe = runtime
+        self.traits = self._moe_traits(runtime)
 
     def kv_spec(self) -> KVSpec:
         d = self.dims

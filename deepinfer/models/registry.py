@@ -66,5 +66,4 @@ def expert_count(path: str) -> int:
             model = model_class(architecture(config))(config, None, 1)
     except (OSError, ValueError):
         return 0
-    runtime = getattr(model, "moe", None)
-    return 0 if runtime is None else runtime.num_experts
+    return 0 if model.moe is None else model.moe.num_experts

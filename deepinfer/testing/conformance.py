@@ -174,6 +174,8 @@ class ConformanceSuite:
                 f"num_kv_blocks gave {num_blocks!r} for 10 MB of a tiny model; "
                 f"need an int >= {MIN_KV_BLOCKS}")
             accelerator.allocate_kv_cache(num_blocks, block_size=BLOCK_SIZE)
+            accelerator.warm_up()  # the engine's start-up steps, in its order
+            accelerator.capture_graphs()
             # The engine builds its block tables from the KV spec the backend reports.
             windows = tuple(g.sliding_window for g in spec.groups)
             yield accelerator, BlockPool(num_blocks, windows=windows)

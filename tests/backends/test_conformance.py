@@ -6,14 +6,13 @@ import dataclasses
 import pytest
 
 from deepinfer.backends.cpu.accelerator import CPUAccelerator
-from deepinfer.backends.cpu.ops import CPUOps
-from deepinfer.backends.runner import TorchRunner
+from deepinfer.backends.torch.ops import ReferenceOps
+from deepinfer.backends.torch.runner import TorchRunner
 from deepinfer.core.batch import GroupBatch, ModelBatch, SamplerOutput
 from deepinfer.core.kv.manager import KVCacheManager
 from deepinfer.core.kv.spec import KVSpec, kv_heads_layer
 from deepinfer.core.request import Request
 from deepinfer.core.sampling import SamplingParams
-from deepinfer.models.ops import ModelOps
 from deepinfer.testing.conformance import (BLOCK_SIZE, KV_SHAPES, WINDOW, AcceleratorConformance,
                                            Chunk, ConformanceSuite, Seq, build_batch,
                                            run_conformance)
@@ -63,17 +62,13 @@ class IgnoresSlidingWindow(CPUAccelerator):
         return info
 
 
-class NoLatentOps(CPUOps):
-    latent_attention = ModelOps.latent_attention  # the base: NotImplementedError
-
-
 class NoMLA(CPUAccelerator):
     """A backend whose ops have no MLA attention (like a third-party backend before it adds
-    one)."""
+    one): the reference ops without ReferenceMLAOps."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.runner = TorchRunner("cpu", self.capabilities, NoLatentOps)
+        self.runner = TorchRunner("cpu", self.capabilities, ReferenceOps, backend=self.name)
 
 
 @pytest.mark.parametrize("broken, check", [(MisplacedKV, "kv: batched greedy decode"),
@@ -90,7 +85,8 @@ def test_a_missing_shape_is_named_with_the_way_to_opt_out(tmp_path):
         run_conformance(NoMLA, str(tmp_path))
     message = str(failure.value)
     assert message.startswith("NoMLA failed [latent: batched greedy decode] (dense DeepSeek-V3")
-    assert "NotImplementedError: NoLatentOps has no MLA attention" in message
+    assert ("ValueError: DeepseekV3ForCausalLM needs MLAOps, which backend 'cpu' does not "
+            "provide") in message
     assert "kv_shapes = ('kv', 'window')" in message
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from deepinfer.backends.step_future import DeviceTokens, fill_from_last_step
+from deepinfer.backends.torch.step_future import DeviceTokens, fill_from_last_step
 from deepinfer.core.batch import InputsFromLastStep
 from deepinfer.core.transfer import tensor_on
 

@@ -9,7 +9,7 @@ from typing import Callable
 import torch
 
 from deepinfer.backends.cpu.accelerator import CPUAccelerator
-from deepinfer.backends.speculative import MTPSpeculator
+from deepinfer.backends.torch.speculative import MTPSpeculator
 from deepinfer.core.batch import GroupBatch, ModelBatch
 from deepinfer.core.config import ModelSpec
 from deepinfer.core.kv.spec import KVSpec

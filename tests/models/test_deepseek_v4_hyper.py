@@ -15,8 +15,8 @@ from transformers.models.deepseek_v4.modeling_deepseek_v4 import (DeepseekV4Hype
                                                                   DeepseekV4HyperHead)
 
 from deepinfer.backends.cpu.ops import CPUOps
-from deepinfer.backends.paged_cache import PagedCache
-from deepinfer.backends.runner import _restore_float32
+from deepinfer.backends.torch.paged_cache import PagedCache
+from deepinfer.backends.torch.runner import _restore_float32
 from deepinfer.models.deepseek_v4.hyper import (HyperConnection, HyperDims, HyperHead, expand,
                                                 hyper_target, init_hyper_buffers,
                                                 sinkhorn)

@@ -14,7 +14,7 @@ from torch import nn
 
 from deepinfer.backends.cpu.ops import CPUOps
 from deepinfer.backends.neuron.moe import StaticMoEOps
-from deepinfer.backends.paged_cache import PagedCache
+from deepinfer.backends.torch.paged_cache import PagedCache
 from deepinfer.models.deepseek_v4.moe_names import moe_target, moe_tensors
 from deepinfer.models.moe.configs import deepseek_v4_moe, moe_runtime
 from deepinfer.models.moe.experts import fused_experts_reference
@@ -197,7 +197,7 @@ def test_dummy_weights_give_a_valid_hash_table():
     import torch
 
     from deepinfer.backends.cpu.ops import CPUOps
-    from deepinfer.backends.paged_cache import PagedCache
+    from deepinfer.backends.torch.paged_cache import PagedCache
     from deepinfer.models.moe.configs import deepseek_v4_moe, moe_runtime
     from deepinfer.models.moe.layer import MoEBlock
     from deepinfer.models.weights import init_dummy_weights

@@ -152,7 +152,7 @@ def test_release_and_transformers_spellings_load_the_same_mtp(mtp_path, tmp_path
     from safetensors.torch import load_file
 
     from deepinfer.backends.cpu.ops import CPUOps
-    from deepinfer.backends.paged_cache import PagedCache
+    from deepinfer.backends.torch.paged_cache import PagedCache
     from deepinfer.models.deepseek_v4.model import DeepseekV4ForCausalLM
     from deepinfer.models.weights import iter_checkpoint
 

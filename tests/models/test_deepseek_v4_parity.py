@@ -14,7 +14,7 @@ import transformers
 
 from deepinfer.backends.cpu.accelerator import CPUAccelerator
 from deepinfer.backends.cpu.ops import CPUOps
-from deepinfer.backends.paged_cache import PagedCache
+from deepinfer.backends.torch.paged_cache import PagedCache
 from deepinfer.core.batch import GroupBatch, ModelBatch
 from deepinfer.core.config import ModelSpec
 from deepinfer.core.sampling import SamplingParams

@@ -13,11 +13,11 @@ from gguf import GGMLQuantizationType
 from gguf.quants import quantize
 from transformers import AutoModelForCausalLM
 
-from deepinfer.backends.cpu import ops as cpu_ops
 from deepinfer.backends.cpu import kernels
 from deepinfer.backends.cpu.kernels import (CHUNKED_GEMV_ROWS, MAX_GEMV_ROWS, extension,
                                             gguf_linear)
-from deepinfer.backends.paged_cache import zeros
+from deepinfer.backends.torch import ops as reference_ops
+from deepinfer.backends.torch.paged_cache import zeros
 from deepinfer.core.sampling import SamplingParams
 from deepinfer.llm import LLM
 from deepinfer.models.gguf_convert import convert_gguf
@@ -424,16 +424,16 @@ def test_fused_ops_equal_the_torch_references():
     kernels, g = extension(), torch.Generator().manual_seed(0)
     x, r, w = (torch.randn(3, 96, generator=g) for _ in range(3))
     w = w[0]
-    torch.testing.assert_close(kernels.rms_norm(x, w, 1e-6), cpu_ops.rms_norm(x, w, 1e-6))
+    torch.testing.assert_close(kernels.rms_norm(x, w, 1e-6), reference_ops.rms_norm(x, w, 1e-6))
     normed, summed = kernels.add_rms_norm(x, r, w, 1e-6)
-    torch.testing.assert_close(normed, cpu_ops.rms_norm(x + r, w, 1e-6))
+    torch.testing.assert_close(normed, reference_ops.rms_norm(x + r, w, 1e-6))
     assert torch.equal(summed, x + r)
     # Partial rotary (the first 32 of 64 dims), two positions.
     q, k = torch.randn(2, 6, 64, generator=g), torch.randn(2, 2, 64, generator=g)
     cos, sin = torch.randn(50, 32, generator=g), torch.randn(50, 32, generator=g)
     pos = torch.tensor([3, 41])
     c, s = cos[pos].unsqueeze(1), sin[pos].unsqueeze(1)
-    expected = cpu_ops.apply_rotary(q, c, s), cpu_ops.apply_rotary(k, c, s)
+    expected = reference_ops.apply_rotary(q, c, s), reference_ops.apply_rotary(k, c, s)
     kernels.rotary(q, k, pos, cos, sin)
     torch.testing.assert_close((q, k), expected)
     # Decode attention: GQA (6 query heads over 2 KV heads), sequences of 4 and 9 keys.

@@ -1,1 +1,2 @@
-"""The reference backend: every backend op in plain torch on the CPU."""
+"""The CPU backend: the torch reference ops (backends/torch) with C++ kernels for GGUF weights
+and fused float32 decode ops."""

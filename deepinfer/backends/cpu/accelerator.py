@@ -1,5 +1,6 @@
 """CPUAccelerator: the reference backend and the embedded default on machines without a GPU.
-The shared torch runner does the work; this backend brings torch ops and host attention."""
+The shared torch runner does the work; this backend brings the reference ops with its C++
+kernels (ops.py) and the reference attention metadata."""
 from __future__ import annotations
 
 import dataclasses
@@ -8,12 +9,12 @@ from typing import Sequence
 
 import torch
 
-from deepinfer.backends.cpu.attention import CPUAttentionMeta
-from deepinfer.backends.cpu.host_pool import CPUHostPool
 from deepinfer.backends.cpu.ops import CPUOps
-from deepinfer.backends.runner import TorchRunner
-from deepinfer.backends.speculative import MTPSpeculator
-from deepinfer.backends.step_future import DeviceTokens, fill_from_last_step
+from deepinfer.backends.torch.attention import PagedAttentionMeta
+from deepinfer.backends.torch.host_pool import CPUHostPool
+from deepinfer.backends.torch.runner import TorchRunner
+from deepinfer.backends.torch.speculative import MTPSpeculator
+from deepinfer.backends.torch.step_future import DeviceTokens, fill_from_last_step
 from deepinfer.core.accelerator import (Accelerator, Capabilities, HostPoolLayout, MemoryStats,
                                         ModelInfo, ParallelContext)
 from deepinfer.core.batch import ModelBatch, SamplerOutput
@@ -30,7 +31,7 @@ class CPUAccelerator(Accelerator):
                                 prefill_beside_decodes=256)
 
     def __init__(self) -> None:
-        self.runner = TorchRunner("cpu", self.capabilities, CPUOps)
+        self.runner = TorchRunner("cpu", self.capabilities, CPUOps, backend=self.name)
         self.speculator = MTPSpeculator(self.runner, self._meta)
         self.host_pool: CPUHostPool | None = None
 
@@ -70,7 +71,7 @@ class CPUAccelerator(Accelerator):
 
     def _forward(self, batch: ModelBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """Every query token's hidden state, and the rows of the sampled ones."""
-        meta = CPUAttentionMeta.from_batch(batch, self.runner.cache.spec)
+        meta = PagedAttentionMeta.from_batch(batch, self.runner.cache)
         input_ids = torch.tensor(batch.input_ids, dtype=torch.long)
         fill_from_last_step(input_ids, batch.from_last_step)
         positions = torch.tensor(batch.positions, dtype=torch.long)
@@ -79,8 +80,8 @@ class CPUAccelerator(Accelerator):
         last = [meta.query_starts[i] + meta.query_lens[i] - 1 for i in batch.sample_indices]
         return hidden, torch.tensor(last, dtype=torch.long)
 
-    def _meta(self, batch: ModelBatch) -> CPUAttentionMeta:
-        return CPUAttentionMeta.from_batch(batch, self.runner.cache.spec)
+    def _meta(self, batch: ModelBatch) -> PagedAttentionMeta:
+        return PagedAttentionMeta.from_batch(batch, self.runner.cache)
 
     def execute(self, batch: ModelBatch) -> SamplerOutput:
         if batch.spec is not None:

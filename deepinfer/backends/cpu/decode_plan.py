@@ -16,7 +16,7 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from deepinfer.backends.paged_cache import PagedCache
+from deepinfer.backends.torch.paged_cache import PagedCache
 from deepinfer.models.decoder import DecoderLayer, GatedMLP
 from deepinfer.models.llama import LlamaAttention
 from deepinfer.models.quant.packed import GGUFParts, GGUFWeight

@@ -1,6 +1,6 @@
-"""The CPU backend's model ops: torch references, with float32 norms, rotary and decode
-attention in single C++ calls where the extension built (kernels.py), and GGUF weights kept
-packed."""
+"""The CPU backend's model ops: the torch references (backends/torch/ops.py), with float32
+norms, rotary and decode attention in single C++ calls where the extension built (kernels.py),
+and GGUF weights kept packed."""
 from __future__ import annotations
 
 import logging
@@ -9,45 +9,27 @@ from typing import Any, Sequence
 import torch
 
 from deepinfer.backends.cpu import decode_plan
-from deepinfer.backends.cpu.attention import CPUPagedAttention
 from deepinfer.backends.cpu.kernels import (GGUF_KINDS, INTERLEAVE, MAX_GEMV_ROWS, extension,
                                             fusable, gguf_linear, interleaves, native_bf16_gemm)
-from deepinfer.backends.paged_cache import PagedCache
-from deepinfer.models.ops import ModelOps, QKNorm
+from deepinfer.backends.torch.attention import PagedAttentionMeta, attend_cached
+from deepinfer.backends.torch.ops import ReferenceMLAOps, ReferenceOps
+from deepinfer.backends.torch.paged_cache import PagedCache
+from deepinfer.models.deepseek_v4.ops import DeepSeekV4Ops
+from deepinfer.models.moe.ops import MoEOps
+from deepinfer.models.ops import QKNorm
 from deepinfer.models.quant.packed import GGUFParts, GGUFWeight, PackedWeight
 
 log = logging.getLogger(__name__)
+Rotary = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (positions, cos, sin)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # float32 accumulation, then cast back before the weight, as the reference models do.
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    rot = cos.shape[-1]
-    if rot == x.shape[-1]:
-        return x * cos + rotate_half(x) * sin
-    # Partial rotary: only the first `rot` dims rotate.
-    head, tail = x[..., :rot], x[..., rot:]
-    return torch.cat((head * cos + rotate_half(head) * sin, tail), dim=-1)
-
-
-class CPUOps(ModelOps):
-    """ModelOps over torch; attention goes to the paged KV cache; GGUF Q4_0/Q4_1/Q5_0/Q5_1/Q8_0
-    weights and the k-quants Q4_K/Q5_K/Q6_K stay packed (gguf_kernels.cpp, gguf_kquants.cpp)."""
+class CPUOps(ReferenceMLAOps, MoEOps, DeepSeekV4Ops, ReferenceOps):
+    """The reference ops, every family's; GGUF Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 weights and the
+    k-quants Q4_K/Q5_K/Q6_K stay packed (gguf_kernels.cpp, gguf_kquants.cpp)."""
 
     def __init__(self, cache: PagedCache) -> None:
-        self.cache = cache
+        super().__init__(cache)
         self.kernels = _load_kernels()
-        self.paged = CPUPagedAttention(self.kernels)
         # GGUF blocks stay packed only where their kernels built.
         self.packed_kinds = GGUF_KINDS if self.kernels is not None else ()
         # A prefill's GGUF GEMMs in bfloat16 where the CPU has it (kernels.native_bf16_gemm).
@@ -94,14 +76,13 @@ class CPUOps(ModelOps):
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         if fusable(self.kernels, x, weight):
             return self.kernels.rms_norm(x, weight, eps)
-        return rms_norm(x, weight, eps)
+        return super().rms_norm(x, weight, eps)
 
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
         if fusable(self.kernels, x, residual, weight):
             return self.kernels.add_rms_norm(x, residual, weight, eps)
-        summed = x + residual
-        return rms_norm(summed, weight, eps), summed
+        return super().add_rms_norm(x, residual, weight, eps)
 
     def rotary_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -113,15 +94,7 @@ class CPUOps(ModelOps):
         if type(self).attention is not CPUOps.attention:  # a subclass attends its own way
             self.kernels.rotary(q, k, positions, cos, sin)  # in place, as the seam allows
             return self.attention(q, k, v, layer, meta)
-        k_cache, v_cache = self.cache.layer(layer)  # rotated in the attention call
-        return self.paged.forward(q, k, v, k_cache, v_cache, meta, layer,
-                                  rotary=(positions, cos, sin))
-
-    def rotary(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
-               cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        c = cos[positions].unsqueeze(1).to(q.dtype)
-        s = sin[positions].unsqueeze(1).to(q.dtype)
-        return apply_rotary(q, c, s), apply_rotary(k, c, s)
+        return self._attend(q, k, v, layer, meta, rotary=(positions, cos, sin))
 
     def packed_linear(self, x: torch.Tensor, weight: PackedWeight,
                       bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -150,19 +123,31 @@ class CPUOps(ModelOps):
                                          bool(down.interleaved))
         return super().gated_mlp(x, gate_up, down, gate_up_bias, down_bias)
 
-    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = x.chunk(2, dim=-1)
-        return torch.nn.functional.silu(gate) * up
-
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
-                  meta: Any) -> torch.Tensor:
-        k_cache, v_cache = self.cache.layer(layer)
-        return self.paged.forward(q, k, v, k_cache, v_cache, meta, layer)
+                  meta: PagedAttentionMeta) -> torch.Tensor:
+        return self._attend(q, k, v, layer, meta)
 
-    def latent_attention(self, q: torch.Tensor, latent: torch.Tensor, layer: int, meta: Any,
-                         value_dim: int, scale: float) -> torch.Tensor:
-        (cache,) = self.cache.layer(layer)
-        return self.paged.latent(q, latent, cache, meta, layer, value_dim, scale)
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
+                meta: PagedAttentionMeta, rotary: Rotary | None = None) -> torch.Tensor:
+        """A float32 decode step in one C++ call (q and k rotated first with `rotary`, in
+        place); anything else through the reference attention."""
+        k_cache, v_cache = self.cache.layer(layer)
+        g = meta.groups[meta.group_of[layer]]
+        if g.decode_slots is not None and fusable(self.kernels, k_cache, v_cache) and \
+                q.dtype == k.dtype == v.dtype == torch.float32:
+            scale = q.shape[-1] ** -0.5
+            if rotary is not None:
+                return self.kernels.rotary_decode_attention(
+                    q, k, v, *rotary, k_cache, v_cache, g.slot_mapping, g.decode_slots,
+                    g.decode_lens, scale)
+            return self.kernels.decode_attention(q.contiguous(), k, v, k_cache, v_cache,
+                                                 g.slot_mapping, g.decode_slots,
+                                                 g.decode_lens, scale)
+        if rotary is not None:
+            self.kernels.rotary(q, k, *rotary)
+        k_cache.index_copy_(0, g.slot_mapping, k)
+        v_cache.index_copy_(0, g.slot_mapping, v)
+        return attend_cached(q, k, v, k_cache, v_cache, g, meta, None)
 
 
 def _rows_contiguous(*tensors: torch.Tensor, tokens: int) -> bool:

@@ -33,9 +33,9 @@ from deepinfer.backends.cuda.spec_graphs import GraphSpeculator
 from deepinfer.backends.cuda import plugin
 from deepinfer.backends.cuda.memory import GIB, kv_budget
 from deepinfer.backends.cuda.step_inputs import DecodeRows, StepInputs, pack_batch, unpack_batch
-from deepinfer.backends.runner import TorchRunner
-from deepinfer.backends.speculative import MTPSpeculator
-from deepinfer.backends.step_future import DeviceTokens, HostTokenBuffers, fill_from_last_step
+from deepinfer.backends.torch.runner import TorchRunner
+from deepinfer.backends.torch.speculative import MTPSpeculator
+from deepinfer.backends.torch.step_future import DeviceTokens, HostTokenBuffers, fill_from_last_step
 from deepinfer.core.accelerator import (Accelerator, Capabilities, HostPoolLayout, MemoryStats,
                                         ModelInfo, ParallelContext)
 from deepinfer.core.batch import ModelBatch, SamplerOutput
@@ -109,11 +109,8 @@ class CUDAAccelerator(Accelerator):
         self.parallel = parallel
         self.runner.rebind_group(parallel)
         self.graphs = self.prefill_graphs = None
-        block_size = self.cache.block_size
-        if self.on_gpu:
-            self.warm_up(block_size)
-            if not self.enforce_eager and self.graphable:
-                self.capture_graphs(block_size)
+        self.warm_up()
+        self.capture_graphs()
 
     def configure(self, config: EngineConfig) -> None:
         self.max_num_batched_tokens = config.scheduler.max_num_batched_tokens
@@ -133,12 +130,13 @@ class CUDAAccelerator(Accelerator):
         # GEMV kernel is measured against (benchmarks/cuda/profile_steps.py).
         use_gemv = cuda_settings().gemv
         self.runner = TorchRunner(self.device, self.capabilities,
-                                  lambda cache: CUDAOps(cache, use_gemv, self.num_sms), self.seed)
+                                  lambda cache: CUDAOps(cache, use_gemv, self.num_sms), self.seed,
+                                  backend=self.name)
         self.runner.ops.parallel = self.parallel
         self.runner.num_speculative_tokens = self.num_speculative_tokens
         self.speculator = MTPSpeculator(self.runner, self._step_meta)
         self.info = self.runner.load(spec)
-        if self.grouped and not getattr(self.runner.model, "reads_group_meta", False):
+        if self.grouped and not self.runner.model.traits.reads_group_meta:
             # Only a model whose data path reads every group's tables (GroupedMeta) may have
             # several: the llama family's attention reads one group's (AttentionMeta).
             raise ValueError("the nvidia backend serves this model with one KV group only "
@@ -185,7 +183,7 @@ class CUDAAccelerator(Accelerator):
         blocks = 1 + sum(len(table) for table in batch.block_tables)
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
-        self.allocate_kv_cache(blocks, block_size, len(batch.state_slots), capture=False)
+        self.allocate_kv_cache(blocks, block_size, len(batch.state_slots))
         scratch = self.cache.nbytes
         torch.cuda.reset_peak_memory_stats(self.device)
         with torch.inference_mode():
@@ -201,21 +199,21 @@ class CUDAAccelerator(Accelerator):
         torch.cuda.empty_cache()
         return peak
 
-    def allocate_kv_cache(self, num_blocks: int, block_size: int, num_state_slots: int = 0,
-                          capture: bool = True) -> None:
-        graphs = capture and self.on_gpu and not self.enforce_eager and self.graphable
+    def allocate_kv_cache(self, num_blocks: int, block_size: int,
+                          num_state_slots: int = 0) -> None:
         # Graphs of a stateful model pad their batch with rows that own one more state slot.
         extra = 1 if self.graphable and num_state_slots else 0
         self.runner.allocate(num_blocks, block_size, num_state_slots + extra)
-        if capture and self.on_gpu:
-            self.warm_up(block_size)
-        if graphs:
-            self.capture_graphs(block_size)
 
-    def warm_up(self, block_size: int) -> None:
+    def warm_up(self) -> None:
+        """On a GPU: warm_up_kernels."""
+        if self.on_gpu:
+            self.warm_up_kernels()
+
+    def warm_up_kernels(self) -> None:
         """Compile the prefill path's kernels for every chunk-size class before the first
         request (dummy_batches.py), then clear what the dummy chunks wrote."""
-        spec, t0 = self.info.kv_spec, time.perf_counter()
+        spec, block_size, t0 = self.info.kv_spec, self.cache.block_size, time.perf_counter()
         counts = warmup_token_counts(self.max_num_batched_tokens)
         with torch.inference_mode():
             for tokens in counts:
@@ -245,7 +243,7 @@ class CUDAAccelerator(Accelerator):
     def graphable(self) -> bool:
         """Decode steps can be captured: one KV group, or a model whose decode step reads
         only device tensors (group_inputs.GroupedDecodeRows)."""
-        return not self.grouped or getattr(self.runner.model, "graph_decode", False)
+        return not self.grouped or self.runner.model.traits.graph_decode
 
     @property
     def prefill_graphable(self) -> bool:
@@ -255,17 +253,24 @@ class CUDAAccelerator(Accelerator):
         return (not self.grouped and len(entries) == 2 and self.runner.moe is None
                 and not self.num_speculative_tokens)
 
-    def capture_graphs(self, block_size: int) -> None:
+    def capture_graphs(self) -> None:
+        """On a GPU, unless enforce_eager or the model's decode cannot be captured: the
+        decode graphs and speculative decoding's."""
+        if self.on_gpu and not self.enforce_eager and self.graphable:
+            self.record_graphs()
+
+    def record_graphs(self) -> None:
         """Decode graphs for every batch bucket (without a GPU: recorded at each run, which
         is how the tests run them), and speculative decoding's (spec_graphs.py)."""
-        layout = self._row_layout(block_size)
+        layout = self._row_layout(self.cache.block_size)
         self.graphs = DecodeGraphs(self.max_num_seqs, layout, self.device)
         with torch.inference_mode():
             self.graphs.capture(self._capture_forward)
         log.info("captured decode graphs for batch sizes %s", self.graphs.buckets)
         if self.prefill_graphable:
             self.prefill_graphs = PrefillGraphs(self.max_num_batched_tokens, layout.max_blocks,
-                                                self.max_model_len, self.device)
+                                                layout.block_size, self.max_model_len,
+                                                self.device)
             with torch.inference_mode():
                 self.prefill_graphs.capture(
                     lambda inputs: self.runner.logits(self._forward(inputs)[inputs.logits_index]))
@@ -282,8 +287,8 @@ class CUDAAccelerator(Accelerator):
     def _row_layout(self, block_size: int) -> RowLayout:
         max_blocks = -(-self.max_model_len // block_size)
         if not self.grouped:
-            return DecodeRows(max_blocks, lambda batch: self._num_splits(batch,
-                                                                         self.max_model_len))
+            return DecodeRows(max_blocks, block_size,
+                              lambda batch: self._num_splits(batch, self.max_model_len))
         spec, state = self.info.kv_spec, self.cache.state
         group_of = {layer: g.index for g in spec.groups for layer in g.layers}
         null_slot = 0 if state is None else state.shape[0] - 1
@@ -292,7 +297,8 @@ class CUDAAccelerator(Accelerator):
         # none: every entry is picked).
         bounds = [b for b in CONTEXT_CLASSES if b < self.max_model_len]
         classes = tuple(bounds + [self.max_model_len])
-        return GroupedDecodeRows(spec.num_groups, max_blocks, group_of, classes, null_slot)
+        return GroupedDecodeRows(spec.num_groups, max_blocks, block_size, group_of, classes,
+                                 null_slot)
 
     # ---- steps ---------------------------------------------------------------------------
     def _num_splits(self, batch: int, max_seq_len: int) -> int:
@@ -316,7 +322,7 @@ class CUDAAccelerator(Accelerator):
         if self.grouped:
             inputs = grouped_inputs(batch, self.info.kv_spec, self.device)
         else:
-            flat, width = pack_batch(batch)
+            flat, width = pack_batch(batch, self.cache.block_size)
             splits = self._num_splits(batch.num_seqs, max(batch.seq_lens)) \
                 if batch.is_decode_only else 1
             device_flat = to_device(torch.from_numpy(flat), self.device)

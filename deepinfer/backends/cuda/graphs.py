@@ -45,6 +45,7 @@ class RowLayout(Protocol):
     (step_inputs.DecodeRows) or several groups' with state slots (group_inputs)."""
 
     max_blocks: int
+    block_size: int  # the KV pool's (PagedCache.block_size)
 
     @property
     def width(self) -> int: ...
@@ -100,7 +101,7 @@ class DecodeGraphs:
         if not self.graphs or not batch.is_decode_only or batch.num_seqs > self.max_batch:
             return False
         longest = max(batch.seq_lens)
-        return -(-longest // batch.block_size) <= self.max_blocks
+        return -(-longest // self.layout.block_size) <= self.max_blocks
 
     def capture(self, forward: Forward) -> None:
         """Capture every bucket, largest first so the smaller ones reuse its memory pool."""

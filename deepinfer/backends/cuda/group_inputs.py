@@ -113,6 +113,7 @@ class GroupedDecodeRows:
 
     num_groups: int
     max_blocks: int
+    block_size: int  # the KV pool's (PagedCache.block_size)
     group_of: dict[int, int]
     # Ascending bounds on the longest sequence, the last the longest context served: each
     # class's graph sizes the indexer's scores and top-k by its bound (GroupedDecodeMeta).
@@ -150,7 +151,7 @@ class GroupedDecodeRows:
         rows[:n, SRC_COL] = -1
         if batch.from_last_step is not None:
             rows[batch.from_last_step.token_indices, SRC_COL] = batch.from_last_step.rows
-        used = [-(-length // batch.block_size) for length in batch.seq_lens]
+        used = [-(-length // self.block_size) for length in batch.seq_lens]
         for g, group in enumerate(batch.groups):
             col = self._group_col(g)
             rows[:n, col] = group.slot_mapping

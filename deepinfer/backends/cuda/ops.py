@@ -36,9 +36,12 @@ from deepinfer.backends.cuda.kernels.prefill_attention import (choose_prefill_sp
 from deepinfer.backends.cuda.kernels.rotary import apply_rotary_, rotary_store_kv_
 from deepinfer.backends.cuda.kernels.rotary_decode import SplitCounters, rotary_decode_attention
 from deepinfer.backends.cuda.step_inputs import AttentionMeta
-from deepinfer.backends.paged_cache import PagedCache
-from deepinfer.models.moe.routing import RouteCounts, RouterSpec
+from deepinfer.backends.torch.paged_cache import PagedCache
+from deepinfer.models.deepseek_v4.ops import DeepSeekV4Ops
 from deepinfer.models.deepseek_v4.paged_ops import DecodeLens, DecodeTarget, PagedRows
+from deepinfer.models.mla_ops import MLAOps
+from deepinfer.models.moe.ops import MoEOps
+from deepinfer.models.moe.routing import RouteCounts, RouterSpec
 from deepinfer.models.ops import ModelOps, QKNorm
 from deepinfer.models.quant.packed import FP8Experts, FP8Weight, PackedWeight
 from deepinfer.backends.cuda.settings import cuda_settings, interpreted
@@ -62,7 +65,9 @@ def sdpa_backends(names: str) -> tuple:
 SDPA_MIN_TOKENS = 1024  # below it the paged kernel is as fast: few key tiles, and no gather
 
 
-class CUDAOps(ModelOps):
+class CUDAOps(MoEOps, MLAOps, DeepSeekV4Ops, ModelOps):
+    """Every family's ops on Triton kernels (and cuBLAS through torch)."""
+
     packed_kinds = ("fp8",)
 
     def __init__(self, cache: PagedCache, use_gemv: bool = True, num_sms: int = 8) -> None:

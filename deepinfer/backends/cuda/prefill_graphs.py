@@ -41,10 +41,11 @@ class _Graph:
 
 
 class PrefillGraphs:
-    def __init__(self, max_tokens: int, max_blocks: int, max_model_len: int,
+    def __init__(self, max_tokens: int, max_blocks: int, block_size: int, max_model_len: int,
                  device: torch.device) -> None:
         self.buckets = prefill_buckets(max_tokens)
         self.max_blocks, self.max_model_len, self.device = max_blocks, max_model_len, device
+        self.block_size = block_size  # the KV pool's (PagedCache.block_size)
         width = _width(self.buckets[-1], max_blocks) if self.buckets else 0
         # Two pinned stagings used in turn: under async scheduling a step's inputs are written
         # while the step ahead's copy may still be queued.
@@ -63,7 +64,7 @@ class PrefillGraphs:
                 and not batch.prompt_logprobs
                 and (last is None or not len(last.token_indices))
                 and batch.num_tokens <= self.buckets[-1]
-                and -(-batch.seq_lens[0] // batch.block_size) <= self.max_blocks)
+                and -(-batch.seq_lens[0] // self.block_size) <= self.max_blocks)
 
     def capture(self, forward: Forward) -> None:
         """Capture every bucket, largest first so the smaller ones reuse its memory pool."""

@@ -12,7 +12,7 @@ so three graph sets, each a graphs.DecodeGraphs over the backend's own row layou
   2..k, the state replaced by the step's output.
 
 Between them the host samples and accepts (core/speculative.py), rewinds the state of models
-that have one (backends/speculative.py), and fills the next graph's rows; when every
+that have one (backends/torch/speculative.py), and fills the next graph's rows; when every
 sequence decodes greedily the draft graph reads the verify graph's argmax on the device and
 follows it without a host wait. A sequence with
 fewer drafts (near max_tokens or the context's end) gets null rows after its own; a step
@@ -28,8 +28,8 @@ import torch
 
 from deepinfer.backends.cuda.graphs import DecodeGraphs, RowLayout
 from deepinfer.backends.cuda.step_inputs import StepInputs
-from deepinfer.backends.runner import TorchRunner
-from deepinfer.backends.speculative import (MTPSpeculator, _last_accepted, _next_tokens,
+from deepinfer.backends.torch.runner import TorchRunner
+from deepinfer.backends.torch.speculative import (MTPSpeculator, _last_accepted, _next_tokens,
                                              _step_batch)
 from deepinfer.core.batch import (InputsFromLastStep, ModelBatch, SampledRow,
                                   SamplerOutput)
@@ -181,7 +181,7 @@ class GraphSpeculator(MTPSpeculator):
         every, out, previous = list(range(n)), [], first
         for j in range(2, max(counts) + 1):
             step = dataclasses.replace(
-                _draft_step(batch, last_positions, counts, j),
+                _draft_step(batch, last_positions, counts, j, self.block_size),
                 from_last_step=InputsFromLastStep(every, every, _DeviceIds(previous)))
             previous = self.step.run(step)[1][:n].clone()  # the next replay reuses the buffer
             out.append(previous)
@@ -196,7 +196,7 @@ class _DeviceIds:
 
 def _shifted(batch: ModelBatch, index: list[int], num_rows: int,
              sampled: list[SampledRow]) -> list[int]:
-    """Per row, the token after it (backends/speculative._next_tokens, placed in the runs)."""
+    """Per row, the token after it (backends/torch/speculative._next_tokens, placed in the runs)."""
     out = [0] * num_rows
     for row, token in zip(index, _next_tokens(batch, sampled)):
         out[row] = token
@@ -204,10 +204,10 @@ def _shifted(batch: ModelBatch, index: list[int], num_rows: int,
 
 
 def _draft_step(batch: ModelBatch, last_positions: list[int], counts: list[int],
-                j: int) -> ModelBatch:
+                j: int, block_size: int) -> ModelBatch:
     """Draft step j (j >= 2) of every sampled sequence, one row each at position last + j - 1.
     Rows that propose fewer drafts run too, at their last position (the graph's batch stays
     whole), and write their KV into the null block."""
     active = [c >= j for c in counts]
     positions = [p + j - 1 if a else p for p, a in zip(last_positions, active)]
-    return _step_batch(batch, batch.sample_indices, positions, active)
+    return _step_batch(batch, batch.sample_indices, positions, block_size, active)

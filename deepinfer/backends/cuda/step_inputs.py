@@ -47,7 +47,7 @@ class StepInputs:
     logits_index: torch.Tensor | None  # rows of the hidden states whose logits are sampled
 
 
-def fill_decode_rows(rows: np.ndarray, batch: ModelBatch) -> None:
+def fill_decode_rows(rows: np.ndarray, batch: ModelBatch, block_size: int) -> None:
     """Write a decode-only batch into rows[:B] and pad the rest as harmless null rows."""
     n = batch.num_seqs
     rows[:n, 0] = batch.input_ids
@@ -60,7 +60,7 @@ def fill_decode_rows(rows: np.ndarray, batch: ModelBatch) -> None:
         rows[last.token_indices, SRC_COL] = last.rows
     rows[:n, DECODE_COLS:] = 0
     for i, table in enumerate(batch.block_tables):
-        used = -(-batch.seq_lens[i] // batch.block_size)
+        used = -(-batch.seq_lens[i] // block_size)
         rows[i, DECODE_COLS:DECODE_COLS + used] = table[:used]
     # Padding rows attend one token of the null block and write no KV.
     rows[n:, :] = 0
@@ -84,6 +84,7 @@ class DecodeRows:
     """The one-group row layout as a decode graph uses it (graphs.RowLayout)."""
 
     max_blocks: int
+    block_size: int  # the KV pool's (PagedCache.block_size)
     split_policy: Callable[[int], int]  # batch -> split-K of the decode kernel
     # One class: the kernels read the lengths on the device and size their splits by the
     # longest context (a graph per context class gained nothing, docs/benchmarks.md).
@@ -101,18 +102,19 @@ class DecodeRows:
         return 0
 
     def fill(self, rows: np.ndarray, batch: ModelBatch) -> None:
-        fill_decode_rows(rows, batch)
+        fill_decode_rows(rows, batch, self.block_size)
 
     def inputs(self, rows: torch.Tensor, last_tokens: torch.Tensor,
                context: int) -> StepInputs:
         return decode_inputs(rows, last_tokens, self.split_policy(rows.shape[0]))
 
 
-def pack_batch(batch: ModelBatch) -> tuple[np.ndarray, int]:
+def pack_batch(batch: ModelBatch, block_size: int) -> tuple[np.ndarray, int]:
     """Flat layout for eager steps: ids | positions | slots | seq_lens | query_starts |
-    logits rows | block tables [N, W]. Returns the array and W."""
+    logits rows | block tables [N, W] (W: the blocks of the longest sequence). Returns the
+    array and W."""
     t, n, s = batch.num_tokens, batch.num_seqs, len(batch.sample_indices)
-    width = max(-(-length // batch.block_size) for length in batch.seq_lens)
+    width = max(-(-length // block_size) for length in batch.seq_lens)
     out = np.zeros(3 * t + 2 * n + 1 + s + n * width, dtype=np.int64)
     out[:t] = batch.input_ids
     out[t:2 * t] = batch.positions

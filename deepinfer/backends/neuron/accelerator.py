@@ -22,7 +22,7 @@ from deepinfer.backends.neuron.buckets import StaticShapeGuard, StaticShapes
 from deepinfer.backends.neuron.device import select_device
 from deepinfer.backends.neuron.ops import NeuronOps
 from deepinfer.backends.neuron.timing import RegionTimer, timing_requested
-from deepinfer.backends.runner import TorchRunner
+from deepinfer.backends.torch.runner import TorchRunner
 from deepinfer.core.accelerator import (Accelerator, Capabilities, MemoryStats, ModelInfo,
                                         ParallelContext)
 from deepinfer.core.batch import ModelBatch, SamplerOutput
@@ -42,7 +42,8 @@ class NeuronAccelerator(Accelerator):
                                          dtypes=("float32", "bfloat16"))
         self.timer = RegionTimer(timing_requested(), self.device.synchronize)
         self.runner = TorchRunner(self.device.torch_device, self.capabilities,
-                                  lambda cache: NeuronOps(cache, self.timer))
+                                  lambda cache: NeuronOps(cache, self.timer),
+                                  backend=self.name)
         self.guard = StaticShapeGuard()
         self.shapes: StaticShapes | None = None
         self._forward = self.device.compile(self._step_forward, "step")
@@ -86,17 +87,16 @@ class NeuronAccelerator(Accelerator):
     def allocate_kv_cache(self, num_blocks: int, block_size: int,
                           num_state_slots: int = 0) -> None:
         self.runner.allocate(num_blocks, block_size, num_state_slots)
-        self._build_graphs(block_size)
 
     # ---- graphs --------------------------------------------------------------------------
-    def _build_graphs(self, block_size: int) -> None:
+    def capture_graphs(self) -> None:
         """Run every bucket once (on Trainium: compile it, or load it from the compiler's
         cache), then freeze the guard."""
         graphs = self.shapes.graphs()
-        start = time.perf_counter()
+        cache, start = self.runner.cache, time.perf_counter()
         for i, (kind, size, width) in enumerate(graphs, 1):
-            self.forward_logits(_warmup_batch(kind, size, block_size,
-                                              len(self.runner.cache.spec.groups)), width)
+            self.forward_logits(_warmup_batch(kind, size, cache.block_size,
+                                              len(cache.spec.groups)), width)
             if i % max(1, len(graphs) // 10) == 0 or i == len(graphs):
                 log.info("neuron graphs: %d/%d built (%.1f s)", i, len(graphs),
                          time.perf_counter() - start)
@@ -108,7 +108,7 @@ class NeuronAccelerator(Accelerator):
         """float32 logits of the sampled sequences' last tokens (rows past them: padding)."""
         blocks = max(len(t) for g in batch.groups for t in g.block_tables)
         width = width or self.shapes.context_bucket(blocks)
-        meta = StaticMeta.from_batch(batch, self.runner.cache.spec, width, self.device.torch_device)
+        meta = StaticMeta.from_batch(batch, self.runner.cache, width, self.device.torch_device)
         kind = "decode" if batch.is_decode_only else "prefill"
         ids = torch.tensor(batch.input_ids, dtype=torch.long, device=self.device.torch_device)
         rows = self._sample_rows(batch, kind)

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 
 import torch
 
+from deepinfer.backends.torch.paged_cache import PagedCache
 from deepinfer.core.batch import ModelBatch
 from deepinfer.core.kv.block_pool import NULL_BLOCK_ID
-from deepinfer.core.kv.spec import KVSpec
 
 # Keys per chunk of the online softmax: bounds the gathered [T, keys, heads, dim] tile.
 CHUNK_KEYS = 256
@@ -34,9 +34,11 @@ class StaticMeta:
     block_size: int
 
     @classmethod
-    def from_batch(cls, batch: ModelBatch, spec: KVSpec, width: int,
+    def from_batch(cls, batch: ModelBatch, cache: PagedCache, width: int,
                    device: torch.device) -> "StaticMeta":
-        """width: the context bucket (blocks a table) of this step."""
+        """width: the context bucket (blocks a table) of this step; the KV spec and block size
+        are the cache's."""
+        spec = cache.spec
         lens = torch.tensor(batch.query_lens)
         tables, slots = [], []
         for group in batch.groups:
@@ -48,7 +50,7 @@ class StaticMeta:
         windows = [kv.sliding_window or 0 for kv in spec.groups]
         group_of = {layer: g.index for g in spec.groups for layer in g.layers}
         return cls(torch.tensor(batch.positions, dtype=torch.long, device=device), tables, slots,
-                   windows, group_of, batch.block_size)
+                   windows, group_of, cache.block_size)
 
 
 def chunk_blocks(width: int, block_size: int) -> int:

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from deepinfer.backends.neuron.env import DEFAULT_CAPACITY_FACTOR, neuron_settings
 from deepinfer.models.moe.exchange import all_gather
 from deepinfer.models.moe.experts import swiglu
+from deepinfer.models.moe.ops import MoEOps
 
 CAPACITY_ENV = "DEEPINFER_NEURON_MOE_CAPACITY"
 # Steps of at most this many gathered tokens get capacity = tokens: a token sends at most one
@@ -243,10 +244,10 @@ class StaticMoEExchange:
         return out
 
 
-class StaticMoEOps:
-    """Mixed into a static-shape backend's ModelOps, before it (class NeuronOps(StaticMoEOps,
-    CPUOps)): its MoE layers compute grouped within a capacity, or dense, and exchange through
-    StaticMoEExchange on one rank as on many."""
+class StaticMoEOps(MoEOps):
+    """MoEOps of a static-shape backend, mixed into its ModelOps before it (class
+    NeuronOps(StaticMoEOps, ReferenceOps)): its MoE layers compute grouped within a capacity,
+    or dense, and exchange through StaticMoEExchange on one rank as on many."""
 
     def fused_experts(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                       weights: torch.Tensor, slots: torch.Tensor,

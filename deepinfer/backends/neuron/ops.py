@@ -1,16 +1,17 @@
 """ModelOps of the Neuron backend: the reference torch ops for norms, rotary and activations
-(they are static already), static paged attention, and the static MoE (moe.py)."""
+(they are static already), static paged attention, and the static MoE (moe.py). It runs no MLA
+and no DeepSeek-V4 ops: models that need them are refused at load."""
 from __future__ import annotations
 
 import torch
 
-from deepinfer.backends.cpu.ops import CPUOps
 from deepinfer.backends.neuron.attention import StaticMeta, static_paged_attention
 from deepinfer.backends.neuron.moe import StaticMoEOps
 from deepinfer.backends.neuron.timing import RegionTimer
+from deepinfer.backends.torch.ops import ReferenceOps
 
 
-class NeuronOps(StaticMoEOps, CPUOps):
+class NeuronOps(StaticMoEOps, ReferenceOps):
     def __init__(self, cache, timer: RegionTimer | None = None) -> None:
         super().__init__(cache)
         self.timer = timer or RegionTimer(enabled=False)
@@ -31,7 +32,3 @@ class NeuronOps(StaticMoEOps, CPUOps):
         exchange = super().expert_exchange(group, rank, world_size, slots_per_rank)
         exchange.timer = self.timer
         return exchange
-
-    def latent_attention(self, *args, **kwargs) -> torch.Tensor:
-        raise NotImplementedError("the neuron backend has no MLA attention yet (DeepSeek-V3 "
-                                  "attention runs on the cpu and nvidia backends)")

@@ -37,6 +37,8 @@ from torch import nn
 from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from deepinfer.models.traits import Float32Params
+
 SLIDING = "sliding_attention"
 
 
@@ -115,7 +117,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 def rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float,
          inverse: bool = False) -> torch.Tensor:
     """x [T, ..., D] roped at positions [T] (inverse: rotated back, sin negated): the reference
-    of ModelOps.interleaved_rope."""
+    of DeepSeekV4Ops.interleaved_rope."""
     cos, sin = rope_cos_sin(inv_freq, scaling, positions, x.dtype)
     return apply_rope(x, cos, -sin if inverse else sin)
 
@@ -132,13 +134,13 @@ class UsesOps:
 
     def roped(self, x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
               scaling: float, inverse: bool = False) -> torch.Tensor:
-        """`rope` through ModelOps.interleaved_rope."""
+        """`rope` through DeepSeekV4Ops.interleaved_rope."""
         if self.ops is None:
             return rope(x, positions, inv_freq, scaling, inverse)
         return self.ops.interleaved_rope(x, positions, inv_freq, scaling, inverse)
 
     def normed(self, x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-        """`v4_rms_norm` through ModelOps.v4_rms_norm."""
+        """`v4_rms_norm` through DeepSeekV4Ops.v4_rms_norm."""
         if self.ops is None:
             return v4_rms_norm(x, weight, eps)
         return self.ops.v4_rms_norm(x, weight, eps)
@@ -146,7 +148,7 @@ class UsesOps:
 
 # ---- norms --------------------------------------------------------------------------------
 def v4_rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """The reference of ModelOps.v4_rms_norm: RMSNorm.forward with a weight,
+    """The reference of DeepSeekV4Ops.v4_rms_norm: RMSNorm.forward with a weight,
     unweighted_rms_norm without."""
     if weight is None:
         return unweighted_rms_norm(x, eps)
@@ -155,7 +157,7 @@ def v4_rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> tor
     return (weight.float() * xf).to(x.dtype)
 
 
-class RMSNorm(UsesOps, nn.Module):
+class RMSNorm(UsesOps, Float32Params, nn.Module):
     """V4's weighted RMSNorm (DeepseekV4RMSNorm, L55-61): a float32 weight, float32 statistics
     *and* weight product, cast once at the end (the CPU op casts before the weight). Every V4
     norm with a weight: the layers', the model's, q_a/kv norms, the compressors' kv norms."""
@@ -176,7 +178,7 @@ def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 # ---- the layer ----------------------------------------------------------------------------
-class V4Attention(UsesOps, nn.Module):
+class V4Attention(UsesOps, Float32Params, nn.Module):
     """One V4 attention layer's parameters, its projections and its output; the attention
     in between is `attend` (the backend op's reference). Compressor weights live elsewhere."""
 

@@ -156,7 +156,7 @@ class V4DecoderLayer(nn.Module):
 
     def _compress_decode(self, projected: _Projected, positions: torch.Tensor,
                          paged: V4PagedCache) -> None:
-        """_compress for one token of every sequence (ModelOps.compressor_decode): the entries
+        """_compress for one token of every sequence (DeepSeekV4Ops.compressor_decode): the entries
         whose windows close, the state slots and, CSA, the carry-over at page ends. Rows in
         runs of q tokens of a sequence (a verify step) step token j of every run at once."""
         q = paged.tokens_per_seq

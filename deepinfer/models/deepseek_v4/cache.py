@@ -20,7 +20,7 @@ each compressed layer at a fixed element offset, in the projections' dtype.
 It reads a backend's step metadata by duck typing (the model package imports no backend):
 `STEP_FIELDS` on the metadata, and per KV group `slot_mapping` (a device tensor [T]) and
 `block_tables` (a device tensor [N, W], freed window pages as block 0); the CPU backend's
-`CPUAttentionMeta` and the CUDA backend's `GroupedMeta` both carry them.
+`PagedAttentionMeta` and the CUDA backend's `GroupedMeta` both carry them.
 """
 from __future__ import annotations
 

@@ -48,6 +48,7 @@ from transformers import PretrainedConfig
 from deepinfer.core.kv.spec import CacheEntry
 from deepinfer.models.deepseek_v4 import attention
 from deepinfer.models.deepseek_v4.attention import RMSNorm, UsesOps, rope_inv_freq
+from deepinfer.models.traits import Float32Params
 
 CSA = "compressed_sparse_attention"
 HCA = "heavily_compressed_attention"
@@ -111,7 +112,7 @@ def causal_entry_limit(positions: torch.Tensor, rate: int) -> torch.Tensor:
     return torch.div(positions + 1, rate, rounding_mode="floor")
 
 
-class Compressor(UsesOps, nn.Module):
+class Compressor(UsesOps, Float32Params, nn.Module):
     """One compressor's parameters under transformers' names, and its chunk step."""
 
     def __init__(self, config: PretrainedConfig, head_dim: int, rate: int, overlap: bool) -> None:

@@ -12,7 +12,7 @@ list and no shape that depends on the data, so a CUDA graph can hold the step, a
 launches serve the whole batch instead of a few per sequence. The pooling is the chunk
 step's own (`Compressor.pool_slots`) on [B, ...] tensors.
 
-`decode_compress` is the reference of ModelOps.compressor_decode: it reads and writes the
+`decode_compress` is the reference of DeepSeekV4Ops.compressor_decode: it reads and writes the
 paged storage (`DecodeTarget`). Rows that do not close a window (or end no page) write their
 entry (carry-over) to row 0, in the null block, which no sequence reads. State slot rows past
 the live tail are left as they were (the chunk step zeroes them): no reader looks past

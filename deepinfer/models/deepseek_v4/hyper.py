@@ -36,6 +36,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from deepinfer.models.ops import ModelOps
+from deepinfer.models.traits import Float32Params
 
 # DeepSeek's release names -> transformers' (transformers' conversion_mapping.py, "deepseek_v4")
 _RELEASE_NAMES = ((re.compile(r"^hc_head_(fn|base|scale)$"), r"hc_head.hc_\1"),
@@ -103,7 +104,7 @@ def sinkhorn(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
 def collapse_gates(logits: torch.Tensor, streams: torch.Tensor, scale: torch.Tensor,
                    base: torch.Tensor, iters: int, eps: float
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The reference of ModelOps.hyper_collapse: gate logits float32 [T, (2+N)N] (pre, post,
+    """The reference of DeepSeekV4Ops.hyper_collapse: gate logits float32 [T, (2+N)N] (pre, post,
     comb) -> (the block's input sum_j pre_j * streams_j [T, H] in the streams' dtype, post
     [T, N], comb [T, N, N]), transformers lines 971-995."""
     n = streams.shape[1]
@@ -118,7 +119,7 @@ def collapse_gates(logits: torch.Tensor, streams: torch.Tensor, scale: torch.Ten
 
 def update_streams(streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
                    block_output: torch.Tensor) -> torch.Tensor:
-    """The reference of ModelOps.hyper_update: new streams [T, N, H], post[k] * block_output +
+    """The reference of DeepSeekV4Ops.hyper_update: new streams [T, N, H], post[k] * block_output +
     sum_j comb[j, k] * streams[j], the gates rounded to the streams' dtype and the mix run in
     that dtype, as transformers' decoder layer does (lines 1188-1199)."""
     dtype = streams.dtype
@@ -132,7 +133,7 @@ def weighted_sum(pre: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
     return (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
 
 
-class _StreamGates(nn.Module):
+class _StreamGates(Float32Params, nn.Module):
     """The part both mHC modules share: gate logits from the RMS-normed, flattened streams."""
 
     def __init__(self, dims: HyperDims, ops: ModelOps) -> None:

@@ -32,6 +32,7 @@ its cast); the rope tables are recomputed in float32 by init_buffers.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Iterable, Iterator
 
 import torch
@@ -48,11 +49,14 @@ from deepinfer.models.deepseek_v4.compressor import (Compressor, layer_cache_ent
                                                      layer_state_numel)
 from deepinfer.models.deepseek_v4.hyper import HyperDims, HyperHead, expand, init_hyper_buffers
 from deepinfer.models.deepseek_v4.moe_names import moe_tensors
+from deepinfer.models.deepseek_v4.ops import DeepSeekV4Ops
 from deepinfer.models.deepseek_v4.mtp import OWN_NAMES, V4MTP
 from deepinfer.models.deepseek_v4.rewind import DraftRewind
 from deepinfer.models.moe.configs import deepseek_v4_moe, moe_runtime
 from deepinfer.models.moe.layer import MoEBlock
+from deepinfer.models.moe.ops import MoEOps
 from deepinfer.models.ops import ModelOps
+from deepinfer.models.traits import ModelTraits
 from deepinfer.models.weights import Embedding, Target, load_mapped
 
 PAGE_MULTIPLE = 128
@@ -83,12 +87,11 @@ def placements(config: PretrainedConfig) -> list[Placement]:
 
 class DeepseekV4ForCausalLM(nn.Module):
     # Its data path (cache.py) reads every KV group's tables and the state slots from the step
-    # metadata: backends hand it their grouped metadata.
-    reads_group_meta = True
-    # Its decode step reads device tensors only (cache.DECODE_FIELDS; the compressors step
-    # every sequence at once, decode_compress.py): a CUDA graph can hold it.
-    graph_decode = True
-    has_mtp_draft = True  # the runner may build it with mtp=True (speculative decoding)
+    # metadata; its decode step reads device tensors only (cache.DECODE_FIELDS; the
+    # compressors step every sequence at once, decode_compress.py); the compressors' carry-over
+    # lives in the state slots.
+    traits = ModelTraits(ops=(MoEOps, DeepSeekV4Ops), mtp_draft=True, stateful=True,
+                         reads_group_meta=True, graph_decode=True)
 
     def __init__(self, config: PretrainedConfig, ops: ModelOps, max_model_len: int,
                  mtp: bool = False) -> None:
@@ -110,6 +113,9 @@ class DeepseekV4ForCausalLM(nn.Module):
         windows = num_layers + sum(t != SLIDING for t in config.layer_types)
         self.mtp = V4MTP(config, ops, windows) if mtp else None
         self.rewind = DraftRewind.of(self.layers)
+        # rewind_carry undoes what at most this many rejected drafts overwrote.
+        self.traits = dataclasses.replace(type(self).traits,
+                                          max_speculative_tokens=self.rewind.max_drafts)
         _keep_float32(self)
         for module in self.modules():  # rope and norms through the backend's kernels
             if isinstance(module, UsesOps):
@@ -180,11 +186,6 @@ class DeepseekV4ForCausalLM(nn.Module):
 
     def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self._head(self.mtp.head_input(self._streams(hidden)))
-
-    @property
-    def max_speculative_tokens(self) -> int | None:
-        """Drafts a verify step may hold so that rewind_carry can undo the rejected ones."""
-        return self.rewind.max_drafts
 
     def save_carry(self, state_slots: list[int]) -> torch.Tensor | None:
         """Before a verify step: what rejected drafts may overwrite (rewind.py)."""

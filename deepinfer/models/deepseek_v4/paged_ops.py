@@ -1,8 +1,8 @@
 """DeepSeek-V4's decode-step ops over paged storage, and their references.
 
 A decode step has one query per sequence, so its attention and its indexer's selection batch
-over sequences: `ModelOps.compressed_decode_attention` and `ModelOps.indexer_topk` (models/
-ops.py) take the paged tensors plus each sequence's block table, and a backend with kernels
+over sequences: `DeepSeekV4Ops.compressed_decode_attention` and `DeepSeekV4Ops.indexer_topk`
+(ops.py) take the paged tensors plus each sequence's block table, and a backend with kernels
 (CUDA) reads the pages itself. The references here gather each sequence's rows and run the
 model's own torch math (attention.attend, compressor.select_topk), so every backend computes
 what transformers does.
@@ -60,7 +60,7 @@ class PagedRows:
 
 @dataclass(frozen=True)
 class DecodeTarget:
-    """Where one compressor reads and writes at a decode step (ModelOps.compressor_decode):
+    """Where one compressor reads and writes at a decode step (DeepSeekV4Ops.compressor_decode):
     the state slots, the entry tensor it fills and, on CSA layers, the page-end carry-over."""
 
     states: torch.Tensor  # [num_slots, numel] every slot's state, in the model's dtype

@@ -12,7 +12,8 @@ def moe_runtime(moe: MoEDims | None, sparse: tuple[bool, ...], ops) -> ExpertRun
     """The runtime a model's MoE layers share, placed over the ranks ops.parallel names."""
     if moe is None or not any(sparse):
         return None
-    return ExpertRuntime(sum(sparse), moe.router.num_experts, getattr(ops, "parallel", None),
+    parallel = None if ops is None else ops.parallel  # None: built for its KV spec alone
+    return ExpertRuntime(sum(sparse), moe.router.num_experts, parallel,
                          moe.router.num_groups)
 
 

@@ -1,4 +1,4 @@
-"""The expert computation, reference definition (ModelOps.fused_experts calls it): every token
+"""The expert computation, reference definition (MoEOps.fused_experts calls it): every token
 through its k experts' gated MLPs, weighted and summed.
 
 Weights are stacked per expert slot: w13 [S, 2F, H] (gate rows, then up rows) and w2 [S, H, F].

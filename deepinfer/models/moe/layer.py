@@ -24,6 +24,7 @@ from deepinfer.models.moe.routing import RouterSpec
 from deepinfer.models.moe.runtime import ExpertRuntime
 from deepinfer.models.ops import ModelOps
 from deepinfer.models.quant.packed import FP8Experts
+from deepinfer.models.traits import Float32Params
 from deepinfer.models.weights import SlotRows, Target
 
 # checkpoint projection -> (our stacked weight, which half of w13: 0 gate, 1 up; None: w2)
@@ -61,7 +62,7 @@ class ClampedSharedExperts(GatedMLP):
                           self.down_proj.bias)
 
 
-class MoEBlock(nn.Module):
+class MoEBlock(Float32Params, nn.Module):
     # Stacked expert weights a checkpoint's FP8 experts (or --quantization fp8) keep packed
     # (quant/plan.py): w13 and w2 are then FP8Experts modules, passed to ops the same way.
     packable_experts = ("w13", "w2")

@@ -1,5 +1,5 @@
 """Router scores -> the top-k experts of each token and their weights: the reference definition
-(ModelOps.route calls it; a backend may fuse it).
+(MoEOps.route calls it; a backend may fuse it).
 
 Three families of routers, one function:
 - softmax then top-k (Mixtral; Qwen3-MoE, whose `norm_topk_prob` renormalises the k weights);

@@ -18,6 +18,7 @@ from deepinfer.core.accelerator import ParallelContext
 from deepinfer.models.moe.eplb import Placement, imbalance, rebalance
 from deepinfer.models.moe.exchange import (AllGatherExchange, AllToAllExchange, Compute,
                                            all_gather)
+from deepinfer.models.moe.ops import MoEOps
 from deepinfer.models.moe.routing import RouteCounts
 
 # Agreed step sizes (tokens per rank) from which MoE layers exchange routes all-to-all rather
@@ -131,9 +132,10 @@ class ExpertRuntime:
         every step runs the same static path; all-to-all is then never used (its split sizes
         depend on the routes)."""
         if not self.blocks:
-            make = getattr(block.ops, "expert_exchange", None)
-            exchange = None if make is None else make(self.group, self.rank, self.num_ranks,
-                                                      self.slots_per_rank)
+            ops = block.ops  # None where the model is built for its KV spec alone
+            exchange = ops.expert_exchange(self.group, self.rank, self.num_ranks,
+                                           self.slots_per_rank) \
+                if isinstance(ops, MoEOps) else None
             if exchange is not None:
                 self.static_exchange = exchange
                 if self.num_ranks > 1:  # agree() and needs_collectives read self.exchange

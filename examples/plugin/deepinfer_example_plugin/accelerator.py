@@ -1,10 +1,10 @@
 """The backend itself: a plain `Accelerator` subclass, written the way a third-party backend
-starts. The shared torch runner (`deepinfer.backends.runner.TorchRunner`) loads the checkpoint
-into DeepInfer's model for its architecture, sizes and allocates the KV pool from the model's
-KV spec, runs the forward pass and samples. The backend brings the ops the model calls and the
-attention metadata those ops read. Here they are DeepInfer's reference torch ops
-(`CPUOps`, `CPUAttentionMeta`), so it runs on the host CPU; a device backend puts its own
-kernels and metadata in their place and keeps the rest.
+starts. The shared torch runner (`deepinfer.backends.torch.runner.TorchRunner`) loads the
+checkpoint into DeepInfer's model for its architecture, sizes and allocates the KV pool from
+the model's KV spec, runs the forward pass and samples. The backend brings the ops the model
+calls (ops.py: `ExampleOps`, over DeepInfer's reference torch ops) and the attention metadata
+those ops read (`PagedAttentionMeta`), so it runs on the host CPU; a device backend puts its
+own kernels and metadata in their place and keeps the rest.
 
 It counts the steps and tokens it executes, and implements HiCache's host page copy.
 """
@@ -15,13 +15,13 @@ from typing import Sequence
 
 import torch
 
-from deepinfer.backends.cpu.attention import CPUAttentionMeta
-from deepinfer.backends.cpu.ops import CPUOps
-from deepinfer.backends.runner import TorchRunner
+from deepinfer.backends.torch.attention import PagedAttentionMeta
+from deepinfer.backends.torch.runner import TorchRunner
 from deepinfer.core.accelerator import (Accelerator, Capabilities, HostPoolLayout, MemoryStats,
                                         ModelInfo, ParallelContext)
 from deepinfer.core.batch import ModelBatch, SamplerOutput
 from deepinfer.core.config import CacheConfig, EngineConfig, ModelSpec
+from deepinfer_example_plugin.ops import ExampleOps
 
 GIB = 1 << 30
 
@@ -32,8 +32,9 @@ class CountingAccelerator(Accelerator):
                                 dtypes=("float32", "bfloat16"))
 
     def __init__(self) -> None:
-        # The runner calls CPUOps(cache) with its PagedCache: the ops write and read KV there.
-        self.runner = TorchRunner("cpu", self.capabilities, CPUOps)
+        # The runner calls ExampleOps(cache) with its PagedCache: the ops write and read KV
+        # there. A model that needs an op family ExampleOps lacks is refused at load.
+        self.runner = TorchRunner("cpu", self.capabilities, ExampleOps, backend=self.name)
         self.host_pages: torch.Tensor | None = None
         self.steps = 0
         self.tokens = 0
@@ -71,7 +72,7 @@ class CountingAccelerator(Accelerator):
         self.tokens += batch.num_tokens
         # Per KV group: slots to write, block tables to read (null block 0 where a sliding
         # window freed blocks), the window itself.
-        meta = CPUAttentionMeta.from_batch(batch, self.runner.cache.spec)
+        meta = PagedAttentionMeta.from_batch(batch, self.runner.cache)
         # MoE models: agree on the step's size with the other ranks, count real tokens only.
         self.runner.begin_step(batch.num_tokens, batch.num_real_tokens)
         hidden = self.runner.forward(torch.tensor(batch.input_ids, dtype=torch.long),

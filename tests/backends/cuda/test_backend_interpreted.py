@@ -114,7 +114,7 @@ def test_short_chunks_of_one_sequence_run_the_prefill_graphs(tmp_path, monkeypat
                           cache=CacheConfig(block_size=16, num_blocks=32),
                           scheduler=SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4))
     engine = Engine(config, accelerator=_interpreted_cls()(), load_tokenizer=False)
-    engine.accelerator.capture_graphs(16)
+    engine.accelerator.record_graphs()
     assert engine.accelerator.prefill_graphs.buckets == (16, 32, 64)
     chunks = []
     run = PrefillGraphs.run
@@ -148,7 +148,7 @@ def test_prompt_logprobs_run_eagerly_and_equal_transformers(tmp_path, monkeypatc
                           cache=CacheConfig(block_size=16, num_blocks=32),
                           scheduler=SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4))
     engine = Engine(config, accelerator=_interpreted_cls()(), load_tokenizer=False)
-    engine.accelerator.capture_graphs(16)
+    engine.accelerator.record_graphs()
     graphed = []
     run = PrefillGraphs.run
     monkeypatch.setattr(PrefillGraphs, "run",
@@ -222,13 +222,14 @@ def test_decode_rows_equal_eager_inputs(tmp_path):
         s.computed, s.outputs = len(s.prompt), [7]
     batch = build_batch([Chunk(s) for s in seqs])
     eager = acc.forward_logits(batch)
-    graphs = DecodeGraphs(4, DecodeRows(8, lambda b: 2), torch.device("cpu"))  # two padding rows
+    # Two padding rows.
+    graphs = DecodeGraphs(4, DecodeRows(8, BLOCK_SIZE, lambda b: 2), torch.device("cpu"))
     graphs.tokens[:3] = torch.tensor([5, 7, 9])  # the step in flight sampled 7 for seq 1
     in_flight = InputsFromLastStep(token_indices=[1], rows=[1], source=None)
     batch_ids = list(batch.input_ids)
     pending = dataclasses.replace(batch, input_ids=[batch_ids[0], 0], from_last_step=in_flight)
     rows = graphs.host_rows[0].numpy()
-    fill_decode_rows(rows, pending)
+    fill_decode_rows(rows, pending, BLOCK_SIZE)
     graphs.rows.copy_(graphs.host_rows[0])
     with torch.inference_mode():
         forward = lambda inputs, n: acc.model.compute_logits(acc._forward(inputs))  # noqa: E731
@@ -312,7 +313,7 @@ def test_warm_up_runs_every_chunk_class_and_leaves_the_pool_clean(tmp_path, monk
         (inputs.positions[0].item(), inputs.positions.numel())) or forward(inputs))
     for _, tensor in acc.cache.chunk_tensors():
         tensor.fill_(1.0)
-    acc.warm_up(16)
+    acc.warm_up_kernels()
     splits = [step for context in split_warmup_contexts(acc.max_model_len)  # a chunk alone,
               for step in ((context - SMALL_CHUNKS, SMALL_CHUNKS),  # then behind a decode
                            (context - 1, 1 + SMALL_CHUNKS))]

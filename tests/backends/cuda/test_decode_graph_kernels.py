@@ -65,7 +65,7 @@ def test_unpack_takes_ids_from_the_step_in_flight() -> None:
     last = InputsFromLastStep(token_indices=[1, 2], rows=[3, 0], source=None)
     batch = _decode_batch(last)
     rows = np.full((4, DECODE_COLS + 5), 99, dtype=np.int64)
-    fill_decode_rows(rows, batch)
+    fill_decode_rows(rows, batch, batch.block_size)
     assert rows[:, SRC_COL].tolist() == [-1, 3, 0, -1]
     last_ids = torch.tensor([40, 41, 42, 43], device=DEVICE)
     inputs = decode_inputs(torch.from_numpy(rows).to(DEVICE), last_ids, num_splits=2)

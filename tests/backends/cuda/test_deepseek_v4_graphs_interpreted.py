@@ -44,7 +44,7 @@ def graph_engine(checkpoint):
         # Two context classes: the steps while every sequence is within its first page
         # (<= 128 tokens) in the short one, the rest in the full one.
         mp.setattr(accelerator, "CONTEXT_CLASSES", (128,))
-        engine.accelerator.capture_graphs(128)
+        engine.accelerator.record_graphs()
     yield engine
     engine.shutdown()
 
@@ -125,7 +125,7 @@ def test_mtp_graph_path_matches_transformers(checkpoint, reference, short_prompt
     acc = engine.accelerator
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(accelerator, "CONTEXT_CLASSES", (160,))
-        acc.capture_graphs(128)
+        acc.record_graphs()
     runs = {name: [] for name in ("verify", "draft", "step")}
     for name, calls in runs.items():
         graphs = getattr(acc.speculator, name)

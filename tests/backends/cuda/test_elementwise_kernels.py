@@ -13,7 +13,7 @@ import pytest
 import torch
 from bf16_rounding import rtne_bf16
 
-from deepinfer.backends.cpu import ops
+from deepinfer.backends.torch import ops
 from deepinfer.backends.cuda.kernels.activation import silu_and_mul
 from deepinfer.backends.cuda.kernels.kv_write import store_kv
 from deepinfer.backends.cuda.kernels.norm import add_rms_norm, rms_norm

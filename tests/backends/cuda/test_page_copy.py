@@ -337,7 +337,7 @@ def test_chunk_subset_tables_keep_each_chunks_offset_and_group():
 
 
 def _cpu_cache(num_blocks: int, seed: int):
-    from deepinfer.backends.paged_cache import PagedCache
+    from deepinfer.backends.torch.paged_cache import PagedCache
 
     cache = PagedCache()
     cache.spec = _two_group_spec()
@@ -355,7 +355,7 @@ def _blocks_of(t: torch.Tensor, num_blocks: int) -> torch.Tensor:
 def test_reference_copy_skips_null_like_the_cpu_host_pool():
     """copy_reference(skip_null=True) moves the bytes the CPU backend's host pool moves (the
     reference implementation of host_copy_skips_null): same pages, byte for byte."""
-    from deepinfer.backends.cpu.host_pool import CPUHostPool
+    from deepinfer.backends.torch.host_pool import CPUHostPool
 
     cache = _cpu_cache(6, seed=11)
     tensors = [t for _, t in cache.chunk_tensors()]

@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-from deepinfer.backends.speculative import MTPSpeculator
+from deepinfer.backends.torch.speculative import MTPSpeculator
 from deepinfer.core.config import CacheConfig, EngineConfig, ModelSpec, SchedulerConfig
 from deepinfer.core.engine import Engine
 from deepinfer.core.sampling import SamplingParams
@@ -87,7 +87,7 @@ def test_greedy_equals_plain_decoding(mtp_path, plain, k):
     eager.shutdown()
     graphed = _engine(mtp_path, k)
     if graphed.accelerator.graphs is None:
-        graphed.accelerator.capture_graphs(16)
+        graphed.accelerator.record_graphs()
     assert _run(graphed, _prompts(LENGTHS, seed=1)) == plain
     assert _stats(graphed) == _stats(eager)
     assert graphed.kv.num_request_blocks() == 0
@@ -104,7 +104,7 @@ def test_graphs_draft_what_the_draft_layer_predicts(tmp_path):
     path, succ = make_successor_model(str(tmp_path / "successor"), DIMS)
     engine = _engine(path, 3)  # two draft steps: each reads the one before on the device
     if engine.accelerator.graphs is None:
-        engine.accelerator.capture_graphs(16)
+        engine.accelerator.record_graphs()
     prompt = [3, 9, 4]
     (out,) = _run(engine, [prompt])
     chain = [succ[prompt[-1]]]
@@ -125,7 +125,7 @@ def test_seeded_sampling_through_the_graphs_equals_eager_steps(mtp_path):
     for graphs in (False, True):
         engine = _engine(mtp_path, 2)
         if graphs and engine.accelerator.graphs is None:
-            engine.accelerator.capture_graphs(16)
+            engine.accelerator.record_graphs()
         if not graphs and engine.accelerator.graphs is not None:
             engine.accelerator.speculator = MTPSpeculator(engine.accelerator.runner,
                                                           engine.accelerator._step_meta)

@@ -18,7 +18,7 @@ from deepinfer.backends.neuron.moe import (CAPACITY_ENV, DEFAULT_CAPACITY_FACTOR
                                            capacity_factor, capacity_for, dense_experts,
                                            expert_counts, grouped_experts, pack_routes,
                                            unpack_routes)
-from deepinfer.backends.runner import TorchRunner
+from deepinfer.backends.torch.runner import TorchRunner
 from deepinfer.core.batch import GroupBatch, ModelBatch
 from deepinfer.core.config import CacheConfig, EngineConfig, ModelSpec, SchedulerConfig
 from deepinfer.core.engine import Engine

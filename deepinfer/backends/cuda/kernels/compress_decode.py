@@ -1,4 +1,4 @@
-"""One DeepSeek-V4 compressor's decode step in one kernel (ModelOps.compressor_decode; the
+"""One DeepSeek-V4 compressor's decode step in one kernel (DeepSeekV4Ops.compressor_decode; the
 reference is models/deepseek_v4/decode_compress.py).
 
 One program per sequence reads its token's projected kv/gate rows and position. A token that
@@ -183,7 +183,7 @@ def _carry(kv_tail, gate_tail, kv_new, gate_new, page, to_page, RATE: tl.constex
 
 def compress_decode(comp, kv: torch.Tensor, gate: torch.Tensor, positions: torch.Tensor,
                     target: DecodeTarget) -> None:
-    """ModelOps.compressor_decode for a models/deepseek_v4 Compressor on Triton."""
+    """DeepSeekV4Ops.compressor_decode for a models/deepseek_v4 Compressor on Triton."""
     batch = kv.shape[0]
     if batch == 0:
         return

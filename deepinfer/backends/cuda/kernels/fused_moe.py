@@ -1,5 +1,5 @@
 """Fused MoE experts: every route (token, choice) through its expert's gated MLP, weighted and
-summed over the k choices, as ModelOps.fused_experts defines it.
+summed over the k choices, as MoEOps.fused_experts defines it.
 
     fused_experts(x [T, H], w13 [S, 2F, H], w2 [S, H, F], weights [T, k], slots [T, k]) -> [T, H]
 

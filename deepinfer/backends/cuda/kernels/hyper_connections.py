@@ -1,5 +1,5 @@
 """DeepSeek-V4's hyper-connections (mHC) in two kernels: the collapse before each block and
-the update after it (ModelOps.hyper_collapse / hyper_update; the references are in
+the update after it (DeepSeekV4Ops.hyper_collapse / hyper_update; the references are in
 models/deepseek_v4/hyper.py).
 
 Collapse, per token: the pre / post / comb gates from their float32 logits (sigmoid of
@@ -74,7 +74,7 @@ def _collapse_kernel(Logits, Scale, Base, Streams, X, Post, Comb, tokens, hidden
 def hyper_collapse(logits: torch.Tensor, streams: torch.Tensor, scale: torch.Tensor,
                    base: torch.Tensor, iters: int, eps: float
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """ModelOps.hyper_collapse in one launch: logits float32 [T, (2+N)N], streams [T, N, H]
+    """DeepSeekV4Ops.hyper_collapse in one launch: logits float32 [T, (2+N)N], streams [T, N, H]
     -> (input [T, H] in the streams' dtype, post [T, N], comb [T, N, N] float32)."""
     tokens, n, hidden = streams.shape
     if logits.shape != (tokens, (2 + n) * n) or logits.dtype != torch.float32:
@@ -121,7 +121,7 @@ def _update_kernel(Streams, Post, Comb, Out, New, tokens, hidden, stride_st, str
 
 def hyper_update(streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
                  block_output: torch.Tensor) -> torch.Tensor:
-    """ModelOps.hyper_update in one launch: a new [T, N, H] tensor of streams."""
+    """DeepSeekV4Ops.hyper_update in one launch: a new [T, N, H] tensor of streams."""
     tokens, n, hidden = streams.shape
     if block_output.shape != (tokens, hidden) or block_output.dtype != streams.dtype:
         raise ValueError(f"block_output must be [{tokens}, {hidden}] {streams.dtype}, got "

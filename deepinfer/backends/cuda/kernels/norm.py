@@ -3,7 +3,7 @@
 One program normalizes every row of one token: x is [T, H] (one row a token) or [T, heads, D]
 (Qwen3's per-head q/k norm, one row a head; x is then a strided view of a fused qkv output). The
 rows of a token form a [BLOCK_H, BLOCK_D] tile held in registers, so each element is read and
-written once. Numerics follow deepinfer.backends.cpu.ops: the residual sum is rounded to x.dtype
+written once. Numerics follow deepinfer.backends.torch.ops: the residual sum is rounded to x.dtype
 before the norm reads it, statistics are fp32, and the normalized value is rounded to x.dtype
 before the weight multiplies it. DeepSeek-V4's norms (`v4_rms_norm`, models/deepseek_v4/
 attention.py) round differently: the float32 weight multiplies the float32 normalized value

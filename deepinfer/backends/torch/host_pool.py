@@ -1,4 +1,5 @@
-"""HiCache's host pages on the CPU backend: plain memory (nothing to pin), page-first.
+"""HiCache's host pages of a KV pool that lives in host memory (the CPU backend's): plain
+memory (nothing to pin), page-first.
 
 Layout [num_pages, page_numel]: a page is one contiguous run of every chunk of the KV spec
 (every layer's entries of one block, group by group), so a device-side backend would move it
@@ -12,7 +13,7 @@ from typing import Sequence
 
 import torch
 
-from deepinfer.backends.paged_cache import PagedCache
+from deepinfer.backends.torch.paged_cache import PagedCache
 from deepinfer.core.kv.block_pool import NULL_BLOCK_ID
 
 

@@ -1,23 +1,19 @@
-"""Paged attention on the CPU: entries written by slot, read back through block tables.
+"""Paged attention in plain torch: entries written by slot, read back through block tables.
 
-Each layer's cache entries are flat tensors [num_blocks * block_size, ...] (backends/
-paged_cache.py), so a slot id (block * block_size + offset) indexes a token's entry directly.
+Each layer's cache entries are flat tensors [num_blocks * block_size, ...] (paged_cache.py),
+so a slot id (block * block_size + offset) indexes a token's entry directly.
 Metadata is built once per step and KV group; a sliding-window group gathers only the keys its
 window can see (its table holds the null block before them).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from deepinfer.backends.cpu.kernels import fusable
+from deepinfer.backends.torch.paged_cache import PagedCache
 from deepinfer.core.batch import GroupBatch, ModelBatch
-from deepinfer.core.kv.spec import KVSpec
-
-Rotary = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (positions, cos, sin)
 
 @dataclass
 class GroupMeta:
@@ -34,7 +30,7 @@ class GroupMeta:
 
 
 @dataclass
-class CPUAttentionMeta:
+class PagedAttentionMeta:
     query_starts: list[int]
     query_lens: list[int]
     seq_lens: list[int]
@@ -44,19 +40,21 @@ class CPUAttentionMeta:
     tokens_per_seq: int = 1  # decode rows in runs of one sequence (ModelBatch.tokens_per_seq)
 
     @classmethod
-    def from_batch(cls, batch: ModelBatch, spec: KVSpec) -> "CPUAttentionMeta":
+    def from_batch(cls, batch: ModelBatch, cache: PagedCache) -> "PagedAttentionMeta":
+        """The step's metadata over the cache's KV spec and block size."""
+        spec = cache.spec
         starts = [0]
         for q in batch.query_lens[:-1]:
             starts.append(starts[-1] + q)
-        groups = [_group_meta(g, batch, kv.sliding_window)
+        groups = [_group_meta(g, batch, kv.sliding_window, cache.block_size)
                   for g, kv in zip(batch.groups, spec.groups)]
         group_of = {layer: g.index for g in spec.groups for layer in g.layers}
         return cls(starts, list(batch.query_lens), list(batch.seq_lens), groups, group_of,
                    list(batch.state_slots), batch.tokens_per_seq)
 
 
-def _group_meta(group: GroupBatch, batch: ModelBatch, window: int | None) -> GroupMeta:
-    bs = batch.block_size
+def _group_meta(group: GroupBatch, batch: ModelBatch, window: int | None,
+                bs: int) -> GroupMeta:
     key_starts, context = [], []
     for table, qlen, seq_len in zip(group.block_tables, batch.query_lens, batch.seq_lens):
         first_query = seq_len - qlen
@@ -89,49 +87,32 @@ def _padded(context: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, to
     return slots, mask, lens
 
 
-class CPUPagedAttention:
-    """Attention of one layer over its paged entries: K/V layers and MLA latent layers.
-    `kernels` (the C++ extension, or None) runs float32 K/V decode steps in one call."""
-
-    def __init__(self, kernels: Any = None) -> None:
-        self.kernels = kernels
-
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: CPUAttentionMeta, layer: int,
-                scale: float | None = None, rotary: Rotary | None = None) -> torch.Tensor:
-        """rotary: (positions, cos, sin) to rotate q and k with first, in place (the C++
-        kernels, which take q and k whole then)."""
-        g = meta.groups[meta.group_of[layer]]
-        if g.decode_slots is not None and fusable(self.kernels, k_cache, v_cache) and \
-                q.dtype == k.dtype == v.dtype == torch.float32:
-            scale = q.shape[-1] ** -0.5 if scale is None else scale
-            if rotary is not None:
-                return self.kernels.rotary_decode_attention(
-                    q, k, v, *rotary, k_cache, v_cache, g.slot_mapping, g.decode_slots,
-                    g.decode_lens, scale)
-            return self.kernels.decode_attention(q.contiguous(), k, v, k_cache, v_cache,
-                                                 g.slot_mapping, g.decode_slots,
-                                                 g.decode_lens, scale)
-        if rotary is not None:
-            self.kernels.rotary(q, k, *rotary)
-        k_cache.index_copy_(0, g.slot_mapping, k)
-        v_cache.index_copy_(0, g.slot_mapping, v)
-        return _attend(q, k, v, k_cache, v_cache, g, meta, scale)
-
-    def latent(self, q: torch.Tensor, latent: torch.Tensor, cache: torch.Tensor,
-               meta: CPUAttentionMeta, layer: int, value_dim: int, scale: float) -> torch.Tensor:
-        """MLA, weight-absorbed: every head attends one shared latent per token (keys: all of
-        it, values: its first value_dim dims), written once and read twice."""
-        g = meta.groups[meta.group_of[layer]]
-        cache.index_copy_(0, g.slot_mapping, latent)
-        keys, fresh = cache.unsqueeze(1), latent.unsqueeze(1)
-        return _attend(q, fresh, fresh[..., :value_dim], keys, keys[..., :value_dim], g, meta,
-                       scale)
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                    v_cache: torch.Tensor, meta: PagedAttentionMeta, layer: int,
+                    scale: float | None = None) -> torch.Tensor:
+    """Write k, v into the layer's caches at the step's slots, then attend q causally over each
+    sequence's visible keys."""
+    g = meta.groups[meta.group_of[layer]]
+    k_cache.index_copy_(0, g.slot_mapping, k)
+    v_cache.index_copy_(0, g.slot_mapping, v)
+    return attend_cached(q, k, v, k_cache, v_cache, g, meta, scale)
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-            v_cache: torch.Tensor, g: GroupMeta, meta: CPUAttentionMeta,
-            scale: float | None) -> torch.Tensor:
+def latent_attention(q: torch.Tensor, latent: torch.Tensor, cache: torch.Tensor,
+                     meta: PagedAttentionMeta, layer: int, value_dim: int,
+                     scale: float) -> torch.Tensor:
+    """MLA, weight-absorbed: every head attends one shared latent per token (keys: all of it,
+    values: its first value_dim dims), written once and read twice."""
+    g = meta.groups[meta.group_of[layer]]
+    cache.index_copy_(0, g.slot_mapping, latent)
+    keys, fresh = cache.unsqueeze(1), latent.unsqueeze(1)
+    return attend_cached(q, fresh, fresh[..., :value_dim], keys, keys[..., :value_dim], g, meta,
+                         scale)
+
+
+def attend_cached(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                  v_cache: torch.Tensor, g: GroupMeta, meta: PagedAttentionMeta,
+                  scale: float | None) -> torch.Tensor:
     """Attention over caches that already hold this step's entries."""
     if g.decode_slots is not None:
         return _decode(q, k_cache, v_cache, g, scale)

@@ -9,17 +9,19 @@ from typing import Any, Callable
 
 import torch
 
-from deepinfer.backends.paged_cache import PagedCache
+from deepinfer.backends.torch.paged_cache import PagedCache
 from deepinfer.core.accelerator import Capabilities, MemoryStats, ModelInfo, ParallelContext
 from deepinfer.core.batch import ModelBatch, SamplerOutput, SamplingRow, TokenLogprobs
 from deepinfer.core.config import CacheConfig, ModelSpec
 from deepinfer.core.sampler import Sampler, score_tokens
 from deepinfer.models import hf_config
+from deepinfer.models.moe.runtime import ExpertRuntime
 from deepinfer.models.ops import ModelOps
 from deepinfer.models.quant.packed import gguf_block_kinds
 from deepinfer.models.quant.plan import apply_plan, cast_unpacked, plan_packed
 from deepinfer.models.quant.source import checkpoint_source
 from deepinfer.models.registry import model_class
+from deepinfer.models.traits import Float32Params, ModelTraits, missing_ops
 from deepinfer.models.weights import init_dummy_weights
 
 # Scored prompt positions go through the lm_head this many at a time: a long chunk's float32
@@ -45,17 +47,26 @@ def resolve_dtype(requested: str, checkpoint: str, supported: tuple[str, ...]) -
 
 
 def _restore_float32(model: torch.nn.Module) -> None:
-    """Parameters a module keeps in float32 whatever the model's dtype (`fp32_params`)."""
+    """Parameters a module keeps in float32 whatever the model's dtype (Float32Params)."""
     for module in model.modules():
-        for name in getattr(module, "fp32_params", ()):
-            param = getattr(module, name, None)
-            if param is not None:
-                param.data = param.data.float()
+        if isinstance(module, Float32Params):
+            params = dict(module.named_parameters(recurse=False))
+            for name in module.fp32_params:
+                if name in params:  # an optional parameter may be absent
+                    params[name].data = params[name].data.float()
 
 
-def _check_draft_count(model: torch.nn.Module, count: int) -> None:
+def check_ops(architecture: str, traits: ModelTraits, ops: ModelOps, backend: str) -> None:
+    """Refuse a model whose op mixins (ModelTraits.ops) the backend's ops do not inherit."""
+    missing = missing_ops(traits, ops)
+    if missing:
+        raise ValueError(f"{architecture} needs {missing[0].__name__}, which backend "
+                         f"{backend!r} does not provide")
+
+
+def _check_draft_count(traits: ModelTraits, count: int) -> None:
     """A model whose state a verify step can only undo for so many drafts says how many."""
-    limit = getattr(model, "max_speculative_tokens", None) if count else None
+    limit = traits.max_speculative_tokens if count else None
     if limit is not None and count > limit:
         raise ValueError(f"this model verifies at most {limit} speculative tokens a step; "
                          f"num_speculative_tokens is {count}")
@@ -63,9 +74,12 @@ def _check_draft_count(model: torch.nn.Module, count: int) -> None:
 
 class TorchRunner:
     def __init__(self, device: torch.device | str, capabilities: Capabilities,
-                 make_ops: Callable[[PagedCache], ModelOps], seed: int = 0) -> None:
+                 make_ops: Callable[[PagedCache], ModelOps], seed: int = 0,
+                 backend: str | None = None) -> None:
         self.device = torch.device(device)
         self.capabilities = capabilities
+        # The name load errors give the backend (Accelerator.name); the device type by default.
+        self.backend = backend or self.device.type
         self.cache = PagedCache()
         self.ops = make_ops(self.cache)
         self.seed = seed
@@ -89,7 +103,8 @@ class TorchRunner:
         arch = hf_config.architecture(config)
         with torch.device("meta"):
             model = model_class(arch)(config, self.ops, max_len, **self._draft_options(arch))
-        _check_draft_count(model, self.num_speculative_tokens)
+        check_ops(arch, model.traits, self.ops, self.backend)
+        _check_draft_count(model.traits, self.num_speculative_tokens)
         source = checkpoint_source(spec.path, config, spec.quantization, self.ops.packed_kinds)
         dummy = spec.load_format == "dummy"
         self.packed = plan_packed(model, {} if dummy else source.kinds(), model.checkpoint_target,
@@ -112,18 +127,18 @@ class TorchRunner:
             vocab_size=config.vocab_size, eos_token_ids=hf_config.eos_token_ids(config, spec.path),
             max_model_len=max_len, kv_spec=self.cache.spec,
             dtype=str(self.dtype).removeprefix("torch."),
-            needs_collectives=bool(getattr(model, "needs_collectives", False)))
+            needs_collectives=self.moe is not None and self.moe.exchange is not None)
         return self.info
 
     def _draft_options(self, arch: str) -> dict[str, Any]:
         """The model's constructor options for speculative decoding: its MTP draft layer."""
         if not self.num_speculative_tokens:
             return {}
-        if not getattr(model_class(arch), "has_mtp_draft", False):
+        if not model_class(arch).traits.mtp_draft:
             raise ValueError(f"speculative decoding drafts with a DeepSeek-V3 or -V4 "
                              f"checkpoint's multi-token-prediction layer; {arch} has none "
                              f"here (set num_speculative_tokens to 0)")
-        parallel = getattr(self.ops, "parallel", None)
+        parallel = self.ops.parallel
         if parallel is not None and parallel.expert_parallel and parallel.world_size > 1:
             raise ValueError("speculative decoding does not run under expert parallel yet "
                              "(its draft steps would need the ranks' lockstep)")
@@ -192,9 +207,9 @@ class TorchRunner:
 
     # ---- MoE -----------------------------------------------------------------------------
     @property
-    def moe(self):
-        """The model's ExpertRuntime, None for dense models."""
-        return getattr(self.model, "moe", None)
+    def moe(self) -> ExpertRuntime | None:
+        """The model's ExpertRuntime, None for dense models (or before one is loaded)."""
+        return None if self.model is None else self.model.moe
 
     def rebind_group(self, parallel: ParallelContext) -> None:
         """The new group of a regroup, for everything that reads ops.parallel or holds the

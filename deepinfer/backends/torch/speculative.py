@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 import torch
 
-from deepinfer.backends.runner import TorchRunner
+from deepinfer.backends.torch.runner import TorchRunner
 from deepinfer.core.batch import GroupBatch, ModelBatch, SampledRow, SamplerOutput
 from deepinfer.core.speculative import accept, as_decode_rows, verify_rows
 from deepinfer.core.transfer import tensor_on
@@ -46,6 +46,11 @@ class MTPSpeculator:
         return SamplerOutput.from_rows([dataclasses.replace(row, proposals=p)
                                         for row, p in zip(rows, proposals)], prompt)
 
+    @property
+    def block_size(self) -> int:
+        """Tokens per block: the KV pool's (PagedCache owns it)."""
+        return self.runner.cache.block_size
+
     def _tensor(self, values: list[int]) -> torch.Tensor:
         return tensor_on(values, self.runner.device)
 
@@ -64,11 +69,11 @@ class MTPSpeculator:
         return [r for r, d in enumerate(batch.spec.draft_token_ids) if d]
 
     def _save_carry(self, batch: ModelBatch) -> Any:
-        save = getattr(self.runner.model, "save_carry", None)
-        if save is None or not batch.state_slots:
+        model = self.runner.model
+        if not model.traits.stateful or not batch.state_slots:
             return None
         seqs = [batch.sample_indices[r] for r in self._drafting(batch)]
-        return save([batch.state_slots[i] for i in seqs])
+        return model.save_carry([batch.state_slots[i] for i in seqs])
 
     def _rewind_carry(self, batch: ModelBatch, rows: list[SampledRow], saved: Any) -> None:
         """Undo what the rejected drafts' positions did to the state slots."""
@@ -98,7 +103,8 @@ class MTPSpeculator:
             active = [r for r, c in enumerate(counts) if c >= j]
             at = [batch.positions[last[r]] + j - 1 for r in active]
             index = self._tensor(active)
-            step = _step_batch(batch, [batch.sample_indices[r] for r in active], at)
+            step = _step_batch(batch, [batch.sample_indices[r] for r in active], at,
+                               self.block_size)
             out = model.draft_forward(tokens[index], self._tensor(at), state[index],
                                       self.make_meta(step))
             state[index], tokens[index] = out, model.draft_logits(out).argmax(dim=-1)
@@ -110,7 +116,7 @@ class MTPSpeculator:
         """Proposals for a row: as asked, while proposal j's draft step (at last_position +
         j - 1) has a slot and the next step can verify it (at last_position + 1 + j)."""
         seq = batch.sample_indices[row]
-        slots = min(len(g.block_tables[seq]) for g in batch.groups) * batch.block_size
+        slots = min(len(g.block_tables[seq]) for g in batch.groups) * self.block_size
         fits = min(slots - last_position, self.runner.info.max_model_len - 2 - last_position)
         return max(0, min(batch.spec.num_proposals[row], fits))
 
@@ -146,12 +152,11 @@ def _last_accepted(batch: ModelBatch, rows: list[SampledRow]) -> list[int]:
             for i, row, d in zip(batch.sample_indices, rows, batch.spec.draft_token_ids)]
 
 
-def _step_batch(batch: ModelBatch, seqs: list[int], positions: list[int],
+def _step_batch(batch: ModelBatch, seqs: list[int], positions: list[int], bs: int,
                 writes: list[bool] | None = None) -> ModelBatch:
     """A one-token-per-sequence step at `positions` of the given sequences, over their
     block tables (a draft-layer step; nothing sampled). A sequence whose `writes` is False
     writes its KV into the null block (slot 0): it runs only to keep a graph's batch whole."""
-    bs = batch.block_size
     writes = writes or [True] * len(seqs)
     groups = tuple(GroupBatch([g.block_tables[i] for i in seqs],
                               [g.block_tables[i][p // bs] * bs + p % bs if w else 0
