@@ -89,7 +89,7 @@ def _install_engine_trace(folder: str) -> None:
 
     # In the API process: when a request's stream starts (parsed, validated, about to be sent
     # to the rank), which splits the request path into HTTP/FastAPI and the hop to the rank.
-    from deepinfer.serve.engine_client import EngineClient
+    from deepinfer.serve.ranks.supervisor import EngineClient
 
     generate = EngineClient.generate
 

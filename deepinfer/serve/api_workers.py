@@ -4,7 +4,7 @@ One API process is a single event loop: at hundreds of streams over several rank
 JSON and SSE work becomes the limit. Each extra process accepts on the listening socket that
 process 0 bound (the kernel hands every connection to one of them), talks to every rank
 directly over sockets of its own (its requests go in on its own input address of each rank, its
-results come back on its own output address: rank_outbox.py) and serves /health and /metrics
+results come back on its own output address: ranks/outbox.py) and serves /health and /metrics
 too. Process 0 alone starts, watches and restarts the ranks; it tells the others what becomes
 of each rank (RankEvent): a rank that dies fails their requests on it as well, and a restarted
 rank is served through the new input addresses its spawn number names. If an API process dies,
@@ -24,10 +24,10 @@ from dataclasses import dataclass
 import zmq
 import zmq.asyncio
 
-from deepinfer.serve.engine_client import EngineClient, events_addr
-from deepinfer.serve.ipc import RankEvent, Ready
-from deepinfer.serve.rank_health import RankState
-from deepinfer.serve.ranks import RankDiedError, RemoteProcess, _Rank
+from deepinfer.serve.ranks.supervisor import EngineClient, events_addr
+from deepinfer.serve.ranks.ipc import RankEvent, Ready
+from deepinfer.serve.ranks.health import RankState
+from deepinfer.serve.ranks.rank import RankDiedError, RemoteProcess, _Rank
 
 log = logging.getLogger("deepinfer.serve")
 PARENT_CHECK_S = 1.0
@@ -144,7 +144,7 @@ async def start_workers(args: argparse.Namespace, model_dir: str, client: Engine
 
 
 async def stop_workers(workers: list[mp.process.BaseProcess], timeout_s: float = 10.0) -> None:
-    """SIGTERM each (it drains its requests and stops: serve/shutdown.py), killed after
+    """SIGTERM each (it drains its requests and stops: serve/api/shutdown.py), killed after
     `timeout_s`."""
     for process in workers:
         if process.is_alive():

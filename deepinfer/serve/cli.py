@@ -21,12 +21,12 @@ from typing import Any, NoReturn, Sequence, TypeAlias
 
 from deepinfer.core.config import (EngineConfig, EngineOption, engine_config_from_options,
                                    engine_options, torchrun_parallel)
-from deepinfer.serve.connections import ConnectionLimits
-from deepinfer.serve.inbox import DEFAULT_STREAM_BACKLOG
-from deepinfer.serve.limits import RequestLimits
-from deepinfer.serve.rank_health import RankHealthConfig
-from deepinfer.serve.stream_pacing import DEFAULT_STREAM_INTERVAL
-from deepinfer.serve.tool_parsers import CHOICES as TOOL_CALL_PARSERS
+from deepinfer.serve.api.connections import ConnectionLimits
+from deepinfer.serve.ranks.inbox import DEFAULT_STREAM_BACKLOG
+from deepinfer.serve.api.limits import RequestLimits
+from deepinfer.serve.ranks.health import RankHealthConfig
+from deepinfer.serve.ranks.stream_pacing import DEFAULT_STREAM_INTERVAL
+from deepinfer.serve.chat.tool_parsers import CHOICES as TOOL_CALL_PARSERS
 
 DEFAULT_GRAMMAR_WORKERS = 2
 _STARTED = time.monotonic()  # this process's start, near enough: for the "ready" log line
@@ -295,8 +295,8 @@ def request_limits(args: argparse.Namespace) -> RequestLimits:
 
 def grammar_pool(args: argparse.Namespace, model_dir: str, ready: Any):
     """The API process's grammar workers, compiling against the ranks' tokenizer facts."""
-    from deepinfer.serve.grammar_pool import GrammarPool
-    from deepinfer.serve.grammar_worker import WorkerSetup
+    from deepinfer.serve.grammar.pool import GrammarPool
+    from deepinfer.serve.grammar.worker import WorkerSetup
 
     setup = WorkerSetup(model_dir, ready.vocab_size, tuple(ready.stop_token_ids),
                         args.trust_remote_code)
@@ -313,7 +313,7 @@ def rank_health(args: argparse.Namespace) -> RankHealthConfig:
 async def serve(args: argparse.Namespace, model_dir: str, listener: socket.socket) -> None:
     """API process 0: the ranks, the other API processes, and its own HTTP server."""
     from deepinfer.serve.api_workers import start_workers, stop_workers
-    from deepinfer.serve.engine_client import EngineClient
+    from deepinfer.serve.ranks.supervisor import EngineClient
     from deepinfer.serve.tokenizer.hf import import_transformers
 
     import_transformers()  # torch-free, before the tokenizer's thread and the ranks start
@@ -375,23 +375,23 @@ async def serve_http(args: argparse.Namespace, model_dir: str, client, ready: li
                      observes_engine: bool = True,
                      on_stop: Callable[[], None] = lambda: None) -> None:
     """This API process's app on the listening socket until a signal stops it (then it
-    drains: serve/shutdown.py; `on_stop` runs as the drain begins)."""
+    drains: serve/api/shutdown.py; `on_stop` runs as the drain begins)."""
     import time
 
     import uvicorn
 
-    from deepinfer.serve.app import ServerState, create_app
-    from deepinfer.serve.body_parse import LargeBodyParser
-    from deepinfer.serve.connections import guarded_protocol
-    from deepinfer.serve.inbox import RequestAborted
-    from deepinfer.serve.shutdown import Drain, GracefulServer
+    from deepinfer.serve.api.app import ServerState, create_app
+    from deepinfer.serve.api.body_parse import LargeBodyParser
+    from deepinfer.serve.api.connections import guarded_protocol
+    from deepinfer.serve.ranks.inbox import RequestAborted
+    from deepinfer.serve.api.shutdown import Drain, GracefulServer
     from deepinfer.serve.heap import freeze_startup_heap
-    from deepinfer.serve.engine_metrics import EngineCollector, cache_config_labels
-    from deepinfer.serve.metrics import ServerMetrics
-    from deepinfer.serve.moe_metrics import MoECollector
-    from deepinfer.serve.request_fields import UnknownFields
-    from deepinfer.serve.rank_metrics import RankCollector
-    from deepinfer.serve.tokenizer_metrics import TokenizerCollector
+    from deepinfer.serve.metrics.engine import EngineCollector, cache_config_labels
+    from deepinfer.serve.metrics.server import ServerMetrics
+    from deepinfer.serve.metrics.moe import MoECollector
+    from deepinfer.serve.api.request_fields import UnknownFields
+    from deepinfer.serve.metrics.ranks import RankCollector
+    from deepinfer.serve.metrics.tokenizer import TokenizerCollector
 
     name = args.served_model_name or os.path.basename(os.path.normpath(args.model or model_dir))
     metrics = ServerMetrics(name, observes_engine, len(ready), ready[0].max_model_len)
@@ -419,7 +419,7 @@ async def serve_http(args: argparse.Namespace, model_dir: str, client, ready: li
         log.info("tokenizer for clients that load one by model name: %s (aiperf --tokenizer)",
                  model_dir)
     limits = connection_limits(args)
-    # uvicorn's own shutdown runs after the drain (serve/shutdown.py): its timeout only has
+    # uvicorn's own shutdown runs after the drain (serve/api/shutdown.py): its timeout only has
     # to outlast a write or a body that is still blocked.
     config = uvicorn.Config(create_app(state), host=args.host, port=args.port,
                             log_level=args.log_level, ws="none",
@@ -453,7 +453,7 @@ def _http_stop_grace(limits: ConnectionLimits) -> float:
 def http_stop_time(args: argparse.Namespace) -> float:
     """The longest an API process's stop may take: the drain, its grace for the requests it
     ended, then uvicorn's own wait."""
-    from deepinfer.serve.shutdown import END_GRACE_S
+    from deepinfer.serve.api.shutdown import END_GRACE_S
 
     return args.shutdown_timeout + END_GRACE_S + _http_stop_grace(connection_limits(args))
 
@@ -492,7 +492,7 @@ def _swallow_signal(signum: int, frame: object) -> None:
 
 
 def sampling_defaults(args: argparse.Namespace, model_dir: str) -> dict:
-    from deepinfer.serve.generation_config import load_sampling_defaults
+    from deepinfer.serve.chat.generation_config import load_sampling_defaults
 
     if args.generation_config == "none":
         return {}
@@ -552,7 +552,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"deepinfer-serve: error: {exc}", file=sys.stderr)
         listener.close()
         return 2
-    from deepinfer.serve.ranks import RankStartError
+    from deepinfer.serve.ranks.rank import RankStartError
 
     try:
         with _metrics_files(args.api_server_count):
@@ -570,7 +570,7 @@ def _metrics_files(api_servers: int):
     """Several API processes share their metrics through prometheus_client's multiprocess
     files: the folder is named before any process imports the library (the others inherit
     it) and removed at the end."""
-    from deepinfer.serve.metrics_env import MULTIPROC_ENV
+    from deepinfer.serve.metrics.env import MULTIPROC_ENV
 
     if api_servers <= 1 or os.environ.get(MULTIPROC_ENV):
         yield

@@ -83,7 +83,7 @@ def check_connection_args(args: argparse.Namespace) -> None:
 def check_rank_env(args: argparse.Namespace) -> None:
     """The named backend's per-rank environment (e.g. the Neuron cores of each rank) must be
     possible for --dp ranks: an impossible core layout is a one-line error here."""
-    from deepinfer.serve.engine_client import rank_envs
+    from deepinfer.serve.ranks.supervisor import rank_envs
 
     try:
         rank_envs(args.accelerator, args.dp, os.environ)  # the ranks of this host

@@ -44,10 +44,10 @@ import pytest
 from conftest import (ServerProcess, free_port, openai_client, per_rank, scrape, scrape_series,
                       wait_until)
 from deepinfer.core.config import EngineConfig, ModelSpec, ParallelConfig, torchrun_parallel
-from deepinfer.serve.engine_client import EngineClient, RankDiedError, _Rank
-from deepinfer.serve.ipc import Ready, Regroup
-from deepinfer.serve.rank_health import RankHealthConfig, RankState
-from deepinfer.serve.router import Router, route_key
+from deepinfer.serve.ranks.supervisor import EngineClient, RankDiedError, _Rank
+from deepinfer.serve.ranks.ipc import Ready, Regroup
+from deepinfer.serve.ranks.health import RankHealthConfig, RankState
+from deepinfer.serve.ranks.router import Router, route_key
 from test_routing import _Inbox, _made, _Proc, _close_clients  # noqa: F401 - the fixture
 
 MODEL = "tiny-moe"
@@ -375,7 +375,7 @@ def test_another_api_process_fails_its_requests_on_a_survivor_that_regroups():
     """--api-server-count: process 0's event that a serving rank starts again (same process:
     a regroup) fails the other process's requests on it."""
     from deepinfer.serve.api_workers import AttachedEngineClient
-    from deepinfer.serve.ipc import RankEvent
+    from deepinfer.serve.ranks.ipc import RankEvent
 
     client = AttachedEngineClient(EngineConfig(ModelSpec("unused")), 2, client_id=1)
     _made.append(client)

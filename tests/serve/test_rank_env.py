@@ -11,9 +11,9 @@ import zmq
 import deepinfer.core.plugins as plugins
 from deepinfer.core.config import ENV_ACCELERATOR, EngineConfig, ModelSpec
 from deepinfer.core.plugins import AcceleratorInfo
-from deepinfer.serve.engine_client import rank_env_of, rank_envs
-from deepinfer.serve.rank_entry import RankSpec, run_rank
-from deepinfer.serve.ipc import Failed
+from deepinfer.serve.ranks.supervisor import rank_env_of, rank_envs
+from deepinfer.serve.ranks.entry import RankSpec, run_rank
+from deepinfer.serve.ranks.ipc import Failed
 
 
 def cores(rank: int, world: int, base) -> dict[str, str]:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import asyncio
 
-from deepinfer.serve.engine_client import EngineClient, _Rank
-from deepinfer.serve.ipc import Ready
-from deepinfer.serve.rank_health import RankHealthConfig, RankState
+from deepinfer.serve.ranks.supervisor import EngineClient, _Rank
+from deepinfer.serve.ranks.ipc import Ready
+from deepinfer.serve.ranks.health import RankHealthConfig, RankState
 from test_routing import _Inbox, _made, _Proc, _close_clients  # noqa: F401 - the fixture
 
 

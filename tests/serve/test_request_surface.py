@@ -16,10 +16,10 @@ import openai
 import pytest
 from fastapi.testclient import TestClient
 
-from deepinfer.serve.app import ServerState, create_app
-from deepinfer.serve.metrics import ServerMetrics
-from deepinfer.serve.protocol import ChatCompletionRequest, CompletionRequest
-from deepinfer.serve.request_fields import CHAT, COMPLETION, UnknownFields
+from deepinfer.serve.api.app import ServerState, create_app
+from deepinfer.serve.metrics.server import ServerMetrics
+from deepinfer.serve.api.protocol import ChatCompletionRequest, CompletionRequest
+from deepinfer.serve.api.request_fields import CHAT, COMPLETION, UnknownFields
 
 MODEL = "tiny-chat"
 HI = [{"role": "user", "content": "Hi"}]

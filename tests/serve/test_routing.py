@@ -1,4 +1,4 @@
-"""EngineClient routes through deepinfer.serve.router (fake ranks, no processes)."""
+"""EngineClient routes through deepinfer.serve.ranks.router (fake ranks, no processes)."""
 from __future__ import annotations
 
 import asyncio
@@ -6,12 +6,12 @@ import os
 
 import pytest
 
-from deepinfer.serve.router import NoLiveRankError, affinity_key
+from deepinfer.serve.ranks.router import NoLiveRankError, affinity_key
 from deepinfer.core.sampling import SamplingParams
 from deepinfer.serve.cli import build_parser
-from deepinfer.serve.engine_client import EngineClient, RankDiedError, _Rank
-from deepinfer.serve.ipc import AbortRequest, AddRequest, TokenDelta
-from deepinfer.serve.rank_health import RankHealthConfig, RankState
+from deepinfer.serve.ranks.supervisor import EngineClient, RankDiedError, _Rank
+from deepinfer.serve.ranks.ipc import AbortRequest, AddRequest, TokenDelta
+from deepinfer.serve.ranks.health import RankHealthConfig, RankState
 
 
 class _Proc:

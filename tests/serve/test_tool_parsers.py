@@ -9,12 +9,12 @@ import random
 
 import pytest
 
-from deepinfer.serve.chat import ChatFormat
-from deepinfer.serve.tool_parsers import (PARSERS, ForcedShape, ToolRequest, find_parser,
+from deepinfer.serve.chat.format import ChatFormat
+from deepinfer.serve.chat.tool_parsers import (PARSERS, ForcedShape, ToolRequest, find_parser,
                                           is_forced)
-from deepinfer.serve.tool_parsers.base import fold
-from deepinfer.serve.tool_parsers.deepseek_v3 import DeepSeekV3Parser
-from deepinfer.serve.tool_parsers.mistral import MistralParser
+from deepinfer.serve.chat.tool_parsers.base import fold
+from deepinfer.serve.chat.tool_parsers.deepseek_v3 import DeepSeekV3Parser
+from deepinfer.serve.chat.tool_parsers.mistral import MistralParser
 from tool_templates import FAMILIES
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
