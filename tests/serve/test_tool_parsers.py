@@ -224,7 +224,7 @@ def test_auto_detection_from_tokens_model_type_and_the_default(tmp_path):
 
 
 def test_the_flag_overrides_detection(tmp_path):
-    from deepinfer.serve.cli import build_parser
+    from deepinfer.serve.flags import build_parser
 
     folder = _checkpoint(tmp_path, FAMILIES["hermes"][0])
     chat = ChatFormat.of(folder, tool_call_parser="llama3_json")

@@ -3,72 +3,54 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
-from deepinfer.serve.chat.format import ChatFormat
-from deepinfer.serve.ranks.supervisor import EngineClient, RankView
-from deepinfer.serve.api.errors import APIError, error_response, http_error_message, validation_message
-from deepinfer.serve.api.json_body import json_body
+from deepinfer.serve.api.errors import (APIError, error_response, http_error_message,
+                                        validation_message)
 from deepinfer.serve.api.guards import APIKeyMiddleware, BodyLimitMiddleware
-from deepinfer.serve.api.limits import RequestLimits
-from deepinfer.serve.metrics.server import ServerMetrics
+from deepinfer.serve.api.json_body import json_body
 from deepinfer.serve.api.protocol import (ChatCompletionRequest, CompletionRequest,
-                                      DetokenizeRequest, TokenizeRequest)
-from deepinfer.serve.api.request_fields import UnknownFields
-from deepinfer.serve.api.shutdown import AdmissionMiddleware, Drain
+                                          DetokenizeRequest, TokenizeRequest)
+from deepinfer.serve.api.routes_openai import chat_completions, completions, render
+from deepinfer.serve.api.shutdown import AdmissionMiddleware
+from deepinfer.serve.api.state import ServerState, server_state
+from deepinfer.serve.ranks.rank import RankView
 
-
-@dataclass
-class ServerState:
-    client: EngineClient
-    tokenizer: Any
-    model_name: str
-    model_dir: str
-    max_model_len: int
-    metrics: ServerMetrics
-    api_key: str | None = None
-    created: int = 0
-    prompt_tokenizer: Any = None  # a VerifiedTokenizer; encode(text, add_special_tokens)
-    grammars: Any = None  # a GrammarPool (serve/grammar/pool.py): constraints compile there
-    limits: RequestLimits = RequestLimits()
-    sampling_defaults: dict[str, Any] | None = None  # the checkpoint's generation config
-    metrics_public: bool = False  # with an API key: /metrics still open
-    chat_format: ChatFormat | None = None  # None: found from model_dir once, here
-    trust_remote_code: bool = False  # the model folder's own Python may run (encoding.py)
-    tool_call_parser: str = "auto"  # --tool-call-parser: a name, or auto (from the checkpoint)
-    large_bodies: Any = None  # a LargeBodyParser (serve/api/body_parse.py); None: all on the loop
-    drain: Drain | None = None  # admission while the server stops (serve/api/shutdown.py)
-    # request fields no table knows: a 400, or ignored (--ignore-unknown-fields)
-    unknown_fields: UnknownFields = field(default_factory=UnknownFields)
-
-    def __post_init__(self) -> None:
-        if self.chat_format is None:
-            self.chat_format = ChatFormat.of(self.model_dir, self.trust_remote_code,
-                                             self.tool_call_parser)
+State = Annotated[ServerState, Depends(server_state)]
+routes = APIRouter()
 
 
 def create_app(state: ServerState) -> FastAPI:
-    from deepinfer.serve.api.routes_openai import chat_completions, completions
-
     app = FastAPI(title="DeepInfer", docs_url=None, redoc_url=None)
     app.state.server = state
+    _add_error_handlers(app)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=state.limits.max_body_bytes)
+    if state.api_key:  # outermost: an unauthenticated body is never read
+        app.add_middleware(APIKeyMiddleware, api_key=state.api_key,
+                           open_paths=OPEN_PATHS | (METRICS_PATHS if state.metrics_public
+                                                    else frozenset()))
+    if state.drain is not None:  # outermost: a stopping server answers everyone alike
+        app.add_middleware(AdmissionMiddleware, drain=state.drain)
+    app.include_router(routes)
+    return app
 
+
+def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
-    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
         if exc.status == 400:
-            state.metrics.bad_requests.labels(state.model_name).inc()
+            _count_bad_request(server_state(request))
         return error_response(exc.message, exc.status, exc.param, exc.err_type)
 
     @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-        state.metrics.bad_requests.labels(state.model_name).inc()
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        _count_bad_request(server_state(request))
         message, param = validation_message(exc.errors())
         return error_response(message, 400, param)
 
@@ -77,7 +59,7 @@ def create_app(state: ServerState) -> FastAPI:
         # Starlette's own errors (unknown path, wrong method, a body that is not JSON text):
         # the OpenAI error body too, never FastAPI's {"detail": ...}.
         if exc.status_code == 400:
-            state.metrics.bad_requests.labels(state.model_name).inc()
+            _count_bad_request(server_state(request))
         if exc.status_code == 404:
             return error_response(not_found_message(request.url.path), 404)
         return error_response(http_error_message(exc), exc.status_code)
@@ -93,69 +75,71 @@ def create_app(state: ServerState) -> FastAPI:
     async def _internal(_: Request, exc: Exception) -> JSONResponse:
         return error_response(f"internal error: {type(exc).__name__}", 500)
 
-    app.add_middleware(BodyLimitMiddleware, max_bytes=state.limits.max_body_bytes)
-    if state.api_key:  # outermost: an unauthenticated body is never read
-        app.add_middleware(APIKeyMiddleware, api_key=state.api_key,
-                           open_paths=OPEN_PATHS | (METRICS_PATHS if state.metrics_public
-                                                    else frozenset()))
-    if state.drain is not None:  # outermost: a stopping server answers everyone alike
-        app.add_middleware(AdmissionMiddleware, drain=state.drain)
 
-    @app.post("/v1/chat/completions")
-    async def _chat(request: Request,
-                    body: ChatCompletionRequest = Depends(json_body(ChatCompletionRequest))):
-        check_model(state, body.model)
-        return await chat_completions(state, body, request)
+def _count_bad_request(state: ServerState) -> None:
+    state.metrics.bad_requests.labels(state.model_name).inc()
 
-    @app.post("/v1/completions")
-    async def _completions(request: Request,
-                           body: CompletionRequest = Depends(json_body(CompletionRequest))):
-        check_model(state, body.model)
-        return await completions(state, body, request)
 
-    @app.get("/v1/models")
-    async def _models() -> dict:
-        return {"object": "list", "data": [{
-            "id": state.model_name, "object": "model", "created": state.created,
-            "owned_by": "deepinfer", "root": state.model_name,
-            "max_model_len": state.max_model_len}]}
+@routes.post("/v1/chat/completions")
+async def _chat(request: Request, state: State,
+                body: ChatCompletionRequest = Depends(json_body(ChatCompletionRequest))):
+    check_model(state, body.model)
+    return await chat_completions(state, body, request)
 
-    @app.get("/health")
-    async def _health(request: Request) -> JSONResponse:
-        # Process ids only for whoever holds the key (or when there is none).
-        detailed = not state.api_key or APIKeyMiddleware.authorized(request.scope,
-                                                                    state.api_key)
-        body = health_body(state.client.ranks(), detailed)
-        body["api_process"] = state.client.client_id  # which of --api-server-count answered
-        return JSONResponse(body, status_code=200 if body["live"] else 503)
 
-    @app.post("/tokenize")
-    async def _tokenize(body: TokenizeRequest = Depends(json_body(TokenizeRequest))) -> dict:
-        check_model(state, body.model)
-        return await tokenize(state, body)
+@routes.post("/v1/completions")
+async def _completions(request: Request, state: State,
+                       body: CompletionRequest = Depends(json_body(CompletionRequest))):
+    check_model(state, body.model)
+    return await completions(state, body, request)
 
-    @app.post("/detokenize")
-    async def _detokenize(body: DetokenizeRequest = Depends(json_body(DetokenizeRequest))
-                          ) -> dict:
-        check_model(state, body.model)
-        vocab = len(state.tokenizer)
-        if any(not 0 <= t < vocab for t in body.tokens):
-            raise APIError(f"token ids must be in [0, {vocab})", param="tokens")
-        text = await asyncio.to_thread(state.tokenizer.decode, body.tokens)
-        return {"prompt": text}
 
-    @app.post("/reset_prefix_cache")
-    async def _reset() -> dict:
-        dropped = await state.client.control("reset_prefix_cache")
-        return {"status": "ok", "dropped_pages": sum(int(d) for d in dropped if d is not None)}
+@routes.get("/v1/models")
+async def _models(state: State) -> dict:
+    return {"object": "list", "data": [{
+        "id": state.model_name, "object": "model", "created": state.created,
+        "owned_by": "deepinfer", "root": state.model_name,
+        "max_model_len": state.max_model_len}]}
 
-    @app.get("/metrics")
-    @app.get("/deepinfer/metrics")
-    async def _metrics() -> Response:
-        state.metrics.observe_engine(state.client.stats())
-        return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
 
-    return app
+@routes.get("/health")
+async def _health(request: Request, state: State) -> JSONResponse:
+    # Process ids only for whoever holds the key (or when there is none).
+    detailed = not state.api_key or APIKeyMiddleware.authorized(request.scope, state.api_key)
+    body = health_body(state.supervisor.ranks(), detailed)
+    body["api_process"] = state.supervisor.client_id  # which of --api-server-count answered
+    return JSONResponse(body, status_code=200 if body["live"] else 503)
+
+
+@routes.post("/tokenize")
+async def _tokenize(state: State,
+                    body: TokenizeRequest = Depends(json_body(TokenizeRequest))) -> dict:
+    check_model(state, body.model)
+    return await tokenize(state, body)
+
+
+@routes.post("/detokenize")
+async def _detokenize(state: State,
+                      body: DetokenizeRequest = Depends(json_body(DetokenizeRequest))) -> dict:
+    check_model(state, body.model)
+    vocab = len(state.tokenizer)
+    if any(not 0 <= t < vocab for t in body.tokens):
+        raise APIError(f"token ids must be in [0, {vocab})", param="tokens")
+    text = await asyncio.to_thread(state.tokenizer.decode, body.tokens)
+    return {"prompt": text}
+
+
+@routes.post("/reset_prefix_cache")
+async def _reset(state: State) -> dict:
+    dropped = await state.supervisor.control("reset_prefix_cache")
+    return {"status": "ok", "dropped_pages": sum(int(d) for d in dropped if d is not None)}
+
+
+@routes.get("/metrics")
+@routes.get("/deepinfer/metrics")
+async def _metrics(state: State) -> Response:
+    state.metrics.observe_engine(state.supervisor.stats())
+    return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
 
 
 OPEN_PATHS = frozenset({"/health"})
@@ -193,8 +177,6 @@ def check_model(state: ServerState, model: str | None) -> None:
 async def tokenize(state: ServerState, body: TokenizeRequest) -> dict:
     """vLLM's /tokenize: a prompt, or messages rendered as /v1/chat/completions renders them
     (generation prompt, continued final message, tools, template variables)."""
-    from deepinfer.serve.api.routes_openai import render
-
     if (body.prompt is None) == (body.messages is None):
         raise APIError("give exactly one of prompt or messages")
     if body.messages is not None:

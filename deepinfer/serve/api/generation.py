@@ -10,7 +10,8 @@ from deepinfer.core.batch import TokenLogprobs
 from deepinfer.core.request import RequestTimes
 from deepinfer.serve.ranks.router import NoLiveRankError, Route
 from deepinfer.core.sampling import SamplingParams
-from deepinfer.serve.ranks.supervisor import EngineClient, EngineRequestError, RankDiedError
+from deepinfer.serve.ranks.rank import EngineRequestError, RankDiedError
+from deepinfer.serve.ranks.request_stream import RequestStream
 from deepinfer.serve.api.errors import APIError
 from deepinfer.serve.ranks.inbox import RequestAborted
 from deepinfer.serve.ranks.ipc import TokenDelta
@@ -94,11 +95,11 @@ class Generation:
                       decode=last - first, inference=last - scheduled)
 
 
-def route_request(client: EngineClient, route_key: str, prompt_tokens: int) -> Route:
+def route_request(requests: RequestStream, route_key: str, prompt_tokens: int) -> Route:
     """Route before any response starts, so no live rank is a plain 503 (and the rank can be
     named in a response header). The caller releases the route on every path."""
     try:
-        return client.route(route_key, prompt_tokens)
+        return requests.route(route_key, prompt_tokens)
     except NoLiveRankError as exc:
         raise APIError(str(exc), status=503) from exc
 
@@ -130,7 +131,7 @@ def check_length(prompt_len: int, params: SamplingParams, limit: int,
                        "the prompt or max_tokens.", param="max_tokens")
 
 
-async def stream_generation(client: EngineClient, metrics: ServerMetrics, request_id: str,
+async def stream_generation(requests: RequestStream, metrics: ServerMetrics, request_id: str,
                             prompt_ids: list[int], params: SamplingParams, prefix_cache: bool,
                             gen: Generation, route: Route, final_only: bool = False,
                             grammar: str | None = None
@@ -139,11 +140,11 @@ async def stream_generation(client: EngineClient, metrics: ServerMetrics, reques
     generation is over, or as it is aborted: by the server (RequestAborted) or by its client
     leaving (the consumer closes or cancels this generator). A rank that dies ends it with a
     503; requests that fail are not recorded. `final_only`: a non-streaming response;
-    `grammar`: the constraint compiled (EngineClient.generate)."""
+    `grammar`: the constraint compiled (RequestStream.generate)."""
     try:
-        async for delta in client.generate(request_id, prompt_ids, params, prefix_cache,
-                                           route=route, final_only=final_only,
-                                           grammar=grammar):
+        async for delta in requests.generate(request_id, prompt_ids, params, prefix_cache,
+                                             route=route, final_only=final_only,
+                                             grammar=grammar):
             yield delta, gen.apply(delta)
     except EngineRequestError as exc:
         raise APIError(str(exc), status=exc.status) from exc

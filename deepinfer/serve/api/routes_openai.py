@@ -23,6 +23,7 @@ from deepinfer.serve.api.limits import RequestLimits
 from deepinfer.serve.api.prompt_logprobs import after_first_token, continued, vllm_prompt_logprobs
 from deepinfer.serve.api.protocol import ChatCompletionRequest, CompletionRequest
 from deepinfer.serve.api.sse import DONE, EventStream, event
+from deepinfer.serve.api.state import ServerState
 from deepinfer.serve.grammar.structured_fields import constraint_field
 from deepinfer.serve.chat.tool_parsers import (ForcedShape, OutputReader, ToolRequest, is_forced,
                                           named_function)
@@ -32,9 +33,9 @@ RANK_HEADER = "x-deepinfer-rank"  # which engine rank(s) served the request
 API_PROCESS_HEADER = "x-deepinfer-api-process"  # which API process (--api-server-count) did
 
 
-def _served_by(state, routes: list[Route]) -> dict[str, str]:
+def _served_by(state: ServerState, routes: list[Route]) -> dict[str, str]:
     return {RANK_HEADER: ",".join(str(r.rank) for r in routes),
-            API_PROCESS_HEADER: str(state.client.client_id)}
+            API_PROCESS_HEADER: str(state.supervisor.client_id)}
 
 
 class _RoutedStream(StreamingResponse):
@@ -58,18 +59,18 @@ def _release(routes: list[Route]) -> None:
         route.release()
 
 
-def _route_all(state, keys: list[str], prompts: list[list[int]]) -> list[Route]:
+def _route_all(state: ServerState, keys: list[str], prompts: list[list[int]]) -> list[Route]:
     routes: list[Route] = []
     try:
         for key, ids in zip(keys, prompts):
-            routes.append(route_request(state.client, key, len(ids)))
+            routes.append(route_request(state.requests, key, len(ids)))
     except APIError:
         _release(routes)
         raise
     return routes
 
 
-def _params(state, body: ChatCompletionRequest | CompletionRequest,
+def _params(state: ServerState, body: ChatCompletionRequest | CompletionRequest,
             num_prompts: int = 1) -> SamplingParams:
     _check_limits(state.limits, body, num_prompts)
     vocab = len(state.tokenizer)
@@ -111,7 +112,7 @@ def _check_token_fields(limits: RequestLimits, body: ChatCompletionRequest | Com
             raise APIError(f"{param} token ids must be in [0, {vocab})", param=param)
 
 
-async def _compile_constraint(state, params: SamplingParams, param: str) -> str | None:
+async def _compile_constraint(state: ServerState, params: SamplingParams, param: str) -> str | None:
     """The request's constraint within the limits and compiled (a 400 otherwise, before any
     streaming): the grammar its rank loads, or None where there is none to send."""
     if params.structured is None:
@@ -137,7 +138,7 @@ async def _until_disconnect(request: Request, work: asyncio.Future) -> Any:
 
 
 # ---- chat ----------------------------------------------------------------------------------
-async def render(state, messages: list, tools: list[dict] | None = None,
+async def render(state: ServerState, messages: list, tools: list[dict] | None = None,
                  tool_choice: Any = None, add_generation_prompt: bool = True,
                  template_kwargs: dict | None = None, continue_final: bool = False,
                  documents: list[dict] | None = None):
@@ -166,7 +167,7 @@ def check_template_kwargs(tokenizer: Any, kwargs: dict | None) -> None:
                        f"{', '.join(taken)}", param="chat_template_kwargs")
 
 
-async def chat_completions(state, body: ChatCompletionRequest, request: Request):
+async def chat_completions(state: ServerState, body: ChatCompletionRequest, request: Request):
     params = _params(state, body)
     check_tools(state.limits, body.tools)
     tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
@@ -207,8 +208,8 @@ async def chat_completions(state, body: ChatCompletionRequest, request: Request)
     gen = Generation(prompt_ids, [Choice(i) for i in range(params.n)])
     key = affinity_key(request.headers, body.prompt_cache_key or body.user,
                        [m.model_dump(exclude_none=True) for m in body.messages])
-    route = route_request(state.client, key, len(prompt_ids))
-    stream = stream_generation(state.client, state.metrics, rid, prompt_ids, params,
+    route = route_request(state.requests, key, len(prompt_ids))
+    stream = stream_generation(state.requests, state.metrics, rid, prompt_ids, params,
                                body.uses_prefix_cache(), gen, route,
                                final_only=not body.stream, grammar=grammar)
     echo = chat_echo(body)
@@ -284,7 +285,8 @@ async def _echoed_chunks(chunks: AsyncIterator[str], rid: str, model: str, n: in
         await chunks.aclose()
 
 
-def _chat_choice(state, c: Choice, reader: OutputReader | None, want_logprobs: bool) -> dict:
+def _chat_choice(state: ServerState, c: Choice, reader: OutputReader | None,
+                 want_logprobs: bool) -> dict:
     if reader is None:
         message, reason = {"role": "assistant", "content": c.text}, c.finish_reason
     else:
@@ -293,7 +295,7 @@ def _chat_choice(state, c: Choice, reader: OutputReader | None, want_logprobs: b
             "logprobs": _chat_logprobs(state, c.logprobs) if want_logprobs else None}
 
 
-async def _chat_chunks(state, rid: str, gen: Generation, stream: AsyncIterator,
+async def _chat_chunks(state: ServerState, rid: str, gen: Generation, stream: AsyncIterator,
                        reader: OutputReader | None, include_usage: bool,
                        want_logprobs: bool) -> AsyncIterator[str]:
     events = EventStream(rid, "chat.completion.chunk", _now(), state.model_name)
@@ -337,7 +339,7 @@ def _error_event(exc: APIError) -> str:
                             "code": exc.status}}) + DONE
 
 
-def _token_text(state, token_id: int) -> str:
+def _token_text(state: ServerState, token_id: int) -> str:
     return state.tokenizer.decode([token_id])
 
 
@@ -346,7 +348,7 @@ def _json_logprob(logprob: float) -> float:
     return max(logprob, UNLIKELY_LOGPROB)
 
 
-def _chat_logprobs(state, items: list[TokenLogprobs]) -> dict:
+def _chat_logprobs(state: ServerState, items: list[TokenLogprobs]) -> dict:
     def entry(tid: int, lp: float) -> dict:
         text = _token_text(state, tid)
         return {"token": text, "logprob": _json_logprob(lp), "bytes": list(text.encode())}
@@ -365,7 +367,7 @@ def _chat_top(item: TokenLogprobs) -> list[tuple[int, float]]:
 
 
 # ---- completions ---------------------------------------------------------------------------
-async def completions(state, body: CompletionRequest, request: Request):
+async def completions(state: ServerState, body: CompletionRequest, request: Request):
     params = _params(state, body, len(body.prompts()))
     if body.suffix:
         raise APIError("suffix is not supported", param="suffix")
@@ -391,7 +393,7 @@ async def completions(state, body: CompletionRequest, request: Request):
     sources = body.prompts()
     routes = _route_all(state, [affinity_key(request.headers, body.prompt_cache_key or body.user,
                                              None, src) for src in sources], prompts)
-    streams = [stream_generation(state.client, state.metrics, f"{rid}-{k}", ids, params,
+    streams = [stream_generation(state.requests, state.metrics, f"{rid}-{k}", ids, params,
                                  body.uses_prefix_cache(), g, route,
                                  final_only=not body.stream, grammar=grammar)
                for k, (ids, g, route) in enumerate(zip(prompts, gens, routes))]
@@ -436,7 +438,7 @@ def _token_ids(wanted: bool, prompt: list[int] | None, output: list[int]) -> dic
     return {"prompt_token_ids": prompt, "token_ids": list(output)} if wanted else {}
 
 
-async def _completion_chunks(state, rid: str, gens: list[Generation], streams: list,
+async def _completion_chunks(state: ServerState, rid: str, gens: list[Generation], streams: list,
                              echo: list[str], n: int, include_usage: bool,
                              want_logprobs: bool, want_ids: bool = False,
                              echoes_prompt: bool = False) -> AsyncIterator[str]:
@@ -464,7 +466,7 @@ async def _completion_chunks(state, rid: str, gens: list[Generation], streams: l
     yield (events.usage(usage(gens)) if include_usage else "") + DONE
 
 
-def _completion_logprobs(state, items: list[TokenLogprobs]) -> dict:
+def _completion_logprobs(state: ServerState, items: list[TokenLogprobs]) -> dict:
     tokens = [_token_text(state, i.token_id) for i in items]
     offsets, pos = [], 0
     for t in tokens:
@@ -475,7 +477,8 @@ def _completion_logprobs(state, items: list[TokenLogprobs]) -> dict:
             "text_offset": offsets}
 
 
-def _choice_logprobs(state, gen: Generation, items: list[TokenLogprobs], echo: bool) -> dict:
+def _choice_logprobs(state: ServerState, gen: Generation, items: list[TokenLogprobs],
+                     echo: bool) -> dict:
     """A completion choice's logprobs; with echo the prompt's tokens come first (as vLLM
     lays them out)."""
     if not echo:
@@ -484,11 +487,11 @@ def _choice_logprobs(state, gen: Generation, items: list[TokenLogprobs], echo: b
                              _completion_logprobs(state, [*gen.prompt_logprobs[1:], *items]))
 
 
-def _prompt_logprobs(state, gen: Generation) -> list | None:
+def _prompt_logprobs(state: ServerState, gen: Generation) -> list | None:
     return vllm_prompt_logprobs(gen.prompt_logprobs, lambda t: _token_text(state, t))
 
 
-def _completion_top(state, text: str, item: TokenLogprobs) -> dict[str, float]:
+def _completion_top(state: ServerState, text: str, item: TokenLogprobs) -> dict[str, float]:
     """The sampled token (`text`) and the N most likely, as OpenAI's legacy completions and
     vLLM give them: up to N + 1 entries, the sampled token alone for `logprobs: 0`. Keys are
     token texts, so equal texts merge; the sampled token's own logprob stays under its text."""

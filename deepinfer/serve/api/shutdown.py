@@ -5,7 +5,7 @@ the request tasks: a stream ends mid-body with no terminal event and a traceback
 Here the server first drains (Drain.run, before uvicorn's shutdown): new requests are answered
 503 with Retry-After and an OpenAI error body (the listener stays open meanwhile, so a client
 is told rather than refused), requests in flight may finish for up to --shutdown-timeout
-seconds, and those still running then are ended through the engine client: each stream with an
+seconds, and those still running then are ended through the request stream: each stream with an
 error event and [DONE], each other request with a 503. uvicorn's shutdown then finds no request
 left to cancel.
 """

@@ -187,9 +187,7 @@ def _stays(engine: Engine, spec: RankSpec) -> bool:
 
 
 def _start_engine(spec: RankSpec, registry) -> tuple[Engine, Lockstep | None]:
-    from deepinfer.core.plugins import select_accelerator
-
-    accelerator = select_accelerator(registry, spec.config.accelerator)()
+    accelerator = _accelerator_class(registry, spec.config.accelerator)()
     parallel = spec.config.parallel
     if not (parallel.ep and parallel.world_size > 1):
         context = ParallelContext(spec.rank, spec.world_size)
@@ -197,6 +195,14 @@ def _start_engine(spec: RankSpec, registry) -> tuple[Engine, Lockstep | None]:
     context = init_rank_group(parallel, spec.rank, accelerator.distributed_backend,
                               placement_from=spec.placement_from)
     return Engine(spec.config, accelerator, parallel=context), Lockstep()
+
+
+def _accelerator_class(registry, name: str | None) -> type:
+    """The backend the server chose, loaded by its name; a rank given none (a RankSpec built
+    without the server's preflight) chooses for itself."""
+    from deepinfer.core.plugins import load_accelerator, select_accelerator
+
+    return load_accelerator(registry, name) if name else select_accelerator(registry)
 
 
 def _expert_reporter(engine: Engine, spec: RankSpec) -> ExpertReporter | None:

@@ -35,8 +35,8 @@ class Regrouping:
 
 
 class GroupRecovery:
-    """EngineClient's handling of its expert-parallel group's deaths (a mixin: it works on
-    the client's ranks, router and restarts)."""
+    """RankSupervisor's handling of its expert-parallel group's deaths (a mixin: it works on
+    the supervisor's ranks, router and restarts)."""
 
     def _group_rank_died(self, rank: int, what: str, failed_start: bool) -> None:
         if self._can_regroup(rank, failed_start):
@@ -68,10 +68,10 @@ class GroupRecovery:
             return
         message = Regroup(self.config.parallel.master_port, survivors[0], timeout)
         for peer in survivors:  # (one that is gone meanwhile: its sentinel takes it down)
-            self._background(self._send(peer, message, missing_ok=True))
+            self.background(self.send(peer, message, missing_ok=True))
         log.warning("expert-parallel group: ranks %s keep their model and wait for rank %d "
                     "in a new group (port %d)", survivors, lost, message.master_port)
-        self._background(self._regroup_deadline(regrouping, timeout + READY_GRACE_S))
+        self.background(self._regroup_deadline(regrouping, timeout + READY_GRACE_S))
 
     def _leave_step(self, peer: int, reason: str) -> None:
         """A survivor: its requests fail now (its step broke off with the dead rank's), and

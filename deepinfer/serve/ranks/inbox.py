@@ -6,7 +6,7 @@ Event, two waiter deques, a loop check on every call), once per token of every s
 
 An inbox may be bounded: a stream whose client does not read stops reading its inbox (its
 writes wait on the socket) while the rank goes on generating, and its deltas would pile up
-without end. Past the bound the engine client aborts the request (EngineClient._shed).
+without end. Past the bound the request stream aborts the request (RequestStream._shed).
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from deepinfer.serve.ranks.ipc import TokenDelta
 
 # Deltas a sample's stream may leave unread before it is aborted (--max-stream-backlog): a
 # stream that keeps up reads its inbox every turn of the event loop, which brings at most 256
-# rank messages (EngineClient._drain), one delta a sample each.
+# rank messages (RankSupervisor._drain), one delta a sample each.
 DEFAULT_STREAM_BACKLOG = 1024
 
 

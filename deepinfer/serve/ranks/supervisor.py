@@ -1,12 +1,11 @@
-"""The API process's side of the rank processes: start them, stream their results, keep
-them alive.
+"""The API process's side of the rank processes' lives: start them, watch them, restart them.
 
-One receiver task reads every rank's results and routes each delta to the inbox of its
-request, so no request ever waits on model work in the event loop. Each rank's process
-sentinel is watched by the event loop: when a rank exits, its in-flight requests fail at once
-(RankDiedError), the router stops sending it work, and it is restarted after a backoff. A
-watchdog reads the ranks' heartbeats (serve/ranks/health.py): a silent rank is routed around,
-and killed (then restarted) if it stays silent.
+One receiver task reads every rank's messages; a step's results go on to the request stream
+(serve/ranks/request_stream.py), so no request ever waits on model work in the event loop.
+Each rank's process sentinel is watched by the event loop: when a rank exits, its in-flight
+requests fail at once (RankDiedError), the router stops sending it work, and it is restarted
+after a backoff. A watchdog reads the ranks' heartbeats (serve/ranks/health.py): a silent rank
+is routed around, and killed (then restarted) if it stays silent.
 
 Ranks in one expert-parallel group (lockstep, collectives in every MoE layer) fail together:
 a rank that dies fails every in-flight request of the group and /health says 503. Only the dead
@@ -20,50 +19,61 @@ import asyncio
 import dataclasses
 import itertools
 import logging
-import socket
 import multiprocessing as mp
 import os
 import pickle
+import socket
 import tempfile
 import time
-from typing import AsyncIterator, Callable, Mapping
+from typing import Mapping, Protocol
 
 import zmq
 import zmq.asyncio
 
-from deepinfer.core.config import EngineConfig, accelerator_from_env
-from deepinfer.serve.ranks.router import Route, Router
-from deepinfer.core.sampling import SamplingParams
+from deepinfer.core.config import EngineConfig
 from deepinfer.models.registry import has_experts
-from deepinfer.serve.ranks.group_recovery import GroupRecovery, Regrouping
-from deepinfer.serve.ranks.inbox import DEFAULT_STREAM_BACKLOG, Inbox, RequestAborted, coalesce
 from deepinfer.serve.ranks.entry import RankSpec, regroups, run_rank
-from deepinfer.serve.ranks.ipc import (AbortRequest, AddRequest, Control, ControlReply, EngineStats,
-                                 ExpertStats, Failed, Heartbeat, RankEvent, Ready, StepResult,
-                                 TokenDelta)
+from deepinfer.serve.ranks.group_recovery import GroupRecovery, Regrouping
 from deepinfer.serve.ranks.health import RankHealthConfig, RankState, Verdict, judge
+from deepinfer.serve.ranks.ipc import (Control, ControlReply, EngineStats, ExpertStats, Failed,
+                                       Heartbeat, RankEvent, Ready, StepResult)
+from deepinfer.serve.ranks.rank import RankDiedError, RankStartError, RankView, _Rank, describe_exit
+from deepinfer.serve.ranks.router import Router
 from deepinfer.serve.ranks.stream_pacing import DEFAULT_STREAM_INTERVAL
-from deepinfer.serve.ranks.rank import (EngineRequestError, RankDiedError, RankStartError, RankView,
-                                   _Rank, describe_exit)
-
-__all__ = ["EngineClient", "EngineRequestError", "RankDiedError", "RankStartError", "RankView",
-           "describe_exit"]
 
 START_TIMEOUT_S = 600.0  # a first start may convert a checkpoint
-MAX_DRAIN = 256  # messages read in one go before the streams run (EngineClient._drain)
-RankEnv = Callable[[int, int, Mapping[str, str]], dict[str, str]]  # AcceleratorInfo.rank_env
+MAX_DRAIN = 256  # messages read in one go before the streams run (RankSupervisor._drain)
 log = logging.getLogger("deepinfer.serve")
 
 
-class EngineClient(GroupRecovery):
+class RequestSink(Protocol):
+    """The request stream as the supervisor sees it (serve/ranks/request_stream.py)."""
+
+    def dispatch(self, result: StepResult) -> None:
+        """Hand a step's deltas and errors to their requests."""
+
+    def fail_rank(self, rank: int, error: Exception) -> int:
+        """End the requests on `rank` with `error`; how many."""
+
+
+class _NoRequests:
+    def dispatch(self, result: StepResult) -> None:
+        pass
+
+    def fail_rank(self, rank: int, error: Exception) -> int:
+        return 0
+
+
+class RankSupervisor(GroupRecovery):
+    """Starts the rank processes, watches their heartbeats and exits, restarts them, and reads
+    everything they send (a step's results go on to the request stream)."""
+
     def __init__(self, config: EngineConfig, num_ranks: int = 1,
                  routing: str = "affinity", health: RankHealthConfig | None = None,
                  stream_interval: int = DEFAULT_STREAM_INTERVAL, api_servers: int = 1,
-                 client_id: int = 0, ipc_dir: str | None = None,
-                 stream_backlog: int = DEFAULT_STREAM_BACKLOG) -> None:
+                 client_id: int = 0, ipc_dir: str | None = None) -> None:
         self.config = config
-        self.stream_backlog = stream_backlog
-        self._ended: Exception | None = None  # set by end_requests: the server is stopping
+        self.requests: RequestSink = _NoRequests()  # the request stream, once one attaches
         self.num_ranks = num_ranks
         self.stream_interval = stream_interval
         self.health = health or RankHealthConfig()
@@ -79,8 +89,6 @@ class EngineClient(GroupRecovery):
         self._events = [self._connect_push(events_addr(self._dir, k))
                         for k in range(1, api_servers)] if client_id == 0 else []
         self._ranks: list[_Rank] = []
-        self._queues: dict[str, Inbox] = {}
-        self._owner: dict[str, int] = {}  # request id -> rank
         self._calls: dict[int, tuple[int, asyncio.Future]] = {}  # call id -> (rank, reply)
         self._call_ids = itertools.count()
         self._spawns = itertools.count()  # a fresh inbox address for every process started
@@ -105,8 +113,8 @@ class EngineClient(GroupRecovery):
         for rank, r in enumerate(self._ranks):
             self._watch_exit(rank)
             r.state, r.last_beat, r.serving_since = RankState.SERVING, now, now
-        self._background(self._receive())
-        self._background(self._watchdog())
+        self.background(self._receive())
+        self.background(self._watchdog())
         return [r.ready for r in self._ranks]
 
     def _rendezvous(self) -> None:
@@ -178,7 +186,7 @@ class EngineClient(GroupRecovery):
         for push in self._events:
             push.send_pyobj(event, flags=zmq.NOBLOCK)  # no high-water mark: never waits
 
-    def _background(self, coro) -> asyncio.Task:
+    def background(self, coro) -> asyncio.Task:
         task = asyncio.create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -218,7 +226,7 @@ class EngineClient(GroupRecovery):
             if r.state is RankState.STARTING:
                 r.process.kill()  # a restart still loading has nothing to drain
             elif r.process.is_alive():
-                await self._send(rank, Control("shutdown", next(self._call_ids)),
+                await self.send(rank, Control("shutdown", next(self._call_ids)),
                                  missing_ok=True)
         for task in list(self._tasks):
             task.cancel()
@@ -263,16 +271,14 @@ class EngineClient(GroupRecovery):
             self._schedule_restart([rank], failed_start=was_starting)
 
     def _fail_requests(self, rank: int, error: Exception) -> int:
-        """End this process's requests and calls on the rank with `error`; how many."""
-        lost = [rid for rid, owner in self._owner.items() if owner == rank]
-        for rid in lost:
-            self._queues[rid].put_nowait(error)
+        """End this process's requests and calls on the rank with `error`; how many
+        requests."""
         for call_id, (owner, fut) in list(self._calls.items()):
             if owner == rank:
                 del self._calls[call_id]
                 if not fut.done():
                     fut.set_result(None)
-        return len(lost)
+        return self.requests.fail_rank(rank, error)
 
     def _schedule_restart(self, ranks: list[int], failed_start: bool = False,
                           placement_from: int | None = None) -> asyncio.Task | None:
@@ -297,7 +303,7 @@ class EngineClient(GroupRecovery):
         log.warning("restarting %s in %.1f s (restart %d in a row, at most %d)%s", who, delay,
                     streak + 1, self.health.max_restarts,
                     "; its last start failed" if failed_start else "")
-        return self._background(self._restart(ranks, delay, placement_from))
+        return self.background(self._restart(ranks, delay, placement_from))
 
     def _served_long_enough(self, members: list[_Rank]) -> bool:
         if any(m.serving_since is None for m in members):
@@ -374,90 +380,32 @@ class EngineClient(GroupRecovery):
             log.error("engine rank %d (pid %s) %s; killing it", rank, r.process.pid, reason)
             r.process.kill()  # its sentinel fires: _rank_died fails its requests, restarts it
 
-    def _check_alive(self) -> None:
+    def check_alive(self) -> None:
         # The sentinel callback may not have run yet when a request arrives.
         for rank, r in enumerate(self._ranks):
             if not r.state.gone and not r.process.is_alive():
                 self._rank_died(rank)
 
-    async def _send(self, rank: int, message: object, missing_ok: bool = False) -> None:
+    async def send(self, rank: int, message: object, missing_ok: bool = False) -> None:
         """Send without waiting: a PUSH to a rank whose process is gone would wait forever."""
         try:
             await self._ranks[rank].inbox.send_pyobj(message, flags=zmq.NOBLOCK)
         except zmq.Again:
-            self._check_alive()
+            self.check_alive()
             if not missing_ok:
                 raise RankDiedError(rank, self._ranks[rank].process.exitcode) from None
 
-    # ---- requests ------------------------------------------------------------------------
+    # ---- the ranks as the API sees them ---------------------------------------------------
     @property
     def ready(self) -> Ready:
         return self._ranks[0].ready
 
-    def route(self, route_key: str = "", prompt_tokens: int = 0) -> Route:
-        """Pick a rank and count the request's load there until the route is released;
-        raises NoLiveRankError."""
-        self._check_alive()
-        return self.router.reserve(route_key, prompt_tokens)
+    def exitcode(self, rank: int) -> int | None:
+        return self._ranks[rank].process.exitcode
 
-    async def generate(self, request_id: str, prompt_token_ids: list[int],
-                       params: SamplingParams, prefix_cache: bool = True,
-                       route_key: str = "", route: Route | None = None,
-                       final_only: bool = False,
-                       grammar: str | None = None) -> AsyncIterator[TokenDelta]:
-        """Stream the request's deltas; leaving early (disconnect, cancel) aborts it.
-
-        `route` (from :meth:`route`) says where it runs and is released when it ends; without
-        one, `route_key` picks the rank (affinity routing pins a conversation's key to a
-        rank). `final_only`: the caller reads the answer at its end, so the rank sends each
-        sample's first token and then the rest at its end. `grammar`: the constraint compiled
-        (serialized), which the rank loads. Raises RankDiedError if the rank dies."""
-        if route is None:
-            route = self.route(route_key, len(prompt_token_ids))
-        rank = route.rank
-        queue = Inbox(self.stream_backlog * params.n)
-        finished = 0
-        try:
-            if self._ended is not None:
-                raise self._ended
-            if not self.router.alive[rank]:
-                raise RankDiedError(rank, self._ranks[rank].process.exitcode)
-            self._queues[request_id] = queue
-            self._owner[request_id] = rank
-            await self._send(rank, AddRequest(request_id, prompt_token_ids, params, prefix_cache,
-                                              final_only, self.client_id, grammar))
-            held = None
-            while finished < params.n:
-                item = held if held is not None else await queue.get()
-                if isinstance(item, Exception):
-                    raise item
-                item, held = coalesce(item, queue)
-                finished += item.finished
-                yield item
-        finally:
-            self._queues.pop(request_id, None)
-            self._owner.pop(request_id, None)
-            route.release()
-            if finished < params.n and not self._ranks[rank].state.gone:
-                await self._send(rank, AbortRequest(request_id), missing_ok=True)
-
-    def end_requests(self, error: Exception) -> None:
-        """End every request in flight, and every later one, with `error` (the server is
-        stopping); each is aborted on its rank as its stream ends."""
-        self._ended = error
-        for queue in self._queues.values():
-            queue.put_nowait(error)
-
-    def _shed(self, request_id: str, queue: Inbox) -> None:
-        """A stream that left more than its bound of deltas unread (its client does not read):
-        aborted on its rank now, its deltas dropped, and the error left for its stream.
-        (Its generate sends the rank a second abort as it ends: a no-op there.)"""
-        rank = self._owner.pop(request_id)
-        del self._queues[request_id]
-        queue.fail(RequestAborted(
-            f"the stream was aborted: its client left more than {queue.limit} events unread "
-            "(--max-stream-backlog)", 408))
-        self._background(self._send(rank, AbortRequest(request_id), missing_ok=True))
+    def gone(self, rank: int) -> bool:
+        """Whether the rank's process is dead or given up on (nothing to abort there)."""
+        return self._ranks[rank].state.gone
 
     async def control(self, command: str) -> list[object]:
         """Send a command to every live rank and gather the replies (None from a rank that
@@ -470,7 +418,7 @@ class EngineClient(GroupRecovery):
             self._calls[call_id] = (rank, fut)
             futures.append(fut)
             try:
-                await self._send(rank, Control(command, call_id, self.client_id))
+                await self.send(rank, Control(command, call_id, self.client_id))
             except RankDiedError:
                 self._calls.pop(call_id, None)
                 fut.set_result(None)
@@ -481,14 +429,11 @@ class EngineClient(GroupRecovery):
         return [r.stats if self.router.alive[i] else None for i, r in enumerate(self._ranks)]
 
     def ranks(self) -> list[RankView]:
-        self._check_alive()
+        self.check_alive()
         return [RankView(i, self.router.alive[i], r.process.pid, r.process.exitcode,
                          self.router.requests[i], self.router.load[i], r.lost_requests, r.stats,
                          r.state.value, r.restarts, r.experts)
                 for i, r in enumerate(self._ranks)]
-
-    def num_in_flight(self) -> int:
-        return len(self._queues)
 
     async def _receive(self) -> None:
         while True:
@@ -509,7 +454,9 @@ class EngineClient(GroupRecovery):
 
     def _on_message(self, message: object) -> None:
         if isinstance(message, StepResult):
-            self._dispatch(message)
+            if message.stats is not None:
+                self._ranks[message.rank].stats = message.stats
+            self.requests.dispatch(message)
         elif isinstance(message, Heartbeat):
             self._on_heartbeat(message)
         elif isinstance(message, ExpertStats):
@@ -523,41 +470,20 @@ class EngineClient(GroupRecovery):
         elif isinstance(message, Failed):  # a restart that failed; its exit restarts it
             log.error("engine rank %d failed to restart:\n%s", message.rank, message.error)
 
-    def _dispatch(self, result: StepResult) -> None:
-        if result.stats is not None:
-            self._ranks[result.rank].stats = result.stats
-        for delta in result.deltas:
-            queue = self._queues.get(delta.request_id)
-            if queue is not None and not queue.put_nowait(delta):
-                self._shed(delta.request_id, queue)
-        for error in result.errors:
-            queue = self._queues.get(error.request_id)
-            if queue is not None:
-                queue.put_nowait(EngineRequestError(error.message, error.status))
 
 
 def rank_envs(accelerator: str | None, num_ranks: int,
               environ: Mapping[str, str]) -> list[dict[str, str]]:
-    """The extra environment of each rank, from the rank_env of the backend that `accelerator`
-    or DEEPINFER_ACCELERATOR names. A backend left unnamed is chosen by probing inside each
-    rank, and probing here would import it into this process: its ranks get nothing extra."""
-    requested = accelerator or accelerator_from_env()
-    if not requested:
+    """The extra environment of each rank, from the rank_env of `accelerator`, the backend the
+    preflight chose (by its exact name: nothing is chosen or probed here, and the backend is
+    never imported into this process). No backend chosen: nothing extra."""
+    if not accelerator:
         return [{} for _ in range(num_ranks)]
-    from deepinfer.core.plugins import load_plugins
+    from deepinfer.core.plugins import find_accelerator, load_plugins
 
-    rank_env = rank_env_of(load_plugins().accelerators(), requested)
+    info = find_accelerator(load_plugins().accelerators(), accelerator)
+    rank_env = None if info is None else info.rank_env
     return [rank_env(rank, num_ranks, environ) if rank_env else {} for rank in range(num_ranks)]
-
-
-def rank_env_of(infos: list, requested: str) -> RankEnv | None:
-    """The rank_env of the backend named `requested`, matched as select_accelerator matches it
-    (an exact name beats another backend's alias); None for a name nothing has, whose ranks
-    then fail with select_accelerator's own error."""
-    wanted = requested.strip().lower()
-    info = next((i for i in infos if i.name.lower() == wanted),
-                next((i for i in infos if i.matches(requested)), None))
-    return None if info is None else info.rank_env
 
 
 def _without_port(config: EngineConfig) -> EngineConfig:
