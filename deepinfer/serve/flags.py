@@ -99,10 +99,9 @@ def _model_args(p: Flags) -> None:
                         "chat template, tokenizer or model_type names (Hermes if none)")
 
 
-# uvicorn's own 5 s dropped streams at 1,024 at once: on uvloop a turn runs due timers before
-# it reads the sockets, so an idle connection's keep-alive timer closed it with the client's
-# next request already in its buffer, after a turn of ~1,000 requests' handlers took seconds
-# (httpx.ReadError before any header; 1-3 of 1,024 on a 2-core machine, none at 60 s).
+# Well above the longest event-loop turn: on uvloop a turn runs due timers before it reads the
+# sockets, so after a long turn (a burst of requests' handlers) an idle connection's
+# keep-alive timer can close it with the client's next request already in its buffer.
 DEFAULT_KEEP_ALIVE_S = 60.0
 
 

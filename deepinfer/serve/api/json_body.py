@@ -1,8 +1,8 @@
 """Request bodies parsed and validated in one pass by pydantic's own JSON parser.
 
 FastAPI's default body handling decodes the JSON with the standard library and then validates
-the Python objects; for a 32K-token-id prompt that is ~4.3 ms of the event loop, against ~2.7
-ms for pydantic's parser on the bytes. Bodies of at least --large-body-kb are parsed in a worker
+the Python objects, two passes of the event loop where pydantic's parser on the bytes makes
+one. Bodies of at least --large-body-kb are parsed in a worker
 process instead (serve/api/body_parse.py). Errors take FastAPI's path (RequestValidationError), so
 they become the same OpenAI 400 body. A parsed body is then screened for the fields it
 carries that the model does not hold (serve/api/request_fields.py).

@@ -378,7 +378,7 @@ async def completions(state: ServerState, body: CompletionRequest, request: Requ
                                           body.add_special_tokens)
         else:
             vocab = len(state.tokenizer)
-            if not p or min(p) < 0 or max(p) >= vocab:  # C loops: a 32K prompt in 0.3 ms
+            if not p or min(p) < 0 or max(p) >= vocab:  # C loops, no Python per id
                 raise APIError(f"prompt token ids must be non-empty and in [0, {vocab})",
                                param="prompt")
             ids = list(p)
