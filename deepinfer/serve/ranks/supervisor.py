@@ -471,7 +471,6 @@ class RankSupervisor(GroupRecovery):
             log.error("engine rank %d failed to restart:\n%s", message.rank, message.error)
 
 
-
 def rank_envs(accelerator: str | None, num_ranks: int,
               environ: Mapping[str, str]) -> list[dict[str, str]]:
     """The extra environment of each rank, from the rank_env of `accelerator`, the backend the
