@@ -1,6 +1,6 @@
 """Compile, serialize and load times of constraints at the server's default limits.
 
-What the grammar workers (serve/grammar_worker.py) and a rank (serve/rank_grammars.py) spend on
+What the grammar workers (serve/grammar/worker.py) and a rank (serve/grammar/rank_grammars.py) spend on
 one constraint: the compile, the write-out (budgeted: past it the rank compiles instead), and
 the rank's load of what was sent. Measured, never asserted.
 

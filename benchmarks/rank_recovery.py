@@ -80,7 +80,7 @@ def server_command(args: argparse.Namespace, port: int) -> list[str]:
 
 def health_limits() -> dict[str, float]:
     """The defaults the server runs with (no health flag is passed)."""
-    from deepinfer.serve.rank_health import RankHealthConfig
+    from deepinfer.serve.ranks.health import RankHealthConfig
 
     c = RankHealthConfig()
     return {"heartbeat_interval_s": c.heartbeat_interval_s, "watchdog_period_s":
@@ -91,7 +91,7 @@ def health_limits() -> dict[str, float]:
 
 # ---- talking to the server -------------------------------------------------------------------
 def key_for(rank: int) -> str:
-    from deepinfer.serve.router import Router
+    from deepinfer.serve.ranks.router import Router
 
     router = Router(2)
     return next(k for k in (f"session-{i}" for i in range(1000)) if router.home(k) == rank)

@@ -89,19 +89,19 @@ def _install_engine_trace(folder: str) -> None:
 
     # In the API process: when a request's stream starts (parsed, validated, about to be sent
     # to the rank), which splits the request path into HTTP/FastAPI and the hop to the rank.
-    from deepinfer.serve.engine_client import EngineClient
+    from deepinfer.serve.ranks.request_stream import RequestStream
 
-    generate = EngineClient.generate
+    generate = RequestStream.generate
 
     def traced_generate(self, request_id, *a, **kw):
         out.write(f"G {time.perf_counter():.6f} {request_id}\n")
         return generate(self, request_id, *a, **kw)
 
-    EngineClient.generate = traced_generate
+    RequestStream.generate = traced_generate
 
     # When a request's last delta reaches the API process: splits a stream's end into the
     # hop from the rank and what the API and the client do after it.
-    dispatch = EngineClient._dispatch
+    dispatch = RequestStream.dispatch
 
     def traced_dispatch(self, result):
         dispatch(self, result)
@@ -109,7 +109,7 @@ def _install_engine_trace(folder: str) -> None:
         if ends:
             out.write(f"F {time.perf_counter():.6f} " + " ".join(ends) + "\n")
 
-    EngineClient._dispatch = traced_dispatch
+    RequestStream.dispatch = traced_dispatch
 
 
 if os.environ.get(TRACE_ENV):

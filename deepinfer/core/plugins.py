@@ -227,32 +227,65 @@ def _summary(registry: PluginRegistry, infos: list[AcceleratorInfo]) -> str:
     return text
 
 
-def select_accelerator(registry: PluginRegistry, name: str | None = None) -> type[Accelerator]:
-    """The backend named by `name` or DEEPINFER_ACCELERATOR, else the first available by priority."""
-    infos = registry.accelerators()
+def find_accelerator(infos: list[AcceleratorInfo], name: str) -> AcceleratorInfo | None:
+    """The backend `name` names, or None: an exact name beats another backend's alias."""
+    wanted = name.strip().lower()
+    return next((i for i in infos if i.name.lower() == wanted),
+                next((i for i in infos if i.matches(name)), None))
+
+
+def choose_accelerator(registry: PluginRegistry, name: str | None = None) -> AcceleratorInfo:
+    """The backend named by `name` or DEEPINFER_ACCELERATOR, else the first available by
+    priority; its class is loaded here, so a backend that cannot run fails now."""
     requested = name or accelerator_from_env()
-    if requested:
-        # An exact name beats another backend's alias.
-        info = next((i for i in infos if i.name.lower() == requested.strip().lower()),
-                    next((i for i in infos if i.matches(requested)), None))
-        if info is None:
-            raise ValueError(f"unknown accelerator {requested!r}; {_summary(registry, infos)}")
-        try:
-            why = info.unavailable()
-            cls = info.load() if why is None else None
-        except Exception as exc:
-            raise AcceleratorError(
-                f"accelerator {info.name!r} failed to load: {_error_text(exc)}") from exc
-        if cls is None:
-            raise AcceleratorError(f"accelerator {info.name!r} is not available on this "
-                                   f"machine: {why}")
-        return cls
+    return _named(registry, requested) if requested else _first_available(registry)
+
+
+def select_accelerator(registry: PluginRegistry, name: str | None = None) -> type[Accelerator]:
+    """The class of the backend choose_accelerator picks."""
+    return choose_accelerator(registry, name).load()
+
+
+def load_accelerator(registry: PluginRegistry, name: str) -> type[Accelerator]:
+    """The class of a backend already chosen, by its name: no probing, no other backend asked
+    (a rank loads what the server chose)."""
+    infos = registry.accelerators()
+    info = find_accelerator(infos, name)
+    if info is None:
+        raise ValueError(f"unknown accelerator {name!r}; {_summary(registry, infos)}")
+    try:
+        return info.load()
+    except Exception as exc:
+        raise AcceleratorError(
+            f"accelerator {info.name!r} failed to load: {_error_text(exc)}") from exc
+
+
+def _named(registry: PluginRegistry, requested: str) -> AcceleratorInfo:
+    infos = registry.accelerators()
+    info = find_accelerator(infos, requested)
+    if info is None:
+        raise ValueError(f"unknown accelerator {requested!r}; {_summary(registry, infos)}")
+    try:
+        why = info.unavailable()
+        if why is None:
+            info.load()
+    except Exception as exc:
+        raise AcceleratorError(
+            f"accelerator {info.name!r} failed to load: {_error_text(exc)}") from exc
+    if why is not None:
+        raise AcceleratorError(f"accelerator {info.name!r} is not available on this "
+                               f"machine: {why}")
+    return info
+
+
+def _first_available(registry: PluginRegistry) -> AcceleratorInfo:
+    infos = registry.accelerators()
     for info in sorted(infos, key=lambda i: -i.priority):  # stable: ties keep registration order
         try:
             if info.unavailable() is None:
-                cls = info.load()
+                info.load()
                 log.info("selected accelerator %r (priority %d)", info.name, info.priority)
-                return cls
+                return info
         except Exception as exc:  # reported, then the next backend is probed
             registry.report(info.name, _error_text(exc))
             log.warning("accelerator %r failed to load: %s", info.name, _error_text(exc))

@@ -4,7 +4,7 @@ One API process is a single event loop: at hundreds of streams over several rank
 JSON and SSE work becomes the limit. Each extra process accepts on the listening socket that
 process 0 bound (the kernel hands every connection to one of them), talks to every rank
 directly over sockets of its own (its requests go in on its own input address of each rank, its
-results come back on its own output address: rank_outbox.py) and serves /health and /metrics
+results come back on its own output address: ranks/outbox.py) and serves /health and /metrics
 too. Process 0 alone starts, watches and restarts the ranks; it tells the others what becomes
 of each rank (RankEvent): a rank that dies fails their requests on it as well, and a restarted
 rank is served through the new input addresses its spawn number names. If an API process dies,
@@ -24,19 +24,19 @@ from dataclasses import dataclass
 import zmq
 import zmq.asyncio
 
-from deepinfer.serve.engine_client import EngineClient, events_addr
-from deepinfer.serve.ipc import RankEvent, Ready
-from deepinfer.serve.rank_health import RankState
-from deepinfer.serve.ranks import RankDiedError, RemoteProcess, _Rank
+from deepinfer.serve.ranks.supervisor import RankSupervisor, events_addr
+from deepinfer.serve.ranks.ipc import RankEvent, Ready
+from deepinfer.serve.ranks.health import RankState
+from deepinfer.serve.ranks.rank import RankDiedError, RemoteProcess, _Rank
 
 log = logging.getLogger("deepinfer.serve")
 PARENT_CHECK_S = 1.0
 CONNECT_GRACE_S = 2.0  # how long a send waits for a serving rank to connect to a new inbox
 
 
-class AttachedEngineClient(EngineClient):
-    """EngineClient of an API process that does not own the ranks: their lives come from
-    process 0's RankEvents instead of their processes."""
+class AttachedRankSupervisor(RankSupervisor):
+    """The rank supervisor of an API process that does not own the ranks: their lives come
+    from process 0's RankEvents instead of their processes."""
 
     async def attach(self, events: list[RankEvent], ready: list[Ready]) -> list[Ready]:
         self._event_inbox = self._ctx.socket(zmq.PULL)
@@ -46,8 +46,8 @@ class AttachedEngineClient(EngineClient):
                              stats=ready[e.rank].stats) for e in events]
         for event in events:
             self._apply(event)
-        self._background(self._receive())
-        self._background(self._follow())
+        self.background(self._receive())
+        self.background(self._follow())
         return ready
 
     async def _follow(self) -> None:
@@ -76,10 +76,10 @@ class AttachedEngineClient(EngineClient):
         else:
             self.router.mark_dead(event.rank)
 
-    def _check_alive(self) -> None:
+    def check_alive(self) -> None:
         pass  # process 0 watches the ranks and says when one dies
 
-    async def _send(self, rank: int, message: object, missing_ok: bool = False) -> None:
+    async def send(self, rank: int, message: object, missing_ok: bool = False) -> None:
         """A rank connects to a freshly bound input address within its reconnect interval: a
         send that cannot queue yet is retried for a moment while the rank serves."""
         loop = asyncio.get_running_loop()
@@ -108,28 +108,28 @@ class WorkerSpec:
     client_id: int
     args: argparse.Namespace
     model_dir: str
-    client: dict  # EngineClient's settings (config, ranks, routing, health, intervals, dir)
+    supervisor: dict  # RankSupervisor's settings (config, ranks, routing, health, intervals, dir)
     ranks: list[RankEvent]
     ready: list[Ready]
     listener: socket.socket  # process 0's, shared
     started: "mp.synchronize.Event"  # set once it attached to the ranks and loaded its tokenizer
 
 
-async def start_workers(args: argparse.Namespace, model_dir: str, client: EngineClient,
+async def start_workers(args: argparse.Namespace, model_dir: str, supervisor: RankSupervisor,
                         ready: list[Ready], listener: socket.socket
                         ) -> list[mp.process.BaseProcess]:
     """Processes 1..N-1, returned once each serves (so /health answers only when all do);
     RuntimeError if one exits first."""
     spawn = mp.get_context("spawn")
-    settings = dict(config=client.config, num_ranks=client.num_ranks,
-                    routing=client.router.policy, health=client.health,
-                    stream_interval=client.stream_interval, api_servers=client.api_servers,
-                    ipc_dir=client.ipc_dir, stream_backlog=client.stream_backlog)
+    settings = dict(config=supervisor.config, num_ranks=supervisor.num_ranks,
+                    routing=supervisor.router.policy, health=supervisor.health,
+                    stream_interval=supervisor.stream_interval,
+                    api_servers=supervisor.api_servers, ipc_dir=supervisor.ipc_dir)
     workers, started = [], []
-    for k in range(1, client.api_servers):
+    for k in range(1, supervisor.api_servers):
         started.append(spawn.Event())
-        spec = WorkerSpec(k, args, model_dir, settings, client.rank_events(), ready, listener,
-                          started[-1])
+        spec = WorkerSpec(k, args, model_dir, settings, supervisor.rank_events(), ready,
+                          listener, started[-1])
         process = spawn.Process(target=run_worker, args=(spec,), name=f"deepinfer-api{k}",
                                 daemon=True)
         process.start()
@@ -144,7 +144,7 @@ async def start_workers(args: argparse.Namespace, model_dir: str, client: Engine
 
 
 async def stop_workers(workers: list[mp.process.BaseProcess], timeout_s: float = 10.0) -> None:
-    """SIGTERM each (it drains its requests and stops: serve/shutdown.py), killed after
+    """SIGTERM each (it drains its requests and stops: serve/api/shutdown.py), killed after
     `timeout_s`."""
     for process in workers:
         if process.is_alive():
@@ -158,7 +158,7 @@ async def stop_workers(workers: list[mp.process.BaseProcess], timeout_s: float =
 
 def run_worker(spec: WorkerSpec) -> None:
     """Entry point of API process spec.client_id (multiprocessing spawn target)."""
-    from deepinfer.serve.cli import run_event_loop
+    from deepinfer.serve.api_server import run_event_loop
 
     logging.basicConfig(level=spec.args.log_level.upper(),
                         format=f"%(levelname)s %(name)s[api {spec.client_id}]: %(message)s")
@@ -167,21 +167,21 @@ def run_worker(spec: WorkerSpec) -> None:
 
 
 async def _serve(spec: WorkerSpec) -> None:
-    from deepinfer.serve.cli import load_tokenizers, serve_http
+    from deepinfer.serve.api_server import load_tokenizers, serve_http
 
-    client = AttachedEngineClient(client_id=spec.client_id, **spec.client)
-    await client.attach(spec.ranks, spec.ready)
+    supervisor = AttachedRankSupervisor(client_id=spec.client_id, **spec.supervisor)
+    await supervisor.attach(spec.ranks, spec.ready)
     tokenizer, prompt_tokenizer = await asyncio.to_thread(load_tokenizers, spec.args,
                                                           spec.model_dir)
     spec.started.set()
     watch = asyncio.ensure_future(_exit_with_parent(os.getppid()))
     try:
-        await serve_http(spec.args, spec.model_dir, client, spec.ready, tokenizer,
+        await serve_http(spec.args, spec.model_dir, supervisor, spec.ready, tokenizer,
                          prompt_tokenizer, spec.listener, observes_engine=False)
     finally:
         watch.cancel()
         spec.listener.close()
-        await client.shutdown()
+        await supervisor.shutdown()
         prompt_tokenizer.close()
 
 

@@ -11,13 +11,17 @@ import subprocess
 import sys
 
 
+CHOSEN = "accelerator="  # the probe's line that names the backend it chose
+
+
 class PreflightError(Exception):
     """A flag that cannot work; the message is the whole story."""
 
 
-def check_args(args: argparse.Namespace) -> None:
-    """Everything that can be known wrong from the flags alone."""
-    from deepinfer.serve.cli import connection_limits, engine_config, rank_health, request_limits
+def check_args(args: argparse.Namespace) -> str:
+    """Everything that can be known wrong from the flags alone; the accelerator's exact name,
+    chosen here once for the ranks to load."""
+    from deepinfer.serve.flags import connection_limits, engine_config, rank_health, request_limits
 
     if args.dp < 1:
         raise PreflightError(f"--dp must be >= 1, got {args.dp}")
@@ -43,9 +47,11 @@ def check_args(args: argparse.Namespace) -> None:
     check_model_path(args.model)
     check_experts(args)
     check_host_cache(args)
-    check_accelerator(args.accelerator, args.model if args.model and os.path.isdir(args.model)
-                      else None, args.load_format != "dummy")
-    check_rank_env(args)
+    accelerator = check_accelerator(args.accelerator, args.model if args.model and
+                                    os.path.isdir(args.model) else None,
+                                    args.load_format != "dummy")
+    check_rank_env(accelerator, args.dp)
+    return accelerator
 
 
 def api_key(args: argparse.Namespace, argv: list[str]) -> str | None:
@@ -80,13 +86,13 @@ def check_connection_args(args: argparse.Namespace) -> None:
                              f"{args.shutdown_timeout}")
 
 
-def check_rank_env(args: argparse.Namespace) -> None:
-    """The named backend's per-rank environment (e.g. the Neuron cores of each rank) must be
-    possible for --dp ranks: an impossible core layout is a one-line error here."""
-    from deepinfer.serve.engine_client import rank_envs
+def check_rank_env(accelerator: str, ranks: int) -> None:
+    """The chosen backend's per-rank environment (e.g. the Neuron cores of each rank) must be
+    possible for `ranks` ranks (--dp): an impossible core layout is a one-line error here."""
+    from deepinfer.serve.ranks.supervisor import rank_envs
 
     try:
-        rank_envs(args.accelerator, args.dp, os.environ)  # the ranks of this host
+        rank_envs(accelerator, ranks, os.environ)  # the ranks of this host
     except ValueError as exc:
         raise PreflightError(str(exc)) from exc
 
@@ -156,16 +162,19 @@ def available_memory_gb() -> float:
 
 
 def check_accelerator(name: str | None, model_dir: str | None = None,
-                      read_weights: bool = True) -> None:
-    """The backend the ranks will select, selected here first, and the model folder checked
-    (config.json builds its family's model, the weight files' headers are whole), in a
-    short-lived process: both import torch, and the API process serves without it."""
+                      read_weights: bool = True) -> str:
+    """The backend the ranks will load, chosen (`name`, an alias, DEEPINFER_ACCELERATOR or
+    the probe) and its exact name returned, and the model folder checked (config.json builds
+    its family's model, the weight files' headers are whole), in a short-lived process: both
+    import torch, and the API process serves without it."""
     command = [sys.executable, "-m", "deepinfer.serve.preflight", name or ""]
     if model_dir is not None:
         command += [model_dir, "weights" if read_weights else "config"]
     probe = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    if probe.returncode == 0:
-        return
+    chosen = [line[len(CHOSEN):] for line in probe.stdout.splitlines()
+              if line.startswith(CHOSEN)]
+    if probe.returncode == 0 and chosen:
+        return chosen[-1]
     said, crashed = probe.stdout.strip().splitlines(), probe.stderr.strip().splitlines()
     # The check's own error line, else the last line of a traceback (the exception).
     raise PreflightError(said[0] if said else crashed[-1] if crashed else
@@ -173,18 +182,20 @@ def check_accelerator(name: str | None, model_dir: str | None = None,
 
 
 def _probe(name: str, model_dir: str | None, read_weights: bool) -> int:
-    """check_accelerator's process: the first line of an error, exit status 1."""
-    from deepinfer.core.plugins import AcceleratorError, load_plugins, select_accelerator
+    """check_accelerator's process: the chosen backend's name after CHOSEN, or the first
+    line of an error and exit status 1."""
+    from deepinfer.core.plugins import AcceleratorError, choose_accelerator, load_plugins
     from deepinfer.models.checkpoint_check import CheckpointError, check_hf_folder
 
     try:
-        select_accelerator(load_plugins(), name or None)
+        chosen = choose_accelerator(load_plugins(), name or None).name
         if model_dir is not None:
             check_hf_folder(model_dir, read_weights)
     except (ValueError, AcceleratorError) as exc:
         print(("--model " if isinstance(exc, CheckpointError) else "")
               + str(exc).splitlines()[0])
         return 1
+    print(CHOSEN + chosen)
     return 0
 
 

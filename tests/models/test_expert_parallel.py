@@ -47,8 +47,8 @@ def _run_rank(job: RankJob, out: mp.Queue) -> None:
 
     from deepinfer.backends.cpu.accelerator import CPUAccelerator
     from deepinfer.core.engine import Engine
-    from deepinfer.serve.engine_proc import StepClock, _step
-    from deepinfer.serve.lockstep import Lockstep
+    from deepinfer.serve.ranks.engine_proc import StepClock, _step
+    from deepinfer.serve.ranks.lockstep import Lockstep
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{job.port}", rank=job.rank,

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import zmq
 
 from deepinfer.core.config import CacheConfig, EngineConfig, ModelSpec, SchedulerConfig
-from deepinfer.serve.rank_outbox import RankOutbox
+from deepinfer.serve.ranks.outbox import RankOutbox
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "core"))
 from fakes import PagedFakeAccelerator, write_config  # noqa: E402

@@ -179,8 +179,8 @@ def test_api_server_count_below_one_is_a_one_line_error(capsys) -> None:
 def test_a_rank_sends_each_process_its_own_results_and_everyone_the_stats() -> None:
     import zmq
 
-    from deepinfer.serve.ipc import EngineStats, RequestError, StepResult, TokenDelta
-    from deepinfer.serve.rank_outbox import RankOutbox
+    from deepinfer.serve.ranks.ipc import EngineStats, RequestError, StepResult, TokenDelta
+    from deepinfer.serve.ranks.outbox import RankOutbox
 
     ctx = zmq.Context()
     try:

@@ -1,4 +1,4 @@
-"""Large bodies are parsed in a worker process (serve/body_parse.py), which refuses a prompt of
+"""Large bodies are parsed in a worker process (serve/api/body_parse.py), which refuses a prompt of
 token ids longer than the context itself."""
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import json
 
 from pydantic import BaseModel
 
-from deepinfer.serve.body_parse import BodyRefused, LargeBodyParser
-from deepinfer.serve.protocol import CompletionRequest
+from deepinfer.serve.api.body_parse import BodyRefused, LargeBodyParser
+from deepinfer.serve.api.protocol import CompletionRequest
 
 
 def _parse_all(raws: list[bytes], max_model_len: int = 512) -> list:

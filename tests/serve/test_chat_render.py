@@ -6,10 +6,10 @@ import json
 
 import pytest
 
-from deepinfer.serve.chat import ChatFormat, render_chat
-from deepinfer.serve.deepseek_encoding import BOS
-from deepinfer.serve.tool_parsers import ForcedShape, is_forced
-from deepinfer.serve.tool_parsers.hermes import HermesParser
+from deepinfer.serve.chat.format import ChatFormat, render_chat
+from deepinfer.serve.chat.deepseek_encoding import BOS
+from deepinfer.serve.chat.tool_parsers import ForcedShape, is_forced
+from deepinfer.serve.chat.tool_parsers.hermes import HermesParser
 
 
 def tool_call_constraint(tools, tool_choice):
@@ -113,7 +113,7 @@ class _ContentTemplate:
 
 
 def test_an_agents_tool_turn_renders_with_a_template_that_knows_no_tool_calls(tmp_path):
-    from deepinfer.serve.protocol import ChatMessage
+    from deepinfer.serve.api.protocol import ChatMessage
 
     call = {"id": "c1", "type": "function",
             "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}

@@ -14,7 +14,7 @@ from deepinfer import LLM
 from deepinfer.core.config import (EngineConfig, EngineOption, ModelSpec,
                                    engine_config_from_options, engine_options)
 from deepinfer.llm import llm_engine_config
-from deepinfer.serve.cli import build_parser, engine_config
+from deepinfer.serve.flags import build_parser, engine_config
 
 DOCS = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "configuration.md")
 

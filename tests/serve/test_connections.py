@@ -1,6 +1,6 @@
-"""The connection guards (serve/connections.py) on a real uvicorn server in a thread, with a
+"""The connection guards (serve/api/connections.py) on a real uvicorn server in a thread, with a
 small ASGI app: header and body deadlines, the connection cap, the write deadline; and the
-drain's admission (serve/shutdown.py) and the bounded inbox, in-process."""
+drain's admission (serve/api/shutdown.py) and the bounded inbox, in-process."""
 from __future__ import annotations
 
 import asyncio
@@ -16,9 +16,9 @@ import pytest
 import uvicorn
 from starlette.responses import StreamingResponse
 
-from deepinfer.serve.connections import ConnectionLimits, guarded_protocol
-from deepinfer.serve.inbox import Inbox, RequestAborted
-from deepinfer.serve.shutdown import AdmissionMiddleware, Drain
+from deepinfer.serve.api.connections import ConnectionLimits, guarded_protocol
+from deepinfer.serve.ranks.inbox import Inbox, RequestAborted
+from deepinfer.serve.api.shutdown import AdmissionMiddleware, Drain
 
 
 class _App:

@@ -6,8 +6,8 @@ from __future__ import annotations
 import asyncio
 
 from deepinfer.core.batch import TokenLogprobs
-from deepinfer.serve.inbox import Inbox, coalesce
-from deepinfer.serve.ipc import TokenDelta
+from deepinfer.serve.ranks.inbox import Inbox, coalesce
+from deepinfer.serve.ranks.ipc import TokenDelta
 
 
 def delta(index: int, ids: list[int], text: str, finished: bool = False) -> TokenDelta:
@@ -82,17 +82,19 @@ def test_the_receiver_reads_every_waiting_step_before_a_stream_runs() -> None:
 
     import zmq
 
-    from deepinfer.serve.engine_client import EngineClient, output_addr
-    from deepinfer.serve.ipc import StepResult
-    from deepinfer.serve.rank_health import RankHealthConfig
+    from deepinfer.serve.ranks.request_stream import RequestStream
+    from deepinfer.serve.ranks.supervisor import RankSupervisor, output_addr
+    from deepinfer.serve.ranks.ipc import StepResult
+    from deepinfer.serve.ranks.health import RankHealthConfig
 
     async def run() -> tuple[int, TokenDelta]:
-        client = EngineClient(None, 1, health=RankHealthConfig(max_restarts=0))
+        client = RankSupervisor(None, 1, health=RankHealthConfig(max_restarts=0))
+        RequestStream(client)  # the supervisor's requests: client.requests
         push = zmq.Context.instance().socket(zmq.PUSH)
         push.connect(output_addr(client._dir, 0))
         try:
             inbox = Inbox()
-            client._queues["r"] = inbox
+            client.requests._queues["r"] = inbox
             for i in range(3):
                 push.send_pyobj(StepResult(0, [delta(0, [i], str(i), finished=i == 2)]))
             while not client._output.poll(0):  # delivered (ipc is asynchronous)

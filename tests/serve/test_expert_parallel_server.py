@@ -15,7 +15,7 @@ top-2, one MoE layer) with the SmolLM2 tokenizer, driven with token-id prompts:
 * the EPLB server, its experts moved, loses a rank too: the replacement loads the placement
   the survivor uses, and the answers stay equal to `--dp 1`'s.
 
-EngineClient's group bookkeeping (the regroup, its fallback to restarting the whole group, the
+RankSupervisor's group bookkeeping (the regroup, its fallback to restarting the whole group, the
 port, the restart limit) is also checked on fake rank processes, and torchrun's environment on
 a fake environ.
 
@@ -44,10 +44,12 @@ import pytest
 from conftest import (ServerProcess, free_port, openai_client, per_rank, scrape, scrape_series,
                       wait_until)
 from deepinfer.core.config import EngineConfig, ModelSpec, ParallelConfig, torchrun_parallel
-from deepinfer.serve.engine_client import EngineClient, RankDiedError, _Rank
-from deepinfer.serve.ipc import Ready, Regroup
-from deepinfer.serve.rank_health import RankHealthConfig, RankState
-from deepinfer.serve.router import Router, route_key
+from deepinfer.serve.ranks.rank import RankDiedError, _Rank
+from deepinfer.serve.ranks.request_stream import RequestStream
+from deepinfer.serve.ranks.supervisor import RankSupervisor
+from deepinfer.serve.ranks.ipc import Ready, Regroup
+from deepinfer.serve.ranks.health import RankHealthConfig, RankState
+from deepinfer.serve.ranks.router import Router, route_key
 from test_routing import _Inbox, _made, _Proc, _close_clients  # noqa: F401 - the fixture
 
 MODEL = "tiny-moe"
@@ -205,7 +207,7 @@ def test_torchrun_environment_gives_the_multi_host_settings():
     assert two_per_host["nnodes"] == 2
 
 
-# ---- EngineClient's expert-parallel group, on fake rank processes ----------------------------
+# ---- RankSupervisor's expert-parallel group, on fake rank processes ----------------------------
 class _KillableProc(_Proc):
     killed = False
 
@@ -214,14 +216,15 @@ class _KillableProc(_Proc):
 
 
 def _group_client(master_port: int, max_restarts: int = 5
-                  ) -> tuple[EngineClient, list[int], list]:
+                  ) -> tuple[RankSupervisor, list[int], list]:
     """A two-rank expert-parallel client of fake ranks; also the rendezvous port each spawn
     got, and what was sent to the ranks ((rank, message))."""
     nnodes = 1 if master_port == 0 else 2  # a given port: as on several hosts
     parallel = ParallelConfig(ep=True, nnodes=nnodes, master_port=master_port)
-    client = EngineClient(EngineConfig(ModelSpec("unused"), parallel=parallel), 2,
+    client = RankSupervisor(EngineConfig(ModelSpec("unused"), parallel=parallel), 2,
                           health=RankHealthConfig(max_restarts=max_restarts,
                                                   restart_backoff_s=0.001))
+    RequestStream(client)  # the supervisor's requests: client.requests
     _made.append(client)
     client._rendezvous()
     pids, ports, sent = itertools.count(1000), [], []
@@ -241,7 +244,7 @@ def _ready_message(rank: int, rebind_group: bool = True) -> Ready:
     return Ready(rank, 64, 16, 512, "fake", rebind_group=rebind_group)
 
 
-async def _lose(client: EngineClient, rank: int) -> None:
+async def _lose(client: RankSupervisor, rank: int) -> None:
     """`rank` exits; the peers the client kills exit too (their sentinels); the restart (if
     any) runs its tiny backoff."""
     client._ranks[rank].process.alive = False
@@ -249,7 +252,7 @@ async def _lose(client: EngineClient, rank: int) -> None:
     await _settle(client)
 
 
-async def _settle(client: EngineClient) -> None:
+async def _settle(client: RankSupervisor) -> None:
     """Killed ranks exit (their sentinels) and restarts run their tiny backoff."""
     for _ in range(50):
         for peer, r in enumerate(client._ranks):
@@ -259,10 +262,10 @@ async def _settle(client: EngineClient) -> None:
         await asyncio.sleep(0.002)
 
 
-def _with_requests(client: EngineClient) -> dict[int, asyncio.Queue]:
+def _with_requests(client: RankSupervisor) -> dict[int, asyncio.Queue]:
     queues = {rank: asyncio.Queue() for rank in (0, 1)}
     for rank, queue in queues.items():
-        client._queues[f"r{rank}"], client._owner[f"r{rank}"] = queue, rank
+        client.requests._queues[f"r{rank}"], client.requests._owner[f"r{rank}"] = queue, rank
     return queues
 
 
@@ -374,16 +377,17 @@ def test_a_dead_rank_across_hosts_takes_its_group_down_and_it_restarts_as_one():
 def test_another_api_process_fails_its_requests_on_a_survivor_that_regroups():
     """--api-server-count: process 0's event that a serving rank starts again (same process:
     a regroup) fails the other process's requests on it."""
-    from deepinfer.serve.api_workers import AttachedEngineClient
-    from deepinfer.serve.ipc import RankEvent
+    from deepinfer.serve.api_workers import AttachedRankSupervisor
+    from deepinfer.serve.ranks.ipc import RankEvent
 
-    client = AttachedEngineClient(EngineConfig(ModelSpec("unused")), 2, client_id=1)
+    client = AttachedRankSupervisor(EngineConfig(ModelSpec("unused")), 2, client_id=1)
+    RequestStream(client)  # the supervisor's requests: client.requests
     _made.append(client)
     client._own_lost = [0, 0]
     client._ranks = [_Rank(_Proc(1000 + rank), _Inbox(client, rank, []),
                            state=RankState.SERVING) for rank in (0, 1)]
     queue = asyncio.Queue()
-    client._queues["r0"], client._owner["r0"] = queue, 0
+    client.requests._queues["r0"], client.requests._owner["r0"] = queue, 0
     client._apply(RankEvent(0, "starting", 0, 1000, reason="left its step: its "
                             "expert-parallel group lost rank 1, which was killed by SIGKILL"))
     error = queue.get_nowait()

@@ -14,8 +14,8 @@ import pytest
 
 from deepinfer.core.grammar_errors import clean_message
 from deepinfer.core.sampling import SamplingParams, StructuredOutput
-from deepinfer.serve.grammar_cache import CompiledConstraint, GrammarCache, InvalidConstraint
-from deepinfer.serve.ipc import AddRequest
+from deepinfer.serve.grammar.cache import CompiledConstraint, GrammarCache, InvalidConstraint
+from deepinfer.serve.ranks.ipc import AddRequest
 
 xgr = pytest.importorskip("xgrammar")
 
@@ -52,8 +52,8 @@ async def _ticks_while(work) -> tuple[object, int]:
 
 
 def test_pool_compiles_away_from_the_loop_and_survives_its_time_limit(model_dir, tokenizer):
-    from deepinfer.serve.grammar_pool import GrammarError, GrammarPool, GrammarUnavailable
-    from deepinfer.serve.grammar_worker import WorkerSetup
+    from deepinfer.serve.grammar.pool import GrammarError, GrammarPool, GrammarUnavailable
+    from deepinfer.serve.grammar.worker import WorkerSetup
 
     async def scenario() -> None:
         setup = WorkerSetup(model_dir, len(tokenizer), (tokenizer.eos_token_id,))
@@ -95,8 +95,8 @@ def test_pool_compiles_away_from_the_loop_and_survives_its_time_limit(model_dir,
 
 def test_rank_loads_the_sent_grammar_without_compiling(tokenizer):
     from deepinfer.core.structured import GrammarCompiler
-    from deepinfer.serve.grammar_worker import compile_one
-    from deepinfer.serve.rank_grammars import PendingGrammars
+    from deepinfer.serve.grammar.worker import compile_one
+    from deepinfer.serve.grammar.rank_grammars import PendingGrammars
 
     vocab, stops = len(tokenizer), (tokenizer.eos_token_id,)
     spec = StructuredOutput("json_schema", json.dumps({"enum": ["yes", "no"]}))
@@ -136,7 +136,7 @@ def test_rank_loads_the_sent_grammar_without_compiling(tokenizer):
 
 
 def test_pending_grammar_does_not_block_and_abort_drops_it():
-    from deepinfer.serve.rank_grammars import PendingGrammars
+    from deepinfer.serve.grammar.rank_grammars import PendingGrammars
 
     gate = Future()
 

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from deepinfer.serve.protocol import MAX_NESTING, CompletionRequest, check_json_value
+from deepinfer.serve.api.protocol import MAX_NESTING, CompletionRequest, check_json_value
 
 
 def reference(value: Any, depth: int = 0) -> str | None:
@@ -73,9 +73,9 @@ def test_bad_prompts_are_refused(prompt: Any) -> None:
 def test_logit_bias_keys_become_token_ids_and_the_limit_bounds_both_fields() -> None:
     """OpenAI's logit_bias arrives with string keys; the server's bound (by default the
     vocabulary's size) counts distinct ids, and each field is refused under its own name."""
-    from deepinfer.serve.errors import APIError
-    from deepinfer.serve.limits import RequestLimits
-    from deepinfer.serve.routes_openai import _check_token_fields
+    from deepinfer.serve.api.errors import APIError
+    from deepinfer.serve.api.limits import RequestLimits
+    from deepinfer.serve.api.routes_openai import _check_token_fields
 
     body = CompletionRequest.model_validate(
         {"prompt": "x", "logit_bias": {"7": -100, "007": 5, "12": 0.5},

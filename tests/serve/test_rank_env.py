@@ -1,6 +1,6 @@
-"""A backend's rank_env reaches its rank processes: the API process builds each rank's
-environment from the named backend's AcceleratorInfo, and the rank sets it before it loads
-any plugin or backend."""
+"""The backend is chosen once, by the preflight, and its exact name travels to the ranks: the
+API process builds each rank's environment from that backend's AcceleratorInfo (no choosing
+there), the rank sets it before it loads any plugin or backend, and loads the backend by name."""
 from __future__ import annotations
 
 import multiprocessing as mp
@@ -10,10 +10,12 @@ import zmq
 
 import deepinfer.core.plugins as plugins
 from deepinfer.core.config import ENV_ACCELERATOR, EngineConfig, ModelSpec
-from deepinfer.core.plugins import AcceleratorInfo
-from deepinfer.serve.engine_client import rank_env_of, rank_envs
-from deepinfer.serve.rank_entry import RankSpec, run_rank
-from deepinfer.serve.ipc import Failed
+from deepinfer.core.plugins import AcceleratorInfo, find_accelerator, load_accelerator
+from deepinfer.serve import preflight
+from deepinfer.serve.flags import build_parser, engine_config
+from deepinfer.serve.ranks.supervisor import rank_envs
+from deepinfer.serve.ranks.entry import RankSpec, run_rank
+from deepinfer.serve.ranks.ipc import Failed
 
 
 def cores(rank: int, world: int, base) -> dict[str, str]:
@@ -40,11 +42,10 @@ def registry(monkeypatch):
     monkeypatch.setattr(plugins, "load_plugins", _Registry)
 
 
-def test_rank_env_of_matches_like_select_accelerator():
-    assert rank_env_of(infos(), " CHIP ") is cores
-    assert rank_env_of(infos(), "trn") is None
-    assert rank_env_of(infos(), "plain") is None
-    assert rank_env_of(infos(), "nothing") is None
+def test_find_accelerator_exact_name_beats_alias():
+    assert find_accelerator(infos(), " CHIP ").name == "chip"
+    assert find_accelerator(infos(), "trn").name == "trn"  # chip's alias, but trn's own name
+    assert find_accelerator(infos(), "nothing") is None
 
 
 def test_rank_envs_of_the_named_backend(registry):
@@ -53,13 +54,44 @@ def test_rank_envs_of_the_named_backend(registry):
     assert rank_envs("plain", 2, {}) == [{}, {}]
 
 
-def test_rank_envs_named_by_the_environment(registry, monkeypatch):
-    monkeypatch.setenv(ENV_ACCELERATOR, "chip")
-    assert rank_envs(None, 1, {}) == [{"CORES": "0/1", "BASE": ""}]
+def test_preflight_chooses_once_and_the_ranks_get_the_chosen_name(registry, monkeypatch):
+    # The preflight's probe process (stubbed here) chooses chip; from then on only that exact
+    # name is used: the rank envs and the config every rank gets.
+    chosen = []
+    monkeypatch.setattr(preflight, "check_accelerator",
+                        lambda name, *rest: chosen.append(name) or "chip")
+    monkeypatch.setattr(plugins, "choose_accelerator",
+                        lambda *a: pytest.fail("chosen again after the preflight"))
+    args = build_parser().parse_args(["--dp", "2", "--load-format", "dummy"])
+    args.accelerator = preflight.check_args(args)
+    assert chosen == [None] and args.accelerator == "chip"
+    config = engine_config(args, ".")
+    assert config.accelerator == "chip"
+    assert rank_envs(config.accelerator, 2, {}) == [{"CORES": "0/2", "BASE": ""},
+                                                    {"CORES": "1/2", "BASE": ""}]
 
 
-def test_no_backend_named_no_plugins_loaded(monkeypatch):
-    monkeypatch.delenv(ENV_ACCELERATOR, raising=False)
+def test_a_rank_loads_the_chosen_backend_by_name_without_probing():
+    loaded = []
+
+    def load():
+        loaded.append("chip")
+        return object
+
+    class Registry:
+        failures = []
+
+        def accelerators(self):
+            return [AcceleratorInfo(name="chip", load=load, probe=lambda: pytest.fail("probed")),
+                    AcceleratorInfo(name="other", load=lambda: pytest.fail("other loaded"),
+                                    priority=9)]
+
+    assert load_accelerator(Registry(), "chip") is object and loaded == ["chip"]
+    with pytest.raises(ValueError, match="unknown accelerator 'gone'"):
+        load_accelerator(Registry(), "gone")
+
+
+def test_no_backend_chosen_no_plugins_loaded(monkeypatch):
     monkeypatch.setattr(plugins, "load_plugins", lambda: pytest.fail("plugins were loaded"))
     assert rank_envs(None, 3, {}) == [{}, {}, {}]
 

@@ -9,8 +9,8 @@ import zmq
 
 from deepinfer.core.engine import Engine
 from deepinfer.core.sampling import SamplingParams
-from deepinfer.serve.engine_proc import _loop
-from deepinfer.serve.ipc import AbortRequest, AddRequest, Control, ControlReply, StepResult
+from deepinfer.serve.ranks.engine_proc import _loop
+from deepinfer.serve.ranks.ipc import AbortRequest, AddRequest, Control, ControlReply, StepResult
 
 from tests.serve.rank_wires import PagedFakeAccelerator, fake_config, rank_wires
 

@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from conftest import make_tiny_chat_checkpoint, served, wait_until
-from deepinfer.serve.router import Router
+from deepinfer.serve.ranks.router import Router
 
 UNHEALTHY_AFTER_S, FAIL_AFTER_S = 1.0, 4.0
 SLACK_S = 3.0  # heartbeat interval, the watchdog's period and a busy 2-core machine

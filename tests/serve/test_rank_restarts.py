@@ -1,19 +1,22 @@
-"""Restart policy of EngineClient on fake rank processes: backoff, limit, and the streak that
+"""Restart policy of RankSupervisor on fake rank processes: backoff, limit, and the streak that
 a rank which served long enough starts over."""
 from __future__ import annotations
 
 import asyncio
 
-from deepinfer.serve.engine_client import EngineClient, _Rank
-from deepinfer.serve.ipc import Ready
-from deepinfer.serve.rank_health import RankHealthConfig, RankState
+from deepinfer.serve.ranks.rank import _Rank
+from deepinfer.serve.ranks.request_stream import RequestStream
+from deepinfer.serve.ranks.supervisor import RankSupervisor
+from deepinfer.serve.ranks.ipc import Ready
+from deepinfer.serve.ranks.health import RankHealthConfig, RankState
 from test_routing import _Inbox, _made, _Proc, _close_clients  # noqa: F401 - the fixture
 
 
-def _client(max_restarts: int) -> tuple[EngineClient, list[float]]:
+def _client(max_restarts: int) -> tuple[RankSupervisor, list[float]]:
     health = RankHealthConfig(max_restarts=max_restarts, restart_backoff_s=0.001,
                               stable_after_s=60.0)
-    client = EngineClient(None, 1, health=health)
+    client = RankSupervisor(None, 1, health=health)
+    RequestStream(client)  # the supervisor's requests: client.requests
     _made.append(client)
     client._ranks = [_Rank(_Proc(1000), _Inbox(client, 0, []), state=RankState.SERVING,
                            serving_since=0.0)]
@@ -24,7 +27,7 @@ def _client(max_restarts: int) -> tuple[EngineClient, list[float]]:
     return client, []
 
 
-async def _die_and_settle(client: EngineClient) -> _Rank:
+async def _die_and_settle(client: RankSupervisor) -> _Rank:
     rank = client._ranks[0]
     rank.process.alive = False
     client._rank_died(0)
@@ -33,7 +36,7 @@ async def _die_and_settle(client: EngineClient) -> _Rank:
     return client._ranks[0]
 
 
-def _ready(client: EngineClient) -> None:
+def _ready(client: RankSupervisor) -> None:
     client._on_ready(Ready(0, 64, 16, 512, "fake"))
 
 

@@ -16,10 +16,11 @@ import openai
 import pytest
 from fastapi.testclient import TestClient
 
-from deepinfer.serve.app import ServerState, create_app
-from deepinfer.serve.metrics import ServerMetrics
-from deepinfer.serve.protocol import ChatCompletionRequest, CompletionRequest
-from deepinfer.serve.request_fields import CHAT, COMPLETION, UnknownFields
+from deepinfer.serve.api.app import create_app
+from deepinfer.serve.api.state import ServerState
+from deepinfer.serve.metrics.server import ServerMetrics
+from deepinfer.serve.api.protocol import ChatCompletionRequest, CompletionRequest
+from deepinfer.serve.api.request_fields import CHAT, COMPLETION, UnknownFields
 
 MODEL = "tiny-chat"
 HI = [{"role": "user", "content": "Hi"}]
@@ -96,8 +97,8 @@ class StubTokenizer:
 
 def app_client(tmp_path, ignore: bool) -> tuple[TestClient, StubTokenizer]:
     tokenizer = StubTokenizer()
-    state = ServerState(None, tokenizer, MODEL, str(tmp_path), 64, ServerMetrics(MODEL, False),
-                        prompt_tokenizer=tokenizer, unknown_fields=UnknownFields(ignore))
+    state = ServerState(None, None, tokenizer, MODEL, str(tmp_path), 64,
+                        ServerMetrics(MODEL, False), prompt_tokenizer=tokenizer, unknown_fields=UnknownFields(ignore))
     return TestClient(create_app(state)), tokenizer
 
 

@@ -6,7 +6,7 @@ from collections import Counter
 
 import pytest
 
-from deepinfer.serve.router import NoLiveRankError, Router, affinity_key, route_key
+from deepinfer.serve.ranks.router import NoLiveRankError, Router, affinity_key, route_key
 
 SYSTEM = {"role": "system", "content": "You are a helpful assistant. " * 20}
 TOOLS_SYSTEM = {"role": "system", "content": "You can call tools: get_weather, search."}

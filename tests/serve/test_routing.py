@@ -1,4 +1,4 @@
-"""EngineClient routes through deepinfer.serve.router (fake ranks, no processes)."""
+"""RankSupervisor routes through deepinfer.serve.ranks.router (fake ranks, no processes)."""
 from __future__ import annotations
 
 import asyncio
@@ -6,12 +6,14 @@ import os
 
 import pytest
 
-from deepinfer.serve.router import NoLiveRankError, affinity_key
+from deepinfer.serve.ranks.router import NoLiveRankError, affinity_key
 from deepinfer.core.sampling import SamplingParams
-from deepinfer.serve.cli import build_parser
-from deepinfer.serve.engine_client import EngineClient, RankDiedError, _Rank
-from deepinfer.serve.ipc import AbortRequest, AddRequest, TokenDelta
-from deepinfer.serve.rank_health import RankHealthConfig, RankState
+from deepinfer.serve.flags import build_parser
+from deepinfer.serve.ranks.rank import RankDiedError, _Rank
+from deepinfer.serve.ranks.request_stream import RequestStream
+from deepinfer.serve.ranks.supervisor import RankSupervisor
+from deepinfer.serve.ranks.ipc import AbortRequest, AddRequest, TokenDelta
+from deepinfer.serve.ranks.health import RankHealthConfig, RankState
 
 
 class _Proc:
@@ -23,7 +25,7 @@ class _Proc:
 
 
 class _Inbox:
-    def __init__(self, client: EngineClient, rank: int, sent: list) -> None:
+    def __init__(self, client: RankSupervisor, rank: int, sent: list) -> None:
         self.client, self.rank, self.sent = client, rank, sent
         self.answer = True
 
@@ -33,11 +35,11 @@ class _Inbox:
     async def send_pyobj(self, msg, flags: int = 0) -> None:
         self.sent.append((self.rank, msg))
         if isinstance(msg, AddRequest) and self.answer:  # one finishing token at once
-            self.client._queues[msg.request_id].put_nowait(TokenDelta(
+            self.client.requests._queues[msg.request_id].put_nowait(TokenDelta(
                 msg.request_id, 0, [1], "x", True, "length", None, [], 0, 0))
 
 
-_made: list[EngineClient] = []
+_made: list[RankSupervisor] = []
 
 
 @pytest.fixture(autouse=True)
@@ -53,8 +55,9 @@ def _close_clients():
 
 def _client(num_ranks: int, routing: str = "affinity"):
     # No restarts: these fake ranks have no process to start again.
-    client = EngineClient(None, num_ranks, routing=routing,
+    client = RankSupervisor(None, num_ranks, routing=routing,
                           health=RankHealthConfig(max_restarts=0))
+    RequestStream(client)  # the supervisor's requests: client.requests
     _made.append(client)
     sent: list = []
     client._ranks = [_Rank(_Proc(1000 + r), _Inbox(client, r, sent), state=RankState.SERVING)
@@ -64,7 +67,7 @@ def _client(num_ranks: int, routing: str = "affinity"):
 
 async def _run(client, rid, key, n_tokens=10):
     out = []
-    async for delta in client.generate(rid, list(range(n_tokens)), SamplingParams(max_tokens=1),
+    async for delta in client.requests.generate(rid, list(range(n_tokens)), SamplingParams(max_tokens=1),
                                        route_key=key):
         out.append(delta)
     return out
@@ -110,7 +113,7 @@ def test_rank_death_fails_its_in_flight_requests_at_once():
         r.inbox.answer = False  # requests stay in flight until we act
 
     async def scenario():
-        streams = [client.generate(f"r{i}", [1, 2, 3], SamplingParams(max_tokens=5))
+        streams = [client.requests.generate(f"r{i}", [1, 2, 3], SamplingParams(max_tokens=5))
                    for i in range(4)]
         tasks = [asyncio.create_task(_drain(s)) for s in streams]
         await asyncio.sleep(0)  # let every request reach its rank
@@ -137,7 +140,7 @@ def test_rank_death_fails_its_in_flight_requests_at_once():
     assert client.router.load == [0, 0] and client.router.requests == [0, 0]
     view = client.ranks()[1]
     assert (view.alive, view.pid, view.exitcode, view.lost_requests) == (False, 1001, -9, 2)
-    route = client.route("any", 1)
+    route = client.requests.route("any", 1)
     assert route.rank == 0
     route.release()
 

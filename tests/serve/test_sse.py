@@ -1,4 +1,4 @@
-"""The SSE chunks built as text (serve/sse.py) against json.dumps of the same objects, and
+"""The SSE chunks built as text (serve/api/sse.py) against json.dumps of the same objects, and
 against the official openai client's types."""
 import json
 
@@ -6,7 +6,7 @@ import openai.types as oai
 import openai.types.chat as oai_chat
 import pytest
 
-from deepinfer.serve.sse import DONE, EventStream, event
+from deepinfer.serve.api.sse import DONE, EventStream, event
 
 TEXTS = ["", "plain", 'quote " backslash \\ slash /', "new\nline\ttab\r", "\x00\x01\x1f\x7f",
          "héllo 世界 🙂", "\u2028\u2029", "\ufffd"]  # the last: a decoder's partial UTF-8

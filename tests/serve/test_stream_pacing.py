@@ -16,12 +16,12 @@ from conftest import make_tiny_chat_checkpoint, scrape, served
 from deepinfer.core.batch import TokenLogprobs
 from deepinfer.core.engine import Engine
 from deepinfer.core.sampling import SamplingParams
-from deepinfer.serve import generation
-from deepinfer.serve.engine_proc import _loop
-from deepinfer.serve.generation import Choice, Generation
-from deepinfer.serve.ipc import (AbortRequest, AddRequest, Control, ControlReply, StepResult,
+from deepinfer.serve.api import generation
+from deepinfer.serve.ranks.engine_proc import _loop
+from deepinfer.serve.api.generation import Choice, Generation
+from deepinfer.serve.ranks.ipc import (AbortRequest, AddRequest, Control, ControlReply, StepResult,
                                  TokenDelta)
-from deepinfer.serve.stream_pacing import StreamPacer
+from deepinfer.serve.ranks.stream_pacing import StreamPacer
 from tests.serve.rank_wires import PagedFakeAccelerator, fake_config, rank_wires
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, generate_latest
 
 from deepinfer.serve.tokenizer import HFTokenizer, VerifiedTokenizer
-from deepinfer.serve.tokenizer_metrics import TokenizerCollector
+from deepinfer.serve.metrics.tokenizer import TokenizerCollector
 
 
 class _WrongIds(HFTokenizer):

@@ -9,12 +9,12 @@ import random
 
 import pytest
 
-from deepinfer.serve.chat import ChatFormat
-from deepinfer.serve.tool_parsers import (PARSERS, ForcedShape, ToolRequest, find_parser,
+from deepinfer.serve.chat.format import ChatFormat
+from deepinfer.serve.chat.tool_parsers import (PARSERS, ForcedShape, ToolRequest, find_parser,
                                           is_forced)
-from deepinfer.serve.tool_parsers.base import fold
-from deepinfer.serve.tool_parsers.deepseek_v3 import DeepSeekV3Parser
-from deepinfer.serve.tool_parsers.mistral import MistralParser
+from deepinfer.serve.chat.tool_parsers.base import fold
+from deepinfer.serve.chat.tool_parsers.deepseek_v3 import DeepSeekV3Parser
+from deepinfer.serve.chat.tool_parsers.mistral import MistralParser
 from tool_templates import FAMILIES
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
@@ -224,7 +224,7 @@ def test_auto_detection_from_tokens_model_type_and_the_default(tmp_path):
 
 
 def test_the_flag_overrides_detection(tmp_path):
-    from deepinfer.serve.cli import build_parser
+    from deepinfer.serve.flags import build_parser
 
     folder = _checkpoint(tmp_path, FAMILIES["hermes"][0])
     chat = ChatFormat.of(folder, tool_call_parser="llama3_json")

@@ -70,7 +70,8 @@ class _Matcher:
 
 
 def _trie_pattern(words: list[str]) -> str:
-    """Leftmost-longest match of any word; prefixes shared (100x faster than a flat alternation)."""
+    """Leftmost-longest match of any word; prefixes shared, so the regex engine does not try
+    every word at every position as it would a flat alternation."""
     trie: dict[str, Any] = {}
     for word in words:
         node = trie
