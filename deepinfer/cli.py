@@ -14,6 +14,7 @@ from importlib import resources
 from typing import Sequence
 
 from deepinfer.core.plugins import AcceleratorRow, PluginRegistry, describe, load_plugins
+from deepinfer.serve.settings import process_env
 
 
 def format_table(rows: list[AcceleratorRow]) -> str:
@@ -79,7 +80,7 @@ def run_server_script(action: str, serve_args: list[str]) -> int:
         print(script)
         return 0
     argv = ["bash", script, action, *script_args(action, serve_args)]
-    env = dict(os.environ)
+    env = process_env()
     env.setdefault("DEEPINFER_PYTHON", sys.executable)
     os.execvpe("bash", argv, env)
     return 1  # not reached

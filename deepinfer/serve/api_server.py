@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from deepinfer.serve.api.connections import ConnectionLimits
 from deepinfer.serve.flags import connection_limits, engine_config, rank_health, request_limits
+from deepinfer.serve.settings import metrics_dir_set, serve_settings
 
 if TYPE_CHECKING:
     from deepinfer.serve.ranks.supervisor import RankSupervisor
@@ -108,18 +109,18 @@ async def serve_http(args: argparse.Namespace, model_dir: str, supervisor: RankS
     import uvicorn
 
     from deepinfer.serve.api.app import create_app
-    from deepinfer.serve.api.state import ServerState
     from deepinfer.serve.api.body_parse import LargeBodyParser
     from deepinfer.serve.api.connections import guarded_protocol
-    from deepinfer.serve.ranks.inbox import RequestAborted
+    from deepinfer.serve.api.request_fields import UnknownFields
     from deepinfer.serve.api.shutdown import Drain, GracefulServer
+    from deepinfer.serve.api.state import ServerState
     from deepinfer.serve.heap import freeze_startup_heap
     from deepinfer.serve.metrics.engine import EngineCollector, cache_config_labels
-    from deepinfer.serve.metrics.server import ServerMetrics
     from deepinfer.serve.metrics.moe import MoECollector
-    from deepinfer.serve.api.request_fields import UnknownFields
     from deepinfer.serve.metrics.ranks import RankCollector
+    from deepinfer.serve.metrics.server import ServerMetrics
     from deepinfer.serve.metrics.tokenizer import TokenizerCollector
+    from deepinfer.serve.ranks.inbox import RequestAborted
     from deepinfer.serve.ranks.request_stream import RequestStream
 
     name = args.served_model_name or os.path.basename(os.path.normpath(args.model or model_dir))
@@ -255,17 +256,14 @@ def metrics_files(api_servers: int):
     """Several API processes share their metrics through prometheus_client's multiprocess
     files: the folder is named before any process imports the library (the others inherit
     it) and removed at the end."""
-    from deepinfer.serve.metrics.env import MULTIPROC_ENV
-
-    if api_servers <= 1 or os.environ.get(MULTIPROC_ENV):
+    if api_servers <= 1 or serve_settings().metrics_dir:
         yield
         return
     folder = tempfile.mkdtemp(prefix="deepinfer-metrics-")
-    os.environ[MULTIPROC_ENV] = folder
     try:
-        yield
+        with metrics_dir_set(folder):
+            yield
     finally:
-        os.environ.pop(MULTIPROC_ENV, None)
         shutil.rmtree(folder, ignore_errors=True)
 
 

@@ -2,18 +2,23 @@
 from __future__ import annotations
 
 import argparse
-import os
 from collections.abc import Callable
 from typing import Any, NoReturn, TypeAlias
 
-from deepinfer.core.config import (EngineConfig, EngineOption, engine_config_from_options,
-                                   engine_options, torchrun_parallel)
+from deepinfer.core.config import (
+    EngineConfig,
+    EngineOption,
+    engine_config_from_options,
+    engine_options,
+    torchrun_parallel,
+)
 from deepinfer.serve.api.connections import ConnectionLimits
 from deepinfer.serve.api.limits import RequestLimits
 from deepinfer.serve.chat.tool_parsers import CHOICES as TOOL_CALL_PARSERS
 from deepinfer.serve.ranks.health import RankHealthConfig
 from deepinfer.serve.ranks.inbox import DEFAULT_STREAM_BACKLOG
 from deepinfer.serve.ranks.stream_pacing import DEFAULT_STREAM_INTERVAL
+from deepinfer.serve.settings import process_env, serve_settings
 
 DESCRIPTION = """deepinfer-serve: the OpenAI-compatible server.
 
@@ -108,7 +113,7 @@ DEFAULT_KEEP_ALIVE_S = 60.0
 def _server_args(p: Flags) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=8000, help="port to listen on")
-    p.add_argument("--api-key", default=os.environ.get("DEEPINFER_API_KEY"),
+    p.add_argument("--api-key", default=serve_settings().api_key,
                    help="require `Authorization: Bearer KEY` on every endpoint but /health "
                         "(also DEEPINFER_API_KEY, or --api-key-file: a key given here is "
                         "visible to every user of the machine in ps)")
@@ -259,7 +264,7 @@ def _tokenizer_args(p: Flags) -> None:
 
 
 def engine_config(args: argparse.Namespace, model_dir: str) -> EngineConfig:
-    options = torchrun_parallel(engine_options_from_args(args), os.environ)
+    options = torchrun_parallel(engine_options_from_args(args), process_env())
     return engine_config_from_options(model_dir, **options)
 
 

@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 
+from deepinfer.serve.settings import process_env
 
 CHOSEN = "accelerator="  # the probe's line that names the backend it chose
 
@@ -92,7 +93,7 @@ def check_rank_env(accelerator: str, ranks: int) -> None:
     from deepinfer.serve.ranks.supervisor import rank_envs
 
     try:
-        rank_envs(accelerator, ranks, os.environ)  # the ranks of this host
+        rank_envs(accelerator, ranks, process_env())  # the ranks of this host
     except ValueError as exc:
         raise PreflightError(str(exc)) from exc
 

@@ -23,26 +23,37 @@ from typing import Sequence
 
 import torch
 
-from deepinfer.backends.cuda.dummy_batches import (profile_batch, profile_row,
-                                                  split_warmup_batches, split_warmup_contexts,
-                                                  warmup_batch, warmup_token_counts)
+from deepinfer.backends.cuda import plugin
+from deepinfer.backends.cuda.dummy_batches import (
+    profile_batch,
+    profile_row,
+    split_warmup_batches,
+    split_warmup_contexts,
+    warmup_batch,
+    warmup_token_counts,
+)
 from deepinfer.backends.cuda.graphs import DecodeGraphs, RowLayout
 from deepinfer.backends.cuda.group_inputs import GroupedDecodeRows, grouped_inputs
-from deepinfer.backends.cuda.prefill_graphs import PrefillGraphs
-from deepinfer.backends.cuda.spec_graphs import GraphSpeculator
-from deepinfer.backends.cuda import plugin
 from deepinfer.backends.cuda.memory import GIB, kv_budget
+from deepinfer.backends.cuda.prefill_graphs import PrefillGraphs
+from deepinfer.backends.cuda.settings import cuda_settings
+from deepinfer.backends.cuda.spec_graphs import GraphSpeculator
 from deepinfer.backends.cuda.step_inputs import DecodeRows, StepInputs, pack_batch, unpack_batch
 from deepinfer.backends.torch.runner import TorchRunner
 from deepinfer.backends.torch.speculative import MTPSpeculator
 from deepinfer.backends.torch.step_future import DeviceTokens, HostTokenBuffers, fill_from_last_step
-from deepinfer.core.accelerator import (Accelerator, Capabilities, HostPoolLayout, MemoryStats,
-                                        ModelInfo, ParallelContext)
+from deepinfer.core.accelerator import (
+    Accelerator,
+    Capabilities,
+    HostPoolLayout,
+    MemoryStats,
+    ModelInfo,
+    ParallelContext,
+)
 from deepinfer.core.batch import ModelBatch, SamplerOutput
 from deepinfer.core.config import CacheConfig, EngineConfig, ModelSpec, cpu_threads
 from deepinfer.core.sampler import all_plain_greedy
 from deepinfer.core.transfer import tensor_on, to_device
-from deepinfer.backends.cuda.settings import cuda_settings
 
 log = logging.getLogger(__name__)
 CONTEXT_CLASSES = (2048, 8192, 32768)  # grouped models' decode graphs: bounds below the longest

@@ -29,6 +29,7 @@ from deepinfer.backends.cuda.kernels.argmax import greedy_ids
 from deepinfer.backends.cuda.step_inputs import StepInputs
 from deepinfer.core.batch import InputsFromLastStep, ModelBatch
 
+
 # Buckets as in vLLM/SGLang: every size up to 8, then steps of 8 then 16, so padding wastes
 # little while the number of graphs (capture time, memory) stays small.
 def batch_buckets(max_batch: int) -> tuple[int, ...]:

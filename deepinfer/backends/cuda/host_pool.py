@@ -26,8 +26,14 @@ from dataclasses import dataclass
 
 import torch
 
-from deepinfer.backends.cuda.page_copy import (DeviceChunks, GroupIndices, Indices,
-                                               PinnedStaging, UVAPageCopier, pinned_empty)
+from deepinfer.backends.cuda.page_copy import (
+    DeviceChunks,
+    GroupIndices,
+    Indices,
+    PinnedStaging,
+    UVAPageCopier,
+    pinned_empty,
+)
 
 
 @dataclass

@@ -14,27 +14,40 @@ for the Triton GEMM, the baseline)."""
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 
 from deepinfer.backends.cuda.kernels.activation import silu_and_mul
-from deepinfer.backends.cuda.kernels.decode_attention import (choose_num_splits,
-                                                              paged_decode_attention)
-from deepinfer.backends.cuda.kernels.fp8_gemm import (GEMV_AUTO_M, Scaled, cublas_block_scaled,
-                                                      cublas_weight_scale, fp8_gemm, fp8_linear)
+from deepinfer.backends.cuda.kernels.decode_attention import (
+    choose_num_splits,
+    paged_decode_attention,
+)
+from deepinfer.backends.cuda.kernels.fp8_gemm import (
+    GEMV_AUTO_M,
+    Scaled,
+    cublas_block_scaled,
+    cublas_weight_scale,
+    fp8_gemm,
+    fp8_linear,
+)
 from deepinfer.backends.cuda.kernels.fp8_skinny import SKINNY_MAX_M, fp8_skinny
 from deepinfer.backends.cuda.kernels.fused_moe import fused_experts
 from deepinfer.backends.cuda.kernels.gemv import gemv
 from deepinfer.backends.cuda.kernels.kv_write import store_kv
+from deepinfer.backends.cuda.kernels.mla_attention import (
+    paged_mla_decode,
+    paged_mla_prefill,
+    store_latent,
+)
 from deepinfer.backends.cuda.kernels.moe_router import softmax_topk
-from deepinfer.backends.cuda.kernels.mla_attention import (paged_mla_decode, paged_mla_prefill,
-                                                           store_latent)
 from deepinfer.backends.cuda.kernels.norm import add_rms_norm, rms_norm
-from deepinfer.backends.cuda.kernels.prefill_attention import (choose_prefill_splits,
-                                                               paged_prefill_attention)
+from deepinfer.backends.cuda.kernels.prefill_attention import (
+    choose_prefill_splits,
+    paged_prefill_attention,
+)
 from deepinfer.backends.cuda.kernels.rotary import apply_rotary_, rotary_store_kv_
 from deepinfer.backends.cuda.kernels.rotary_decode import SplitCounters, rotary_decode_attention
+from deepinfer.backends.cuda.settings import cuda_settings, interpreted
 from deepinfer.backends.cuda.step_inputs import AttentionMeta
 from deepinfer.backends.torch.paged_cache import PagedCache
 from deepinfer.models.deepseek_v4.ops import DeepSeekV4Ops
@@ -44,7 +57,6 @@ from deepinfer.models.moe.ops import MoEOps
 from deepinfer.models.moe.routing import RouteCounts, RouterSpec
 from deepinfer.models.ops import ModelOps, QKNorm
 from deepinfer.models.quant.packed import FP8Experts, FP8Weight, PackedWeight
-from deepinfer.backends.cuda.settings import cuda_settings, interpreted
 
 
 def sdpa_backends(names: str) -> tuple:

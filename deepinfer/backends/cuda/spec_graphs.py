@@ -29,10 +29,13 @@ import torch
 from deepinfer.backends.cuda.graphs import DecodeGraphs, RowLayout
 from deepinfer.backends.cuda.step_inputs import StepInputs
 from deepinfer.backends.torch.runner import TorchRunner
-from deepinfer.backends.torch.speculative import (MTPSpeculator, _last_accepted, _next_tokens,
-                                             _step_batch)
-from deepinfer.core.batch import (InputsFromLastStep, ModelBatch, SampledRow,
-                                  SamplerOutput)
+from deepinfer.backends.torch.speculative import (
+    MTPSpeculator,
+    _last_accepted,
+    _next_tokens,
+    _step_batch,
+)
+from deepinfer.core.batch import InputsFromLastStep, ModelBatch, SampledRow, SamplerOutput
 from deepinfer.core.sampler import all_plain_greedy
 from deepinfer.core.speculative import accept, as_decode_rows, run_rows, verify_rows
 

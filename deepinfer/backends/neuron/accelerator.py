@@ -23,8 +23,13 @@ from deepinfer.backends.neuron.device import select_device
 from deepinfer.backends.neuron.ops import NeuronOps
 from deepinfer.backends.neuron.timing import RegionTimer, timing_requested
 from deepinfer.backends.torch.runner import TorchRunner
-from deepinfer.core.accelerator import (Accelerator, Capabilities, MemoryStats, ModelInfo,
-                                        ParallelContext)
+from deepinfer.core.accelerator import (
+    Accelerator,
+    Capabilities,
+    MemoryStats,
+    ModelInfo,
+    ParallelContext,
+)
 from deepinfer.core.batch import ModelBatch, SamplerOutput
 from deepinfer.core.config import CacheConfig, EngineConfig, ModelSpec, cpu_threads
 from deepinfer.core.padding import Buckets, dummy_batch, pad_batch

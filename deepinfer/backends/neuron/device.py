@@ -18,13 +18,12 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import os
 from dataclasses import dataclass
 from typing import Callable, Mapping
 
 import torch
 
-from deepinfer.backends.neuron.env import neuron_settings
+from deepinfer.backends.neuron.env import neuron_settings, use_compile_cache
 
 DEVICE_ENV = "DEEPINFER_NEURON_DEVICE"
 
@@ -67,19 +66,6 @@ def _has_torch_neuronx() -> bool:
     return importlib.util.find_spec("torch_neuronx") is not None
 
 
-def _persistent_cache(environ) -> None:
-    """torch-neuronx keeps compiled graphs (NEFFs) in its on-disk Neuron Persistent Cache, set
-    with NEURON_CC_FLAGS=--cache_dir (Neuron docs, "Neuron Persistent Cache"): ours goes under
-    DEEPINFER_CACHE_DIR, so a restart loads every bucket instead of compiling it again. Set
-    before torch_xla is imported; a --cache_dir the user gave wins."""
-    from deepinfer.core.config import cache_dir
-
-    flags = environ.get("NEURON_CC_FLAGS", "")
-    if "--cache_dir" not in flags:
-        where = os.path.join(cache_dir(), "neuron-compile-cache")
-        environ["NEURON_CC_FLAGS"] = f"{flags} --cache_dir={where}".strip()
-
-
 def requested_kind(environ: Mapping[str, str] | None = None) -> str:
     return neuron_settings(environ).device
 
@@ -116,7 +102,7 @@ def select_device(environ: Mapping[str, str] | None = None) -> NeuronDevice:
     if kind == "neuron" and _has_torch_neuron():
         return NeuronDevice("neuron", torch.device("neuron"), "neuron")
     if kind == "xla" and _has_torch_neuronx():
-        _persistent_cache(os.environ)  # written: torch_xla reads it at import
+        use_compile_cache()  # before torch_xla is imported: it reads the flags then
         xla = importlib.import_module("torch_xla")
         return NeuronDevice("xla", xla.device(), "xla")
     raise NeuronUnavailable(f"no Neuron runtime here: {unavailable_reason(environ)}")

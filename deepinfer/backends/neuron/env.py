@@ -22,8 +22,9 @@ Runtime variables set here, and where they are documented:
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Mapping, MutableMapping
 
 from deepinfer.core.settings import flag, read_settings, setting
 
@@ -205,3 +206,17 @@ def plugin_rank_env(rank: int, world_size: int, base_env: Mapping[str, str]) -> 
     if neuron_settings(base_env).device == "cpu":
         return {}
     return rank_env(settings_from_env(base_env), rank, world_size, base_env)
+
+
+def use_compile_cache(environ: MutableMapping[str, str] | None = None) -> None:
+    """torch-neuronx keeps compiled graphs (NEFFs) in its on-disk Neuron Persistent Cache, set
+    with NEURON_CC_FLAGS=--cache_dir (Neuron docs, "Neuron Persistent Cache"): ours goes under
+    DEEPINFER_CACHE_DIR, so a restart loads every bucket instead of compiling it again. Set
+    before torch_xla is imported; a --cache_dir the user gave wins."""
+    from deepinfer.core.config import cache_dir
+
+    environ = os.environ if environ is None else environ
+    flags = environ.get("NEURON_CC_FLAGS", "")
+    if "--cache_dir" not in flags:
+        where = os.path.join(cache_dir(), "neuron-compile-cache")
+        environ["NEURON_CC_FLAGS"] = f"{flags} --cache_dir={where}".strip()

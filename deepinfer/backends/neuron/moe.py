@@ -16,7 +16,6 @@ A reduce-scatter sums each token's partial outputs back on its rank.
 from __future__ import annotations
 
 import contextlib
-
 import math
 from typing import Any, Callable, Mapping, Protocol
 
@@ -24,7 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from deepinfer.backends.neuron.env import DEFAULT_CAPACITY_FACTOR, neuron_settings
+from deepinfer.backends.neuron.env import neuron_settings
 from deepinfer.models.moe.exchange import all_gather
 from deepinfer.models.moe.experts import swiglu
 from deepinfer.models.moe.ops import MoEOps

@@ -10,16 +10,20 @@ them once per process), and it refreshes them every second as well as when it is
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
-from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram,
-                               disable_created_metrics, generate_latest)
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
 from prometheus_client.multiprocess import MultiProcessCollector
 
-from deepinfer.serve.metrics.env import MULTIPROC_ENV
-
 from deepinfer.serve.ranks.ipc import EngineStats
+from deepinfer.serve.settings import serve_settings
 
 # HiCache running totals reported by each rank (EngineStats.hicache_<name>), as counters.
 _HICACHE_TOTALS = (
@@ -84,7 +88,7 @@ class Phases:
 
 
 def multiprocess_mode() -> bool:
-    return bool(os.environ.get(MULTIPROC_ENV))
+    return bool(serve_settings().metrics_dir)
 
 
 class ServerMetrics:

@@ -2,11 +2,11 @@
 engine (and torch) only in the rank process, so the API process stays free of both."""
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 from deepinfer.core.config import EngineConfig
 from deepinfer.serve.ranks.stream_pacing import DEFAULT_STREAM_INTERVAL
+from deepinfer.serve.settings import enter_rank_env
 
 
 @dataclass(frozen=True)
@@ -48,8 +48,7 @@ GOMP_SPINCOUNT = "20000"
 def run_rank(spec: RankSpec) -> None:
     """Entry point of a rank process (multiprocessing spawn target): the rank's environment,
     then the engine's modules."""
-    os.environ.setdefault("GOMP_SPINCOUNT", GOMP_SPINCOUNT)  # read when torch loads libgomp
-    os.environ.update(spec.env)
+    enter_rank_env(spec.env, GOMP_SPINCOUNT)
     from deepinfer.serve.ranks.engine_proc import run_rank as run
 
     run(spec)

@@ -35,11 +35,21 @@ from deepinfer.models.registry import has_experts
 from deepinfer.serve.ranks.entry import RankSpec, regroups, run_rank
 from deepinfer.serve.ranks.group_recovery import GroupRecovery, Regrouping
 from deepinfer.serve.ranks.health import RankHealthConfig, RankState, Verdict, judge
-from deepinfer.serve.ranks.ipc import (Control, ControlReply, EngineStats, ExpertStats, Failed,
-                                       Heartbeat, RankEvent, Ready, StepResult)
+from deepinfer.serve.ranks.ipc import (
+    Control,
+    ControlReply,
+    EngineStats,
+    ExpertStats,
+    Failed,
+    Heartbeat,
+    RankEvent,
+    Ready,
+    StepResult,
+)
 from deepinfer.serve.ranks.rank import RankDiedError, RankStartError, RankView, _Rank, describe_exit
 from deepinfer.serve.ranks.router import Router
 from deepinfer.serve.ranks.stream_pacing import DEFAULT_STREAM_INTERVAL
+from deepinfer.serve.settings import process_env
 
 START_TIMEOUT_S = 600.0  # a first start may convert a checkpoint
 MAX_DRAIN = 256  # messages read in one go before the streams run (RankSupervisor._drain)
@@ -106,7 +116,7 @@ class RankSupervisor(GroupRecovery):
     async def start(self) -> list[Ready]:
         self._rendezvous()
         # All at once, before any rank starts: an impossible layout is one error, not a rank.
-        self._envs = rank_envs(self.config.accelerator, self.num_ranks, os.environ)
+        self._envs = rank_envs(self.config.accelerator, self.num_ranks, process_env())
         self._ranks = [self._spawn(rank) for rank in range(self.num_ranks)]
         await self._await_ready()
         now = asyncio.get_running_loop().time()

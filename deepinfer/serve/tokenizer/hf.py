@@ -1,11 +1,11 @@
 """The reference backend: the HF tokenizer itself."""
 from __future__ import annotations
 
-import os
 import sys
 from typing import Any
 
-_QUIET = "TRANSFORMERS_NO_ADVISORY_WARNINGS"
+from deepinfer.serve.settings import transformers_quiet
+
 
 
 def import_transformers() -> None:
@@ -17,15 +17,12 @@ def import_transformers() -> None:
     if "torch" in sys.modules or "transformers" in sys.modules:
         return
     sys.modules["torch"] = None  # find_spec and import both see no torch
-    # Its "PyTorch was not found" advice would tell a user torch is missing when it is not.
-    user_set = _QUIET in os.environ
-    os.environ.setdefault(_QUIET, "1")
     try:
-        from transformers import AutoTokenizer  # noqa: F401 - the import is the point
+        # Its "PyTorch was not found" advice would tell a user torch is missing when it is not.
+        with transformers_quiet():
+            from transformers import AutoTokenizer  # noqa: F401 - the import is the point
     finally:
         del sys.modules["torch"]
-        if not user_set:
-            del os.environ[_QUIET]
 
 
 class HFTokenizer:

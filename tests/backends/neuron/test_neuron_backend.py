@@ -10,6 +10,7 @@ import torch
 
 from deepinfer.backends.neuron.attention import static_paged_attention
 from deepinfer.backends.neuron.buckets import StaticShapeError, StaticShapeGuard, StaticShapes
+from deepinfer.backends.neuron.env import use_compile_cache
 from deepinfer.core.sampling import SamplingParams
 from deepinfer.llm import LLM
 from tests.checkpoints import checkpoint_cache, make_checkpoint
@@ -161,8 +162,8 @@ def test_device_adapter_selection(monkeypatch):
     with pytest.raises(ValueError, match="DEEPINFER_NEURON_DEVICE='tpu'"):
         device.requested_kind({"DEEPINFER_NEURON_DEVICE": "tpu"})
     env = {"NEURON_CC_FLAGS": "--model-type=transformer"}
-    device._persistent_cache(env)
+    use_compile_cache(env)
     assert env["NEURON_CC_FLAGS"].startswith("--model-type=transformer --cache_dir=")
     kept = {"NEURON_CC_FLAGS": "--cache_dir=/mine"}
-    device._persistent_cache(kept)
+    use_compile_cache(kept)
     assert kept["NEURON_CC_FLAGS"] == "--cache_dir=/mine"

@@ -23,8 +23,11 @@ import torch
 import triton
 import triton.language as tl
 
-from deepinfer.backends.cuda.kernels.decode_attention import (choose_num_splits, split_tiles,
-                                                              tile_slots)
+from deepinfer.backends.cuda.kernels.decode_attention import (
+    choose_num_splits,
+    split_tiles,
+    tile_slots,
+)
 from deepinfer.backends.cuda.settings import interpreted
 
 _LOG2E = 1.0 / math.log(2.0)

@@ -13,10 +13,10 @@ launches in torch. Math in the reference's order and roundings.
 """
 from __future__ import annotations
 
-
 import torch
 import triton
 import triton.language as tl
+
 from deepinfer.backends.cuda.settings import interpreted
 
 _BLOCK_H = 512  # hidden channels a program (or a loop step) handles

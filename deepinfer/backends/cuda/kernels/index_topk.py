@@ -10,7 +10,6 @@ the selection that grows with the context. The selection itself is torch.topk ov
 """
 from __future__ import annotations
 
-
 import torch
 import triton
 import triton.language as tl

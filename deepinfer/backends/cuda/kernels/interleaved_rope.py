@@ -13,9 +13,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from deepinfer.backends.cuda.kernels.pdl import launch_kwargs
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 _TILE = 8192  # elements a program holds (heads x head_dim)
 

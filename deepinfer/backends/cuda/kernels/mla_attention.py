@@ -29,9 +29,13 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from deepinfer.backends.cuda.kernels.decode_attention import (DecodeConfig, choose_num_splits,
-                                                              merge_splits, split_tiles,
-                                                              tile_slots)
+from deepinfer.backends.cuda.kernels.decode_attention import (
+    DecodeConfig,
+    choose_num_splits,
+    merge_splits,
+    split_tiles,
+    tile_slots,
+)
 from deepinfer.backends.cuda.kernels.pdl import launch_kwargs
 from deepinfer.backends.cuda.kernels.prefill_attention import PrefillConfig
 from deepinfer.backends.cuda.settings import interpreted

@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 
 import torch
+
 from deepinfer.backends.cuda.settings import cuda_settings, interpreted
 
 

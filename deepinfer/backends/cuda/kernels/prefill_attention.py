@@ -29,8 +29,12 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from deepinfer.backends.cuda.kernels.decode_attention import (check_layout, check_window,
-                                                              merge_splits, tile_slots)
+from deepinfer.backends.cuda.kernels.decode_attention import (
+    check_layout,
+    check_window,
+    merge_splits,
+    tile_slots,
+)
 from deepinfer.backends.cuda.settings import interpreted
 
 _LN2 = math.log(2.0)

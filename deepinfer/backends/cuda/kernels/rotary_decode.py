@@ -31,9 +31,16 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from deepinfer.backends.cuda.kernels.decode_attention import (_LOG2E, _MIN_ROWS, _check, _config,
-                                                              attend_tiles, check_window,
-                                                              merge_splits, split_tiles)
+from deepinfer.backends.cuda.kernels.decode_attention import (
+    _LOG2E,
+    _MIN_ROWS,
+    _check,
+    _config,
+    attend_tiles,
+    check_window,
+    merge_splits,
+    split_tiles,
+)
 from deepinfer.backends.cuda.kernels.pdl import launch_kwargs
 
 
