@@ -132,7 +132,7 @@ def test_server_matrix(tiny_model, tmp_path, one_thread):
     check_matrix(result, ("ttft_ms", "ttft_p50_ms", "throughput_tok_s"))
     # A client's TPOT may be 0 here: the API process, sharing two cores with the rank and the
     # clients, can fall behind the tiny model's sub-millisecond steps and then sends a stream
-    # the steps it missed as one chunk (EngineClient._drain + coalesce), a whole answer at once.
+    # the steps it missed as one chunk (RankSupervisor._drain + coalesce), a whole answer at once.
     for cell in result["cells"]:
         assert math.isfinite(cell["tpot_ms"]) and cell["tpot_ms"] >= 0, cell
         assert cell["output_tokens"] == [cell["batch"] * OUTPUT_LEN]

@@ -3,7 +3,7 @@ the Neuron runtime settings it starts with, as environment variables.
 
 The runtime reads them when it initialises, and a NeuronCore reserved by one process cannot be
 used by any other until that process exits: so every rank gets its own contiguous range, set in
-the rank process before the backend is imported (AcceleratorInfo.rank_env, serve/rank_entry.py).
+the rank process before the backend is imported (AcceleratorInfo.rank_env, serve/ranks/entry.py).
 Core indices are logical NeuronCores (on trn2 with NEURON_LOGICAL_NC_CONFIG=2, a trn2.48xlarge
 shows 64 of them, 128 with 1).
 

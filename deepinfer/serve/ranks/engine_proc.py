@@ -91,7 +91,7 @@ class ExpertReporter:
 
 
 def run_rank(spec: RankSpec) -> None:
-    """The rank process's life, once rank_entry.run_rank has set its environment."""
+    """The rank process's life, once ranks/entry.run_rank has set its environment."""
     # The API process decides when we stop: a Ctrl-C or a `server.sh stop` reaches the whole
     # process group, and the API process then drains and stops its ranks itself (a rank that
     # is orphaned exits on its own, see _loop).
