@@ -29,17 +29,27 @@ sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 from bench_gemv import _graph_ms  # noqa: E402
-from moe_bench import (HBM_BYTES_PER_S, ROUTINGS, SHAPES, TOKENS, Problem, Shape,  # noqa: E402
-                       _time_tiles, flops, label_axes, make_problem, make_weights,
-                       shape_panels)
+from moe_bench import (  # noqa: E402
+    HBM_BYTES_PER_S,
+    ROUTINGS,
+    SHAPES,
+    TOKENS,
+    Problem,
+    Shape,
+    _time_tiles,
+    flops,
+    label_axes,
+    make_problem,
+    make_weights,
+    shape_panels,
+)
 
 from deepinfer.backends.cuda.kernels.fp8_gemm import Scaled  # noqa: E402
-from deepinfer.backends.cuda.kernels.fused_moe import (MoeConfig, Tiles,  # noqa: E402
-                                                       fused_experts)
+from deepinfer.backends.cuda.kernels.fused_moe import MoeConfig, Tiles, fused_experts  # noqa: E402
 from deepinfer.backends.cuda.kernels.moe_gemv import takes  # noqa: E402
 from deepinfer.models.moe.experts import fused_experts_reference  # noqa: E402
 from deepinfer.models.quant.packed import FP8Experts  # noqa: E402
-from deepinfer.models.weights import SlotRows  # noqa: E402
+from deepinfer.models.weight_targets import SlotRows  # noqa: E402
 
 FP8_FLOPS = 1979e12
 # (BLOCK_M, gate-up tiles, down tiles); BLOCK_K is always one 128-column scale group.

@@ -33,15 +33,16 @@ from transformers import PretrainedConfig
 from deepinfer.core.kv.spec import KVSpec, latent_layer
 from deepinfer.models.decoder import DecoderLayer, DecoderStack, GatedMLP
 from deepinfer.models.deepseek_mtp import MTP_NAMES, DeepseekMTP
-from deepinfer.models.moe.configs import deepseek_moe, moe_runtime
 from deepinfer.models.mla_ops import MLAOps
+from deepinfer.models.moe.configs import deepseek_moe, moe_runtime
 from deepinfer.models.moe.layer import MoEBlock, moe_checkpoint_target
 from deepinfer.models.moe.ops import MoEOps
 from deepinfer.models.ops import ModelOps
-from deepinfer.models.rope import rope_parameters
 from deepinfer.models.quant.tensors import QUANTIZED_TYPES
+from deepinfer.models.rope import rope_parameters
 from deepinfer.models.traits import ModelTraits
-from deepinfer.models.weights import Target, load_mapped
+from deepinfer.models.weight_targets import Target
+from deepinfer.models.weights import load_mapped
 
 _FUSED_MLP = {"gate_proj": 0, "up_proj": 1}
 _ROPE_ROWS = ("q_proj", "q_b_proj", "kv_a_proj_with_mqa")

@@ -19,10 +19,15 @@ from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor
 from gguf.quants import dequantize
 from tqdm import tqdm
 
-from deepinfer.models.gguf_folder import (FORMAT_VERSION, GGUF_FILE, GGUF_INDEX_FILE,
-                                          MARKER_FILE, converted_dir, is_converted)
+from deepinfer.models.gguf_folder import (
+    FORMAT_VERSION,
+    GGUF_FILE,
+    GGUF_INDEX_FILE,
+    MARKER_FILE,
+    converted_dir,
+    is_converted,
+)
 from deepinfer.models.quant.tensors import GGUFTensor
-
 
 # GGUF architecture -> (HF model_type, HF architecture class).
 _ARCHITECTURES = MappingProxyType({

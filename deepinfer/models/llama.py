@@ -22,7 +22,8 @@ from deepinfer.models.decoder import DecoderLayer, DecoderStack, GatedMLP
 from deepinfer.models.moe.configs import llama_family_moe, moe_runtime
 from deepinfer.models.moe.layer import MoEBlock, moe_checkpoint_target
 from deepinfer.models.ops import ModelOps, QKNorm
-from deepinfer.models.weights import Target, load_mapped
+from deepinfer.models.weight_targets import Target
+from deepinfer.models.weights import load_mapped
 
 _FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
           "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}

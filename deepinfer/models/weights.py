@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import glob
 import os
-from dataclasses import dataclass
-from typing import Callable, Iterable, Iterator
+from typing import Iterable, Iterator
 
 import torch
 from safetensors import safe_open
@@ -19,22 +18,7 @@ from torch import nn
 
 from deepinfer.models.quant.packed import PackedWeight
 from deepinfer.models.quant.tensors import QUANTIZED_TYPES, FP8BlockTensor, QuantizedTensor
-
-
-@dataclass(frozen=True)
-class SlotRows:
-    """One expert slot of a stacked [S, ...] expert parameter, and rows [start, end) within it
-    (None: all of them)."""
-
-    slot: int
-    rows: tuple[int, int] | None = None
-
-
-# checkpoint name -> (parameter name, rows [start, end) of it, an expert slot's rows, or None
-# for all of it); a list when the tensor has several places (an expert replicated on this
-# rank), [] or None to skip
-Target = tuple[str, tuple[int, int] | SlotRows | None]
-Mapper = Callable[[str], Target | list[Target] | None]
+from deepinfer.models.weight_targets import Mapper, SlotRows
 
 
 class Embedding(nn.Embedding):

@@ -24,10 +24,10 @@ from dataclasses import dataclass
 import zmq
 import zmq.asyncio
 
-from deepinfer.serve.ranks.supervisor import RankSupervisor, events_addr
-from deepinfer.serve.ranks.ipc import RankEvent, Ready
 from deepinfer.serve.ranks.health import RankState
+from deepinfer.serve.ranks.ipc import RankEvent, Ready
 from deepinfer.serve.ranks.rank import RankDiedError, RemoteProcess, _Rank
+from deepinfer.serve.ranks.supervisor import RankSupervisor, events_addr
 
 log = logging.getLogger("deepinfer.serve")
 PARENT_CHECK_S = 1.0
@@ -158,7 +158,7 @@ async def stop_workers(workers: list[mp.process.BaseProcess], timeout_s: float =
 
 def run_worker(spec: WorkerSpec) -> None:
     """Entry point of API process spec.client_id (multiprocessing spawn target)."""
-    from deepinfer.serve.api_server import run_event_loop
+    from deepinfer.serve.http_server import run_event_loop
 
     logging.basicConfig(level=spec.args.log_level.upper(),
                         format=f"%(levelname)s %(name)s[api {spec.client_id}]: %(message)s")
@@ -167,7 +167,7 @@ def run_worker(spec: WorkerSpec) -> None:
 
 
 async def _serve(spec: WorkerSpec) -> None:
-    from deepinfer.serve.api_server import load_tokenizers, serve_http
+    from deepinfer.serve.http_server import load_tokenizers, serve_http
 
     supervisor = AttachedRankSupervisor(client_id=spec.client_id, **spec.supervisor)
     await supervisor.attach(spec.ranks, spec.ready)

@@ -8,8 +8,9 @@ import socket
 import sys
 from typing import Sequence
 
-from deepinfer.serve.api_server import metrics_files, run_event_loop, serve
+from deepinfer.serve.api_server import metrics_files, serve
 from deepinfer.serve.flags import build_parser
+from deepinfer.serve.http_server import run_event_loop
 
 log = logging.getLogger("deepinfer.serve")
 
@@ -46,8 +47,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _preflight(args: argparse.Namespace, argv: list[str]) -> socket.socket:
     """The flags checked, the accelerator resolved (args.accelerator: its exact name, which
     the ranks then load), the API key read and the port bound."""
-    from deepinfer.serve.preflight import (PreflightError, api_key, bind_listener, check_args,
-                                           raise_open_file_limit)
+    from deepinfer.serve.preflight import (
+        PreflightError,
+        api_key,
+        bind_listener,
+        check_args,
+        raise_open_file_limit,
+    )
 
     files = raise_open_file_limit()
     if files < 4096:

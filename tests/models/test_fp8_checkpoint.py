@@ -122,7 +122,7 @@ def test_fp8_weights_take_gguf_rows_through_their_float_values():
 
     from deepinfer.models.quant.packed import FP8Experts, FP8Weight
     from deepinfer.models.quant.tensors import GGUFTensor
-    from deepinfer.models.weights import SlotRows
+    from deepinfer.models.weight_targets import SlotRows
 
     w = torch.randn(160, 256, generator=torch.Generator().manual_seed(2))
     blocks = gguf_quantize(w.numpy(), GGMLQuantizationType.Q8_0)

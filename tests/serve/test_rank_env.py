@@ -14,7 +14,8 @@ from deepinfer.core.plugins import AcceleratorInfo, find_accelerator, load_accel
 from deepinfer.serve import preflight
 from deepinfer.serve.flags import build_parser, engine_config
 from deepinfer.serve.ranks.supervisor import rank_envs
-from deepinfer.serve.ranks.entry import RankSpec, run_rank
+from deepinfer.serve.ranks.entry import run_rank
+from deepinfer.serve.ranks.spec import RankSpec
 from deepinfer.serve.ranks.ipc import Failed
 
 

@@ -23,7 +23,6 @@ from typing import Sequence
 
 import torch
 
-from deepinfer.backends.cuda import plugin
 from deepinfer.backends.cuda.dummy_batches import (
     profile_batch,
     profile_row,
@@ -36,6 +35,7 @@ from deepinfer.backends.cuda.graphs import DecodeGraphs, RowLayout
 from deepinfer.backends.cuda.group_inputs import GroupedDecodeRows, grouped_inputs
 from deepinfer.backends.cuda.memory import GIB, kv_budget
 from deepinfer.backends.cuda.prefill_graphs import PrefillGraphs
+from deepinfer.backends.cuda.probe import unavailable_reason
 from deepinfer.backends.cuda.settings import cuda_settings
 from deepinfer.backends.cuda.spec_graphs import GraphSpeculator
 from deepinfer.backends.cuda.step_inputs import DecodeRows, StepInputs, pack_batch, unpack_batch
@@ -87,11 +87,11 @@ class CUDAAccelerator(Accelerator):
 
     @classmethod
     def is_available(cls) -> bool:
-        return plugin.unavailable_reason() is None
+        return unavailable_reason() is None
 
     @classmethod
     def unavailable_reason(cls) -> str:
-        return plugin.unavailable_reason() or ""
+        return unavailable_reason() or ""
 
     @property
     def on_gpu(self) -> bool:

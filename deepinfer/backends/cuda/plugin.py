@@ -3,9 +3,9 @@ every other backend. Selected by DEEPINFER_ACCELERATOR=nvidia (or cuda), probed 
 CUDA device and Triton are present."""
 from __future__ import annotations
 
-import importlib.util
 from typing import TYPE_CHECKING
 
+from deepinfer.backends.cuda.probe import unavailable_reason
 from deepinfer.core.plugins import AcceleratorInfo, hookimpl
 
 if TYPE_CHECKING:
@@ -17,22 +17,6 @@ def _load_cuda() -> type["Accelerator"]:
     from deepinfer.backends.cuda.accelerator import CUDAAccelerator
 
     return CUDAAccelerator
-
-
-def unavailable_reason() -> str | None:
-    """None where a GPU and Triton are here; else what is missing. Imports torch only."""
-    import torch
-
-    if torch.version.cuda is None:
-        return (f"torch {torch.__version__} is a build without CUDA: install a CUDA build of "
-                "torch (https://pytorch.org/get-started/locally/), then "
-                "pip install 'deepinfer[cuda]'")
-    if not torch.cuda.is_available():
-        return (f"torch {torch.__version__} (CUDA {torch.version.cuda}) sees no GPU: check the "
-                "driver (nvidia-smi) and CUDA_VISIBLE_DEVICES")
-    if importlib.util.find_spec("triton") is None:
-        return "Triton is not installed: pip install 'deepinfer[cuda]'"
-    return None
 
 
 @hookimpl

@@ -25,9 +25,15 @@ from transformers import PretrainedConfig
 
 from deepinfer.models.deepseek_v4.attention import RMSNorm, V4Attention, attend, entries_visible
 from deepinfer.models.deepseek_v4.cache import SeqView, V4PagedCache
-from deepinfer.models.deepseek_v4.compressor import (PAGE_TOKENS, CSACompressor, Compressed,
-                                                     Compressor, CompressorState,
-                                                     build_compressor, select_topk)
+from deepinfer.models.deepseek_v4.compressor import (
+    PAGE_TOKENS,
+    Compressed,
+    Compressor,
+    CompressorState,
+    CSACompressor,
+    build_compressor,
+    select_topk,
+)
 from deepinfer.models.deepseek_v4.hyper import HyperConnection, HyperDims
 from deepinfer.models.ops import ModelOps
 

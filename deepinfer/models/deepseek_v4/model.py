@@ -41,23 +41,32 @@ from transformers import PretrainedConfig
 
 from deepinfer.core.kv.spec import CacheEntry, KVSpec, LayerKV
 from deepinfer.models.deepseek_v4 import names
-from deepinfer.models.deepseek_v4.attention import (SLIDING, RMSNorm, UsesOps, V4Attention,
-                                                    rope_inv_freq)
+from deepinfer.models.deepseek_v4.attention import (
+    SLIDING,
+    RMSNorm,
+    UsesOps,
+    V4Attention,
+    rope_inv_freq,
+)
 from deepinfer.models.deepseek_v4.block import Placement, V4DecoderLayer
 from deepinfer.models.deepseek_v4.cache import V4PagedCache
-from deepinfer.models.deepseek_v4.compressor import (Compressor, layer_cache_entries,
-                                                     layer_state_numel)
+from deepinfer.models.deepseek_v4.compressor import (
+    Compressor,
+    layer_cache_entries,
+    layer_state_numel,
+)
 from deepinfer.models.deepseek_v4.hyper import HyperDims, HyperHead, expand, init_hyper_buffers
 from deepinfer.models.deepseek_v4.moe_names import moe_tensors
-from deepinfer.models.deepseek_v4.ops import DeepSeekV4Ops
 from deepinfer.models.deepseek_v4.mtp import OWN_NAMES, V4MTP
+from deepinfer.models.deepseek_v4.ops import DeepSeekV4Ops
 from deepinfer.models.deepseek_v4.rewind import DraftRewind
 from deepinfer.models.moe.configs import deepseek_v4_moe, moe_runtime
 from deepinfer.models.moe.layer import MoEBlock
 from deepinfer.models.moe.ops import MoEOps
 from deepinfer.models.ops import ModelOps
 from deepinfer.models.traits import ModelTraits
-from deepinfer.models.weights import Embedding, Target, load_mapped
+from deepinfer.models.weight_targets import Target
+from deepinfer.models.weights import Embedding, load_mapped
 
 PAGE_MULTIPLE = 128
 

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from deepinfer.models.moe.layer import moe_checkpoint_target
-from deepinfer.models.weights import Target
+from deepinfer.models.weight_targets import Target
 
 _DEEPSEEK = re.compile(r"(.*\blayers\.\d+\.)ffn\.(gate\.weight|gate\.bias|gate\.tid2eid|"
                        r"experts\.\d+\.w[123]\.weight|shared_experts\.w[123]\.weight)$")

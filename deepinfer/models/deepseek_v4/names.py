@@ -22,7 +22,7 @@ from torch import nn
 
 from deepinfer.models.deepseek_v4.hyper import hyper_target
 from deepinfer.models.deepseek_v4.moe_names import moe_target
-from deepinfer.models.weights import Target
+from deepinfer.models.weight_targets import Target
 
 _TOP = {"embed.weight": "embed_tokens.weight", "head.weight": "lm_head.weight"}
 # In order: the indexer's names move under the compressor before `.attn.` is renamed.

@@ -11,9 +11,13 @@ from deepinfer.models.deepseek_v4.attention import rope as v4_rope
 from deepinfer.models.deepseek_v4.attention import v4_rms_norm
 from deepinfer.models.deepseek_v4.decode_compress import decode_compress
 from deepinfer.models.deepseek_v4.hyper import collapse_gates, update_streams
-from deepinfer.models.deepseek_v4.paged_ops import (DecodeLens, DecodeTarget, PagedRows,
-                                                    decode_attention_reference,
-                                                    indexer_topk_reference)
+from deepinfer.models.deepseek_v4.paged_ops import (
+    DecodeLens,
+    DecodeTarget,
+    PagedRows,
+    decode_attention_reference,
+    indexer_topk_reference,
+)
 
 
 class DeepSeekV4Ops:

@@ -25,7 +25,7 @@ from deepinfer.models.moe.runtime import ExpertRuntime
 from deepinfer.models.ops import ModelOps
 from deepinfer.models.quant.packed import FP8Experts
 from deepinfer.models.traits import Float32Params
-from deepinfer.models.weights import SlotRows, Target
+from deepinfer.models.weight_targets import SlotRows, Target
 
 # checkpoint projection -> (our stacked weight, which half of w13: 0 gate, 1 up; None: w2)
 EXPERT_PROJ = {"gate_proj": ("w13", 0), "up_proj": ("w13", 1), "down_proj": ("w2", None),

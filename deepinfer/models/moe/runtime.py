@@ -16,8 +16,7 @@ import torch.distributed as dist
 
 from deepinfer.core.accelerator import ParallelContext
 from deepinfer.models.moe.eplb import Placement, imbalance, rebalance
-from deepinfer.models.moe.exchange import (AllGatherExchange, AllToAllExchange, Compute,
-                                           all_gather)
+from deepinfer.models.moe.exchange import AllGatherExchange, AllToAllExchange, Compute, all_gather
 from deepinfer.models.moe.ops import MoEOps
 from deepinfer.models.moe.routing import RouteCounts
 

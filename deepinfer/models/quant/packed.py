@@ -18,7 +18,7 @@ from torch import nn
 from deepinfer.models.quant.tensors import GGUFTensor, QuantizedTensor, RowScaledFP8
 
 if TYPE_CHECKING:
-    from deepinfer.models.weights import SlotRows
+    from deepinfer.models.weight_targets import SlotRows
 
 
 class PackedWeight(nn.Module, metaclass=ABCMeta):

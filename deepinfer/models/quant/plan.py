@@ -18,10 +18,18 @@ from gguf import GGMLQuantizationType
 from torch import nn
 
 from deepinfer.core.config import QUANTIZATION_MODES
-from deepinfer.models.quant.packed import (FP8Experts, FP8Weight, GGUFParts, GGUFWeight,
-                                           PackedEmbedding, PackedWeight, gguf_parts_kind,
-                                           parse_gguf_parts)
-from deepinfer.models.weights import Mapper
+from deepinfer.models.quant.packed import (
+    FP8Experts,
+    FP8Weight,
+    GGUFParts,
+    GGUFWeight,
+    PackedEmbedding,
+    PackedWeight,
+    gguf_parts_kind,
+    parse_gguf_parts,
+)
+from deepinfer.models.weight_targets import Mapper
+
 
 def plan_packed(model: nn.Module, kinds: Mapping[str, str], mapper: Mapper,
                 runs: Iterable[str], mode: str = "auto") -> dict[str, str]:

@@ -24,7 +24,7 @@ from deepinfer.serve.ranks.ipc import (AbortRequest, AddRequest, Control, Contro
 from deepinfer.serve.heap import freeze_startup_heap
 from deepinfer.serve.ranks.lockstep import (Lockstep, RebalanceTimer, init_rank_group,
                                       shutdown_group)
-from deepinfer.serve.ranks.entry import RankSpec, regroups
+from deepinfer.serve.ranks.spec import RankSpec, regroups
 from deepinfer.serve.grammar.rank_grammars import PendingGrammars
 from deepinfer.serve.ranks.outbox import RankOutbox
 from deepinfer.serve.ranks.regroup import await_regroup, rejoin

@@ -32,7 +32,8 @@ import zmq.asyncio
 
 from deepinfer.core.config import EngineConfig
 from deepinfer.models.registry import has_experts
-from deepinfer.serve.ranks.entry import RankSpec, regroups, run_rank
+from deepinfer.serve.ranks.entry import run_rank
+from deepinfer.serve.ranks.spec import RankSpec, regroups
 from deepinfer.serve.ranks.group_recovery import GroupRecovery, Regrouping
 from deepinfer.serve.ranks.health import RankHealthConfig, RankState, Verdict, judge
 from deepinfer.serve.ranks.ipc import (
