@@ -89,7 +89,6 @@ class ModelBatch:
     query_lens: list[int]
     seq_lens: list[int]
     groups: tuple[GroupBatch, ...]
-    block_size: int
     # Indices (into the sequence list) whose last token's logits are sampled: decodes and
     # prefills whose final chunk is in this step. Partial prefill chunks sample nothing.
     sample_indices: list[int]

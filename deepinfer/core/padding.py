@@ -43,25 +43,25 @@ def _bucket(sizes: tuple[int, ...], n: int) -> int:
     return sizes[i]
 
 
-def pad_batch(batch: ModelBatch, buckets: Buckets) -> ModelBatch:
+def pad_batch(batch: ModelBatch, buckets: Buckets, block_size: int) -> ModelBatch:
     """Pad a decode-only step's sequence count to a batch bucket (one-token padding rows),
     any other step's token count to a token bucket (one padding sequence), as static-shape
-    backends keep one graph per decode batch size and one per prefill token count."""
+    backends keep one graph per decode batch size and one per prefill token count. Padding rows
+    sit in the null block, whose pages hold block_size tokens."""
     if not batch.num_seqs:
         return batch
     if batch.is_decode_only and buckets.batch:
         extra = buckets.padded_seqs(batch.num_seqs) - batch.num_seqs
-        return _with_padding(batch, [1] * extra) if extra else batch
+        return _with_padding(batch, [1] * extra, block_size) if extra else batch
     if not buckets.tokens:
         return batch
     extra = buckets.padded_tokens(batch.num_tokens) - batch.num_tokens
-    return _with_padding(batch, [extra]) if extra else batch
+    return _with_padding(batch, [extra], block_size) if extra else batch
 
 
-def _with_padding(batch: ModelBatch, lens: list[int]) -> ModelBatch:
+def _with_padding(batch: ModelBatch, lens: list[int], bs: int) -> ModelBatch:
     """Padding sequences of the given lengths: positions 0.., the null block's slots (its
     contents are garbage by definition), never sampled."""
-    bs = batch.block_size
     # Positions wrap inside the block so that no table (rotary, block) is read past its end.
     pad_positions = [p % bs for n in lens for p in range(n)]
     pad_slots = [NULL_BLOCK_ID * bs + p for p in pad_positions]
@@ -78,5 +78,5 @@ def _with_padding(batch: ModelBatch, lens: list[int]) -> ModelBatch:
 def dummy_batch(num_groups: int, block_size: int) -> ModelBatch:
     """One padding token at position 0 of the null block, in every KV group; samples nothing."""
     group = GroupBatch([[NULL_BLOCK_ID]], [NULL_BLOCK_ID * block_size])
-    return ModelBatch([0], [0], [1], [1], (group,) * num_groups, block_size, [], [],
+    return ModelBatch([0], [0], [1], [1], (group,) * num_groups, [], [],
                       num_padding_seqs=1)

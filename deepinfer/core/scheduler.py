@@ -340,10 +340,10 @@ class Scheduler:
         from_last = InputsFromLastStep(pending_at, pending_rows, in_flight[1]) \
             if pending_at and in_flight is not None else None
         batch = ModelBatch(ids, positions, qlens, slens,
-                           tuple(GroupBatch(t, s) for t, s in zip(tables, slots)), bs,
+                           tuple(GroupBatch(t, s) for t, s in zip(tables, slots)),
                            sample_indices, rows, state_slots, spec=self._spec_batch(out),
                            from_last_step=from_last, prompt_logprobs=scored)
-        return pad_batch(batch, self.buckets)
+        return pad_batch(batch, self.buckets, self.kv.block_size)
 
     def _spec_batch(self, out: SchedulerOutput) -> SpecBatch | None:
         if not self.num_spec:

@@ -173,7 +173,7 @@ class PagedFakeAccelerator(Accelerator):
 
     def execute(self, batch: ModelBatch) -> SamplerOutput:
         self.steps.append(batch)
-        bs = batch.block_size
+        bs = self.block_size
         real = len(batch.slot_mapping) - sum(batch.query_lens[batch.num_seqs -
                                                                batch.num_padding_seqs:])
         for t, slot in enumerate(batch.slot_mapping[:real]):

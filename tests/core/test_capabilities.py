@@ -78,10 +78,10 @@ def test_buckets_are_checked():
     with pytest.raises(ValueError, match="increasing"):
         Buckets(tokens=(16, 8))
     one = dummy_batch(1, 4)
-    assert pad_batch(one, Buckets(batch=(1, 2))) is one  # already at a bucket
-    assert pad_batch(one, Buckets(batch=(2,))).num_seqs == 2
+    assert pad_batch(one, Buckets(batch=(1, 2)), 4) is one  # already at a bucket
+    assert pad_batch(one, Buckets(batch=(2,)), 4).num_seqs == 2
     with pytest.raises(ValueError, match="exceeds the largest bucket"):
-        pad_batch(_with_padding(one, [1]), Buckets(batch=(1,)))
+        pad_batch(_with_padding(one, [1], 4), Buckets(batch=(1,)), 4)
 
 
 def test_a_fixed_pool_is_never_outgrown(tmp_path):

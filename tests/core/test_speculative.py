@@ -42,7 +42,7 @@ def _verify_batch(query_lens: list[int], drafts: list[int], sampled: int) -> Mod
     row = SamplingRow(SamplingParams(), 0, 0, [1], [])
     spec = SpecBatch([[7] * d for d in drafts], [2] * sampled, [-1] * len(query_lens))
     return ModelBatch(ids, positions, query_lens, seq_lens,
-                      (GroupBatch([[i + 1] for i in range(len(query_lens))], slots),), 16,
+                      (GroupBatch([[i + 1] for i in range(len(query_lens))], slots),),
                       list(range(sampled)), [row] * sampled, [5, 6], spec=spec)
 
 

@@ -40,10 +40,10 @@ def prefill_batch(prompt: list[int], table: list[int], block_size: int, spec: KV
     n = len(prompt)
     slots = [table[p // block_size] * block_size + p % block_size for p in range(n)]
     groups = tuple(GroupBatch([table], slots) for _ in spec.groups)
-    return ModelBatch(prompt, list(range(n)), [n], [n], groups, block_size, [0], [], state_slots)
+    return ModelBatch(prompt, list(range(n)), [n], [n], groups, [0], [], state_slots)
 
 
-def cpu_draft_logits(path: str, prompt: list[int], nxt: int, blocks: int,
+def cpu_draft_logits(path: str, prompt: list[int], nxt: int, blocks: int, block_size: int,
                      make_batch: Callable[[KVSpec], ModelBatch], state_slots: int = 0
                      ) -> torch.Tensor:
     """The draft layer's logits at every prompt position, `nxt` the token after the prompt."""
@@ -52,7 +52,7 @@ def cpu_draft_logits(path: str, prompt: list[int], nxt: int, blocks: int,
     acc.runner.num_speculative_tokens = 1
     info = acc.load_model(ModelSpec(path, dtype="float32"))
     batch = make_batch(info.kv_spec)
-    acc.allocate_kv_cache(blocks, batch.block_size, num_state_slots=state_slots)
+    acc.allocate_kv_cache(blocks, block_size, num_state_slots=state_slots)
     model, meta = acc.runner.model, acc._meta(batch)
     positions = torch.arange(len(prompt))
     with torch.inference_mode():

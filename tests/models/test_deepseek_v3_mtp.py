@@ -218,7 +218,7 @@ def test_moe_mtp_layer_equals_plain_decoding(tmp_path):
 def test_draft_logits_match_a_transformers_built_reference(mtp_path):
     prompt = _prompts((37,), seed=4)[0]
     nxt = 77  # the token after the prompt
-    ours = cpu_draft_logits(mtp_path, prompt, nxt, 8,
+    ours = cpu_draft_logits(mtp_path, prompt, nxt, 8, 16,
                             lambda spec: prefill_batch(prompt, [3, 1, 5], 16, spec, []))
     ref = _reference_draft_logits(mtp_path, prompt, nxt)
     assert (ours - ref).abs().max().item() < 1e-4

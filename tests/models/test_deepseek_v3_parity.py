@@ -91,8 +91,7 @@ def _prefill_logits(path: str, prompt: list[int], table: list[int],
     n = len(prompt)
     slots = [table[p // block_size] * block_size + p % block_size for p in range(n)]
     batch = ModelBatch(input_ids=prompt, positions=list(range(n)), query_lens=[n], seq_lens=[n],
-                       groups=(GroupBatch([table], slots),), block_size=block_size,
-                       sample_indices=[0], sampling=[])
+                       groups=(GroupBatch([table], slots),), sample_indices=[0], sampling=[])
     return acc.forward_logits(batch, all_tokens=True)
 
 

@@ -89,7 +89,7 @@ def test_rewind_is_what_keeps_rejections_exact(mtp_path, prompts, plain, monkeyp
 
 def test_draft_logits_match_a_transformers_built_reference(mtp_path, prompts):
     prompt, nxt = prompts[1][:70], 4242  # 70 tokens: several windows, CSA and HCA entries
-    ours = cpu_draft_logits(mtp_path, prompt, nxt, 4,
+    ours = cpu_draft_logits(mtp_path, prompt, nxt, 4, 128,
                             lambda spec: prefill_batch(prompt, [2], 128, spec, [0]),
                             state_slots=1)
     ref = _reference_draft_logits(mtp_path, prompt, nxt)

@@ -98,7 +98,7 @@ def _prefill_batch(spec, prompts: list[list[int]], bs: int = 128) -> ModelBatch:
         slots += [table[p // bs] * bs + p % bs for p in range(len(prompt))]
     lens = [len(p) for p in prompts]
     groups = tuple(GroupBatch(tables, slots) for _ in spec.groups)
-    return ModelBatch(ids, positions, lens, lens, groups, bs, [0, 1], [], [1, 0])
+    return ModelBatch(ids, positions, lens, lens, groups, [0, 1], [], [1, 0])
 
 
 def test_prefill_logits_match_transformers(v4_checkpoint, v4_reference, prompts):

@@ -58,8 +58,7 @@ def _prefill_logits(path: str, prompt: list[int], block_size: int = 16) -> torch
     acc.allocate_kv_cache(pages + 1, block_size)
     n = len(prompt)
     slots = [table[p // block_size] * block_size + p % block_size for p in range(n)]
-    batch = ModelBatch(prompt, list(range(n)), [n], [n], (GroupBatch([table], slots),),
-                       block_size, [0], [])
+    batch = ModelBatch(prompt, list(range(n)), [n], [n], (GroupBatch([table], slots),), [0], [])
     return acc.forward_logits(batch, all_tokens=True)
 
 

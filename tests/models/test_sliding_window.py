@@ -82,7 +82,7 @@ def test_prefill_logits_match_transformers_past_the_window(mistral_dir):
 
     table = list(range(31, 12, -1))  # 19 blocks, out of order
     slots = [table[p // 16] * 16 + p % 16 for p in range(300)]
-    batch = ModelBatch(prompt, list(range(300)), [300], [300], (GroupBatch([table], slots),), 16,
+    batch = ModelBatch(prompt, list(range(300)), [300], [300], (GroupBatch([table], slots),),
                        [0], [])
     ours = acc.forward_logits(batch, all_tokens=True)
     model = transformers.AutoModelForCausalLM.from_pretrained(mistral_dir, dtype=torch.float32)

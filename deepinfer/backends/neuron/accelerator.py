@@ -167,4 +167,5 @@ def _warmup_batch(kind: str, size: int, block_size: int, num_groups: int) -> Mod
     base = dummy_batch(num_groups, block_size)
     if size == 1:
         return base
-    return pad_batch(base, Buckets(batch=(size,)) if kind == "decode" else Buckets(tokens=(size,)))
+    buckets = Buckets(batch=(size,)) if kind == "decode" else Buckets(tokens=(size,))
+    return pad_batch(base, buckets, block_size)

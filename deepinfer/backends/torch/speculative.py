@@ -164,4 +164,4 @@ def _step_batch(batch: ModelBatch, seqs: list[int], positions: list[int], bs: in
                    for g in batch.groups)
     state = [batch.state_slots[i] for i in seqs] if batch.state_slots else []
     return ModelBatch([0] * len(seqs), positions, [1] * len(seqs), [p + 1 for p in positions],
-                      groups, bs, [], [], state)
+                      groups, [], [], state)

@@ -55,7 +55,7 @@ def _decode_batch(from_last: InputsFromLastStep | None) -> ModelBatch:
     slots = [t[(n - 1) // 4] * 4 + (n - 1) % 4 for t, n in zip(tables, lens)]
     return ModelBatch(input_ids=[11, 0, 0], positions=[n - 1 for n in lens],
                       query_lens=[1, 1, 1], seq_lens=lens, groups=(GroupBatch(tables, slots),),
-                      block_size=4, sample_indices=[0, 1, 2], sampling=[],
+                      sample_indices=[0, 1, 2], sampling=[],
                       from_last_step=from_last)
 
 
@@ -65,7 +65,7 @@ def test_unpack_takes_ids_from_the_step_in_flight() -> None:
     last = InputsFromLastStep(token_indices=[1, 2], rows=[3, 0], source=None)
     batch = _decode_batch(last)
     rows = np.full((4, DECODE_COLS + 5), 99, dtype=np.int64)
-    fill_decode_rows(rows, batch, batch.block_size)
+    fill_decode_rows(rows, batch, 4)
     assert rows[:, SRC_COL].tolist() == [-1, 3, 0, -1]
     last_ids = torch.tensor([40, 41, 42, 43], device=DEVICE)
     inputs = decode_inputs(torch.from_numpy(rows).to(DEVICE), last_ids, num_splits=2)

@@ -40,7 +40,7 @@ def _engine(path: str, quantization: str = "auto") -> Engine:
 def _prefill_logits(engine: Engine) -> torch.Tensor:
     n = len(PROMPT)
     batch = ModelBatch(PROMPT, list(range(n)), [n], [n], (GroupBatch([[1]], [16 + p for p in
-                                                                     range(n)]),), 16, [0], [])
+                                                                     range(n)]),), [0], [])
     return engine.accelerator.forward_logits(batch, all_tokens=True)
 
 

@@ -325,8 +325,7 @@ def _prefill_logits(acc: CPUAccelerator, prompt: list[int], block_size: int = 16
     n = len(prompt)
     slots = [(p // block_size) * block_size + p % block_size for p in range(n)]
     batch = ModelBatch(prompt, list(range(n)), [n], [n], (GroupBatch([list(range(pages))],
-                                                                     slots),),
-                       block_size, [0], [])
+                                                                     slots),), [0], [])
     return acc.forward_logits(batch, all_tokens=True)
 
 
