@@ -89,10 +89,12 @@ class Hookspecs:
     @hookspec
     def deepinfer_register_accelerators(self) -> list[AcceleratorInfo]:
         """Backends this plugin provides."""
+        raise NotImplementedError  # a hook specification: plugins implement it
 
     @hookspec
     def deepinfer_register_models(self) -> dict[str, str]:
         """HF architecture name (config.json "architectures") -> "module:Class" import path."""
+        raise NotImplementedError  # a hook specification: plugins implement it
 
     @hookspec
     def deepinfer_add_cli_args(self, parser: argparse.ArgumentParser) -> None:

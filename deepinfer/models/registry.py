@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import importlib
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 if TYPE_CHECKING:
     from deepinfer.core.kv.spec import KVSpec
@@ -21,7 +21,7 @@ BUILTIN_MODELS: Mapping[str, str] = MappingProxyType({
 })
 
 
-def model_class(architecture: str, extra: Mapping[str, str] | None = None) -> type:
+def model_class(architecture: str, extra: Mapping[str, str] | None = None) -> type[Any]:
     """Resolve a model class; `extra` holds plugin-registered architectures."""
     if extra is None and architecture not in BUILTIN_MODELS:
         from deepinfer.core.plugins import load_plugins

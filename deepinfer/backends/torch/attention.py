@@ -42,7 +42,7 @@ class PagedAttentionMeta:
     @classmethod
     def from_batch(cls, batch: ModelBatch, cache: PagedCache) -> "PagedAttentionMeta":
         """The step's metadata over the cache's KV spec and block size."""
-        spec = cache.spec
+        spec = cache.kv_spec
         starts = [0]
         for q in batch.query_lens[:-1]:
             starts.append(starts[-1] + q)
@@ -115,7 +115,7 @@ def attend_cached(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: to
                   scale: float | None) -> torch.Tensor:
     """Attention over caches that already hold this step's entries."""
     if g.decode_slots is not None:
-        return _decode(q, k_cache, v_cache, g, scale)
+        return _decode(q, k_cache, v_cache, g.decode_slots, g.decode_mask, scale)
     out = torch.empty(q.shape[:-1] + v.shape[-1:], dtype=q.dtype)
     for i, start in enumerate(meta.query_starts):
         qlen, seq_len = meta.query_lens[i], meta.seq_lens[i]
@@ -129,12 +129,12 @@ def attend_cached(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: to
     return out
 
 
-def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, g: GroupMeta,
-            scale: float | None) -> torch.Tensor:
-    batch, max_len = g.decode_slots.shape
+def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+            mask: torch.Tensor | None, scale: float | None) -> torch.Tensor:
+    batch, max_len = slots.shape
     kv_heads = k_cache.shape[1]
     # index_select on the flat slot list is several times faster than advanced indexing.
-    flat = g.decode_slots.flatten()
+    flat = slots.flatten()
     keys = k_cache.index_select(0, flat).view(batch, max_len, kv_heads, -1)
     values = v_cache.index_select(0, flat).view(batch, max_len, kv_heads, -1)
     # The query heads sharing a KV head act as that head's query rows: one dense attention
@@ -142,7 +142,7 @@ def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, g: Gr
     group = q.shape[1] // kv_heads
     out = F.scaled_dot_product_attention(
         q.view(batch, kv_heads, group, q.shape[-1]), keys.transpose(1, 2),
-        values.transpose(1, 2), attn_mask=g.decode_mask, scale=scale)
+        values.transpose(1, 2), attn_mask=mask, scale=scale)
     return out.reshape(batch, kv_heads * group, values.shape[-1])
 
 

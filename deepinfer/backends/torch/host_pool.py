@@ -40,14 +40,14 @@ class CPUHostPool:
         # Per group, the pairs it takes part in: a null block is a sliding group's page that
         # left its window, whose bytes are neither stored nor loaded (and block 0 never written).
         held = [(b != NULL_BLOCK_ID).nonzero().flatten() for b in blocks]
-        data = self.pages.index_select(0, pages) if to_device else None  # one gather of pages
+        data = self.pages.index_select(0, pages) if to_device else self.pages  # one gather
         offset = 0
         with torch.inference_mode():
             for chunk, tensor in cache.chunk_tensors():
                 paged = tensor.view(-1, chunk.numel)
                 cols = slice(offset, offset + chunk.numel)
                 rows, group_blocks = held[chunk.group], blocks[chunk.group]
-                if to_device:
+                if to_device:  # data: the pages read, in host_pages order
                     paged.index_copy_(0, group_blocks[rows], data[rows, cols])
                 else:
                     self.pages[:, cols].index_copy_(0, pages[rows],

@@ -25,18 +25,25 @@ class PagedCache:
         self._chunks: list[tuple[Chunk, torch.Tensor]] = []
         self.state: torch.Tensor | None = None
 
+    @property
+    def kv_spec(self) -> KVSpec:
+        """The model's KV spec; set when the model is built, before any pool is allocated."""
+        if self.spec is None:
+            raise RuntimeError("the KV pool has no KV spec: load a model first")
+        return self.spec
+
     def allocate(self, num_blocks: int, block_size: int, dtype: torch.dtype,
                  device: torch.device | str, num_state_slots: int = 0) -> None:
         self.free()  # the old pool first: the two need not fit together
         self.block_size, self.num_blocks = block_size, num_blocks
-        for group in self.spec.groups:
+        for group in self.kv_spec.groups:
             for layer in group.layers:
                 self._layers[layer] = tuple(
                     zeros((num_blocks * e.entries_per_block(block_size), *e.shape), dtype,
                           device) for e in group.kind.entries)
         self._chunks = self._pair_chunks()
-        if self.spec.state_bytes and num_state_slots:
-            self.state = zeros((num_state_slots, self.spec.state_bytes), torch.uint8, device)
+        if self.kv_spec.state_bytes and num_state_slots:
+            self.state = zeros((num_state_slots, self.kv_spec.state_bytes), torch.uint8, device)
 
     def layer(self, index: int) -> tuple[torch.Tensor, ...]:
         """The layer's entry tensors, in the order its LayerKV lists them."""
@@ -48,11 +55,11 @@ class PagedCache:
 
     def _pair_chunks(self) -> list[tuple[Chunk, torch.Tensor]]:
         names = {}
-        for group in self.spec.groups:
+        for group in self.kv_spec.groups:
             for layer in group.layers:
                 for entry, tensor in zip(group.kind.entries, self._layers[layer]):
                     names[(layer, entry.name)] = tensor
-        return [(c, names[(c.layer, c.entry.name)]) for c in self.spec.chunks(self.block_size)]
+        return [(c, names[(c.layer, c.entry.name)]) for c in self.kv_spec.chunks(self.block_size)]
 
     @property
     def allocated(self) -> bool:

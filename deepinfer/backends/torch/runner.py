@@ -49,9 +49,10 @@ def resolve_dtype(requested: str, checkpoint: str, supported: tuple[str, ...]) -
 def _restore_float32(model: torch.nn.Module) -> None:
     """Parameters a module keeps in float32 whatever the model's dtype (Float32Params)."""
     for module in model.modules():
-        if isinstance(module, Float32Params):
+        names = module.fp32_params if isinstance(module, Float32Params) else ()
+        if names:
             params = dict(module.named_parameters(recurse=False))
-            for name in module.fp32_params:
+            for name in names:
                 if name in params:  # an optional parameter may be absent
                     params[name].data = params[name].data.float()
 
@@ -84,7 +85,8 @@ class TorchRunner:
         self.ops = make_ops(self.cache)
         self.seed = seed
         self.sampler = Sampler()
-        self.model: torch.nn.Module | None = None
+        # The family's module: forward, compute_logits, and its draft layer's methods.
+        self.model: Any = None
         # Parameter name -> the packed kind it is held in (models/quant/plan.py).
         self.packed: dict[str, str] = {}
         self.info: ModelInfo | None = None
@@ -144,11 +146,17 @@ class TorchRunner:
                              "(its draft steps would need the ranks' lockstep)")
         return {"mtp": True}
 
+    @property
+    def model_info(self) -> ModelInfo:
+        if self.info is None:
+            raise RuntimeError("no model is loaded")
+        return self.info
+
     # ---- KV pool -------------------------------------------------------------------------
     def block_bytes(self, block_size: int) -> int:
         """Bytes of one page: one block of every KV group."""
         element = torch.empty((), dtype=self.dtype).element_size()
-        return self.cache.spec.block_bytes(block_size, element)
+        return self.cache.kv_spec.block_bytes(block_size, element)
 
     def pool_blocks(self, cache: CacheConfig) -> int:
         """The KV pool's blocks: --num-kv-blocks, else what the memory budget holds."""

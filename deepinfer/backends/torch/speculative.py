@@ -21,7 +21,7 @@ from typing import Any, Callable
 import torch
 
 from deepinfer.backends.torch.runner import TorchRunner
-from deepinfer.core.batch import GroupBatch, ModelBatch, SampledRow, SamplerOutput
+from deepinfer.core.batch import GroupBatch, ModelBatch, SampledRow, SamplerOutput, SpecBatch
 from deepinfer.core.speculative import accept, as_decode_rows, verify_rows
 from deepinfer.core.transfer import tensor_on
 
@@ -40,7 +40,7 @@ class MTPSpeculator:
         rows = self._verify(batch, hidden)
         self._rewind_carry(batch, rows, saved)
         prompt = self.runner.prompt_logprobs(hidden, batch)
-        if not any(batch.spec.num_proposals):
+        if not any(_spec(batch).num_proposals):
             return SamplerOutput.from_rows(rows, prompt)
         proposals = self._propose(batch, meta, positions, hidden, rows)
         return SamplerOutput.from_rows([dataclasses.replace(row, proposals=p)
@@ -55,7 +55,7 @@ class MTPSpeculator:
         return tensor_on(values, self.runner.device)
 
     def _verify(self, batch: ModelBatch, hidden: torch.Tensor) -> list[SampledRow]:
-        drafts = batch.spec.draft_token_ids
+        drafts = _spec(batch).draft_token_ids
         ends = _query_ends(batch)
         at = [p for i, d in zip(batch.sample_indices, drafts)
               for p in range(ends[i] - len(d), ends[i] + 1)]
@@ -66,7 +66,7 @@ class MTPSpeculator:
     # ---- models with state (DeepSeek-V4's compressors) ------------------------------------
     def _drafting(self, batch: ModelBatch) -> list[int]:
         """The sampled rows that verify drafts."""
-        return [r for r, d in enumerate(batch.spec.draft_token_ids) if d]
+        return [r for r, d in enumerate(_spec(batch).draft_token_ids) if d]
 
     def _save_carry(self, batch: ModelBatch) -> Any:
         model = self.runner.model
@@ -81,7 +81,7 @@ class MTPSpeculator:
             return
         ends, slots, kept, verified = _query_ends(batch), [], [], []
         for r in self._drafting(batch):
-            i, drafts = batch.sample_indices[r], batch.spec.draft_token_ids[r]
+            i, drafts = batch.sample_indices[r], _spec(batch).draft_token_ids[r]
             last = batch.positions[ends[i]]  # the last draft's position
             slots.append(batch.state_slots[i])
             kept.append(last - len(drafts) + len(rows[r].token_ids))
@@ -117,8 +117,15 @@ class MTPSpeculator:
         j - 1) has a slot and the next step can verify it (at last_position + 1 + j)."""
         seq = batch.sample_indices[row]
         slots = min(len(g.block_tables[seq]) for g in batch.groups) * self.block_size
-        fits = min(slots - last_position, self.runner.info.max_model_len - 2 - last_position)
-        return max(0, min(batch.spec.num_proposals[row], fits))
+        fits = min(slots - last_position, self.runner.model_info.max_model_len - 2 - last_position)
+        return max(0, min(_spec(batch).num_proposals[row], fits))
+
+
+def _spec(batch: ModelBatch) -> SpecBatch:
+    """The drafts of a step the engine built for a speculating model (every step of it)."""
+    if batch.spec is None:
+        raise ValueError("a speculative step carries its drafts (ModelBatch.spec)")
+    return batch.spec
 
 
 def _query_ends(batch: ModelBatch) -> list[int]:
@@ -136,9 +143,9 @@ def _next_tokens(batch: ModelBatch, rows: list[SampledRow]) -> list[int]:
     last real query token on (past them, anything: those draft entries are never read)."""
     shifted = batch.input_ids[1:] + [0]
     ends = _query_ends(batch)
-    for i, token in enumerate(batch.spec.next_token_ids):
+    for i, token in enumerate(_spec(batch).next_token_ids):
         shifted[ends[i]] = token
-    for i, row, drafts in zip(batch.sample_indices, rows, batch.spec.draft_token_ids):
+    for i, row, drafts in zip(batch.sample_indices, rows, _spec(batch).draft_token_ids):
         rejected = len(drafts) + 1 - len(row.token_ids)
         shifted[ends[i] - len(drafts):ends[i] + 1] = row.token_ids + row.token_ids[-1:] * rejected
     return shifted
@@ -149,7 +156,7 @@ def _last_accepted(batch: ModelBatch, rows: list[SampledRow]) -> list[int]:
     there proposes the token after the model's own)."""
     ends = _query_ends(batch)
     return [ends[i] - len(d) + len(row.token_ids) - 1
-            for i, row, d in zip(batch.sample_indices, rows, batch.spec.draft_token_ids)]
+            for i, row, d in zip(batch.sample_indices, rows, _spec(batch).draft_token_ids)]
 
 
 def _step_batch(batch: ModelBatch, seqs: list[int], positions: list[int], bs: int,
