@@ -22,8 +22,17 @@ import subprocess
 import sys
 import time
 
-from common import (RESULTS_DIR, free_port, log, machine_environment, pyplot, start_server,
-                    stop_server, wait_healthy, write_json)
+from common import (
+    RESULTS_DIR,
+    free_port,
+    log,
+    machine_environment,
+    pyplot,
+    start_server,
+    stop_server,
+    wait_healthy,
+    write_json,
+)
 
 LLAMA_CPP_VERSION = "0.3.36"
 PROMPT_TEXT = ("The history of the written word begins with marks pressed into clay. Over the "
@@ -125,10 +134,10 @@ def _median_run(runs: list[dict]) -> dict:
 
 def server_rss(folder: str, prompt: list[int], args) -> dict:
     """Resident bytes of deepinfer-serve (API process + ranks) after one request."""
+    import tempfile
+
     import httpx
     import psutil
-
-    import tempfile
 
     port = free_port()
     log_path = os.path.join(tempfile.mkdtemp(prefix="cpu-gguf-"), "server.log")

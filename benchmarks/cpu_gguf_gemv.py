@@ -74,9 +74,9 @@ def read_rate() -> float:
 
 
 def measure(n: int, k: int) -> dict:
-    from deepinfer.backends.cpu.kernels import extension
-
     from gguf import GGMLQuantizationType
+
+    from deepinfer.backends.cpu.kernels import extension
 
     ext, rate, rows = extension(), read_rate(), {}
     for kind in ("float32",) + TYPES:

@@ -36,8 +36,17 @@ from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)  # `common`, also when run from another folder
-from common import (free_port, log, machine_environment, replot, pyplot, start_server,  # noqa: E402
-                    stop_server, wait_healthy, write_json)
+from common import (  # noqa: E402
+    free_port,
+    log,
+    machine_environment,
+    pyplot,
+    replot,
+    start_server,
+    stop_server,
+    wait_healthy,
+    write_json,
+)
 
 POLICIES = ("affinity", "least-loaded")
 METRIC_RE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)$")

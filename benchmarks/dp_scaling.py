@@ -26,8 +26,18 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from common import (free_port, log, machine_environment, percentile, pyplot,  # noqa: E402
-                    random_prompts, start_server, stop_server, wait_healthy, write_json)
+from common import (  # noqa: E402
+    free_port,
+    log,
+    machine_environment,
+    percentile,
+    pyplot,
+    random_prompts,
+    start_server,
+    stop_server,
+    wait_healthy,
+    write_json,
+)
 from serve_overhead import ClientProcesses, CpuMeter, server_wave  # noqa: E402
 
 SERVED_NAME = "m"

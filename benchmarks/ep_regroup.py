@@ -37,8 +37,15 @@ from typing import Any
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)  # `common`, also when run from another folder
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))  # checkpoints.make_checkpoint
-from common import (free_port, log, machine_environment, start_server, stop_server,  # noqa: E402
-                    wait_healthy, write_json)
+from common import (  # noqa: E402
+    free_port,
+    log,
+    machine_environment,
+    start_server,
+    stop_server,
+    wait_healthy,
+    write_json,
+)
 
 POLL_S = 0.05
 PROMPT = [100 + 13 * j for j in range(9)]

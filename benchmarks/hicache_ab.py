@@ -31,8 +31,7 @@ import deepinfer.serve.check_prefix_cache as cpc
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)  # `common`, also when run from another folder
-from common import (free_port, pyplot, start_server, stop_server, wait_healthy,  # noqa: E402
-                    write_json)
+from common import free_port, pyplot, start_server, stop_server, wait_healthy, write_json  # noqa: E402
 
 HEALTH_TIMEOUT_S = 300.0
 COUNTERS = ("lookups", "stored_pages", "loaded_pages", "evicted_pages", "load_bytes",
@@ -152,8 +151,9 @@ def main(argv=None) -> int:
     with open(os.path.join(args.out, "hicache_check.txt"), "w") as f:
         f.write("$ " + " ".join(cmd) + "\n$ " + " ".join(check_cmd) + "\n" + output)
         f.write("\n# /metrics after the run (deepinfer:hicache_*)\n")
-        f.write("\n".join(l for l in metrics_text.splitlines()
-                          if l.startswith("deepinfer:hicache") and "_created" not in l) + "\n")
+        f.write("\n".join(line for line in metrics_text.splitlines()
+                          if line.startswith("deepinfer:hicache") and "_created" not in line)
+                + "\n")
     write_json(os.path.join(args.out, "hicache_check.json"), result, indent=1)
     plot(turns, os.path.join(args.out, "hicache_check.png"))
     return rc

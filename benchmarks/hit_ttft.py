@@ -26,8 +26,17 @@ import httpx
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(1, os.path.dirname(HERE))  # this tree's client, whichever server is measured
-from common import (free_port, log, percentile, pyplot, random_prompts, start_server,  # noqa: E402
-                    stop_server, wait_healthy, write_json)
+from common import (  # noqa: E402
+    free_port,
+    log,
+    percentile,
+    pyplot,
+    random_prompts,
+    start_server,
+    stop_server,
+    wait_healthy,
+    write_json,
+)
 from serve_overhead import summarize_collapsed  # noqa: E402
 
 from deepinfer.serve.check_prefix_cache import run_arm  # noqa: E402

@@ -23,8 +23,16 @@ import sys
 import tempfile
 import time
 
-from common import (RESULTS_DIR, free_port, log, machine_environment, pyplot, start_server,
-                    stop_server, wait_healthy)
+from common import (
+    RESULTS_DIR,
+    free_port,
+    log,
+    machine_environment,
+    pyplot,
+    start_server,
+    stop_server,
+    wait_healthy,
+)
 
 PROBE = {"messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 4,
          "temperature": 0, "stream": True}

@@ -48,9 +48,19 @@ from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)  # `common`, also when imported as __mp_main__ or run from elsewhere
-from common import (free_port, log, machine_environment, module_versions, percentile,  # noqa: E402
-                    pyplot, random_prompts, start_server as _start, stop_server, wait_healthy,
-                    write_json)
+from common import (  # noqa: E402
+    free_port,
+    log,
+    machine_environment,
+    module_versions,
+    percentile,
+    pyplot,
+    random_prompts,
+    stop_server,
+    wait_healthy,
+    write_json,
+)
+from common import start_server as _start
 
 TRACE_ENV = "DEEPINFER_BENCH_TRACE_DIR"
 

@@ -75,8 +75,19 @@ from typing import Any, Callable
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)  # `common`, also when run from another folder
-from common import (free_port, log, machine_environment, replot, module_versions, percentile,  # noqa: E402
-                    pyplot, start_server as _start, stop_server, wait_healthy, write_json)
+from common import (  # noqa: E402
+    free_port,
+    log,
+    machine_environment,
+    module_versions,
+    percentile,
+    pyplot,
+    replot,
+    stop_server,
+    wait_healthy,
+    write_json,
+)
+from common import start_server as _start
 
 HEALTH_TIMEOUT_S = 240.0
 CACHE_BYTES = 512 << 20  # the server's default --tokenizer-cache-mb

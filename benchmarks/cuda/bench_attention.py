@@ -181,8 +181,10 @@ def _time_decode(kernel: str, run, reference, nbytes: int, **fields) -> dict:
 
 
 def bench_decode(batch: int, context: int, window: int, device: str) -> dict:
-    from deepinfer.backends.cuda.kernels.decode_attention import (choose_num_splits,
-                                                                  paged_decode_attention)
+    from deepinfer.backends.cuda.kernels.decode_attention import (
+        choose_num_splits,
+        paged_decode_attention,
+    )
 
     seen = min(context, window) if window else context  # keys the query attends
     kv = _paged([context] * batch, device, [context - seen] * batch if window else None)
@@ -200,8 +202,10 @@ def bench_decode(batch: int, context: int, window: int, device: str) -> dict:
 
 
 def bench_mla_decode(batch: int, context: int, device: str) -> dict:
-    from deepinfer.backends.cuda.kernels.mla_attention import (choose_mla_num_splits,
-                                                               paged_mla_decode)
+    from deepinfer.backends.cuda.kernels.mla_attention import (
+        choose_mla_num_splits,
+        paged_mla_decode,
+    )
 
     width = MLA_LORA + MLA_ROPE
     num_blocks, tables, slots = _tables([context] * batch, device)
@@ -281,10 +285,14 @@ def bench_prefill(name: str, chunks: list[tuple[int, int]], window: int, device:
                   split: bool = False) -> dict:
     """One prefill launch over every chunk, or (split) as CUDAOps runs a step: leading
     one-token chunks through the decode kernel, the rest with choose_prefill_splits' splits."""
-    from deepinfer.backends.cuda.kernels.decode_attention import (choose_num_splits,
-                                                                  paged_decode_attention)
-    from deepinfer.backends.cuda.kernels.prefill_attention import (choose_prefill_splits,
-                                                                   paged_prefill_attention)
+    from deepinfer.backends.cuda.kernels.decode_attention import (
+        choose_num_splits,
+        paged_decode_attention,
+    )
+    from deepinfer.backends.cuda.kernels.prefill_attention import (
+        choose_prefill_splits,
+        paged_prefill_attention,
+    )
     from deepinfer.backends.cuda.step_inputs import leading_decodes
 
     first_seen = [_first_seen(p, window) for p, _ in chunks] if window else None

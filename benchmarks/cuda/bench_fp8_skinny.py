@@ -29,8 +29,7 @@ from bench_fp8 import SHAPES, Weights, _sweep_us, _us  # noqa: E402
 from engine_bench import ceilings  # noqa: E402
 
 from deepinfer.backends.cuda.kernels.fp8_gemm import fp8_gemm, fp8_linear_reference  # noqa: E402
-from deepinfer.backends.cuda.kernels.fp8_skinny import (SkinnyConfig, fp8_skinny,  # noqa: E402
-                                                        skinny_config_for)
+from deepinfer.backends.cuda.kernels.fp8_skinny import SkinnyConfig, fp8_skinny, skinny_config_for  # noqa: E402
 from deepinfer.backends.cuda.kernels.rotary_decode import SplitCounters  # noqa: E402
 
 MS = (2, 8, 16, 32, 64)

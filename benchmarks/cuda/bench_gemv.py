@@ -95,7 +95,7 @@ def sweep(quick: bool, shapes: dict = SHAPES) -> dict:
               f" | GEMV chosen {row['chosen_us']:6.1f} us ({gbs['chosen']:4.0f} GB/s), best of "
               f"sweep {row['best_us']:6.1f} us {best}", flush=True)
         out[name] = row
-        del weights
+        weights = []  # freed before the next shape's copies
         torch.cuda.empty_cache()
     return out
 

@@ -27,6 +27,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from common import save_word_tokenizer  # noqa: E402
+
 from deepinfer.backends.cuda.timing import cuda_times_ms  # noqa: E402
 from deepinfer.core.config import CacheConfig, EngineConfig, ModelSpec, SchedulerConfig  # noqa: E402
 from deepinfer.core.engine import Engine  # noqa: E402
@@ -58,7 +59,7 @@ def ceilings() -> dict:
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     gemm = statistics.median(_time_cuda(lambda: a @ b, reps=20))
-    del src, dst, a, b
+    src = dst = a = b = None  # freed before the model loads
     torch.cuda.empty_cache()
     return {"copy_bytes_per_s": bandwidth, "bf16_gemm_flops": 2 * 8192 ** 3 / gemm,
             "gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
@@ -211,7 +212,7 @@ def bench_hf(path: str, vocab: int, quick: bool) -> dict:
     out["generate_batch_seconds"] = seconds
     out["generate_batch_output_tok_s"] = generated / seconds
     out["generate_batch_tokens"] = generated
-    del model
+    model = None  # freed before the next measurement
     torch.cuda.empty_cache()
     return out
 

@@ -32,8 +32,15 @@ sys.path.insert(0, os.path.join(HERE, "..", ".."))
 sys.path.insert(0, os.path.join(HERE, ".."))
 sys.path.insert(0, HERE)
 
-from common import (free_port, percentile, pyplot, save_word_tokenizer,  # noqa: E402
-                    start_server, stop_server, wait_healthy)
+from common import (  # noqa: E402
+    free_port,
+    percentile,
+    pyplot,
+    save_word_tokenizer,
+    start_server,
+    stop_server,
+    wait_healthy,
+)
 from moe_engine_bench import QWEN3_30B_A3B, write_config  # noqa: E402
 
 PROMPT, OUTPUT = 512, 128

@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from common import peer_bars  # noqa: E402
-from engine_bench import _time_cuda, ceilings, random_prompts  # noqa: E402
+from engine_bench import ceilings, random_prompts  # noqa: E402
 
 from deepinfer.core.config import CacheConfig, EngineConfig, ModelSpec, SchedulerConfig  # noqa: E402
 from deepinfer.core.engine import Engine  # noqa: E402
@@ -113,7 +113,7 @@ def bench_hf(quick: bool) -> dict:
         gen(2)
         one, full = statistics.median(gen(1) for _ in range(2)), gen(new + 1)
         out[f"batch{batch}_tok_s"] = batch * new / (full - one)
-    del model
+    model = None  # freed before the next measurement
     torch.cuda.empty_cache()
     return out
 

@@ -26,8 +26,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from common import exposed_by_name  # noqa: E402
-from engine_bench import (LLAMA3_8B, make_engine, random_prompts, run_all,  # noqa: E402
-                          write_config)
+from engine_bench import LLAMA3_8B, make_engine, random_prompts, run_all, write_config  # noqa: E402
 
 from deepinfer.core.sampling import SamplingParams  # noqa: E402
 

@@ -22,8 +22,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", ".."))
 sys.path.insert(0, os.path.join(HERE, ".."))
 
-from common import (RESULTS_DIR, free_port, log, machine_environment, percentile,  # noqa: E402
-                    pyplot, write_json)
+from common import RESULTS_DIR, free_port, log, machine_environment, percentile, pyplot, write_json  # noqa: E402
 
 K = 8
 SLOTS = 128  # physical slots the ids range over (Qwen3-30B-A3B's experts)

@@ -25,8 +25,12 @@ from deepinfer.core.outputs import RequestOutput
 from deepinfer.core.padding import Buckets, dummy_batch
 from deepinfer.core.request import FinishReason, Request
 from deepinfer.core.sampling import SamplingParams
-from deepinfer.core.scheduler import (Scheduler, SchedulerOutput, TokenUpdate,
-                                      scored_prompt_positions)
+from deepinfer.core.scheduler import (
+    Scheduler,
+    SchedulerOutput,
+    TokenUpdate,
+    scored_prompt_positions,
+)
 from deepinfer.core.step_faults import isolate
 from deepinfer.core.structured import GrammarCompiler, RequestGrammar
 

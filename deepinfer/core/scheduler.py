@@ -15,18 +15,25 @@ from __future__ import annotations
 
 import functools
 import time
-
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from deepinfer.core.batch import (GroupBatch, InputsFromLastStep, ModelBatch,
-                                  PromptLogprobRows, SampledRow, SamplerOutput, SamplingRow,
-                                  SpecBatch, TokenLogprobs)
+from deepinfer.core.batch import (
+    GroupBatch,
+    InputsFromLastStep,
+    ModelBatch,
+    PromptLogprobRows,
+    SampledRow,
+    SamplerOutput,
+    SamplingRow,
+    SpecBatch,
+    TokenLogprobs,
+)
 from deepinfer.core.config import SchedulerConfig
-from deepinfer.core.padding import Buckets, pad_batch
 from deepinfer.core.hicache import HiCache
 from deepinfer.core.kv.manager import KVCacheManager
+from deepinfer.core.padding import Buckets, pad_batch
 from deepinfer.core.request import FinishReason, Request, RequestStatus
 from deepinfer.core.speculative import SpecDecodeStats
 

@@ -18,8 +18,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from deepinfer.core.batch import (GroupBatch, ModelBatch, SampledRow, SamplerOutput,
-                                  SamplingRow)
+from deepinfer.core.batch import GroupBatch, ModelBatch, SampledRow, SamplerOutput, SamplingRow
 from deepinfer.core.kv.block_pool import NULL_BLOCK_ID
 
 

@@ -34,9 +34,20 @@ from typing import Any, Callable, Iterator, Sequence
 from deepinfer.core.accelerator import Accelerator, Capabilities, ModelInfo
 from deepinfer.core.config import CacheConfig, ModelSpec
 from deepinfer.core.kv.spec import KVSpec
+
 # Re-exported: a backend's own tests build batches with them (see examples/plugin).
-from deepinfer.testing.batches import (BLOCK_SIZE, DECODE_STEPS, NULL_BLOCK, VOCAB,  # noqa: F401
-                                       BlockPool, Chunk, Seq, build_batch, decode, run_step)
+from deepinfer.testing.batches import (  # noqa: F401
+    BLOCK_SIZE,
+    DECODE_STEPS,
+    NULL_BLOCK,
+    VOCAB,
+    BlockPool,
+    Chunk,
+    Seq,
+    build_batch,
+    decode,
+    run_step,
+)
 
 MIN_KV_BLOCKS = 32  # the checks below use about 20 blocks
 # The window shape's sliding window: shorter than every prompt, so prefills and decodes cross

@@ -15,11 +15,16 @@ from deepinfer.backends.torch.host_pool import CPUHostPool
 from deepinfer.backends.torch.runner import TorchRunner
 from deepinfer.backends.torch.speculative import MTPSpeculator
 from deepinfer.backends.torch.step_future import DeviceTokens, fill_from_last_step
-from deepinfer.core.accelerator import (Accelerator, Capabilities, HostPoolLayout, MemoryStats,
-                                        ModelInfo, ParallelContext)
+from deepinfer.core.accelerator import (
+    Accelerator,
+    Capabilities,
+    HostPoolLayout,
+    MemoryStats,
+    ModelInfo,
+    ParallelContext,
+)
 from deepinfer.core.batch import ModelBatch, SamplerOutput
 from deepinfer.core.config import CacheConfig, EngineConfig, ModelSpec, cpu_threads
-
 
 
 class CPUAccelerator(Accelerator):

@@ -9,8 +9,16 @@ from typing import Any, Sequence
 import torch
 
 from deepinfer.backends.cpu import decode_plan
-from deepinfer.backends.cpu.kernels import (GGUF_KINDS, INTERLEAVE, MAX_GEMV_ROWS, extension,
-                                            fusable, gguf_linear, interleaves, native_bf16_gemm)
+from deepinfer.backends.cpu.kernels import (
+    GGUF_KINDS,
+    INTERLEAVE,
+    MAX_GEMV_ROWS,
+    extension,
+    fusable,
+    gguf_linear,
+    interleaves,
+    native_bf16_gemm,
+)
 from deepinfer.backends.torch.attention import PagedAttentionMeta, attend_cached
 from deepinfer.backends.torch.ops import ReferenceMLAOps, ReferenceOps
 from deepinfer.backends.torch.paged_cache import PagedCache

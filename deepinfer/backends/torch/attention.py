@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from deepinfer.backends.torch.paged_cache import PagedCache
 from deepinfer.core.batch import GroupBatch, ModelBatch
 
+
 @dataclass
 class GroupMeta:
     """One KV group's view of the step."""

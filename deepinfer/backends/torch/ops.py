@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from deepinfer.backends.torch.attention import (PagedAttentionMeta, latent_attention,
-                                               paged_attention)
+from deepinfer.backends.torch.attention import PagedAttentionMeta, latent_attention, paged_attention
 from deepinfer.backends.torch.paged_cache import PagedCache
 from deepinfer.models.mla_ops import MLAOps
 from deepinfer.models.ops import ModelOps

@@ -11,12 +11,20 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
-from deepinfer.serve.api.errors import (APIError, error_response, http_error_message,
-                                        validation_message)
+from deepinfer.serve.api.errors import (
+    APIError,
+    error_response,
+    http_error_message,
+    validation_message,
+)
 from deepinfer.serve.api.guards import APIKeyMiddleware, BodyLimitMiddleware
 from deepinfer.serve.api.json_body import json_body
-from deepinfer.serve.api.protocol import (ChatCompletionRequest, CompletionRequest,
-                                          DetokenizeRequest, TokenizeRequest)
+from deepinfer.serve.api.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
 from deepinfer.serve.api.routes_openai import chat_completions, completions, render
 from deepinfer.serve.api.shutdown import AdmissionMiddleware
 from deepinfer.serve.api.state import ServerState, server_state

@@ -8,14 +8,14 @@ from typing import Any, AsyncIterator
 
 from deepinfer.core.batch import TokenLogprobs
 from deepinfer.core.request import RequestTimes
-from deepinfer.serve.ranks.router import NoLiveRankError, Route
 from deepinfer.core.sampling import SamplingParams
-from deepinfer.serve.ranks.rank import EngineRequestError, RankDiedError
-from deepinfer.serve.ranks.request_stream import RequestStream
 from deepinfer.serve.api.errors import APIError
+from deepinfer.serve.metrics.server import Phases, ServerMetrics
 from deepinfer.serve.ranks.inbox import RequestAborted
 from deepinfer.serve.ranks.ipc import TokenDelta
-from deepinfer.serve.metrics.server import Phases, ServerMetrics
+from deepinfer.serve.ranks.rank import EngineRequestError, RankDiedError
+from deepinfer.serve.ranks.request_stream import RequestStream
+from deepinfer.serve.ranks.router import NoLiveRankError, Route
 
 
 @dataclass

@@ -8,10 +8,20 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from deepinfer.core.sampling import (INT32_MAX, INT64_MAX, INT64_MIN, MAX_LOGIT_BIAS,
-                                     MAX_LOGPROBS, SamplingParams, StructuredOutput)
-from deepinfer.serve.grammar.structured_fields import (StructuredOutputs, requested_constraint,
-                                               structural_tag_text)
+from deepinfer.core.sampling import (
+    INT32_MAX,
+    INT64_MAX,
+    INT64_MIN,
+    MAX_LOGIT_BIAS,
+    MAX_LOGPROBS,
+    SamplingParams,
+    StructuredOutput,
+)
+from deepinfer.serve.grammar.structured_fields import (
+    StructuredOutputs,
+    requested_constraint,
+    structural_tag_text,
+)
 
 MAX_NESTING = 64  # JSON depth of a body; deeper ones would only exhaust recursion downstream
 Count = Annotated[int, Field(ge=0, le=INT32_MAX)]  # token counts and ids: int32 range

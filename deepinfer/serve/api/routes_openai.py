@@ -10,23 +10,35 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from deepinfer.core.batch import TokenLogprobs
-from deepinfer.serve.ranks.router import Route, affinity_key
 from deepinfer.core.sampling import SamplingParams
-from deepinfer.serve.chat.format import render_chat
-from deepinfer.serve.grammar.constraint_limits import check_constraint, check_tools
-from deepinfer.serve.chat.deepseek_encoding import THINK_OPEN
 from deepinfer.serve.api.errors import APIError
-from deepinfer.serve.grammar.pool import GrammarUnavailable
-from deepinfer.serve.api.generation import (Choice, Generation, check_length, route_request,
-                                        stream_generation, truncate_prompt, usage)
+from deepinfer.serve.api.generation import (
+    Choice,
+    Generation,
+    check_length,
+    route_request,
+    stream_generation,
+    truncate_prompt,
+    usage,
+)
 from deepinfer.serve.api.limits import RequestLimits
 from deepinfer.serve.api.prompt_logprobs import after_first_token, continued, vllm_prompt_logprobs
 from deepinfer.serve.api.protocol import ChatCompletionRequest, CompletionRequest
 from deepinfer.serve.api.sse import DONE, EventStream, event
 from deepinfer.serve.api.state import ServerState
+from deepinfer.serve.chat.deepseek_encoding import THINK_OPEN
+from deepinfer.serve.chat.format import render_chat
+from deepinfer.serve.chat.tool_parsers import (
+    ForcedShape,
+    OutputReader,
+    ToolRequest,
+    is_forced,
+    named_function,
+)
+from deepinfer.serve.grammar.constraint_limits import check_constraint, check_tools
+from deepinfer.serve.grammar.pool import GrammarUnavailable
 from deepinfer.serve.grammar.structured_fields import constraint_field
-from deepinfer.serve.chat.tool_parsers import (ForcedShape, OutputReader, ToolRequest, is_forced,
-                                          named_function)
+from deepinfer.serve.ranks.router import Route, affinity_key
 
 UNLIKELY_LOGPROB = -9999.0  # OpenAI's logprob for a token that is very unlikely
 RANK_HEADER = "x-deepinfer-rank"  # which engine rank(s) served the request

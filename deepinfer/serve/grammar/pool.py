@@ -14,8 +14,12 @@ import sys
 from dataclasses import dataclass
 
 from deepinfer.core.sampling import StructuredOutput
-from deepinfer.serve.grammar.cache import (CompiledConstraint, GrammarCache, InvalidConstraint,
-                                           Outcome)
+from deepinfer.serve.grammar.cache import (
+    CompiledConstraint,
+    GrammarCache,
+    InvalidConstraint,
+    Outcome,
+)
 from deepinfer.serve.grammar.worker import HEADER, READY, Compiled, WorkerSetup, frame
 
 log = logging.getLogger("deepinfer.serve")

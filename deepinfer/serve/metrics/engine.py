@@ -18,8 +18,8 @@ from prometheus_client.utils import floatToGoString
 
 from deepinfer.core.config import CacheConfig
 from deepinfer.core.histogram import STEP_TOKEN_BOUNDS
-from deepinfer.serve.ranks.supervisor import RankView
 from deepinfer.serve.ranks.ipc import EngineStats, Ready
+from deepinfer.serve.ranks.supervisor import RankView
 
 # vLLM's reasons: "capacity" waits for room in a step (token budget, sequence slots, KV
 # blocks); "deferred" waits on something else first: here, its grammar being prepared.

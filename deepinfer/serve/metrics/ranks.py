@@ -15,9 +15,9 @@ from typing import Callable, Iterator
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from deepinfer.serve.ranks.ipc import EngineStats
 from deepinfer.serve.ranks.router import DECISIONS, Router
 from deepinfer.serve.ranks.supervisor import RankView
-from deepinfer.serve.ranks.ipc import EngineStats
 
 # (series suffix, EngineStats field, help): gauges, then running totals (counters).
 _GAUGES = (

@@ -3,8 +3,12 @@ from __future__ import annotations
 
 from typing import Iterator
 
-from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
-                                    HistogramMetricFamily, Metric)
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 
 from deepinfer.serve.tokenizer import VerifiedTokenizer

@@ -18,16 +18,26 @@ import zmq
 from deepinfer.core.accelerator import ParallelContext
 from deepinfer.core.engine import Engine
 from deepinfer.core.outputs import RequestOutput
-from deepinfer.serve.ranks.ipc import (AbortRequest, AddRequest, Control, ControlReply, EngineStats,
-                                 ExpertStats, Failed, Heartbeat, Ready, Regroup,
-                                 RequestError, TokenDelta)
-from deepinfer.serve.heap import freeze_startup_heap
-from deepinfer.serve.ranks.lockstep import (Lockstep, RebalanceTimer, init_rank_group,
-                                      shutdown_group)
-from deepinfer.serve.ranks.spec import RankSpec, regroups
 from deepinfer.serve.grammar.rank_grammars import PendingGrammars
+from deepinfer.serve.heap import freeze_startup_heap
+from deepinfer.serve.ranks.ipc import (
+    AbortRequest,
+    AddRequest,
+    Control,
+    ControlReply,
+    EngineStats,
+    ExpertStats,
+    Failed,
+    Heartbeat,
+    Ready,
+    Regroup,
+    RequestError,
+    TokenDelta,
+)
+from deepinfer.serve.ranks.lockstep import Lockstep, RebalanceTimer, init_rank_group, shutdown_group
 from deepinfer.serve.ranks.outbox import RankOutbox
 from deepinfer.serve.ranks.regroup import await_regroup, rejoin
+from deepinfer.serve.ranks.spec import RankSpec, regroups
 from deepinfer.serve.ranks.stream_pacing import StreamPacer
 
 log = logging.getLogger("deepinfer.rank")

@@ -5,7 +5,6 @@ from __future__ import annotations
 from deepinfer.serve.ranks.spec import RankSpec
 from deepinfer.serve.settings import enter_rank_env
 
-
 # OpenMP threads (torch's CPU kernels, libgomp) spin this many turns before they sleep, unless
 # the user sets it: libgomp's default spin is long enough that on a host whose cores are busy
 # with other work a step's threads wait on a descheduled peer for seconds (docs/benchmarks.md,

@@ -15,8 +15,8 @@ import asyncio
 import logging
 from dataclasses import dataclass, field
 
-from deepinfer.serve.ranks.ipc import Ready, Regroup
 from deepinfer.serve.ranks.health import RankState
+from deepinfer.serve.ranks.ipc import Ready, Regroup
 from deepinfer.serve.ranks.rank import RankDiedError
 
 log = logging.getLogger("deepinfer.serve")

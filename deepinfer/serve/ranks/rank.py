@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 
 import zmq.asyncio
 
-from deepinfer.serve.ranks.ipc import EngineStats, ExpertStats, Ready
 from deepinfer.serve.ranks.health import RankState
+from deepinfer.serve.ranks.ipc import EngineStats, ExpertStats, Ready
 
 
 class EngineRequestError(ValueError):

@@ -16,8 +16,8 @@ import zmq
 from deepinfer.core.engine import Engine
 from deepinfer.serve.ranks.ipc import Control, ControlReply, Regroup
 from deepinfer.serve.ranks.lockstep import Lockstep, init_rank_group, shutdown_group
-from deepinfer.serve.ranks.spec import RankSpec
 from deepinfer.serve.ranks.outbox import RankOutbox
+from deepinfer.serve.ranks.spec import RankSpec
 from deepinfer.serve.ranks.stream_pacing import StreamPacer
 
 log = logging.getLogger("deepinfer.rank")

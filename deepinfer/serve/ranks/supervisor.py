@@ -33,7 +33,6 @@ import zmq.asyncio
 from deepinfer.core.config import EngineConfig
 from deepinfer.models.registry import has_experts
 from deepinfer.serve.ranks.entry import run_rank
-from deepinfer.serve.ranks.spec import RankSpec, regroups
 from deepinfer.serve.ranks.group_recovery import GroupRecovery, Regrouping
 from deepinfer.serve.ranks.health import RankHealthConfig, RankState, Verdict, judge
 from deepinfer.serve.ranks.ipc import (
@@ -49,6 +48,7 @@ from deepinfer.serve.ranks.ipc import (
 )
 from deepinfer.serve.ranks.rank import RankDiedError, RankStartError, RankView, _Rank, describe_exit
 from deepinfer.serve.ranks.router import Router
+from deepinfer.serve.ranks.spec import RankSpec, regroups
 from deepinfer.serve.ranks.stream_pacing import DEFAULT_STREAM_INTERVAL
 from deepinfer.serve.settings import process_env
 

@@ -7,7 +7,6 @@ from typing import Any
 from deepinfer.serve.settings import transformers_quiet
 
 
-
 def import_transformers() -> None:
     """Import transformers' tokenizer classes with torch hidden, unless either is loaded
     already: transformers imports torch whenever it is installed (~200 MB resident), and the

@@ -17,8 +17,14 @@ import torch
 
 from deepinfer.backends.torch.attention import PagedAttentionMeta
 from deepinfer.backends.torch.runner import TorchRunner
-from deepinfer.core.accelerator import (Accelerator, Capabilities, HostPoolLayout, MemoryStats,
-                                        ModelInfo, ParallelContext)
+from deepinfer.core.accelerator import (
+    Accelerator,
+    Capabilities,
+    HostPoolLayout,
+    MemoryStats,
+    ModelInfo,
+    ParallelContext,
+)
 from deepinfer.core.batch import ModelBatch, SamplerOutput
 from deepinfer.core.config import CacheConfig, EngineConfig, ModelSpec
 from deepinfer_example_plugin.ops import ExampleOps

@@ -1,9 +1,10 @@
 """Run DeepInfer's backend conformance suite on this plugin's accelerator: every check on each
 KV shape (llama K/V, DeepSeek-V3 MLA latent, Mistral sliding window)."""
+from deepinfer_example_plugin.accelerator import CountingAccelerator
+
 from deepinfer.core.accelerator import Accelerator
 from deepinfer.core.plugins import load_plugins, select_accelerator
 from deepinfer.testing.conformance import AcceleratorConformance, Chunk, run_step
-from deepinfer_example_plugin.accelerator import CountingAccelerator
 
 
 class TestCountingConformance(AcceleratorConformance):

@@ -1,9 +1,15 @@
 """Tool-call parsers, one per chat-format family (see base.py for the interface)."""
 from __future__ import annotations
 
-from deepinfer.serve.chat.tool_parsers.base import (CallStream, ForcedShape, OutputReader,
-                                               ToolParser, ToolRequest, is_forced,
-                                               named_function)
+from deepinfer.serve.chat.tool_parsers.base import (
+    CallStream,
+    ForcedShape,
+    OutputReader,
+    ToolParser,
+    ToolRequest,
+    is_forced,
+    named_function,
+)
 from deepinfer.serve.chat.tool_parsers.deepseek_v3 import DeepSeekV3Parser
 from deepinfer.serve.chat.tool_parsers.deepseek_v4 import DeepSeekV4Parser
 from deepinfer.serve.chat.tool_parsers.detect import chat_template, detect

@@ -19,8 +19,12 @@ import re
 from typing import Any
 
 from deepinfer.core.sampling import StructuredOutput
-from deepinfer.serve.chat.tool_parsers.base import (ForcedShape, ToolRequest, forced_tools,
-                                               named_function)
+from deepinfer.serve.chat.tool_parsers.base import (
+    ForcedShape,
+    ToolRequest,
+    forced_tools,
+    named_function,
+)
 from deepinfer.serve.chat.tool_parsers.json_calls import Call, JsonCallParser, resolve_name
 from deepinfer.serve.chat.tool_parsers.schema import arguments_tag, structural_tag
 

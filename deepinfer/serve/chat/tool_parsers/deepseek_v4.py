@@ -10,9 +10,15 @@ from typing import Any
 
 from deepinfer.core.sampling import StructuredOutput
 from deepinfer.serve.chat.dsml_parser import DsmlMode, DsmlParser, finish_reason
-from deepinfer.serve.chat.tool_parsers.base import (CallStream, ForcedShape, OutputReader,
-                                               ToolParser, ToolRequest, forced_tools,
-                                               named_function)
+from deepinfer.serve.chat.tool_parsers.base import (
+    CallStream,
+    ForcedShape,
+    OutputReader,
+    ToolParser,
+    ToolRequest,
+    forced_tools,
+    named_function,
+)
 
 
 class DeepSeekV4Parser(ToolParser):

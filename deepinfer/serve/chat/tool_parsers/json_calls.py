@@ -18,8 +18,14 @@ from enum import Enum
 from typing import Any
 
 from deepinfer.serve.chat.stream_markers import WHITESPACE, holdback, trailing_space
-from deepinfer.serve.chat.tool_parsers.base import (CallStream, OutputReader, ToolParser,
-                                               ToolRequest, finish_reason, new_call_id)
+from deepinfer.serve.chat.tool_parsers.base import (
+    CallStream,
+    OutputReader,
+    ToolParser,
+    ToolRequest,
+    finish_reason,
+    new_call_id,
+)
 
 _WS = WHITESPACE
 # The start of a {"name": ..., "arguments"/"parameters": ...} object, however far it got.

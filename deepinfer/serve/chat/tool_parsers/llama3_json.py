@@ -11,8 +11,13 @@ from typing import Any
 
 from deepinfer.core.sampling import StructuredOutput
 from deepinfer.serve.chat.tool_parsers.base import ForcedShape, ToolRequest
-from deepinfer.serve.chat.tool_parsers.json_calls import (Call, JsonCallParser, json_objects,
-                                                     object_call, partial_object_call)
+from deepinfer.serve.chat.tool_parsers.json_calls import (
+    Call,
+    JsonCallParser,
+    json_objects,
+    object_call,
+    partial_object_call,
+)
 from deepinfer.serve.chat.tool_parsers.schema import calls_schema, compact_json
 
 PYTHON_TAG = "<|python_tag|>"

@@ -15,13 +15,27 @@ import re
 from typing import Any
 
 from deepinfer.core.sampling import StructuredOutput
-from deepinfer.serve.chat.tool_parsers.base import (ForcedShape, ToolRequest, forced_tools,
-                                               named_function)
-from deepinfer.serve.chat.tool_parsers.json_calls import (Call, JsonCallParser, json_objects,
-                                                     object_call, partial_object_call,
-                                                     resolve_name)
-from deepinfer.serve.chat.tool_parsers.schema import (arguments_tag, calls_schema, compact_json,
-                                                 parameters, structural_tag)
+from deepinfer.serve.chat.tool_parsers.base import (
+    ForcedShape,
+    ToolRequest,
+    forced_tools,
+    named_function,
+)
+from deepinfer.serve.chat.tool_parsers.json_calls import (
+    Call,
+    JsonCallParser,
+    json_objects,
+    object_call,
+    partial_object_call,
+    resolve_name,
+)
+from deepinfer.serve.chat.tool_parsers.schema import (
+    arguments_tag,
+    calls_schema,
+    compact_json,
+    parameters,
+    structural_tag,
+)
 
 TOOL_CALLS, ARGS, CALL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
 _WS = " \t\r\n"
