@@ -13,8 +13,8 @@ import torch
 
 from deepinfer.backends.cpu.accelerator import CPUAccelerator
 from deepinfer.backends.cpu.ops import CPUOps
-from deepinfer.backends.neuron.moe import (CAPACITY_ENV, DEFAULT_CAPACITY_FACTOR,
-                                           DECODE_MAX_TOKENS, StaticMoEExchange, StaticMoEOps,
+from deepinfer.backends.neuron.env import DEFAULT_CAPACITY_FACTOR
+from deepinfer.backends.neuron.moe import (CAPACITY_ENV, DECODE_MAX_TOKENS, StaticMoEExchange, StaticMoEOps,
                                            capacity_factor, capacity_for, dense_experts,
                                            expert_counts, grouped_experts, pack_routes,
                                            unpack_routes)
