@@ -18,14 +18,15 @@ if not __import__("torch").cuda.is_available():
 
 # `-m "not slow"` (scripts/test.sh --quick) leaves these out: Triton-interpreter tests, modules
 # that spawn servers, rank processes or engines, and tests of more than a few seconds. Paths are
-# relative to tests/; a path ending in "/" takes its whole directory. Tests that use a server
-# fixture (they all go through `server_pool`) are slow wherever they are.
+# relative to tests/; a path ending in "/" takes its whole directory, "path::name" one test.
+# Tests that use a server fixture (they all go through `server_pool`) are slow wherever they are.
 SLOW = (
     "backends/cuda/",
     "backends/neuron/test_static_moe.py",
     "backends/test_cpu_kernel_build.py",
     "models/test_default_model.py",
     "models/test_expert_parallel.py",
+    "models/test_gguf_convert.py::test_smollm2_matches_transformers_gguf_loader",
     "serve/test_dp_lifecycle.py",
     "serve/test_expert_parallel_server.py",
     "serve/test_many_streams.py",
@@ -40,7 +41,8 @@ _TESTS = Path(__file__).parent
 def pytest_collection_modifyitems(items) -> None:
     for item in items:
         path = item.path.relative_to(_TESTS).as_posix()
-        if path.startswith(SLOW) or "server_pool" in getattr(item, "fixturenames", ()):
+        if path.startswith(SLOW) or f"{path}::{item.name}" in SLOW \
+                or "server_pool" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.slow)
 
 
