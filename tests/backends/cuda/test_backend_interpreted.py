@@ -67,9 +67,8 @@ def test_engine_greedy_equals_transformers(tmp_path, family):
     token equals transformers' generate in float32. The prefix cache's path is the same for
     every family (and round 1's later chunks already attend over cached pages), so qwen3
     runs round 1 only. The vocabulary and MLP are narrower than make_checkpoint's and the
-    answers short: the interpreter's time goes with the projections' output rows, mostly in
-    the last prompt's lone decode steps, whose GEMV path test_one_token_steps_run_the_gemv
-    checks."""
+    answers short: the interpreter runs a one-row projection (the GEMV,
+    test_one_token_steps_run_the_gemv) as one program per few output rows."""
     import transformers
 
     from tests.checkpoints import make_checkpoint
