@@ -1,9 +1,16 @@
 #!/usr/bin/env bash
 # Install DeepInfer with its test extras and the example backend plugin, then run the tests.
+# --quick runs all but the tests marked slow (see tests/conftest.py): a few minutes, not twenty.
 # A torch that is already installed (a CUDA or Neuron build) is kept; where there is none, torch
 # is pinned so that pip takes the CPU wheel where one is on hand instead of a CUDA build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+select=()
+case "${1:-}" in
+    --quick) select=(-m "not slow") ;;
+    "") ;;
+    *) echo "usage: $0 [--quick]" >&2; exit 2 ;;
+esac
 if ! python3 -c "import torch" 2>/dev/null; then
     python3 -m pip install -q --disable-pip-version-check "torch==2.13.0"
 fi
@@ -13,4 +20,4 @@ python3 -m pip install -q --disable-pip-version-check -e ".[test]" ./examples/pl
 python3 -c "from deepinfer.backends.cpu.kernels import extension; extension()"
 # Two workers, a test file each at a time: most of the suite waits on spawned servers and rank
 # processes or runs Triton's single-threaded interpreter, so the two cores overlap them.
-python3 -m pytest -q -n 2 --dist loadfile --durations=25 tests
+python3 -m pytest -q -n 2 --dist loadfile --durations=25 ${select[@]+"${select[@]}"} tests

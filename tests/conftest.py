@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
@@ -13,6 +14,36 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # another directory's tests would otherwise hold compiled-mode helpers, whatever runs first.
 if not __import__("torch").cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+# `-m "not slow"` (scripts/test.sh --quick) leaves these out: Triton-interpreter tests, modules
+# that spawn servers, rank processes or engines, and tests of more than a few seconds. Paths are
+# relative to tests/; a path ending in "/" takes its whole directory, "path::name" one test.
+# Tests that use a server fixture (they all go through `server_pool`) are slow wherever they are.
+SLOW = (
+    "backends/cuda/",
+    "backends/neuron/test_static_moe.py",
+    "backends/test_cpu_kernel_build.py",
+    "models/test_default_model.py",
+    "models/test_expert_parallel.py",
+    "models/test_gguf_convert.py::test_smollm2_matches_transformers_gguf_loader",
+    "serve/test_dp_lifecycle.py",
+    "serve/test_expert_parallel_server.py",
+    "serve/test_many_streams.py",
+    "serve/test_server_connections.py",
+    "serve/test_server_run_files.py",
+    "test_bench_dp_scaling.py",
+    "test_bench_neuron.py",
+)
+_TESTS = Path(__file__).parent
+
+
+def pytest_collection_modifyitems(items) -> None:
+    for item in items:
+        path = item.path.relative_to(_TESTS).as_posix()
+        if path.startswith(SLOW) or f"{path}::{item.name}" in SLOW \
+                or "server_pool" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture(scope="session")

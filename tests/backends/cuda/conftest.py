@@ -3,7 +3,7 @@
 The variable must be set before any kernel module is imported (triton.jit reads it when it
 decorates), so it is set here, at conftest import time. Two interpreter bugs of Triton 3.6
 that would fail correct kernels (and its float8 cast) are patched for the session, only where
-present.
+present, and so is a redundant re-patch that slows every helper call.
 """
 import os
 
@@ -78,6 +78,48 @@ def _patch_fp8_cast(mp: pytest.MonkeyPatch, interpreter) -> None:
     mp.setattr(builder, "create_fp_to_fp", create_fp_to_fp)
 
 
+def _patch_device_calls(mp: pytest.MonkeyPatch, interpreter) -> None:
+    """Each call of a @triton.jit helper inside a kernel re-patches triton.language (getmembers
+    scans of tl, tl.tensor and tl.math: a quarter of an engine step's time under the
+    interpreter), although the launch running it has patched those modules already and
+    restores them when it ends. Skip the re-patch where the launch covers the helper's
+    modules; the helper runs the same code either way."""
+    import inspect
+
+    import triton.language as tl
+
+    patched: list[frozenset[int]] = []  # the modules of each launch in progress
+    langs: dict[object, frozenset[int]] = {}
+
+    def modules(fn) -> frozenset[int]:
+        if fn not in langs:
+            langs[fn] = frozenset(id(v) for v in fn.__globals__.values()
+                                  if inspect.ismodule(v) and v in (tl, tl.core))
+        return langs[fn]
+
+    launch = interpreter.GridExecutor.__call__
+    device_call = interpreter.InterpretedFunction.__call__
+
+    def grid_call(self, *args, **kwargs):
+        patched.append(modules(self.fn))
+        try:
+            return launch(self, *args, **kwargs)
+        finally:
+            patched.pop()
+
+    def helper_call(self, *args, **kwargs):
+        if not patched or not modules(self.fn) <= patched[-1]:
+            return device_call(self, *args, **kwargs)
+        fn = self.rewrite()
+        try:
+            return fn(*args, **kwargs)
+        except Exception as e:
+            raise interpreter.InterpreterError(repr(e)) from e
+
+    mp.setattr(interpreter.GridExecutor, "__call__", grid_call)
+    mp.setattr(interpreter.InterpretedFunction, "__call__", helper_call)
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _interpreter_fixes():
     if os.environ.get("TRITON_INTERPRET") != "1":
@@ -90,6 +132,7 @@ def _interpreter_fixes():
             _patch_scalar_index(mp, interpreter)
         _patch_bf16_dot(mp, interpreter)
         _patch_fp8_cast(mp, interpreter)
+        _patch_device_calls(mp, interpreter)
         yield
 
 

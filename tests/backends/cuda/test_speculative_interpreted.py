@@ -31,7 +31,7 @@ def _accelerator():
 
     return CUDAAccelerator()
 
-N = 6
+N = 4  # tokens a request: its prefill and up to three verify steps
 GREEDY = SamplingParams(temperature=0.0, max_tokens=N, ignore_eos=True)
 LENGTHS = (5, 19)
 
