@@ -5,7 +5,6 @@ import os
 from pathlib import Path
 
 import pytest
-
 from checkpoints import make_checkpoint
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

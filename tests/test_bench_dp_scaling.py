@@ -8,7 +8,6 @@ import socket
 import sys
 
 import pytest
-
 from checkpoints import make_checkpoint
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))

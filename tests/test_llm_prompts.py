@@ -4,9 +4,9 @@ before any request reaches the engine."""
 from __future__ import annotations
 
 import pytest
+from test_llm import llm  # noqa: F401  (the module-scoped LLM on the embedded model)
 
 from deepinfer import SamplingParams
-from test_llm import llm  # noqa: F401  (the module-scoped LLM on the embedded model)
 
 GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
 

@@ -13,9 +13,17 @@ from deepinfer.core.kv.manager import KVCacheManager
 from deepinfer.core.kv.spec import KVSpec, kv_heads_layer
 from deepinfer.core.request import Request
 from deepinfer.core.sampling import SamplingParams
-from deepinfer.testing.conformance import (BLOCK_SIZE, KV_SHAPES, WINDOW, AcceleratorConformance,
-                                           Chunk, ConformanceSuite, Seq, build_batch,
-                                           run_conformance)
+from deepinfer.testing.conformance import (
+    BLOCK_SIZE,
+    KV_SHAPES,
+    WINDOW,
+    AcceleratorConformance,
+    Chunk,
+    ConformanceSuite,
+    Seq,
+    build_batch,
+    run_conformance,
+)
 
 
 class TestCPUConformance(AcceleratorConformance):

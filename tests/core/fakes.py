@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import json
 import os
-
-import torch
-
 from dataclasses import dataclass
 from typing import Callable, Sequence
+
+import torch
 
 from deepinfer.core.accelerator import Accelerator, Capabilities, HostPoolLayout, ModelInfo
 from deepinfer.core.batch import ModelBatch, SamplerOutput

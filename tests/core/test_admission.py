@@ -5,11 +5,11 @@ from __future__ import annotations
 import dataclasses
 import random
 
+from fakes import PagedFakeAccelerator, reference, write_config
+
 from deepinfer.core.config import CacheConfig, EngineConfig, ModelSpec, SchedulerConfig
 from deepinfer.core.engine import Engine
 from deepinfer.core.sampling import SamplingParams
-
-from fakes import PagedFakeAccelerator, reference, write_config
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
 

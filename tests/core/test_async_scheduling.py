@@ -32,8 +32,13 @@ from transformers import PreTrainedTokenizerFast
 from deepinfer import LLM
 from deepinfer.backends.cpu.accelerator import CPUAccelerator
 from deepinfer.core.batch import TokenLogprobs
-from deepinfer.core.config import (CacheConfig, EngineConfig, ModelSpec, SchedulerConfig,
-                                   engine_options)
+from deepinfer.core.config import (
+    CacheConfig,
+    EngineConfig,
+    ModelSpec,
+    SchedulerConfig,
+    engine_options,
+)
 from deepinfer.core.engine import Engine
 from deepinfer.core.outputs import RequestOutput
 from deepinfer.core.sampling import SamplingParams

@@ -8,14 +8,13 @@ from __future__ import annotations
 import random
 
 import pytest
+from fakes import PagedFakeAccelerator, reference, write_config
 
 from deepinfer.core.accelerator import Capabilities
 from deepinfer.core.config import CacheConfig, EngineConfig, ModelSpec, SchedulerConfig
 from deepinfer.core.engine import Engine
 from deepinfer.core.padding import Buckets, pad_batch
 from deepinfer.core.sampling import SamplingParams
-
-from fakes import PagedFakeAccelerator, reference, write_config
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 

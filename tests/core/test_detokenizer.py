@@ -7,7 +7,6 @@ boundaries that a test depends on are fixed by encoding the text in pieces: the 
 """
 from __future__ import annotations
 
-
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st

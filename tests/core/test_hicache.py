@@ -6,14 +6,13 @@ import hashlib
 import random
 
 import pytest
+from fakes import FAKE_PAGE_BYTES, PagedFakeAccelerator, host_gb, reference, write_config
 
 from deepinfer.core.accelerator import Capabilities
 from deepinfer.core.config import CacheConfig, EngineConfig, ModelSpec, SchedulerConfig
 from deepinfer.core.engine import Engine
 from deepinfer.core.kv import hashing
 from deepinfer.core.sampling import SamplingParams
-
-from fakes import FAKE_PAGE_BYTES, PagedFakeAccelerator, host_gb, reference, write_config
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
 SKIPS_NULL = Capabilities(host_page_copy=True, host_copy_skips_null=True)  # sliding windows

@@ -10,8 +10,15 @@ import torch
 from deepinfer.cli import main
 from deepinfer.core.accelerator import Accelerator
 from deepinfer.core.config import ENV_ACCELERATOR
-from deepinfer.core.plugins import (AcceleratorError, AcceleratorInfo, PluginRegistry, describe,
-                                    hookimpl, load_plugins, select_accelerator)
+from deepinfer.core.plugins import (
+    AcceleratorError,
+    AcceleratorInfo,
+    PluginRegistry,
+    describe,
+    hookimpl,
+    load_plugins,
+    select_accelerator,
+)
 
 
 @pytest.fixture(autouse=True)

@@ -4,12 +4,11 @@ from __future__ import annotations
 import random
 
 import pytest
+from fakes import PagedFakeAccelerator, reference, write_config
 
 from deepinfer.core.config import CacheConfig, EngineConfig, ModelSpec, SchedulerConfig
 from deepinfer.core.engine import Engine
 from deepinfer.core.sampling import SamplingParams
-
-from fakes import PagedFakeAccelerator, reference, write_config
 
 
 def _engine(tmp_path, num_blocks=64, block_size=4, budget=32, max_seqs=16,

@@ -8,8 +8,13 @@ from deepinfer.core.batch import GroupBatch, ModelBatch, SamplerOutput, Sampling
 from deepinfer.core.config import EngineConfig, ModelSpec, SchedulerConfig
 from deepinfer.core.engine import Engine
 from deepinfer.core.sampling import SamplingParams
-from deepinfer.core.speculative import (SpecDecodeStats, accept, as_decode_rows, run_rows,
-                                        verify_rows)
+from deepinfer.core.speculative import (
+    SpecDecodeStats,
+    accept,
+    as_decode_rows,
+    run_rows,
+    verify_rows,
+)
 from tests.core.fakes import PagedFakeAccelerator, write_config
 
 

@@ -16,8 +16,13 @@ from deepinfer.llm import LLM
 from tests.checkpoints import make_checkpoint
 from tests.models.mtp_checkpoints import add_mtp, add_word_tokenizer, make_successor_model
 from tests.models.oracle_drafts import OracleSpeculator, cpu_draft_logits, prefill_batch
-from tests.models.test_deepseek_v3_parity import (DIMS, _prompts, _reference_greedy,
-                                                  _reference_model, make_deepseek)
+from tests.models.test_deepseek_v3_parity import (
+    DIMS,
+    _prompts,
+    _reference_greedy,
+    _reference_model,
+    make_deepseek,
+)
 
 N = 24
 GREEDY = SamplingParams(temperature=0.0, max_tokens=N, ignore_eos=True)

@@ -12,8 +12,12 @@ import torch
 import transformers
 from torch import nn
 
-from deepinfer.models.deepseek_v4.attention import (V4Attention, attend, entries_visible,
-                                                    selected_visible)
+from deepinfer.models.deepseek_v4.attention import (
+    V4Attention,
+    attend,
+    entries_visible,
+    selected_visible,
+)
 
 # 37: neither compressor's windows align with the prefill, and both emit an entry mid-decode
 # (at position 39), so their buffered state crosses from prefill to decode.

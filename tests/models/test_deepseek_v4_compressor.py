@@ -15,9 +15,15 @@ import torch
 from transformers import DeepseekV4Config, DynamicCache
 from transformers.models.deepseek_v4 import modeling_deepseek_v4 as hf
 
-from deepinfer.models.deepseek_v4.compressor import (CSA, HCA, Compressor, build_compressor,
-                                                     index_scores, layer_cache_entries,
-                                                     layer_state_numel)
+from deepinfer.models.deepseek_v4.compressor import (
+    CSA,
+    HCA,
+    Compressor,
+    build_compressor,
+    index_scores,
+    layer_cache_entries,
+    layer_state_numel,
+)
 
 SEQ_LEN = 300
 ATOL = 1e-5

@@ -11,15 +11,23 @@ import transformers
 from torch import nn
 from transformers.conversion_mapping import get_checkpoint_conversion_mapping
 from transformers.core_model_loading import WeightRenaming
-from transformers.models.deepseek_v4.modeling_deepseek_v4 import (DeepseekV4HyperConnection,
-                                                                  DeepseekV4HyperHead)
+from transformers.models.deepseek_v4.modeling_deepseek_v4 import (
+    DeepseekV4HyperConnection,
+    DeepseekV4HyperHead,
+)
 
 from deepinfer.backends.cpu.ops import CPUOps
 from deepinfer.backends.torch.paged_cache import PagedCache
 from deepinfer.backends.torch.runner import _restore_float32
-from deepinfer.models.deepseek_v4.hyper import (HyperConnection, HyperDims, HyperHead, expand,
-                                                hyper_target, init_hyper_buffers,
-                                                sinkhorn)
+from deepinfer.models.deepseek_v4.hyper import (
+    HyperConnection,
+    HyperDims,
+    HyperHead,
+    expand,
+    hyper_target,
+    init_hyper_buffers,
+    sinkhorn,
+)
 from deepinfer.models.weights import load_mapped
 
 HIDDEN, N, LAYERS = 64, 4, 2

@@ -20,9 +20,9 @@ from transformers.masking_utils import create_sliding_window_causal_mask
 
 from deepinfer.core.sampling import SamplingParams
 from deepinfer.llm import LLM
+from tests.models.oracle_drafts import OracleSpeculator, cpu_draft_logits, prefill_batch
 from tests.models.test_deepseek_v4_parity import make_v4, prompts  # noqa: F401 (a fixture)
 from tests.models.test_moe_parity import _assert_reference_greedy
-from tests.models.oracle_drafts import OracleSpeculator, cpu_draft_logits, prefill_batch
 from tests.models.v4_mtp_checkpoints import add_v4_mtp, grown_model, mtp_own
 
 MTP_SEED = 5

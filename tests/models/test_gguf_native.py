@@ -14,8 +14,7 @@ from gguf.quants import quantize
 from transformers import AutoModelForCausalLM
 
 from deepinfer.backends.cpu import kernels
-from deepinfer.backends.cpu.kernels import (CHUNKED_GEMV_ROWS, MAX_GEMV_ROWS, extension,
-                                            gguf_linear)
+from deepinfer.backends.cpu.kernels import CHUNKED_GEMV_ROWS, MAX_GEMV_ROWS, extension, gguf_linear
 from deepinfer.backends.torch import ops as reference_ops
 from deepinfer.backends.torch.paged_cache import zeros
 from deepinfer.core.sampling import SamplingParams

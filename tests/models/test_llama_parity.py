@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
-
 from checkpoints import make_checkpoint
+
 from deepinfer.backends.cpu.accelerator import CPUAccelerator
 from deepinfer.core.batch import GroupBatch, ModelBatch
 from deepinfer.core.config import CacheConfig, EngineConfig, ModelSpec, SchedulerConfig

@@ -20,9 +20,8 @@ from typing import Any, Literal
 
 import httpx
 import pytest
-from pydantic import BaseModel
-
 from conftest import openai_client
+from pydantic import BaseModel
 
 MODEL = "tiny-tools"
 TIMEOUT_S = 300.0  # two busy cores may hold a request long; nothing here waits on purpose
@@ -80,8 +79,15 @@ def calls_and_results(messages: list[dict]) -> tuple[list[dict], dict[str, Any]]
 
 # ---- openai-agents ---------------------------------------------------------------------------
 def test_openai_agents_runs_two_tool_rounds(tools_server):
-    from agents import (Agent, ModelSettings, OpenAIChatCompletionsModel, RunConfig, Runner,
-                        ToolsToFinalOutputResult, function_tool)
+    from agents import (
+        Agent,
+        ModelSettings,
+        OpenAIChatCompletionsModel,
+        RunConfig,
+        Runner,
+        ToolsToFinalOutputResult,
+        function_tool,
+    )
     from openai import AsyncOpenAI
 
     ran: list[tuple[str, Any]] = []  # the tools' own calls: the library parsed the arguments

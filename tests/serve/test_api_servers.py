@@ -13,7 +13,6 @@ import time
 import httpx
 import openai
 import pytest
-
 from conftest import TINY_BLOCK_SIZE, TINY_NUM_KV_BLOCKS, scrape, served, wait_until
 
 PROMPTS = ("Describe item 0 of a shopping list.", "Name a colour.", "Count to three.")

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from deepinfer.serve.chat.format import ChatFormat, render_chat
 from deepinfer.serve.chat.deepseek_encoding import BOS
+from deepinfer.serve.chat.format import ChatFormat, render_chat
 from deepinfer.serve.chat.tool_parsers import ForcedShape, is_forced
 from deepinfer.serve.chat.tool_parsers.hermes import HermesParser
 

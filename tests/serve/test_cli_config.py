@@ -11,8 +11,13 @@ from typing import Any
 import pytest
 
 from deepinfer import LLM
-from deepinfer.core.config import (EngineConfig, EngineOption, ModelSpec,
-                                   engine_config_from_options, engine_options)
+from deepinfer.core.config import (
+    EngineConfig,
+    EngineOption,
+    ModelSpec,
+    engine_config_from_options,
+    engine_options,
+)
 from deepinfer.llm import llm_engine_config
 from deepinfer.serve.flags import build_parser, engine_config
 

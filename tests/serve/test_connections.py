@@ -17,8 +17,8 @@ import uvicorn
 from starlette.responses import StreamingResponse
 
 from deepinfer.serve.api.connections import ConnectionLimits, guarded_protocol
-from deepinfer.serve.ranks.inbox import Inbox, RequestAborted
 from deepinfer.serve.api.shutdown import AdmissionMiddleware, Drain
+from deepinfer.serve.ranks.inbox import Inbox, RequestAborted
 
 
 class _App:

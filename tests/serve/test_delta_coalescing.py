@@ -82,10 +82,10 @@ def test_the_receiver_reads_every_waiting_step_before_a_stream_runs() -> None:
 
     import zmq
 
+    from deepinfer.serve.ranks.health import RankHealthConfig
+    from deepinfer.serve.ranks.ipc import StepResult
     from deepinfer.serve.ranks.request_stream import RequestStream
     from deepinfer.serve.ranks.supervisor import RankSupervisor, output_addr
-    from deepinfer.serve.ranks.ipc import StepResult
-    from deepinfer.serve.ranks.health import RankHealthConfig
 
     async def run() -> tuple[int, TokenDelta]:
         client = RankSupervisor(None, 1, health=RankHealthConfig(max_restarts=0))

@@ -22,9 +22,7 @@ import httpx
 import openai
 import psutil
 import pytest
-
-from conftest import (START_TIMEOUT_S, free_port, make_tiny_chat_checkpoint, openai_client,
-                      per_rank)
+from conftest import START_TIMEOUT_S, free_port, make_tiny_chat_checkpoint, openai_client, per_rank
 
 NAME = "tiny-ll"
 FAIL_WITHIN_S = 5.0  # a dead rank's requests must end this soon after the kill

@@ -8,7 +8,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-
 from conftest import openai_client, per_rank, scrape
 
 SYSTEM = "You are a terse assistant. Answer in one short sentence."  # shared by every session

@@ -19,15 +19,22 @@ import openai.types.chat as oai
 import pytest
 
 from deepinfer.core.batch import TokenLogprobs
-from deepinfer.serve.chat.format import ChatFormat, render_chat
-from deepinfer.serve.chat.deepseek_encoding import encode_messages
-from deepinfer.serve.chat.dsml_parser import (CallArguments, CallStart, DsmlMode, DsmlParser, Text,
-                                         openai_deltas, parse)
 from deepinfer.serve.api.generation import Choice, Generation
-from deepinfer.serve.ranks.ipc import TokenDelta
 from deepinfer.serve.api.routes_openai import _chat_choice, _chat_chunks
+from deepinfer.serve.chat.deepseek_encoding import encode_messages
+from deepinfer.serve.chat.dsml_parser import (
+    CallArguments,
+    CallStart,
+    DsmlMode,
+    DsmlParser,
+    Text,
+    openai_deltas,
+    parse,
+)
+from deepinfer.serve.chat.format import ChatFormat, render_chat
 from deepinfer.serve.chat.tool_parsers import ForcedShape, ToolRequest
 from deepinfer.serve.chat.tool_parsers.deepseek_v4 import DeepSeekV4Parser
+from deepinfer.serve.ranks.ipc import TokenDelta
 
 BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
 WEATHER = {"type": "function", "function": {

@@ -40,17 +40,24 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+from conftest import (
+    ServerProcess,
+    free_port,
+    openai_client,
+    per_rank,
+    scrape,
+    scrape_series,
+    wait_until,
+)
+from test_routing import _close_clients, _Inbox, _made, _Proc  # noqa: F401 - the fixture
 
-from conftest import (ServerProcess, free_port, openai_client, per_rank, scrape, scrape_series,
-                      wait_until)
 from deepinfer.core.config import EngineConfig, ModelSpec, ParallelConfig, torchrun_parallel
+from deepinfer.serve.ranks.health import RankHealthConfig, RankState
+from deepinfer.serve.ranks.ipc import Ready, Regroup
 from deepinfer.serve.ranks.rank import RankDiedError, _Rank
 from deepinfer.serve.ranks.request_stream import RequestStream
-from deepinfer.serve.ranks.supervisor import RankSupervisor
-from deepinfer.serve.ranks.ipc import Ready, Regroup
-from deepinfer.serve.ranks.health import RankHealthConfig, RankState
 from deepinfer.serve.ranks.router import Router, route_key
-from test_routing import _Inbox, _made, _Proc, _close_clients  # noqa: F401 - the fixture
+from deepinfer.serve.ranks.supervisor import RankSupervisor
 
 MODEL = "tiny-moe"
 TOP_K, MOE_LAYERS = 2, 1  # tests/checkpoints.py's qwen3_moe: layer 0 dense, layer 1 MoE

@@ -95,8 +95,8 @@ def test_pool_compiles_away_from_the_loop_and_survives_its_time_limit(model_dir,
 
 def test_rank_loads_the_sent_grammar_without_compiling(tokenizer):
     from deepinfer.core.structured import GrammarCompiler
-    from deepinfer.serve.grammar.worker import compile_one
     from deepinfer.serve.grammar.rank_grammars import PendingGrammars
+    from deepinfer.serve.grammar.worker import compile_one
 
     vocab, stops = len(tokenizer), (tokenizer.eos_token_id,)
     spec = StructuredOutput("json_schema", json.dumps({"enum": ["yes", "no"]}))

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from deepinfer.serve.ranks.ipc import EngineStats
 from deepinfer.serve.metrics.server import ServerMetrics
+from deepinfer.serve.ranks.ipc import EngineStats
 
 
 def _value(text: str, name: str) -> float:

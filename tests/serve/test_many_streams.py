@@ -13,7 +13,6 @@ import sys
 
 import httpx
 import pytest
-
 from conftest import TINY_BLOCK_SIZE, free_port, wait_until
 
 STREAMS = 400

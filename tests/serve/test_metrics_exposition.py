@@ -14,15 +14,15 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from deepinfer.serve.ranks.router import Router
-from deepinfer.serve.ranks.supervisor import RankView
 from deepinfer.models.moe.runtime import RebalanceReport
-from deepinfer.serve.ranks.ipc import EngineStats, ExpertStats
 from deepinfer.serve.metrics.engine import EngineCollector
-from deepinfer.serve.metrics.server import ServerMetrics
 from deepinfer.serve.metrics.moe import MoECollector
 from deepinfer.serve.metrics.ranks import RankCollector
+from deepinfer.serve.metrics.server import ServerMetrics
 from deepinfer.serve.metrics.tokenizer import TokenizerCollector
+from deepinfer.serve.ranks.ipc import EngineStats, ExpertStats
+from deepinfer.serve.ranks.router import Router
+from deepinfer.serve.ranks.supervisor import RankView
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "metrics.md"
 IDLE = EngineStats(running=0, waiting=0, kv_usage=0.0, num_blocks=10, prefix_queries=0,

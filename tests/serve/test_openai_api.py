@@ -16,7 +16,6 @@ import uuid
 
 import httpx
 import pytest
-
 from conftest import UNTRUSTED_MARKER
 
 MODEL = "tiny-chat"

@@ -13,10 +13,10 @@ from deepinfer.core.config import ENV_ACCELERATOR, EngineConfig, ModelSpec
 from deepinfer.core.plugins import AcceleratorInfo, find_accelerator, load_accelerator
 from deepinfer.serve import preflight
 from deepinfer.serve.flags import build_parser, engine_config
-from deepinfer.serve.ranks.supervisor import rank_envs
 from deepinfer.serve.ranks.entry import run_rank
-from deepinfer.serve.ranks.spec import RankSpec
 from deepinfer.serve.ranks.ipc import Failed
+from deepinfer.serve.ranks.spec import RankSpec
+from deepinfer.serve.ranks.supervisor import rank_envs
 
 
 def cores(rank: int, world: int, base) -> dict[str, str]:

@@ -11,7 +11,6 @@ from deepinfer.core.engine import Engine
 from deepinfer.core.sampling import SamplingParams
 from deepinfer.serve.ranks.engine_proc import _loop
 from deepinfer.serve.ranks.ipc import AbortRequest, AddRequest, Control, ControlReply, StepResult
-
 from tests.serve.rank_wires import PagedFakeAccelerator, fake_config, rank_wires
 
 LONG = SamplingParams(temperature=0.0, max_tokens=3000, ignore_eos=True)

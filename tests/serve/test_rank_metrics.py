@@ -5,11 +5,11 @@ import dataclasses
 
 from prometheus_client import CollectorRegistry, generate_latest
 
-from deepinfer.serve.ranks.router import Router
 from deepinfer.serve.api.app import health_body
-from deepinfer.serve.ranks.supervisor import RankView
-from deepinfer.serve.ranks.ipc import EngineStats
 from deepinfer.serve.metrics.ranks import RankCollector
+from deepinfer.serve.ranks.ipc import EngineStats
+from deepinfer.serve.ranks.router import Router
+from deepinfer.serve.ranks.supervisor import RankView
 
 BASE = EngineStats(running=2, waiting=1, kv_usage=0.25, num_blocks=10, prefix_queries=100,
                    prefix_hits=40, preemptions=0)

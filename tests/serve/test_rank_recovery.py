@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 
 import httpx
 import pytest
-
 from conftest import make_tiny_chat_checkpoint, served, wait_until
+
 from deepinfer.serve.ranks.router import Router
 
 UNHEALTHY_AFTER_S, FAIL_AFTER_S = 1.0, 4.0

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import asyncio
 
+from test_routing import _close_clients, _Inbox, _made, _Proc  # noqa: F401 - the fixture
+
+from deepinfer.serve.ranks.health import RankHealthConfig, RankState
+from deepinfer.serve.ranks.ipc import Ready
 from deepinfer.serve.ranks.rank import _Rank
 from deepinfer.serve.ranks.request_stream import RequestStream
 from deepinfer.serve.ranks.supervisor import RankSupervisor
-from deepinfer.serve.ranks.ipc import Ready
-from deepinfer.serve.ranks.health import RankHealthConfig, RankState
-from test_routing import _Inbox, _made, _Proc, _close_clients  # noqa: F401 - the fixture
 
 
 def _client(max_restarts: int) -> tuple[RankSupervisor, list[float]]:

@@ -17,10 +17,10 @@ import pytest
 from fastapi.testclient import TestClient
 
 from deepinfer.serve.api.app import create_app
-from deepinfer.serve.api.state import ServerState
-from deepinfer.serve.metrics.server import ServerMetrics
 from deepinfer.serve.api.protocol import ChatCompletionRequest, CompletionRequest
 from deepinfer.serve.api.request_fields import CHAT, COMPLETION, UnknownFields
+from deepinfer.serve.api.state import ServerState
+from deepinfer.serve.metrics.server import ServerMetrics
 
 MODEL = "tiny-chat"
 HI = [{"role": "user", "content": "Hi"}]
@@ -342,8 +342,14 @@ def langchain_requests(transport) -> None:
 
 
 def agents_requests(transport) -> None:
-    from agents import (Agent, ModelSettings, OpenAIChatCompletionsModel, Runner,
-                        function_tool, set_tracing_disabled)
+    from agents import (
+        Agent,
+        ModelSettings,
+        OpenAIChatCompletionsModel,
+        Runner,
+        function_tool,
+        set_tracing_disabled,
+    )
 
     set_tracing_disabled(True)
 

@@ -6,14 +6,14 @@ import os
 
 import pytest
 
-from deepinfer.serve.ranks.router import NoLiveRankError, affinity_key
 from deepinfer.core.sampling import SamplingParams
 from deepinfer.serve.flags import build_parser
+from deepinfer.serve.ranks.health import RankHealthConfig, RankState
+from deepinfer.serve.ranks.ipc import AbortRequest, AddRequest, TokenDelta
 from deepinfer.serve.ranks.rank import RankDiedError, _Rank
 from deepinfer.serve.ranks.request_stream import RequestStream
+from deepinfer.serve.ranks.router import NoLiveRankError, affinity_key
 from deepinfer.serve.ranks.supervisor import RankSupervisor
-from deepinfer.serve.ranks.ipc import AbortRequest, AddRequest, TokenDelta
-from deepinfer.serve.ranks.health import RankHealthConfig, RankState
 
 
 class _Proc:

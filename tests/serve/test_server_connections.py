@@ -12,7 +12,6 @@ import threading
 
 import httpx
 import pytest
-
 from conftest import TINY_BLOCK_SIZE, descendants, scrape_series, served, wait_until
 
 MODEL = "tiny-conn"

@@ -16,9 +16,9 @@ from typing import Iterator
 
 import psutil
 import pytest
+from conftest import free_port
 
 from deepinfer.cli import script_args
-from conftest import free_port
 
 FAKE_SERVE = """
 import argparse, http.server

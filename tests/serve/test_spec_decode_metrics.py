@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from deepinfer.serve.ranks.ipc import EngineStats
 from deepinfer.serve.metrics.server import ServerMetrics
+from deepinfer.serve.ranks.ipc import EngineStats
 
 
 def _stats(**spec) -> EngineStats:

@@ -11,16 +11,22 @@ import threading
 import openai
 import pytest
 import zmq
-
 from conftest import make_tiny_chat_checkpoint, scrape, served
+
 from deepinfer.core.batch import TokenLogprobs
 from deepinfer.core.engine import Engine
 from deepinfer.core.sampling import SamplingParams
 from deepinfer.serve.api import generation
-from deepinfer.serve.ranks.engine_proc import _loop
 from deepinfer.serve.api.generation import Choice, Generation
-from deepinfer.serve.ranks.ipc import (AbortRequest, AddRequest, Control, ControlReply, StepResult,
-                                 TokenDelta)
+from deepinfer.serve.ranks.engine_proc import _loop
+from deepinfer.serve.ranks.ipc import (
+    AbortRequest,
+    AddRequest,
+    Control,
+    ControlReply,
+    StepResult,
+    TokenDelta,
+)
 from deepinfer.serve.ranks.stream_pacing import StreamPacer
 from tests.serve.rank_wires import PagedFakeAccelerator, fake_config, rank_wires
 

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, generate_latest
 
-from deepinfer.serve.tokenizer import HFTokenizer, VerifiedTokenizer
 from deepinfer.serve.metrics.tokenizer import TokenizerCollector
+from deepinfer.serve.tokenizer import HFTokenizer, VerifiedTokenizer
 
 
 class _WrongIds(HFTokenizer):

@@ -8,14 +8,19 @@ import os
 import random
 
 import pytest
+from tool_templates import FAMILIES
 
 from deepinfer.serve.chat.format import ChatFormat
-from deepinfer.serve.chat.tool_parsers import (PARSERS, ForcedShape, ToolRequest, find_parser,
-                                          is_forced)
+from deepinfer.serve.chat.tool_parsers import (
+    PARSERS,
+    ForcedShape,
+    ToolRequest,
+    find_parser,
+    is_forced,
+)
 from deepinfer.serve.chat.tool_parsers.base import fold
 from deepinfer.serve.chat.tool_parsers.deepseek_v3 import DeepSeekV3Parser
 from deepinfer.serve.chat.tool_parsers.mistral import MistralParser
-from tool_templates import FAMILIES
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},

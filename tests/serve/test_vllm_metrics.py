@@ -10,9 +10,8 @@ import re
 from pathlib import Path
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
-
 from conftest import TINY_BLOCK_SIZE, TINY_NUM_KV_BLOCKS
+from prometheus_client.parser import text_string_to_metric_families
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "examples" / "grafana" / "deepinfer.json"
 MODEL = "tiny-chat"

@@ -15,10 +15,14 @@ import pytest
 import torch
 
 from deepinfer.backends.cuda.kernels import decode_attention, prefill_attention
-from deepinfer.backends.cuda.kernels.decode_attention import (choose_num_splits,
-                                                              paged_decode_attention)
-from deepinfer.backends.cuda.kernels.prefill_attention import (choose_prefill_splits,
-                                                               paged_prefill_attention)
+from deepinfer.backends.cuda.kernels.decode_attention import (
+    choose_num_splits,
+    paged_decode_attention,
+)
+from deepinfer.backends.cuda.kernels.prefill_attention import (
+    choose_prefill_splits,
+    paged_prefill_attention,
+)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -295,8 +295,12 @@ def test_warm_up_runs_every_chunk_class_and_leaves_the_pool_clean(tmp_path, monk
     of prefix, then mixed steps over growing contexts (split-K classes), within a pool smaller
     than its longest chunk, and leaves every page as a new pool's (zeros): requests after it
     see what they would without it."""
-    from deepinfer.backends.cuda.dummy_batches import (SMALL_CHUNKS, split_warmup_contexts,
-                                                      warmup_batch, warmup_token_counts)
+    from deepinfer.backends.cuda.dummy_batches import (
+        SMALL_CHUNKS,
+        split_warmup_contexts,
+        warmup_batch,
+        warmup_token_counts,
+    )
     from tests.checkpoints import make_checkpoint
 
     assert warmup_token_counts(17) == [1, 2, 3, 4, 5, 6, 7, 8, 16, 17]

@@ -11,8 +11,12 @@ import pytest
 import torch
 
 from deepinfer.backends.cuda.kernels.argmax import BLOCK, greedy_ids
-from deepinfer.backends.cuda.step_inputs import DECODE_COLS, SRC_COL, decode_inputs, \
-    fill_decode_rows
+from deepinfer.backends.cuda.step_inputs import (
+    DECODE_COLS,
+    SRC_COL,
+    decode_inputs,
+    fill_decode_rows,
+)
 from deepinfer.core.batch import GroupBatch, InputsFromLastStep, ModelBatch
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -17,8 +17,13 @@ from deepinfer.backends.cuda import accelerator
 from deepinfer.core.config import CacheConfig, EngineConfig, ModelSpec, SchedulerConfig
 from deepinfer.core.engine import Engine
 from tests.backends.cuda.test_backend_interpreted import _interpreted_cls
-from tests.backends.cuda.v4_interpreted import (checkpoint, prompts, random_prompt,  # noqa: F401
-                                                reference, run_greedy)
+from tests.backends.cuda.v4_interpreted import (  # noqa: F401
+    checkpoint,
+    prompts,
+    random_prompt,
+    reference,
+    run_greedy,
+)
 from tests.models.test_moe_parity import _assert_reference_greedy
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",

@@ -17,8 +17,7 @@ import torch
 from deepinfer.core.config import CacheConfig, EngineConfig, ModelSpec, SchedulerConfig
 from deepinfer.core.engine import Engine
 from tests.backends.cuda.test_backend_interpreted import _interpreted_cls
-from tests.backends.cuda.v4_interpreted import (checkpoint, prompts, reference,  # noqa: F401
-                                                run_greedy)
+from tests.backends.cuda.v4_interpreted import checkpoint, prompts, reference, run_greedy  # noqa: F401
 from tests.models.test_deepseek_v4_parity import _logits, _prefill_batch
 from tests.models.test_moe_parity import _assert_reference_greedy
 

@@ -13,11 +13,11 @@ import pytest
 import torch
 from bf16_rounding import rtne_bf16
 
-from deepinfer.backends.torch import ops
 from deepinfer.backends.cuda.kernels.activation import silu_and_mul
 from deepinfer.backends.cuda.kernels.kv_write import store_kv
 from deepinfer.backends.cuda.kernels.norm import add_rms_norm, rms_norm
 from deepinfer.backends.cuda.kernels.rotary import apply_rotary_, rotary_store_kv_
+from deepinfer.backends.torch import ops
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.bfloat16]

@@ -12,15 +12,17 @@ import itertools
 
 import pytest
 import torch
+from test_fp8_gemm import DEVICE, ON_GPU, _check_result, _id, _poisoned, _problem, _w8a8_reference
 
 from deepinfer.backends.cuda.kernels.activation import silu_and_mul
 from deepinfer.backends.cuda.kernels.fp8_gemm import fp8_linear_reference
-from deepinfer.backends.cuda.kernels.fp8_skinny import (MAX_ROWS, SkinnyConfig, fp8_skinny,
-                                                        skinny_config_for)
+from deepinfer.backends.cuda.kernels.fp8_skinny import (
+    MAX_ROWS,
+    SkinnyConfig,
+    fp8_skinny,
+    skinny_config_for,
+)
 from deepinfer.backends.cuda.kernels.rotary_decode import SplitCounters
-
-from test_fp8_gemm import DEVICE, ON_GPU, _id, _poisoned, _problem, _check_result, \
-    _w8a8_reference
 
 pytestmark = pytest.mark.usefixtures("gpu_bf16_rounding")
 CASES = [(1, 100, 200), (5, 200, 640), (17, 100, 640)] + \

@@ -125,8 +125,11 @@ def test_configs_cover_the_model_shapes() -> None:
 
 
 def test_tiles_fit_shared_memory_in_every_dtype():
-    from deepinfer.backends.cuda.kernels.fused_moe import (MOE_CONFIGS, SHARED_MEMORY_BYTES,
-                                                           fit_tiles)
+    from deepinfer.backends.cuda.kernels.fused_moe import (
+        MOE_CONFIGS,
+        SHARED_MEMORY_BYTES,
+        fit_tiles,
+    )
 
     for _, cfg in MOE_CONFIGS:
         for size in (2, 4):

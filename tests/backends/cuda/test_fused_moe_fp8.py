@@ -13,8 +13,14 @@ import pytest
 import torch
 
 from deepinfer.backends.cuda.kernels.fp8_gemm import Scaled
-from deepinfer.backends.cuda.kernels.fused_moe import (FP8_MOE_CONFIGS, MoeConfig, Tiles,
-                                                       config_for, fp8_tiles, fused_experts)
+from deepinfer.backends.cuda.kernels.fused_moe import (
+    FP8_MOE_CONFIGS,
+    MoeConfig,
+    Tiles,
+    config_for,
+    fp8_tiles,
+    fused_experts,
+)
 from deepinfer.backends.cuda.kernels.moe_gemv import GemvTiles, MoeGemvConfig, moe_gemv, takes
 from deepinfer.models.moe.experts import fused_experts_reference, swiglu
 from deepinfer.models.quant.tensors import RowScaledFP8

@@ -9,9 +9,14 @@ import pytest
 import torch
 
 from deepinfer.backends.cuda.kernels import gemv as gemv_module
+from deepinfer.backends.cuda.kernels.gemv import (
+    PRELOAD_PER_THREAD,
+    GemvConfig,
+    config_for,
+    gemv,
+    preload_cols,
+)
 from deepinfer.backends.cuda.settings import CudaSettings
-from deepinfer.backends.cuda.kernels.gemv import (PRELOAD_PER_THREAD, GemvConfig, config_for,
-                                                  gemv, preload_cols)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # The whole row read before the wait; a preload of two tiles, then tiles; one tile, then tiles.

@@ -14,9 +14,12 @@ import pytest
 import torch
 
 from deepinfer.backends.cuda.kernels import decode_attention, mla_attention
-from deepinfer.backends.cuda.kernels.mla_attention import (choose_mla_num_splits,
-                                                           paged_mla_decode, paged_mla_prefill,
-                                                           store_latent)
+from deepinfer.backends.cuda.kernels.mla_attention import (
+    choose_mla_num_splits,
+    paged_mla_decode,
+    paged_mla_prefill,
+    store_latent,
+)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

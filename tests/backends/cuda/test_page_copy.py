@@ -21,10 +21,19 @@ import pytest
 import torch
 
 from deepinfer.backends.cuda import page_copy
-from deepinfer.backends.cuda.page_copy import (TABLE_ROWS, ChunkLayout, DeviceChunks,
-                                               UVAPageCopier, block_indices, chunk_layout_of,
-                                               chunk_table, copy_parts, copy_reference,
-                                               host_page_indices, validate_host_pool)
+from deepinfer.backends.cuda.page_copy import (
+    TABLE_ROWS,
+    ChunkLayout,
+    DeviceChunks,
+    UVAPageCopier,
+    block_indices,
+    chunk_layout_of,
+    chunk_table,
+    copy_parts,
+    copy_reference,
+    host_page_indices,
+    validate_host_pool,
+)
 from deepinfer.core.kv.spec import KVSpec, kv_heads_layer, latent_layer
 
 BLOCK, HEADS, DIM, LATENT = 4, 2, 8, 576

@@ -8,7 +8,8 @@ import torch
 
 from deepinfer.backends.cuda.kernels.interleaved_rope import interleaved_rope
 from deepinfer.backends.cuda.kernels.norm import v4_rms_norm
-from deepinfer.models.deepseek_v4.attention import rope, v4_rms_norm as reference_norm
+from deepinfer.models.deepseek_v4.attention import rope
+from deepinfer.models.deepseek_v4.attention import v4_rms_norm as reference_norm
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.usefixtures("gpu_bf16_rounding")  # the interpreter rounds as a GPU

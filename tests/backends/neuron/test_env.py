@@ -5,8 +5,13 @@ from __future__ import annotations
 
 import pytest
 
-from deepinfer.backends.neuron.env import (NeuronRankSetup, parse_cores, plugin_rank_env,
-                                          rank_env, settings_from_env)
+from deepinfer.backends.neuron.env import (
+    NeuronRankSetup,
+    parse_cores,
+    plugin_rank_env,
+    rank_env,
+    settings_from_env,
+)
 
 VISIBLE = "NEURON_RT_VISIBLE_CORES"
 

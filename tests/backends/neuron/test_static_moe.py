@@ -14,10 +14,19 @@ import torch
 from deepinfer.backends.cpu.accelerator import CPUAccelerator
 from deepinfer.backends.cpu.ops import CPUOps
 from deepinfer.backends.neuron.env import DEFAULT_CAPACITY_FACTOR
-from deepinfer.backends.neuron.moe import (CAPACITY_ENV, DECODE_MAX_TOKENS, StaticMoEExchange, StaticMoEOps,
-                                           capacity_factor, capacity_for, dense_experts,
-                                           expert_counts, grouped_experts, pack_routes,
-                                           unpack_routes)
+from deepinfer.backends.neuron.moe import (
+    CAPACITY_ENV,
+    DECODE_MAX_TOKENS,
+    StaticMoEExchange,
+    StaticMoEOps,
+    capacity_factor,
+    capacity_for,
+    dense_experts,
+    expert_counts,
+    grouped_experts,
+    pack_routes,
+    unpack_routes,
+)
 from deepinfer.backends.torch.runner import TorchRunner
 from deepinfer.core.batch import GroupBatch, ModelBatch
 from deepinfer.core.config import CacheConfig, EngineConfig, ModelSpec, SchedulerConfig

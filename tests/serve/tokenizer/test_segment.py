@@ -9,8 +9,16 @@ from array import array
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from tokenizers import AddedToken, Regex, Tokenizer, models, normalizers, pre_tokenizers, processors
-from tokenizers import trainers
+from tokenizers import (
+    AddedToken,
+    Regex,
+    Tokenizer,
+    models,
+    normalizers,
+    pre_tokenizers,
+    processors,
+    trainers,
+)
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from deepinfer.serve.tokenizer.base import PromptTokenizer, UnsupportedTokenizer
