@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Install DeepInfer with its test extras and the example backend plugin, then run the tests.
 # --quick runs all but the tests marked slow (see tests/conftest.py): a few minutes, not twenty.
+# Both first run ruff and mypy (configured in pyproject.toml).
 # A torch that is already installed (a CUDA or Neuron build) is kept; where there is none, torch
 # is pinned so that pip takes the CPU wheel where one is on hand instead of a CUDA build.
 set -euo pipefail
@@ -18,6 +19,10 @@ python3 -m pip install -q --disable-pip-version-check -e ".[test]" ./examples/pl
 # The CPU backend's C++ kernels are built once here, not inside
 # whichever test first starts an engine.
 python3 -c "from deepinfer.backends.cpu.kernels import extension; extension()"
+# Lint (import order included) and the type check of the core and the torch seam: seconds,
+# and they fail before the tests' minutes start.
+python3 -m ruff check deepinfer tests benchmarks scripts examples
+python3 -m mypy
 # Two workers, a test file each at a time: most of the suite waits on spawned servers and rank
 # processes or runs Triton's single-threaded interpreter, so the two cores overlap them.
 python3 -m pytest -q -n 2 --dist loadfile --durations=25 ${select[@]+"${select[@]}"} tests
