@@ -121,8 +121,9 @@ def main() -> None:
         json.dump({"settings": vars(args), "trees": trees, "runs": runs, "summary": summary},
                   f, indent=2)
     for name, s in summary.items():
-        print(f"{name:9s} API {s['api_us_per_token']:.1f} us/token (median {s['api_cpu_s_median']:.2f}"
-              f" CPU-s a wave), rank {s['rank_cpu_s_median']:.2f} CPU-s, {s['tok_s_median']:.0f} tok/s")
+        print(f"{name:9s} API {s['api_us_per_token']:.1f} us/token "
+              f"(median {s['api_cpu_s_median']:.2f} CPU-s a wave), "
+              f"rank {s['rank_cpu_s_median']:.2f} CPU-s, {s['tok_s_median']:.0f} tok/s")
 
 
 if __name__ == "__main__":

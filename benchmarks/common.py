@@ -29,7 +29,8 @@ def log(message: str) -> None:
 
 # ---- statistics ----------------------------------------------------------------------------------
 def percentile(values: list[float], q: float) -> float | None:
-    """Percentile with linear interpolation between closest ranks (numpy's default); None if empty."""
+    """Percentile with linear interpolation between closest ranks (numpy's default); None if
+    empty."""
     if not values:
         return None
     s = sorted(values)

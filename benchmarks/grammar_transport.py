@@ -1,8 +1,8 @@
 """Compile, serialize and load times of constraints at the server's default limits.
 
-What the grammar workers (serve/grammar/worker.py) and a rank (serve/grammar/rank_grammars.py) spend on
-one constraint: the compile, the write-out (budgeted: past it the rank compiles instead), and
-the rank's load of what was sent. Measured, never asserted.
+What the grammar workers (serve/grammar/worker.py) and a rank (serve/grammar/rank_grammars.py)
+spend on one constraint: the compile, the write-out (budgeted: past it the rank compiles instead),
+and the rank's load of what was sent. Measured, never asserted.
 
     python benchmarks/grammar_transport.py [--model DIR]
 """

@@ -333,7 +333,8 @@ def _fail(result: Result, live: dict, name: str, exc: Exception) -> None:
 def _describe(scenario: str, run: Run) -> str:
     if scenario == "batch1":
         return (f"ttft {run.ttft_s * 1e3:7.1f} ms, decode {run.decode_tok_s:7.2f} tok/s, "
-                f"wall {run.wall_s:6.2f} s, cores own {run.own_cores:.2f} other {run.other_cores:.2f}")
+                f"wall {run.wall_s:6.2f} s, cores own {run.own_cores:.2f} "
+                f"other {run.other_cores:.2f}")
     return (f"output {run.output_tok_s:7.2f} tok/s, total {run.total_tok_s:8.2f} tok/s, "
             f"wall {run.wall_s:6.2f} s, cores own {run.own_cores:.2f} other {run.other_cores:.2f}")
 

@@ -63,7 +63,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3, help="fresh servers, each runs both faults")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     p.add_argument("--stream-tokens", type=int, default=1000,
-                   help="max_tokens of the in-flight stream (EOS ignored): it must outlast the fault")
+                   help="max_tokens of the in-flight stream (EOS ignored): "
+                        "it must outlast the fault")
     p.add_argument("--timeout", type=float, default=120.0,
                    help="seconds to wait for any one event before the run fails")
     p.add_argument("--out", default=os.path.join(HERE, "results", "rank_recovery.json"))
@@ -277,7 +278,8 @@ def run_repeat(args: argparse.Namespace, repeat: int, logdir: str) -> dict[str, 
     finally:
         stop_server(server)
     k, f = run["killed"], run["frozen"]
-    log(f"[{repeat}] killed: 503 after {k['stream_error_s']:.2f} s, serving {k['health_serving_s']:.2f} s"
+    log(f"[{repeat}] killed: 503 after {k['stream_error_s']:.2f} s, "
+        f"serving {k['health_serving_s']:.2f} s"
         f" | frozen: unhealthy {f['unhealthy_s']:.2f} s, 503 {f['stream_error_s']:.2f} s, "
         f"serving {f['health_serving_s']:.2f} s, rerouted to rank {f['rerouted_rank']} in "
         f"{f['rerouted_latency_s'] * 1000:.0f} ms")

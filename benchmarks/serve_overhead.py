@@ -618,9 +618,12 @@ def summarize(waves: list[Wave], levels: tuple[int, ...]) -> list[dict]:
                                      {"rank": per_token("rank"), "api": per_token("api"),
                                       "client": per_token("bench")}),
                 # Pure API-layer latency (server only; see _install_engine_trace).
-                **({"request_path_p50_ms": percentile(req, 50), "request_path_p99_ms": percentile(req, 99),
-                    "http_path_p50_ms": percentile(http, 50), "http_path_p99_ms": percentile(http, 99),
-                    "token_path_p50_ms": percentile(tok, 50), "token_path_p99_ms": percentile(tok, 99),
+                **({"request_path_p50_ms": percentile(req, 50),
+                    "request_path_p99_ms": percentile(req, 99),
+                    "http_path_p50_ms": percentile(http, 50),
+                    "http_path_p99_ms": percentile(http, 99),
+                    "token_path_p50_ms": percentile(tok, 50),
+                    "token_path_p99_ms": percentile(tok, 99),
                     "token_path_samples": len(tok),
                     "joined_tokens": sum(w.joined_tokens for w in ws),
                     # A stream's end: its last step -> its last delta in the API process / the
@@ -691,8 +694,8 @@ def _plot_api_latency(ax, rows: list[dict], levels: list[int]) -> None:
             x = i + (j - 1) * width
             ax.bar(x, v, width, color=color, label=label if i == 0 else None,
                    yerr=[[0], [max(0.0, hi - v)]], capsize=3)
-            ax.annotate(f"{v:.0f}" if v >= 10 else f"{v:.1f}", (x, hi), xytext=(0, 2), textcoords="offset points",
-                        ha="center", va="bottom", fontsize=7)
+            ax.annotate(f"{v:.0f}" if v >= 10 else f"{v:.1f}", (x, hi), xytext=(0, 2),
+                        textcoords="offset points", ha="center", va="bottom", fontsize=7)
     ax.set_yscale("log")
     ax.set_xticks(range(len(levels)), [f"{c} client{'s' if c > 1 else ''}" for c in levels])
     ax.set_title("API-layer latency, ms (bar p50, whisker p99)", fontsize=10)
@@ -743,10 +746,12 @@ def plot(rows: list[dict], path: str, env: dict, sizes: Sizes) -> None:
         ax.set_title(f"{title} ({sub})", fontsize=10)
         ax.legend(fontsize=8, loc="upper left")
     where = env.get("gpu") or f"{env['logical_cores']} CPU cores"
+    other_busy = statistics.median(r[s]["other_cores_busy"] for r in rows
+                                   for s in ("offline", "server") if s in r)
     fig.suptitle(f"deepinfer-serve vs offline engine: {env['model']} {env.get('dtype', '')} on "
                  f"{where}; {sizes.prompt_len} prompt / {sizes.output_len} output tokens per "
                  "request; label under value = server/offline\nother processes kept "
-                 f"{statistics.median(r[s]['other_cores_busy'] for r in rows for s in ('offline', 'server') if s in r):.1f}"
+                 f"{other_busy:.1f}"
                  " cores busy on average (noise)", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -906,7 +911,8 @@ def main(argv: list[str] | None = None) -> int:
                     w = run()
                     waves.append(w)
                     log(f"  C={level:<3d} rep {rep} {side:7s} {w.wall_s:6.1f} s "
-                        f"{w.output_tok_s:7.1f} tok/s  TTFT p50 {percentile(w.ttft_s, 50) * 1e3:7.0f} ms"
+                        f"{w.output_tok_s:7.1f} tok/s  "
+                        f"TTFT p50 {percentile(w.ttft_s, 50) * 1e3:7.0f} ms"
                         f"  ITL p50 {(percentile(w.itl_s, 50) or 0) * 1e3:6.1f} ms"
                         + (f"  API: request {percentile(w.request_path_s, 50) * 1e3:.1f} ms, token "
                            f"{percentile(w.token_path_s, 50) * 1e3:.2f} ms (p50)"

@@ -175,7 +175,8 @@ def run_layout(layout: Layout, num_blocks: int, num_pages: int, n: int, check_pa
             "results": rows, "store_overlap": overlap}
 
 
-def _chunk_forward(device: torch.device, context: int = 32768, layers: int = 32) -> Callable[[], None]:
+def _chunk_forward(device: torch.device, context: int = 32768,
+                   layers: int = 32) -> Callable[[], None]:
     """A 128-token prefill chunk over `context` cached tokens at the Llama-3-8B width: the
     GEMMs and attention of every layer (one set of weights, reused), its inputs uploaded from
     pinned memory first and its sampled id copied back to pinned memory last, as a step's

@@ -158,7 +158,8 @@ def check_bf16_logits(family: str, workdir: str) -> dict:
     blocks = list(range(40, 40 + 19))[::-1]  # non-contiguous, reversed block table
     slots = [blocks[p // 16] * 16 + p % 16 for p in range(300)]
     batch = ModelBatch(input_ids=prompt, positions=list(range(300)), query_lens=[300],
-                       seq_lens=[300], groups=(GroupBatch([blocks], slots),), sample_indices=[0], sampling=[])
+                       seq_lens=[300], groups=(GroupBatch([blocks], slots),), sample_indices=[0],
+                       sampling=[])
     ours = acc.forward_logits(batch, all_tokens=True)
     ids = torch.tensor([prompt], device="cuda")
     with torch.inference_mode():

@@ -269,7 +269,8 @@ def summarize(result: dict) -> None:
     flops = per_token * n * (512 + 128) + 2 * h * m["vocab_size"] * n * 128
     ours["batch256_flop_bound_output_tok_s"] = n * 128 / (flops / ceil["bf16_gemm_flops"])
     attn = 2 * 2 * layers * h * 8192 * 8192 / 2
-    ours["prefill8k_flop_bound_tok_s"] = 8192 / ((per_token * 8192 + attn) / ceil["bf16_gemm_flops"])
+    ours["prefill8k_flop_bound_tok_s"] = 8192 / ((per_token * 8192 + attn)
+                                                 / ceil["bf16_gemm_flops"])
 
 
 def print_table(result: dict) -> None:
@@ -282,7 +283,8 @@ def print_table(result: dict) -> None:
         ("8K prefill tok/s", ours["prefill8k_tok_s"], hf.get("prefill8k_tok_s"),
          ours["prefill8k_flop_bound_tok_s"]),
     ]
-    print(f"{'scenario':32s} {'deepinfer':>10s} {'hf':>10s} {'ratio':>7s} {'ceiling':>10s} {'%ceil':>6s}")
+    print(f"{'scenario':32s} {'deepinfer':>10s} {'hf':>10s} {'ratio':>7s} "
+          f"{'ceiling':>10s} {'%ceil':>6s}")
     for name, a, b, c in rows:
         ratio = f"{a / b:.1f}x" if b else "-"
         print(f"{name:32s} {a:10.1f} {b or 0:10.1f} {ratio:>7s} {c:10.1f} {100 * a / c:5.1f}%")

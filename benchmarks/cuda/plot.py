@@ -67,7 +67,8 @@ def gemv_panel(ax, gemv: dict) -> None:
     ax.set_xticks([x + width / 2 for x in range(len(names))], names, fontsize=8)
     chain = gemv["chain"]
     ax.set_title(f"batch-1 projections (GB/s); 32 layers: cuBLAS {chain['cublas']['ms']:.2f} ms,"
-                 f"\nGEMV {chain['gemv']['ms']:.2f} ms, GEMV + PDL {chain['gemv_pdl']['ms']:.2f} ms",
+                 f"\nGEMV {chain['gemv']['ms']:.2f} ms, "
+                 f"GEMV + PDL {chain['gemv_pdl']['ms']:.2f} ms",
                  fontsize=9)
     ax.legend(fontsize=8, loc="lower right")
 

@@ -4,8 +4,8 @@ total device time over a few graph-replayed steps (torch.profiler), and the step
 Three runs: CUDA graphs as served; graphs with PDL off (pdl.py), whose kernel times do not
 include the wait on the kernel ahead, so they are each kernel's own; and eager. Each run also
 gives the time each kernel adds to the step past every earlier kernel's end (`exposed_top`):
-with PDL a kernel's duration includes its wait, and this is the part the step pays for. The served run
-also profiles the host (cProfile over the same steps): what the engine's Python does while the
+with PDL a kernel's duration includes its wait, and this is the part the step pays for. The served
+run also profiles the host (cProfile over the same steps): what the engine's Python does while the
 GPU waits for the next step.
 
     python benchmarks/cuda/profile_moe.py --out benchmarks/results/cuda [--layers 48]

@@ -213,8 +213,8 @@ class Accelerator(ABC):
     def launch(self, batch: "ModelBatch") -> StepFuture:
         """execute() without waiting for the tokens (Capabilities.async_output): the engine
         calls it only on steps whose rows need nothing but token ids back (no logprobs,
-        penalties, grammars, drafts or prompt logprobs), and reads the result after launching the next step,
-        whose batch may take input ids from this one (ModelBatch.from_last_step)."""
+        penalties, grammars, drafts or prompt logprobs), and reads the result after launching the
+        next step, whose batch may take input ids from this one (ModelBatch.from_last_step)."""
         return ReadyStep(self.execute(batch))
 
     # ---- HiCache host tier (optional; Capabilities.host_page_copy says a backend has it) ------

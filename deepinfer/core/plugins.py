@@ -126,7 +126,8 @@ class PluginRegistry:
         self.failures: list[PluginFailure] = []
 
     def register(self, plugin: object, name: str | None = None) -> bool:
-        """Register a module or object holding hookimpls; False (and a failure) if it is rejected."""
+        """Register a module or object holding hookimpls; False (and a failure) if it is
+        rejected."""
         if self.pm.is_registered(plugin):
             return True
         try:

@@ -112,9 +112,9 @@ class SamplingParams:
     def _check_types(self) -> None:
         """Numbers must be numbers: a NaN passes no range check, a bool or str must not
         reach the sampler's tensors."""
-        ints: dict[str, int | None] = {"n": self.n, "top_k": self.top_k, "min_tokens": self.min_tokens,
-                "max_tokens": self.max_tokens, "seed": self.seed, "logprobs": self.logprobs,
-                "prompt_logprobs": self.prompt_logprobs}
+        ints: dict[str, int | None] = {"n": self.n, "top_k": self.top_k,
+                "min_tokens": self.min_tokens, "max_tokens": self.max_tokens, "seed": self.seed,
+                "logprobs": self.logprobs, "prompt_logprobs": self.prompt_logprobs}
         for name, value in ints.items():
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
                 raise ValueError(f"{name} must be an integer, got {value!r}")

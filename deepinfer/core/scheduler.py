@@ -4,8 +4,8 @@ Each step: running requests first (decodes, then the next chunk of any prefill i
 which leaves room for the head of the queue), then waiting requests in arrival order, with
 prefix-cache hits skipping their computed pages. A step that decodes carries at most
 `prefill_beside_decodes` prefill tokens (where the backend or the config sets it), so a long
-prompt does not hold the running requests' next tokens for a whole large chunk. So a new request starts prefilling in the
-step after it arrives, whatever else the rank is doing.
+prompt does not hold the running requests' next tokens for a whole large chunk. So a new request
+starts prefilling in the step after it arrives, whatever else the rank is doing.
 When blocks run out, the newest running request is preempted and recomputed later; preempted
 requests go back to the head of the queue, so nothing starves. With HiCache, admission also
 loads host pages that continue the device hit, and every finished prefill writes its prompt

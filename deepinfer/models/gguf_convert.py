@@ -44,7 +44,8 @@ _GLOBAL_TENSORS = MappingProxyType({
 _LAYER_TENSORS = MappingProxyType({
     "attn_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
-    **{f"attn_{p}.{kind}": f"self_attn.{p}_proj.{kind}" for p in "qkv" for kind in ("weight", "bias")},
+    **{f"attn_{p}.{kind}": f"self_attn.{p}_proj.{kind}"
+       for p in "qkv" for kind in ("weight", "bias")},
     "attn_output.weight": "self_attn.o_proj.weight",
     "attn_q_norm.weight": "self_attn.q_norm.weight",
     "attn_k_norm.weight": "self_attn.k_norm.weight",
@@ -190,7 +191,8 @@ def _rope_scaling(meta: _Metadata, rope_freqs: ReaderTensor | None, head_dim: in
     # llama.cpp bakes Llama 3's rope scaling into a rope_freqs tensor and drops the parameters.
     # Every Llama 3.x release used low=1, high=4, original=8192 with a varying factor; recover
     # the factor and check that those parameters reproduce the tensor exactly.
-    stored = np.asarray(dequantize(rope_freqs.data, rope_freqs.tensor_type), dtype=np.float64).ravel()
+    stored = np.asarray(dequantize(rope_freqs.data, rope_freqs.tensor_type),
+                        dtype=np.float64).ravel()
     scaling = {"rope_type": "llama3", "factor": float(stored.max()), "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
     if not np.allclose(_llama3_rope_factors(scaling, head_dim, rope_theta), stored, rtol=1e-4):
@@ -221,8 +223,9 @@ class _PlannedTensor:
     def index_entry(self) -> dict[str, Any]:
         """Where the tensor lies in the file, for StoredTensor."""
         source = self.source
-        return {"name": self.name, "type": int(source.tensor_type), "offset": int(source.data_offset),
-                "bytes": int(source.n_bytes), "gguf_shape": [int(d) for d in source.shape],
+        return {"name": self.name, "type": int(source.tensor_type),
+                "offset": int(source.data_offset), "bytes": int(source.n_bytes),
+                "gguf_shape": [int(d) for d in source.shape],
                 "unpermute_heads": self.unpermute_heads}
 
     def packed(self, keep: frozenset[int]) -> torch.Tensor | GGUFTensor:

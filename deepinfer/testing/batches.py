@@ -104,7 +104,8 @@ def build_batch(chunks: list[Chunk], block_size: int = BLOCK_SIZE) -> ModelBatch
         input_ids=input_ids, positions=positions,
         query_lens=[c.num_tokens for c in chunks],
         seq_lens=[c.seq.computed + c.num_tokens for c in chunks],
-        groups=tuple(GroupBatch(t, s) for t, s in zip(tables, slots)), sample_indices=sample_indices, sampling=rows)
+        groups=tuple(GroupBatch(t, s) for t, s in zip(tables, slots)),
+        sample_indices=sample_indices, sampling=rows)
 
 
 def run_step(accelerator: Accelerator, chunks: list[Chunk]) -> None:

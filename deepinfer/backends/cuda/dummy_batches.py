@@ -35,7 +35,8 @@ def profile_batch(tokens: int, max_len: int, block_size: int, num_groups: int = 
         positions.extend(range(length))
     return ModelBatch(
         input_ids=[0] * tokens, positions=positions, query_lens=lengths, seq_lens=lengths,
-        groups=(GroupBatch(tables, slots),) * num_groups, sample_indices=list(range(len(lengths))), sampling=[profile_row()] * len(lengths),
+        groups=(GroupBatch(tables, slots),) * num_groups, sample_indices=list(range(len(lengths))),
+        sampling=[profile_row()] * len(lengths),
         state_slots=list(range(len(lengths))) if stateful else [])
 
 
@@ -48,7 +49,8 @@ def warmup_batch(tokens: int, offset: int, block_size: int, num_blocks: int,
     return ModelBatch(
         input_ids=[0] * tokens, positions=list(range(offset, offset + tokens)),
         query_lens=[tokens], seq_lens=[offset + tokens],
-        groups=(GroupBatch([table], slots),) * num_groups, sample_indices=[0], sampling=[profile_row()], state_slots=[0] if stateful else [])
+        groups=(GroupBatch([table], slots),) * num_groups, sample_indices=[0],
+        sampling=[profile_row()], state_slots=[0] if stateful else [])
 
 
 def split_warmup_batches(context: int, block_size: int, num_blocks: int, num_groups: int = 1,

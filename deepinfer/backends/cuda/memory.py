@@ -23,7 +23,8 @@ class MemoryBudget:
 
     def describe(self) -> str:
         return (f"device {self.total / GIB:.1f} GiB: peak step {self.peak / GIB:.2f} GiB, "
-                f"outside torch {self.non_torch / GIB:.2f} GiB, KV pool {self.kv_bytes / GIB:.2f} GiB")
+                f"outside torch {self.non_torch / GIB:.2f} GiB, "
+                f"KV pool {self.kv_bytes / GIB:.2f} GiB")
 
 
 def kv_budget(device: torch.device, utilization: float, profile_peak: int) -> MemoryBudget:

@@ -20,8 +20,8 @@ def hash_block(parent: BlockHash | None, tokens: Sequence[int], extra: bytes = b
     return h.digest()
 
 
-def extend_block_hashes(hashes: list[BlockHash], token_ids_of: Callable[[int, int], Sequence[int]], num_tokens: int,
-                        block_size: int, extra: bytes = b"") -> None:
+def extend_block_hashes(hashes: list[BlockHash], token_ids_of: Callable[[int, int], Sequence[int]],
+                        num_tokens: int, block_size: int, extra: bytes = b"") -> None:
     """Append hashes for every page that is full within the first num_tokens tokens.
 
     `token_ids_of(start, end)` returns the tokens of that range; `extra` salts the first page
