@@ -186,7 +186,8 @@ arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{"name": <fun
 {%- endfor %}
 {{- '<|im_end|>\\n' }}
 {%- elif message.role == 'tool' %}
-{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}
+{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}\
+{{- '<|im_start|>user' }}{%- endif %}
 {{- '\\n<tool_response>\\n' + message.content + '\\n</tool_response>' }}
 {%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}
 {%- endif %}

@@ -20,7 +20,8 @@ SETTINGS_MODULES = {"core/config.py", "core/settings.py", "backends/cuda/setting
                     "backends/neuron/env.py", "serve/settings.py"}
 ENV_USE = re.compile(r"os\.environ|os\.getenv")
 # Setting a variable for a child process or a library is not a read.
-ENV_WRITE = re.compile(r"os\.environ(\[[^]]+\]\s*=[^=]|\.(setdefault|update|pop)\()|del os\.environ")
+ENV_WRITE = re.compile(r"os\.environ(\[[^]]+\]\s*=[^=]|\.(setdefault|update|pop)\()"
+                       r"|del os\.environ")
 
 
 def _code(line: str) -> str:

@@ -34,7 +34,8 @@ class MisplacedKV(CPUAccelerator):
     """Writes each token's KV one block past its slot, so reads through the block table miss it."""
 
     def execute(self, batch: ModelBatch) -> SamplerOutput:
-        groups = tuple(GroupBatch(g.block_tables, [s + self.runner.cache.block_size for s in g.slot_mapping])
+        groups = tuple(GroupBatch(g.block_tables,
+                                  [s + self.runner.cache.block_size for s in g.slot_mapping])
                        for g in batch.groups)
         return super().execute(dataclasses.replace(batch, groups=groups))
 

@@ -1,4 +1,5 @@
-"""GGUF -> HF conversion, checked against tiny random models written the way llama.cpp writes them."""
+"""GGUF -> HF conversion, checked against tiny random models written the way llama.cpp writes
+them."""
 from __future__ import annotations
 
 import json
@@ -27,7 +28,8 @@ from deepinfer.models.gguf_convert import convert_gguf, is_converted
 
 WHEEL_ENV = "DEEPINFER_TEST_SMOLLM2_WHEEL"
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ids 0, 1, 2: unk, bos, eos
-CHAT_TEMPLATE = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+                 "<|im_end|>\n{% endfor %}")
 TEXT = "The quick brown fox jumps over the lazy dog. 12 apples, 7 pears!\nHello world."
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
@@ -91,7 +93,8 @@ def tiny_model(arch: str, vocab_size: int, tied: bool,
 
 def llamacpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     """llama.cpp convert_hf_to_gguf.py LlamaModel.permute."""
-    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2,
+                     *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
 def llamacpp_rope_factors(head_dim: int, theta: float, scaling: dict[str, Any]) -> np.ndarray:

@@ -118,7 +118,8 @@ def test_bf16_runs_close_to_transformers_bf16(tmp_path):
     acc.allocate_kv_cache(8, 8)
     prompt = _prompts((20,))[0]
     slots = [(1 + p // 8) * 8 + p % 8 for p in range(20)]
-    batch = ModelBatch(prompt, list(range(20)), [20], [20], (GroupBatch([[1, 2, 3]], slots),), [0], [])
+    batch = ModelBatch(prompt, list(range(20)), [20], [20], (GroupBatch([[1, 2, 3]], slots),),
+                       [0], [])
     ours = acc.forward_logits(batch, all_tokens=True)
     ref_model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
     with torch.no_grad():

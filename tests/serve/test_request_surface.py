@@ -98,7 +98,8 @@ class StubTokenizer:
 def app_client(tmp_path, ignore: bool) -> tuple[TestClient, StubTokenizer]:
     tokenizer = StubTokenizer()
     state = ServerState(None, None, tokenizer, MODEL, str(tmp_path), 64,
-                        ServerMetrics(MODEL, False), prompt_tokenizer=tokenizer, unknown_fields=UnknownFields(ignore))
+                        ServerMetrics(MODEL, False), prompt_tokenizer=tokenizer,
+                        unknown_fields=UnknownFields(ignore))
     return TestClient(create_app(state)), tokenizer
 
 

@@ -67,8 +67,8 @@ def _client(num_ranks: int, routing: str = "affinity"):
 
 async def _run(client, rid, key, n_tokens=10):
     out = []
-    async for delta in client.requests.generate(rid, list(range(n_tokens)), SamplingParams(max_tokens=1),
-                                       route_key=key):
+    async for delta in client.requests.generate(rid, list(range(n_tokens)),
+                                                SamplingParams(max_tokens=1), route_key=key):
         out.append(delta)
     return out
 

@@ -206,8 +206,9 @@ def _checkpoint(folder, template: str | None = None, model_type: str = "llama",
 
 
 @pytest.mark.parametrize("family,expected", [
-    ("llama3_json", "llama3_json"), ("mistral", "mistral"), ("mistral_args", "mistral (NAME[ARGS] form)"),
-    ("hermes", "hermes"), ("deepseek_v3", "deepseek_v3"), ("deepseek_v31", "deepseek_v3 (V3.1 form)")])
+    ("llama3_json", "llama3_json"), ("mistral", "mistral"),
+    ("mistral_args", "mistral (NAME[ARGS] form)"), ("hermes", "hermes"),
+    ("deepseek_v3", "deepseek_v3"), ("deepseek_v31", "deepseek_v3 (V3.1 form)")])
 def test_auto_detection_from_the_chat_template(tmp_path, family, expected):
     parser, why = find_parser(_checkpoint(tmp_path, FAMILIES[family][0]))
     assert parser.describe() == expected and "chat template" in why

@@ -10,7 +10,8 @@ LLAMA31 = """{{- bos_token }}
 {{- "<|eot_id|>" }}
 {%- for message in messages %}
     {%- if not (message.role == 'ipython' or message.role == 'tool' or 'tool_calls' in message) %}
-        {{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n'+ message['content'] | trim + '<|eot_id|>' }}
+        {{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n'+ \
+message['content'] | trim + '<|eot_id|>' }}
     {%- elif 'tool_calls' in message %}
         {%- set tool_call = message.tool_calls[0].function %}
         {%- if builtin_tools is defined and tool_call.name in builtin_tools %}
@@ -26,7 +27,8 @@ LLAMA31 = """{{- bos_token }}
         {{- "<|eot_id|>" }}
     {%- endif %}
 {%- endfor %}
-{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}
+{%- if add_generation_prompt %}\
+{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}
 """
 
 MISTRAL_V03 = """{{- bos_token }}
@@ -72,7 +74,8 @@ QWEN25 = """{%- for message in messages %}
         {{- '<|im_start|>' + message.role }}
         {%- if message.content %}{{- '\\n' + message.content }}{%- endif %}
         {%- for tool_call in message.tool_calls %}
-            {%- if tool_call.function is defined %}{%- set tool_call = tool_call.function %}{%- endif %}
+            {%- if tool_call.function is defined %}\
+{%- set tool_call = tool_call.function %}{%- endif %}
             {{- '\\n<tool_call>\\n{"name": "' }}
             {{- tool_call.name }}
             {{- '", "arguments": ' }}
@@ -92,10 +95,14 @@ DEEPSEEK_V3 = """{{- bos_token }}
         {%- set ns = namespace(is_first=false) %}
         {%- for tool in message['tool_calls'] %}
             {%- if not ns.is_first %}
-                {{- '<｜Assistant｜><｜tool▁calls▁begin｜><｜tool▁call▁begin｜>' + tool['type'] + '<｜tool▁sep｜>' + tool['function']['name'] + '\\n' + '```json' + '\\n' + tool['function']['arguments'] + '\\n' + '```' + '<｜tool▁call▁end｜>'}}
+                {{- '<｜Assistant｜><｜tool▁calls▁begin｜><｜tool▁call▁begin｜>' + tool['type'] + \
+'<｜tool▁sep｜>' + tool['function']['name'] + '\\n' + '```json' + '\\n' + \
+tool['function']['arguments'] + '\\n' + '```' + '<｜tool▁call▁end｜>'}}
                 {%- set ns.is_first = true -%}
             {%- else %}
-                {{- '\\n' + '<｜tool▁call▁begin｜>' + tool['type'] + '<｜tool▁sep｜>' + tool['function']['name'] + '\\n' + '```json' + '\\n' + tool['function']['arguments'] + '\\n' + '```' + '<｜tool▁call▁end｜>'}}
+                {{- '\\n' + '<｜tool▁call▁begin｜>' + tool['type'] + '<｜tool▁sep｜>' + \
+tool['function']['name'] + '\\n' + '```json' + '\\n' + tool['function']['arguments'] + \
+'\\n' + '```' + '<｜tool▁call▁end｜>'}}
             {%- endif %}
         {%- endfor %}
         {{- '<｜tool▁calls▁end｜><｜end▁of▁sentence｜>'}}
@@ -110,7 +117,8 @@ DEEPSEEK_V31 = """{{- bos_token }}
     {%- if message['role'] == 'assistant' and 'tool_calls' in message %}
         {{- '<｜Assistant｜></think><｜tool▁calls▁begin｜>'}}
         {%- for tool in message['tool_calls'] %}
-            {{- '<｜tool▁call▁begin｜>'+ tool['function']['name'] + '<｜tool▁sep｜>' + tool['function']['arguments'] + '<｜tool▁call▁end｜>'}}
+            {{- '<｜tool▁call▁begin｜>'+ tool['function']['name'] + '<｜tool▁sep｜>' + \
+tool['function']['arguments'] + '<｜tool▁call▁end｜>'}}
         {%- endfor %}
         {{- '<｜tool▁calls▁end｜><｜end▁of▁sentence｜>'}}
     {%- endif %}

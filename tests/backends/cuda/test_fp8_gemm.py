@@ -6,8 +6,8 @@ tile), M 1, 3 and 8 for the GEMV and 1 and 33 for the GEMM. Weights are quantize
 ships them (one scale per 128x128 block) in two parts stacked at row 40 (32 for N 64), as a
 fused projection is, so the per-row scales change inside a 128-row block. The interpreter's
 tl.dot takes fp8 operands as they are (it widens them to fp16, exactly); its float32 -> fp8
-cast is wrong and is patched for the session (conftest.py, _patch_fp8_cast). With a GPU the same tests run compiled, plus
-larger shapes and a CUDA-graph capture.
+cast is wrong and is patched for the session (conftest.py, _patch_fp8_cast). With a GPU the same
+tests run compiled, plus larger shapes and a CUDA-graph capture.
 """
 from __future__ import annotations
 
@@ -40,9 +40,9 @@ ON_GPU = DEVICE == "cuda"
 SHAPES = [(64, 128), (100, 200), (100, 384)]  # (N, K)
 GPU_SHAPES = [(1000, 1800), (6144, 4096)] if ON_GPU else []
 # GEMV: BLOCK_K 128 and 256, a K loop of one scale group a chunk and of two (masked but for
-# K 128 and 384 at 128), and one row read ahead further than a step; BLOCK_N 128 and 64 against N 64 and 100 (few programs: the
-# interpreter's time goes by the program; on a GPU, tiles that fit in registers). GEMM: 3 x 2
-# and 1 x 4 tiles at M 33 (grouped order, wrapped rows and columns).
+# K 128 and 384 at 128), and one row read ahead further than a step; BLOCK_N 128 and 64 against
+# N 64 and 100 (few programs: the interpreter's time goes by the program; on a GPU, tiles that fit
+# in registers). GEMM: 3 x 2 and 1 x 4 tiles at M 33 (grouped order, wrapped rows and columns).
 # The third reads two (GPU: eight) groups before the wait, then one (two) a step.
 GEMV_CONFIGS = ([Fp8GemvConfig(16, 1, 4), Fp8GemvConfig(8, 2, 4, scale_each=False),
                  Fp8GemvConfig(8, 2, 4, scale_each=False, first_groups=8)] if ON_GPU

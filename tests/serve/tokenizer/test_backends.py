@@ -48,7 +48,8 @@ def built(hf_tokenizers: dict) -> dict:
     return out
 
 
-@pytest.fixture(params=[(t, b) for t in TOKENIZERS for b in BACKENDS], ids=lambda p: f"{p[0]}-{p[1]}")
+@pytest.fixture(params=[(t, b) for t in TOKENIZERS for b in BACKENDS],
+                ids=lambda p: f"{p[0]}-{p[1]}")
 def case(request, hf_tokenizers: dict, built: dict):
     tok_name, backend_name = request.param
     backend = built[tok_name, backend_name]
@@ -82,13 +83,17 @@ def _smollm2_conversation(hf) -> str:
     messages = [{"role": "system", "content": "You are a coding agent.\nUse tools."}]
     for turn in range(40):
         messages += [
-            {"role": "user", "content": f"Step {turn}: list files in /tmp/dir_{turn}  \n\tthen diff them ü🤖"},
+            {"role": "user", "content": f"Step {turn}: list files in /tmp/dir_{turn}  \n\t"
+                                        "then diff them ü🤖"},
             {"role": "assistant", "content": "<|im_start|>tool_call\n" + json.dumps(
-                {"name": "run_shell", "arguments": {"cmd": f"ls -la /tmp/dir_{turn} | head -{turn}"}})
+                {"name": "run_shell",
+                 "arguments": {"cmd": f"ls -la /tmp/dir_{turn} | head -{turn}"}})
              + "<|im_end|>"},
-            {"role": "tool", "content": f"total {turn * 8}\n-rw-r--r-- 1 root root {turn * 1024} a.py\n"
+            {"role": "tool", "content": f"total {turn * 8}\n"
+                                        f"-rw-r--r-- 1 root root {turn * 1024} a.py\n"
                                         "<|endoftext|>def f(x):\n    return x  # <file_sep>"},
-            {"role": "assistant", "content": f"Found {turn} files.<jupyter_code>print('done')<empty_output>"},
+            {"role": "assistant", "content": f"Found {turn} files.<jupyter_code>print('done')"
+                                             "<empty_output>"},
         ]
     return hf.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
 
@@ -104,7 +109,8 @@ def _deepseek_v4_conversation() -> str:
             "\n\n<｜DSML｜function_calls>\n<｜DSML｜invoke name=\"get_weather\">\n"
             f"<｜DSML｜parameter name=\"city\" string=\"true\">Paris-{turn}</｜DSML｜parameter>\n"
             "</｜DSML｜invoke>\n</｜DSML｜function_calls><｜end▁of▁sentence｜>"
-            f"<｜tool▁outputs▁begin｜><｜tool▁output▁begin｜>{{\"temp_c\": {turn}, \"sky\": \"清晰\"}}"
+            "<｜tool▁outputs▁begin｜><｜tool▁output▁begin｜>"
+            f"{{\"temp_c\": {turn}, \"sky\": \"清晰\"}}"
             "<｜tool▁output▁end｜><｜tool▁outputs▁end｜>"
             f"<｜Assistant｜></think>It is {turn} °C. <dsml:note>ok</dsml:note>\n\n"
             "```python\nprint({'t': 1})\n```<｜end▁of▁sentence｜>")
@@ -145,7 +151,8 @@ def test_own_probes(case) -> None:
 def test_random_strings(case) -> None:
     _, hf, backend = case
     pieces = st.one_of(st.text(max_size=12), st.sampled_from(_specials(hf)),
-                       st.sampled_from(WHITESPACE), st.sampled_from(("<|", "|>", "<｜", "｜>", "▁", "Ġ")))
+                       st.sampled_from(WHITESPACE),
+                       st.sampled_from(("<|", "|>", "<｜", "｜>", "▁", "Ġ")))
 
     @settings(max_examples=120, deadline=None, derandomize=True, database=None)
     @given(st.lists(pieces, max_size=16).map("".join), st.booleans())
@@ -168,7 +175,8 @@ def test_post_processor_bos_eos(hf_tokenizers: dict, backend_name: str) -> None:
         if backend_name == "segment":
             pytest.skip(f"segment backend not available: {exc}")
         raise
-    assert hf.encode("hi", add_special_tokens=True) == [hf.bos_token_id, *hf.encode("hi", add_special_tokens=False), hf.eos_token_id]
+    assert hf.encode("hi", add_special_tokens=True) == [
+        hf.bos_token_id, *hf.encode("hi", add_special_tokens=False), hf.eos_token_id]
     for text in ("hi", "", "<|im_start|>user\nhello<|im_end|>", " x \n"):
         assert_same(hf, backend, text)
 

@@ -89,7 +89,8 @@ def render_deepseek(messages: list[dict[str, str]]) -> str:
         elif m["content"].startswith("<tool_call>"):
             out += ("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>read_file\n"
                     f"```json\n{m['content'][12:-13]}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>"
-                    f"\n\n<｜DSML｜function_calls>\n<｜DSML｜invoke name=\"read\">\n<｜DSML｜parameter "
+                    f"\n\n<｜DSML｜function_calls>\n"
+                    f"<｜DSML｜invoke name=\"read\">\n<｜DSML｜parameter "
                     f"name=\"i\" string=\"false\">{i}</｜DSML｜parameter>\n</｜DSML｜invoke>\n"
                     "</｜DSML｜function_calls><｜end▁of▁sentence｜>")
         else:
@@ -163,7 +164,8 @@ def test_added_tokens_bound_split_regexes(deepseek):
     HF extracts added tokens first, so the pieces on both sides are encoded alone."""
     hf, seg = deepseek
     user = hf.convert_tokens_to_ids("<｜User｜>")
-    for left, right in [("1234", "5678"), ("abc", "def"), ("数据", "東京"), ("  ", "  "), ("a.", ".b")]:
+    for left, right in [("1234", "5678"), ("abc", "def"), ("数据", "東京"), ("  ", "  "),
+                        ("a.", ".b")]:
         alone = [*hf.encode(left, add_special_tokens=False), user,
                  *hf.encode(right, add_special_tokens=False)]
         assert hf.encode(f"{left}<｜User｜>{right}", add_special_tokens=False) == alone

@@ -72,7 +72,8 @@ def test_auto_picks_fastokens_for_real_tokenizers(name: str, request) -> None:
 def test_forced_backends_build_and_pass(name: str, request) -> None:
     hf = request.getfixturevalue(name)
     tokenizer, results = select_prompt_tokenizer(hf, "hf")
-    assert isinstance(tokenizer, HFTokenizer) and [(r.backend, r.ok) for r in results] == [("hf", True)]
+    assert (isinstance(tokenizer, HFTokenizer)
+            and [(r.backend, r.ok) for r in results] == [("hf", True)])
     try:
         from deepinfer.serve.tokenizer.segment import SegmentTokenizer  # noqa: F401
     except ImportError:
@@ -87,7 +88,8 @@ def test_auto_falls_back_to_hf_and_says_why(metaspace_first) -> None:
     by_name = {r.backend: r for r in results}
     assert [r.backend for r in results] == ["fastokens", "segment", "hf"]
     fastokens_reason = by_name["fastokens"].reason
-    assert not by_name["fastokens"].ok and ("Metaspace" in fastokens_reason or "differ" in fastokens_reason)
+    assert not by_name["fastokens"].ok and ("Metaspace" in fastokens_reason
+                                            or "differ" in fastokens_reason)
     assert not by_name["segment"].ok and by_name["segment"].reason
     assert by_name["hf"].ok
     for text in ("hello world", "[TOOL] word[TOOL]word <s>hello</s>", ""):
@@ -140,18 +142,21 @@ class NaiveSplit:
 
     def __init__(self, hf) -> None:
         self.hf, self.added = hf, hf.added_tokens_encoder
-        self.pattern = re.compile("(" + "|".join(map(re.escape, sorted(self.added, key=len, reverse=True))) + ")")
+        self.pattern = re.compile(
+            "(" + "|".join(map(re.escape, sorted(self.added, key=len, reverse=True))) + ")")
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         ids: list[int] = []
         for piece in filter(None, self.pattern.split(text)):
-            ids += [self.added[piece]] if piece in self.added else self.hf.encode(piece, add_special_tokens=False)
+            ids += ([self.added[piece]] if piece in self.added
+                    else self.hf.encode(piece, add_special_tokens=False))
         return ids
 
 
 def test_probes_catch_piecewise_encoding_under_prepend_first(monkeypatch) -> None:
     hf = _metaspace_first(single_word=False)
-    monkeypatch.setattr(select_module, "build_backend", lambda name, hf, cache_bytes=0: NaiveSplit(hf))
+    monkeypatch.setattr(select_module, "build_backend",
+                        lambda name, hf, cache_bytes=0: NaiveSplit(hf))
     with pytest.raises(ValueError, match="ids differ from hf"):
         select_prompt_tokenizer(hf, "segment")
 
@@ -159,12 +164,14 @@ def test_probes_catch_piecewise_encoding_under_prepend_first(monkeypatch) -> Non
 def test_verification_catches_a_mismatch_and_switches_to_hf(smollm2, caplog) -> None:
     primary, _ = select_prompt_tokenizer(smollm2, "fastokens")
     seen: list[Mismatch] = []
-    verified = VerifiedTokenizer(WrongOn(primary), smollm2, rate=1.0, on_mismatch=seen.append, seed=0)
+    verified = VerifiedTokenizer(WrongOn(primary), smollm2, rate=1.0, on_mismatch=seen.append,
+                                 seed=0)
     good = ["<|im_start|>user\nhello<|im_end|>\n", "plain text", "déjà vu 🤖\n\n"]
     for text in good:
         assert verified.encode(text) == smollm2.encode(text, add_special_tokens=False)
     assert verified.wait_idle(10)
-    assert verified.stats()["checks"] == 3 and verified.name == "fastokens" and not verified.switched
+    assert (verified.stats()["checks"] == 3 and verified.name == "fastokens"
+            and not verified.switched)
 
     bad = "<|im_start|>user\nsecret BUG report<|im_end|>"
     with caplog.at_level(logging.WARNING, logger="deepinfer.serve.tokenizer.verify"):
@@ -176,12 +183,15 @@ def test_verification_catches_a_mismatch_and_switches_to_hf(smollm2, caplog) -> 
     assert digest in caplog.text and "secret" not in caplog.text
 
     stats = verified.stats()
-    assert (stats["checks"], stats["mismatches"], stats["dropped"], stats["switched"]) == (4, 1, 0, True)
+    assert (stats["checks"], stats["mismatches"], stats["dropped"],
+            stats["switched"]) == (4, 1, 0, True)
     assert verified.name == "hf" and stats["name"] == "hf" and stats["primary"] == "fastokens"
     for text in [bad, *good]:
         for special in (False, True):
-            assert verified.encode(text, special) == smollm2.encode(text, add_special_tokens=special)
-    assert verified.wait_idle(10) and verified.stats()["checks"] == 4  # hf is not checked against itself
+            assert (verified.encode(text, special)
+                    == smollm2.encode(text, add_special_tokens=special))
+    # hf is not checked against itself
+    assert verified.wait_idle(10) and verified.stats()["checks"] == 4
     assert sum(verified.stats()["encode_latency"]["counts"]) == verified.stats()["encodes"] == 12
     verified.close()
 
@@ -218,12 +228,14 @@ def test_full_queue_drops_checks_and_counts_them() -> None:
     hf.release.set()
     assert verified.wait_idle(10)
     stats = verified.stats()
-    assert (stats["checks"], stats["dropped"], stats["mismatches"], stats["pending"]) == (2, 1, 0, 0)
+    assert (stats["checks"], stats["dropped"], stats["mismatches"],
+            stats["pending"]) == (2, 1, 0, 0)
     verified.close(10)
 
 
 def test_sampling_rate_is_seeded() -> None:
-    verified = VerifiedTokenizer(EchoTokenizer(), EchoTokenizer(), rate=0.25, seed=7, queue_size=1000)
+    verified = VerifiedTokenizer(EchoTokenizer(), EchoTokenizer(), rate=0.25, seed=7,
+                                 queue_size=1000)
     for i in range(200):
         verified.encode(f"prompt {i}")
     assert verified.wait_idle(10)
@@ -254,5 +266,6 @@ def test_rate_out_of_range_raises() -> None:
 
 def test_hf_primary_is_not_checked_against_itself(smollm2) -> None:
     verified = VerifiedTokenizer(HFTokenizer(smollm2), smollm2, rate=1.0)
-    assert verified.encode("hi <|im_end|>") == smollm2.encode("hi <|im_end|>", add_special_tokens=False)
+    assert (verified.encode("hi <|im_end|>")
+            == smollm2.encode("hi <|im_end|>", add_special_tokens=False))
     assert verified.wait_idle(1) and verified.stats()["checks"] == 0 and verified.name == "hf"
