@@ -22,17 +22,38 @@ if not __import__("torch").cuda.is_available():
 SLOW = (
     "backends/cuda/",
     "backends/neuron/test_static_moe.py",
+    "backends/test_conformance.py",
+    "backends/test_cpu_hicache.py",
     "backends/test_cpu_kernel_build.py",
+    "core/test_async_scheduling.py::test_preemption_by_a_small_kv_pool",
+    "models/test_checkpoint_check.py",
+    "models/test_deepseek_v3_mtp.py",
+    "models/test_deepseek_v3_parity.py",
+    "models/test_deepseek_v4_compressor.py",
+    "models/test_deepseek_v4_hicache.py",
+    "models/test_deepseek_v4_mtp.py",
+    "models/test_deepseek_v4_parity.py",
     "models/test_default_model.py",
     "models/test_expert_parallel.py",
-    "models/test_gguf_convert.py::test_smollm2_matches_transformers_gguf_loader",
+    "models/test_gguf_convert.py",
+    "models/test_gguf_native.py",
+    "models/test_llama_parity.py",
+    "models/test_sliding_window.py",
     "serve/test_dp_lifecycle.py",
+    "serve/test_dsml.py",
     "serve/test_expert_parallel_server.py",
+    "serve/test_grammar_pool.py",
     "serve/test_many_streams.py",
+    "serve/test_rank_recovery.py",
     "serve/test_server_connections.py",
     "serve/test_server_run_files.py",
+    "serve/test_stream_pacing.py",
+    "serve/tokenizer/test_backends.py",
+    "serve/tokenizer/test_select_verify.py",
     "test_bench_dp_scaling.py",
     "test_bench_neuron.py",
+    "test_llm.py",
+    "test_llm_prompts.py",
 )
 _TESTS = Path(__file__).parent
 
@@ -40,8 +61,9 @@ _TESTS = Path(__file__).parent
 def pytest_collection_modifyitems(items) -> None:
     for item in items:
         path = item.path.relative_to(_TESTS).as_posix()
-        if path.startswith(SLOW) or f"{path}::{item.name}" in SLOW \
-                or "server_pool" in getattr(item, "fixturenames", ()):
+        test = f"{path}::{getattr(item, 'originalname', item.name)}"
+        served = "server_pool" in getattr(item, "fixturenames", ())
+        if path.startswith(SLOW) or test in SLOW or served:
             item.add_marker(pytest.mark.slow)
 
 
