@@ -27,6 +27,7 @@ from typing import Any, Callable
 import torch
 
 from deepinfer.backends.cuda.graphs import DecodeGraphs, RowLayout
+from deepinfer.backends.cuda.group_inputs import GroupedDecodeRows
 from deepinfer.backends.cuda.step_inputs import StepInputs
 from deepinfer.backends.torch.runner import TorchRunner
 from deepinfer.backends.torch.speculative import (
@@ -43,7 +44,7 @@ from deepinfer.core.speculative import accept, as_decode_rows, run_rows, verify_
 def _in_runs(layout: RowLayout, q: int) -> RowLayout:
     """The layout for rows in runs of q tokens of one sequence (models with state step them
     token by token; for the others rows are independent already)."""
-    if hasattr(layout, "tokens_per_seq"):
+    if isinstance(layout, GroupedDecodeRows):
         return dataclasses.replace(layout, tokens_per_seq=q)
     return layout
 
@@ -54,7 +55,8 @@ class GraphSpeculator(MTPSpeculator):
                  device: torch.device) -> None:
         super().__init__(runner, make_meta)
         self.q = num_drafts + 1
-        self.null_state_slot = getattr(layout, "null_state_slot", 0)
+        self.null_state_slot = (layout.null_state_slot
+                                if isinstance(layout, GroupedDecodeRows) else 0)
         rows = max_num_seqs * self.q
         self.verify = DecodeGraphs(rows, _in_runs(layout, self.q), device)
         self.draft = DecodeGraphs(rows, _in_runs(layout, self.q), device)
