@@ -71,7 +71,7 @@ def test_chunked_batched_greedy_matches_transformers(engine, reference, prompts,
                                                      kernel_calls):
     """150 and 45 tokens: decoding crosses 16-token windows, CSA's 4 and HCA's 32 rates
     (the shorter one's window and CSA end at 48)."""
-    outs = run_greedy(engine, prompts, 6, "a")
+    outs = run_greedy(engine, prompts, 7, "a")
     for i, prompt in enumerate(prompts):
         _assert_reference_greedy(reference, prompt, outs[i][0])
     # 3 layers each decode step (sliding, CSA, HCA); the CSA layer also picks.
