@@ -13,9 +13,11 @@ case "${1:-}" in
     *) echo "usage: $0 [--quick]" >&2; exit 2 ;;
 esac
 if ! python3 -c "import torch" 2>/dev/null; then
-    python3 -m pip install -q --disable-pip-version-check "torch==2.13.0"
+    python3 -m pip install -q --disable-pip-version-check --no-compile "torch==2.13.0"
 fi
-python3 -m pip install -q --disable-pip-version-check -e ".[test]" ./examples/plugin
+# --no-compile: Python compiles what the tests import when they import it, not every module
+# of every installed package up front.
+python3 -m pip install -q --disable-pip-version-check --no-compile -e ".[test]" ./examples/plugin
 # The CPU backend's C++ kernels are built once here, not inside
 # whichever test first starts an engine.
 python3 -c "from deepinfer.backends.cpu.kernels import extension; extension()"
