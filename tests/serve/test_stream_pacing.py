@@ -5,6 +5,7 @@ official openai client (the same text and logprobs as with interval 1, in fewer 
 ITL histogram still counting tokens), and the one-line CLI error."""
 from __future__ import annotations
 
+import itertools
 import os
 import threading
 
@@ -151,7 +152,11 @@ def test_openai_client_streams_the_same_completion_in_chunks_of_four(paced_serve
     chunks = [c.choices[0] for c in client.completions.create(stream=True, **args)
               if c.choices]
     tokens = [len(c.logprobs.tokens) for c in chunks if c.logprobs and c.logprobs.tokens]
-    assert tokens == [1, 4, 4, 1]
+    # The rank sends 1, 4, 4, 1; deltas that queue up behind a busy API process are joined into
+    # one write (tests/serve/test_delta_coalescing.py), so a chunk may hold several of them,
+    # but no chunk ends inside a paced group and the first token is never held back.
+    ends = set(itertools.accumulate(tokens))
+    assert tokens[0] == 1 and ends <= {1, 5, 9, 10} and 10 in ends
     assert "".join(c.text for c in chunks) == whole.text
     assert [t for c in chunks if c.logprobs for t in c.logprobs.tokens] == whole.logprobs.tokens
     assert chunks[-1].finish_reason == "length"

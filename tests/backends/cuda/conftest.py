@@ -3,7 +3,8 @@
 The variable must be set before any kernel module is imported (triton.jit reads it when it
 decorates), so it is set here, at conftest import time. Two interpreter bugs of Triton 3.6
 that would fail correct kernels (and its float8 cast) are patched for the session, only where
-present, and so is a redundant re-patch that slows every helper call.
+present, and so are two slow paths: a redundant re-patch on every helper call, and the
+element-by-element Python loop that reduces with xor (what tl.sort's bitonic network is made of).
 """
 import os
 
@@ -120,6 +121,26 @@ def _patch_device_calls(mp: pytest.MonkeyPatch, interpreter) -> None:
     mp.setattr(interpreter.InterpretedFunction, "__call__", helper_call)
 
 
+def _patch_xor_reduce(mp: pytest.MonkeyPatch, interpreter) -> None:
+    """The interpreter reduces with NumPy where it knows the combine function (sum, min, max,
+    argmin, argmax) and otherwise calls it once per element in Python; tl.sort xor-reduces at
+    every stage of its network, ~2 s for a 1K-lane sort (fused_moe's align). Reduce xor with
+    NumPy too: the same integers, in any order."""
+    import triton.language as tl
+
+    reduce_ops = interpreter.ReduceOps
+    original = reduce_ops.apply_impl
+
+    def apply_impl(self, input):
+        if self.combine_fn is not tl.standard._xor_combine:
+            return original(self, input)
+        out = np.bitwise_xor.reduce(input[0].handle.data, axis=self.axis,
+                                    keepdims=self.keep_dims)
+        return self.to_tensor(out, input[0].dtype)
+
+    mp.setattr(reduce_ops, "apply_impl", apply_impl)
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _interpreter_fixes():
     if os.environ.get("TRITON_INTERPRET") != "1":
@@ -133,6 +154,7 @@ def _interpreter_fixes():
         _patch_bf16_dot(mp, interpreter)
         _patch_fp8_cast(mp, interpreter)
         _patch_device_calls(mp, interpreter)
+        _patch_xor_reduce(mp, interpreter)
         yield
 
 

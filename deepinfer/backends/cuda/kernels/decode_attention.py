@@ -163,24 +163,26 @@ def tile_slots(table, start, offs_n, valid, BLOCK_N: tl.constexpr, BLOCK_SIZE: t
 
 @triton.jit
 def _decode_merge_kernel(
-    PartialOut, Lse, Out,
+    PartialOut, Lse, Out, heads,
     stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
-    HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, PDL: tl.constexpr,
+    HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr,
 ):
     if PDL:  # let the next kernel launch now; wait for the one ahead (see pdl.py)
         gdc_launch_dependents()
         gdc_wait()
     b = tl.program_id(0)
-    h = tl.program_id(1)
-    splits = tl.arange(0, NUM_SPLITS)
-    offs_d = tl.arange(0, HEAD_DIM)
-    lse = tl.load(Lse + b * stride_lb + h * stride_lh + splits)
+    h = (tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H))[:, None]  # [BLOCK_H, 1]
+    offs_d = tl.arange(0, HEAD_DIM)[None, :]
+    h3, d3 = h[:, :, None], offs_d[:, None, :]
+    splits = tl.arange(0, NUM_SPLITS)[None, :]
+    lse = tl.load(Lse + b * stride_lb + h * stride_lh + splits, mask=h < heads, other=0.0)
     # Split 0 always holds the first tile (seq_len >= 1), so the max is finite.
-    weights = tl.exp(lse - tl.max(lse, 0))
-    parts = tl.load(PartialOut + b * stride_pb + h * stride_ph + splits[:, None] * stride_ps
-                    + offs_d[None, :])
-    out = tl.sum(parts * weights[:, None], 0) / tl.sum(weights, 0)
-    tl.store(Out + b * stride_ob + h * stride_oh + offs_d, out.to(Out.dtype.element_ty))
+    weights = tl.exp(lse - tl.max(lse, 1, keep_dims=True))
+    parts = tl.load(PartialOut + b * stride_pb + h3 * stride_ph + splits[:, :, None] * stride_ps
+                    + d3, mask=h3 < heads, other=0.0)
+    out = tl.sum(parts * weights[:, :, None], 1) / tl.sum(weights, 1, keep_dims=True)
+    tl.store(Out + b * stride_ob + h * stride_oh + offs_d, out.to(Out.dtype.element_ty),
+             mask=h < heads)
 
 
 class DecodeConfig(NamedTuple):
@@ -254,14 +256,21 @@ def launch_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     return out
 
 
+def merge_heads_per_program(heads: int) -> int:
+    """One head a program on a GPU; all of a sequence's under the interpreter, whose cost is
+    per program."""
+    return triton.next_power_of_2(heads) if interpreted() else 1
+
+
 def merge_splits(partial: torch.Tensor, lse: torch.Tensor, out: torch.Tensor) -> None:
     """out[b, h] = the LSE-weighted mean of partial[b, h, :] (fp32 [B, H, S, D], lse [B, H, S],
     S a power of two, split 0 never empty); shared with the MLA decode."""
     batch, heads, num_splits, head_dim = partial.shape
-    _decode_merge_kernel[(batch, heads)](
-        partial, lse, out, partial.stride(0), partial.stride(1), partial.stride(2),
-        lse.stride(0), lse.stride(1), out.stride(0), out.stride(1),
-        HEAD_DIM=head_dim, NUM_SPLITS=num_splits, num_warps=1, **launch_kwargs(out.device),
+    block_h = merge_heads_per_program(heads)
+    _decode_merge_kernel[(batch, triton.cdiv(heads, block_h))](
+        partial, lse, out, heads, partial.stride(0), partial.stride(1), partial.stride(2),
+        lse.stride(0), lse.stride(1), out.stride(0), out.stride(1), HEAD_DIM=head_dim,
+        NUM_SPLITS=num_splits, BLOCK_H=block_h, num_warps=1, **launch_kwargs(out.device),
     )
 
 

@@ -31,6 +31,7 @@ tables for fp8 block-scaled GEMMs. bench_fp8.py times both on a GPU.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -41,6 +42,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
 from deepinfer.backends.cuda.kernels.pdl import launch_kwargs
+from deepinfer.backends.cuda.settings import interpreted
 
 log = logging.getLogger(__name__)
 GROUP = 128  # columns per scale group: DeepSeek's block width
@@ -114,6 +116,11 @@ def gemv_config_for(n: int, k: int, m: int = 1) -> Fp8GemvConfig:
     rows = triton.next_power_of_2(max(m, 1))
     groups = max(1, groups // rows)
     return Fp8GemvConfig(block_n, groups, warps)
+
+
+def _interpreted_rows(cfg: Fp8GemvConfig) -> Fp8GemvConfig:
+    """Under the interpreter, whose cost is per program: many rows a program."""
+    return dataclasses.replace(cfg, block_n=64) if interpreted() else cfg
 
 
 def gemm_config_for(m: int, n: int, k: int) -> Fp8GemmConfig:
@@ -304,7 +311,7 @@ def fp8_gemv(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
     out = _output(x, n, out)
     if m == 0:
         return out
-    cfg = config or gemv_config_for(n, k, m)
+    cfg = config or _interpreted_rows(gemv_config_for(n, k, m))
     if m == 1 and x.stride(1) == 1 and out.stride(1) == 1:
         first = max(cfg.first_groups, cfg.groups)
         _gemv_row_kernel[(triton.cdiv(n, cfg.block_n),)](

@@ -49,6 +49,7 @@ from deepinfer.backends.cuda.kernels import moe_gemv
 from deepinfer.backends.cuda.kernels.fp8_gemm import GROUP, Scaled, quantize_tokens_fp8
 from deepinfer.backends.cuda.kernels.moe_gemv import limit_constexpr as _limit
 from deepinfer.backends.cuda.kernels.moe_gemv import swiglu
+from deepinfer.backends.cuda.settings import interpreted
 
 _ALIGN_CHUNK = 1024  # routes one align program sorts in registers
 _ALIGN_BLOCKS = 32  # blocks one align program labels per iteration
@@ -339,20 +340,20 @@ def _down_kernel(h_ptr, w_ptr, routes_ptr, block_slots_ptr, weights_ptr, y_ptr, 
 
 
 @triton.jit
-def _sum_routes_kernel(y_ptr, slots_ptr, out_ptr, H, S, sy, so, TOP_K: tl.constexpr,
-                       BLOCK: tl.constexpr):
+def _sum_routes_kernel(y_ptr, slots_ptr, out_ptr, T, H, S, sy, so, TOP_K: tl.constexpr,
+                       TOKENS: tl.constexpr, BLOCK: tl.constexpr):
     """out[t] = sum over j of y[t*k + j], in float32, over the routes served here only (the
     rows of the others were never written)."""
-    t = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    t = (tl.program_id(0) * TOKENS + tl.arange(0, TOKENS)).to(tl.int64)[:, None]
+    cols = (tl.program_id(1) * BLOCK + tl.arange(0, BLOCK))[None, :]
+    live = (t < T) & (cols < H)
+    acc = tl.zeros([TOKENS, BLOCK], dtype=tl.float32)
     for j in tl.static_range(TOP_K):
-        # The slot as a vector: the interpreter mis-types a scalar mask broadcast into a vector.
-        slot = tl.zeros([BLOCK], dtype=tl.int32) + tl.load(slots_ptr + t * TOP_K + j)
-        here = (cols < H) & (slot >= 0) & (slot < S)
+        slot = tl.load(slots_ptr + t * TOP_K + j, mask=t < T, other=-1)
+        here = live & (slot >= 0) & (slot < S)
         row = tl.load(y_ptr + (t * TOP_K + j) * sy + cols, mask=here, other=0.0)
         acc += row.to(tl.float32)
-    tl.store(out_ptr + t * so + cols, acc.to(out_ptr.dtype.element_ty), mask=cols < H)
+    tl.store(out_ptr + t * so + cols, acc.to(out_ptr.dtype.element_ty), mask=live)
 
 
 # ---- launchers -----------------------------------------------------------------------------
@@ -432,9 +433,11 @@ def _sum_routes(y: torch.Tensor, slots: torch.Tensor, num_slots: int) -> torch.T
     h = y.shape[1]
     out = torch.empty((tokens, h), dtype=y.dtype, device=y.device)
     block = min(_SUM_BLOCK, triton.next_power_of_2(h))
-    _sum_routes_kernel[(tokens, triton.cdiv(h, block))](
-        y, slots, out, h, num_slots, y.stride(0), out.stride(0), TOP_K=top_k, BLOCK=block,
-        num_warps=max(1, block // 256))
+    # One token a program on a GPU; many under the interpreter, whose cost is per program.
+    per = min(triton.next_power_of_2(tokens), 64) if interpreted() else 1
+    _sum_routes_kernel[(triton.cdiv(tokens, per), triton.cdiv(h, block))](
+        y, slots, out, tokens, h, num_slots, y.stride(0), out.stride(0), TOP_K=top_k,
+        TOKENS=per, BLOCK=block, num_warps=max(1, block // 256))
     return out
 
 

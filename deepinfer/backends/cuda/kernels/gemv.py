@@ -22,7 +22,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
 from deepinfer.backends.cuda.kernels.pdl import launch_kwargs
-from deepinfer.backends.cuda.settings import cuda_settings
+from deepinfer.backends.cuda.settings import cuda_settings, interpreted
 
 
 @dataclass(frozen=True)
@@ -66,6 +66,10 @@ def config_for(n: int, k: int) -> GemvConfig:
     # down_proj [4096 x 14336]: long rows, few of them; two rows of eight warps read their
     # first 8192 columns before the wait.
     return GemvConfig(2, 1024, 8)
+
+
+# Under the interpreter, whose cost is per program: many rows a program.
+INTERPRETED_CONFIG = GemvConfig(64, 1024, 4)
 
 
 @triton.jit
@@ -114,7 +118,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         raise ValueError(f"x must be one contiguous row [1, {k}], got {tuple(x.shape)}")
     if bias is not None and (bias.shape != (n,) or not bias.is_contiguous()):
         raise ValueError(f"bias must be contiguous [{n}], got {tuple(bias.shape)}")
-    cfg = config or config_for(n, k)
+    cfg = config or (INTERPRETED_CONFIG if interpreted() else config_for(n, k))
     if out is None:
         out = torch.empty((1, n), dtype=x.dtype, device=x.device)
     elif out.shape != (1, n) or not out.is_contiguous():

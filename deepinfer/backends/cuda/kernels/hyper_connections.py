@@ -25,7 +25,7 @@ _BLOCK_H = 512  # hidden channels a program (or a loop step) handles
 def _tokens_per_program() -> int:
     """One token a program on a GPU (the gates' reductions stay inside a warp); many under the
     interpreter, whose cost is per program."""
-    return 16 if interpreted() else 1
+    return 64 if interpreted() else 1
 
 
 @triton.jit

@@ -6,7 +6,7 @@ The reference (models/deepseek_v4/attention.rope) builds the cos/sin table in fl
 it to the activations' dtype, rotates in float32 and rounds once; as torch ops that is ~20
 launches an application, and a V4 layer applies it up to six times a step (q, the K=V vector,
 the output's inverse rotation, each compressor's entries, the index queries). Here one program
-rotates BLOCK_H heads of one token with the same roundings.
+rotates BLOCK_H heads of one token (of several under the interpreter) with the same roundings.
 """
 from __future__ import annotations
 
@@ -16,29 +16,33 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from deepinfer.backends.cuda.kernels.pdl import launch_kwargs
+from deepinfer.backends.cuda.settings import interpreted
 
 _TILE = 8192  # elements a program holds (heads x head_dim)
+_INTERPRETED_TILE = 65536
 
 
 @triton.jit
-def _rope_kernel(x_ptr, pos_ptr, freq_ptr, y_ptr, n_heads, sx_t, sx_h, sy_t, sy_h, scaling,
-                 NOPE: tl.constexpr, HALF: tl.constexpr, BLOCK_NOPE: tl.constexpr,
-                 BLOCK_HALF: tl.constexpr, BLOCK_H: tl.constexpr, INVERSE: tl.constexpr,
-                 PDL: tl.constexpr):
+def _rope_kernel(x_ptr, pos_ptr, freq_ptr, y_ptr, n_tokens, n_heads, sx_t, sx_h, sy_t, sy_h,
+                 scaling, NOPE: tl.constexpr, HALF: tl.constexpr, BLOCK_NOPE: tl.constexpr,
+                 BLOCK_HALF: tl.constexpr, TOKENS: tl.constexpr, BLOCK_H: tl.constexpr,
+                 INVERSE: tl.constexpr, PDL: tl.constexpr):
     if PDL:  # see pdl.py
         gdc_launch_dependents()
         gdc_wait()
-    t = tl.program_id(0).to(tl.int64)
-    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)[:, None]
+    t = (tl.program_id(0) * TOKENS + tl.arange(0, TOKENS)).to(tl.int64)[:, None, None]
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)[None, :, None]
+    rows = (t < n_tokens) & (heads < n_heads)
     x_row = x_ptr + t * sx_t + heads * sx_h
     y_row = y_ptr + t * sy_t + heads * sy_h
     if NOPE > 0:
-        cols = tl.arange(0, BLOCK_NOPE)[None, :]
-        keep = (heads < n_heads) & (cols < NOPE)
+        cols = tl.arange(0, BLOCK_NOPE)[None, None, :]
+        keep = rows & (cols < NOPE)
         tl.store(y_row + cols, tl.load(x_row + cols, mask=keep), mask=keep)
-    pair = tl.arange(0, BLOCK_HALF)[None, :]
-    ok = (heads < n_heads) & (pair < HALF)
-    angle = tl.load(pos_ptr + t).to(tl.float32) * tl.load(freq_ptr + pair, mask=pair < HALF)
+    pair = tl.arange(0, BLOCK_HALF)[None, None, :]
+    ok = rows & (pair < HALF)
+    position = tl.load(pos_ptr + t, mask=t < n_tokens, other=0).to(tl.float32)
+    angle = position * tl.load(freq_ptr + pair, mask=pair < HALF)
     dtype = y_ptr.dtype.element_ty
     cos = (tl.cos(angle) * scaling).to(dtype).to(tl.float32)
     sin = (tl.sin(angle) * scaling).to(dtype).to(tl.float32)
@@ -48,6 +52,14 @@ def _rope_kernel(x_ptr, pos_ptr, freq_ptr, y_ptr, n_heads, sx_t, sx_h, sy_t, sy_
     odd = tl.load(x_row + NOPE + 2 * pair + 1, mask=ok).to(tl.float32)
     tl.store(y_row + NOPE + 2 * pair, (even * cos - odd * sin).to(dtype), mask=ok)
     tl.store(y_row + NOPE + 2 * pair + 1, (odd * cos + even * sin).to(dtype), mask=ok)
+
+
+def _tokens_per_program(tokens: int, tile: int) -> int:
+    """One token a program on a GPU; under the interpreter, whose cost is per program, as
+    many as fill _INTERPRETED_TILE elements."""
+    if not interpreted():
+        return 1
+    return max(1, min(triton.next_power_of_2(tokens), _INTERPRETED_TILE // tile))
 
 
 def interleaved_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
@@ -65,11 +77,13 @@ def interleaved_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.T
     out = torch.empty_like(x3, memory_format=torch.contiguous_format)
     if tokens and heads:
         nope = d - 2 * half
-        block_h = min(triton.next_power_of_2(heads), max(1, _TILE // triton.next_power_of_2(d)))
-        _rope_kernel[(tokens, triton.cdiv(heads, block_h))](
-            x3, positions, inv_freq.float().contiguous(), out, heads, x3.stride(0),
+        block_d = triton.next_power_of_2(d)
+        block_h = min(triton.next_power_of_2(heads), max(1, _TILE // block_d))
+        per = _tokens_per_program(tokens, block_h * block_d)
+        _rope_kernel[(triton.cdiv(tokens, per), triton.cdiv(heads, block_h))](
+            x3, positions, inv_freq.float().contiguous(), out, tokens, heads, x3.stride(0),
             x3.stride(1), out.stride(0), out.stride(1), float(scaling),
             NOPE=nope, HALF=half, BLOCK_NOPE=triton.next_power_of_2(max(nope, 1)),
-            BLOCK_HALF=triton.next_power_of_2(half), BLOCK_H=block_h, INVERSE=inverse,
-            num_warps=4, **launch_kwargs(x3.device))
+            BLOCK_HALF=triton.next_power_of_2(half), TOKENS=per, BLOCK_H=block_h,
+            INVERSE=inverse, num_warps=4, **launch_kwargs(x3.device))
     return out.view(x.shape)

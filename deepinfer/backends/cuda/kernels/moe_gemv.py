@@ -37,6 +37,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from deepinfer.backends.cuda.kernels.fp8_gemm import GROUP, Scaled
 from deepinfer.backends.cuda.kernels.pdl import launch_kwargs
+from deepinfer.backends.cuda.settings import interpreted
 
 _GROUP = tl.constexpr(GROUP)
 
@@ -68,6 +69,12 @@ class MoeGemvConfig:
 MAX_TOKENS = 8
 MAX_ROUTES_PER_SLOT = 0.5
 CONFIG = MoeGemvConfig(GemvTiles(1, 512, 2), GemvTiles(8, 256, 4))
+# Under the interpreter, whose cost is per program: many rows a program.
+INTERPRETED_CONFIG = MoeGemvConfig(GemvTiles(64, 512, 4), GemvTiles(64, 256, 4))
+
+
+def default_config() -> MoeGemvConfig:
+    return INTERPRETED_CONFIG if interpreted() else CONFIG
 
 
 def takes(tokens: int, top_k: int, slots: int) -> bool:
@@ -207,7 +214,7 @@ def _group_scales_3d(s_rows, k0, K, ok, BLOCK_K: tl.constexpr):
 
 
 def moe_gemv(x: torch.Tensor, w13: torch.Tensor | Scaled, w2: torch.Tensor | Scaled,
-             weights: torch.Tensor, slots: torch.Tensor, config: MoeGemvConfig = CONFIG,
+             weights: torch.Tensor, slots: torch.Tensor, config: MoeGemvConfig | None = None,
              swiglu_limit: float | None = None) -> torch.Tensor:
     """fused_experts for small T (checked by the caller): x [T, H]; w13 [S, 2F, H];
     w2 [S, H, F]; weights [T, k] float32 and slots [T, k] int32, both contiguous. w13 and
@@ -219,6 +226,7 @@ def moe_gemv(x: torch.Tensor, w13: torch.Tensor | Scaled, w2: torch.Tensor | Sca
     f = f2 // 2
     inter = torch.empty((tokens * top_k, f), dtype=x.dtype, device=x.device)
     out = torch.empty_like(x)
+    config = config or default_config()
     up, down, pdl = config.gate_up, config.down, launch_kwargs(x.device)
     if fp8 and (up.block_k % GROUP or down.block_k % GROUP):
         raise ValueError(f"FP8 experts need BLOCK_Ks in multiples of {GROUP}, got {config}")

@@ -1,14 +1,14 @@
 """RMSNorm and fused residual-add + RMSNorm.
 
-One program normalizes every row of one token: x is [T, H] (one row a token) or [T, heads, D]
-(Qwen3's per-head q/k norm, one row a head; x is then a strided view of a fused qkv output). The
-rows of a token form a [BLOCK_H, BLOCK_D] tile held in registers, so each element is read and
-written once. Numerics follow deepinfer.backends.torch.ops: the residual sum is rounded to x.dtype
-before the norm reads it, statistics are fp32, and the normalized value is rounded to x.dtype
-before the weight multiplies it. DeepSeek-V4's norms (`v4_rms_norm`, models/deepseek_v4/
-attention.py) round differently: the float32 weight multiplies the float32 normalized value
-and the product is rounded once; its unweighted q norm multiplies x by the reciprocal rms
-rounded to x's dtype.
+One program normalizes every row of one token (of several under the interpreter): x is [T, H] (one
+row a token) or [T, heads, D] (Qwen3's per-head q/k norm, one row a head; x is then a strided view
+of a fused qkv output). The rows of a token form a [BLOCK_H, BLOCK_D] tile held in registers, so
+each element is read and written once. Numerics follow deepinfer.backends.torch.ops: the residual
+sum is rounded to x.dtype before the norm reads it, statistics are fp32, and the normalized value
+is rounded to x.dtype before the weight multiplies it. DeepSeek-V4's norms (`v4_rms_norm`,
+models/deepseek_v4/attention.py) round differently: the float32 weight multiplies the float32
+normalized value and the product is rounded once; its unweighted q norm multiplies x by the
+reciprocal rms rounded to x's dtype.
 """
 from __future__ import annotations
 
@@ -18,25 +18,36 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from deepinfer.backends.cuda.kernels.pdl import launch_kwargs
+from deepinfer.backends.cuda.settings import interpreted
 
 # Elements per program tile: beyond this the heads of one token spread over several programs.
 _TILE = 8192
+# Under the interpreter, whose cost is per program, a program takes up to this many elements
+# (whole tokens); on a GPU a program takes one token.
+_INTERPRETED_TILE = 65536
+
+
+def _tokens_per_program(tokens: int, tile: int) -> int:
+    if not interpreted():
+        return 1
+    return max(1, min(triton.next_power_of_2(tokens), _INTERPRETED_TILE // tile))
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, n_heads, d, eps,
+def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, n_tokens, n_heads, d, eps,
                      sx_t, sx_h, sr_t, sr_h, sy_t, sy_h,
-                     HAS_RESIDUAL: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-                     PDL: tl.constexpr, MODE: tl.constexpr = 0):
-    cols = tl.arange(0, BLOCK_D)[None, :]
+                     HAS_RESIDUAL: tl.constexpr, TOKENS: tl.constexpr, BLOCK_H: tl.constexpr,
+                     BLOCK_D: tl.constexpr, PDL: tl.constexpr, MODE: tl.constexpr = 0):
+    cols = tl.arange(0, BLOCK_D)[None, None, :]
     if MODE != 2:  # the weight is written by no kernel: requested before the wait
         w = tl.load(w_ptr + cols, mask=cols < d, other=0.0).to(tl.float32)
     if PDL:  # let the next kernel launch now; wait for the one ahead (see pdl.py)
         gdc_launch_dependents()
         gdc_wait()
-    t = tl.program_id(0).to(tl.int64)  # int64: token * stride can pass 2**31 in large batches
-    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)[:, None]
-    mask = (heads < n_heads) & (cols < d)
+    # int64: token * stride can pass 2**31 in large batches
+    t = (tl.program_id(0) * TOKENS + tl.arange(0, TOKENS)).to(tl.int64)[:, None, None]
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)[None, :, None]
+    mask = (t < n_tokens) & (heads < n_heads) & (cols < d)
     x_ptrs = x_ptr + t * sx_t + heads * sx_h + cols
     x = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
@@ -45,13 +56,13 @@ def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, n_heads, d, eps,
         summed = summed.to(x_ptr.dtype.element_ty)
         tl.store(r_ptrs, summed, mask=mask)
         x = summed.to(tl.float32)  # the norm reads the sum as rounded to the activation dtype
-    var = tl.sum(x * x, axis=1) / d
+    var = tl.sum(x * x, axis=2) / d
     # Correctly rounded 1/sqrt (one per row, so free) to match torch.rsqrt bit for bit.
-    rstd = tl.div_rn(1.0, tl.sqrt_rn(var + eps))
+    rstd = tl.div_rn(1.0, tl.sqrt_rn(var + eps))[:, :, None]
     if MODE == 2:  # V4 unweighted: x times the reciprocal rounded to x's dtype
-        y = x * rstd.to(x_ptr.dtype.element_ty).to(tl.float32)[:, None]
+        y = x * rstd.to(x_ptr.dtype.element_ty).to(tl.float32)
     else:
-        normed = x * rstd[:, None]
+        normed = x * rstd
         if MODE == 0:  # rounded before the weight (the CPU backend's order)
             normed = normed.to(x_ptr.dtype.element_ty).to(tl.float32)
         y = normed * w
@@ -82,12 +93,13 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
     # ~4 16-byte vectors per thread: on an H200 4 warps for 4096 elements ran at ~3 TB/s at
     # T=4096, and 16 warps were slower at every width tried (2048 to 8192).
     warps = max(1, min(8, block_h * block_d // 1024))
-    grid = (tokens, triton.cdiv(heads, block_h))
-    _rms_norm_kernel[grid](x3, r3, weight, y3, heads, d, eps,
+    per = _tokens_per_program(tokens, block_h * block_d)
+    grid = (triton.cdiv(tokens, per), triton.cdiv(heads, block_h))
+    _rms_norm_kernel[grid](x3, r3, weight, y3, tokens, heads, d, eps,
                            x3.stride(0), x3.stride(1), r3.stride(0), r3.stride(1),
-                           y3.stride(0), y3.stride(1),
-                           HAS_RESIDUAL=residual is not None, BLOCK_H=block_h, BLOCK_D=block_d,
-                           MODE=mode, num_warps=warps, **launch_kwargs(x3.device))
+                           y3.stride(0), y3.stride(1), HAS_RESIDUAL=residual is not None,
+                           TOKENS=per, BLOCK_H=block_h, BLOCK_D=block_d, MODE=mode,
+                           num_warps=warps, **launch_kwargs(x3.device))
 
 
 def _new_out(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
