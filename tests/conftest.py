@@ -5,9 +5,23 @@ import os
 from pathlib import Path
 
 import pytest
-from checkpoints import make_checkpoint
 
+
+def _cores_per_worker() -> int:
+    """Each pytest-xdist worker's share of the cores. A worker's torch (and each engine it
+    starts in process, DEEPINFER_CPU_THREADS) otherwise takes every core, and workers whose
+    OpenMP threads outnumber the cores spin-wait on each other at every parallel region."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    return max(1, (os.cpu_count() or 1) // workers)
+
+
+# Before torch is imported (checkpoints imports it): OpenMP sizes its pool once.
+os.environ.setdefault("OMP_NUM_THREADS", str(_cores_per_worker()))
+os.environ.setdefault("DEEPINFER_CPU_THREADS", str(_cores_per_worker()))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from checkpoints import make_checkpoint  # noqa: E402
+
 # Triton kernels run under the interpreter without a GPU. Set here, before any test module is
 # imported, because triton.jit reads it when it decorates: a kernel module imported first by
 # another directory's tests would otherwise hold compiled-mode helpers, whatever runs first.

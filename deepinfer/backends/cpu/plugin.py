@@ -16,9 +16,15 @@ def _load_cpu() -> type["Accelerator"]:
     return CPUAccelerator
 
 
+def _always_available() -> None:
+    # Probing by loading the class would import torch and the whole backend in the preflight's
+    # short-lived process only to hear that the host CPU is there.
+    return None
+
+
 @hookimpl
 def deepinfer_register_accelerators() -> list[AcceleratorInfo]:
     return [AcceleratorInfo(
-        name="cpu", aliases=(), priority=0, load=_load_cpu,
+        name="cpu", aliases=(), priority=0, load=_load_cpu, probe=_always_available,
         description="reference backend: plain torch ops on the host CPU; always available",
     )]
