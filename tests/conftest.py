@@ -7,17 +7,17 @@ from pathlib import Path
 import pytest
 
 
-def _cores_per_worker() -> int:
-    """Each pytest-xdist worker's share of the cores. A worker's torch (and each engine it
-    starts in process, DEEPINFER_CPU_THREADS) otherwise takes every core, and workers whose
-    OpenMP threads outnumber the cores spin-wait on each other at every parallel region."""
+def _cores_per_worker() -> int | None:
+    """Each pytest-xdist worker's share of the cores (None outside xdist). A worker's torch, and
+    each engine it starts in process, would otherwise take every core, and workers whose OpenMP
+    threads outnumber the cores spin-wait on each other at every parallel region."""
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-    return max(1, (os.cpu_count() or 1) // workers)
+    return max(1, (os.cpu_count() or 1) // workers) if workers > 1 else None
 
 
-# Before torch is imported (checkpoints imports it): OpenMP sizes its pool once.
-os.environ.setdefault("OMP_NUM_THREADS", str(_cores_per_worker()))
-os.environ.setdefault("DEEPINFER_CPU_THREADS", str(_cores_per_worker()))
+if _cores_per_worker() is not None:  # the processes a test starts inherit it too
+    os.environ.setdefault("DEEPINFER_CPU_THREADS", str(_cores_per_worker()))
+    __import__("torch").set_num_threads(int(os.environ["DEEPINFER_CPU_THREADS"]))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from checkpoints import make_checkpoint  # noqa: E402
