@@ -417,7 +417,7 @@ def test_launchers_never_read_tensor_values(monkeypatch):
     q = torch.empty(5, 8, 32, **meta)
     for window in (0, 64):
         paged_decode_attention(q, cache, cache, tables, lens, 16, 0.1, 8, window=window)
-    merge_programs = math.ceil(8 / decode_attention.merge_heads_per_program(8))
+    merge_programs = math.ceil(8 / decode_attention.merge_heads_per_program(8, 8, 32))
     assert split.grids == [(5, 2, 8)] * 2 and merge.grids == [(5, merge_programs)] * 2
     q = torch.empty(40, 8, 32, **meta)
     starts = torch.empty(6, dtype=torch.int32, **meta)

@@ -226,7 +226,8 @@ def test_mla_launchers_never_read_tensor_values(monkeypatch):
     for heads in (16, 128):  # one program per sequence and split; four 32-head groups
         q = torch.empty(5, heads, 576, dtype=torch.bfloat16, **meta)
         paged_mla_decode(q, cache, tables, lens, 16, 0.1, 8, 512)
-    merges = [(5, math.ceil(h / decode_attention.merge_heads_per_program(h))) for h in (16, 128)]
+    merges = [(5, math.ceil(h / decode_attention.merge_heads_per_program(h, 8, 512)))
+              for h in (16, 128)]
     assert split.grids == [(5, 1, 8), (5, 4, 8)] and merge.grids == merges
     q = torch.empty(40, 16, 576, dtype=torch.bfloat16, **meta)
     starts = torch.empty(6, dtype=torch.int32, **meta)

@@ -26,6 +26,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from deepinfer.backends.cuda.kernels.pdl import launch_kwargs
+from deepinfer.backends.cuda.kernels.tiles import rows_per_program
 from deepinfer.backends.cuda.settings import interpreted
 
 _LN2 = math.log(2.0)
@@ -256,17 +257,15 @@ def launch_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     return out
 
 
-def merge_heads_per_program(heads: int) -> int:
-    """One head a program on a GPU; all of a sequence's under the interpreter, whose cost is
-    per program."""
-    return triton.next_power_of_2(heads) if interpreted() else 1
+def merge_heads_per_program(heads: int, num_splits: int, head_dim: int) -> int:
+    return rows_per_program(heads, num_splits * head_dim)
 
 
 def merge_splits(partial: torch.Tensor, lse: torch.Tensor, out: torch.Tensor) -> None:
     """out[b, h] = the LSE-weighted mean of partial[b, h, :] (fp32 [B, H, S, D], lse [B, H, S],
     S a power of two, split 0 never empty); shared with the MLA decode."""
     batch, heads, num_splits, head_dim = partial.shape
-    block_h = merge_heads_per_program(heads)
+    block_h = merge_heads_per_program(heads, num_splits, head_dim)
     _decode_merge_kernel[(batch, triton.cdiv(heads, block_h))](
         partial, lse, out, heads, partial.stride(0), partial.stride(1), partial.stride(2),
         lse.stride(0), lse.stride(1), out.stride(0), out.stride(1), HEAD_DIM=head_dim,

@@ -49,7 +49,7 @@ from deepinfer.backends.cuda.kernels import moe_gemv
 from deepinfer.backends.cuda.kernels.fp8_gemm import GROUP, Scaled, quantize_tokens_fp8
 from deepinfer.backends.cuda.kernels.moe_gemv import limit_constexpr as _limit
 from deepinfer.backends.cuda.kernels.moe_gemv import swiglu
-from deepinfer.backends.cuda.settings import interpreted
+from deepinfer.backends.cuda.kernels.tiles import rows_per_program
 
 _ALIGN_CHUNK = 1024  # routes one align program sorts in registers
 _ALIGN_BLOCKS = 32  # blocks one align program labels per iteration
@@ -433,8 +433,7 @@ def _sum_routes(y: torch.Tensor, slots: torch.Tensor, num_slots: int) -> torch.T
     h = y.shape[1]
     out = torch.empty((tokens, h), dtype=y.dtype, device=y.device)
     block = min(_SUM_BLOCK, triton.next_power_of_2(h))
-    # One token a program on a GPU; many under the interpreter, whose cost is per program.
-    per = min(triton.next_power_of_2(tokens), 64) if interpreted() else 1
+    per = rows_per_program(tokens, block)
     _sum_routes_kernel[(triton.cdiv(tokens, per), triton.cdiv(h, block))](
         y, slots, out, tokens, h, num_slots, y.stride(0), out.stride(0), TOP_K=top_k,
         TOKENS=per, BLOCK=block, num_warps=max(1, block // 256))

@@ -16,10 +16,9 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from deepinfer.backends.cuda.kernels.pdl import launch_kwargs
-from deepinfer.backends.cuda.settings import interpreted
+from deepinfer.backends.cuda.kernels.tiles import rows_per_program
 
 _TILE = 8192  # elements a program holds (heads x head_dim)
-_INTERPRETED_TILE = 65536
 
 
 @triton.jit
@@ -54,14 +53,6 @@ def _rope_kernel(x_ptr, pos_ptr, freq_ptr, y_ptr, n_tokens, n_heads, sx_t, sx_h,
     tl.store(y_row + NOPE + 2 * pair + 1, (odd * cos + even * sin).to(dtype), mask=ok)
 
 
-def _tokens_per_program(tokens: int, tile: int) -> int:
-    """One token a program on a GPU; under the interpreter, whose cost is per program, as
-    many as fill _INTERPRETED_TILE elements."""
-    if not interpreted():
-        return 1
-    return max(1, min(triton.next_power_of_2(tokens), _INTERPRETED_TILE // tile))
-
-
 def interleaved_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
                      scaling: float, inverse: bool = False) -> torch.Tensor:
     """x [T, D] or [T, heads, D] (contiguous last dim), positions [T] int, inv_freq float32
@@ -79,7 +70,7 @@ def interleaved_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.T
         nope = d - 2 * half
         block_d = triton.next_power_of_2(d)
         block_h = min(triton.next_power_of_2(heads), max(1, _TILE // block_d))
-        per = _tokens_per_program(tokens, block_h * block_d)
+        per = rows_per_program(tokens, block_h * block_d)
         _rope_kernel[(triton.cdiv(tokens, per), triton.cdiv(heads, block_h))](
             x3, positions, inv_freq.float().contiguous(), out, tokens, heads, x3.stride(0),
             x3.stride(1), out.stride(0), out.stride(1), float(scaling),

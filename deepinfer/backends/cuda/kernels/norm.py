@@ -18,19 +18,10 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from deepinfer.backends.cuda.kernels.pdl import launch_kwargs
-from deepinfer.backends.cuda.settings import interpreted
+from deepinfer.backends.cuda.kernels.tiles import rows_per_program
 
 # Elements per program tile: beyond this the heads of one token spread over several programs.
 _TILE = 8192
-# Under the interpreter, whose cost is per program, a program takes up to this many elements
-# (whole tokens); on a GPU a program takes one token.
-_INTERPRETED_TILE = 65536
-
-
-def _tokens_per_program(tokens: int, tile: int) -> int:
-    if not interpreted():
-        return 1
-    return max(1, min(triton.next_power_of_2(tokens), _INTERPRETED_TILE // tile))
 
 
 @triton.jit
@@ -93,7 +84,7 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
     # ~4 16-byte vectors per thread: on an H200 4 warps for 4096 elements ran at ~3 TB/s at
     # T=4096, and 16 warps were slower at every width tried (2048 to 8192).
     warps = max(1, min(8, block_h * block_d // 1024))
-    per = _tokens_per_program(tokens, block_h * block_d)
+    per = rows_per_program(tokens, block_h * block_d)
     grid = (triton.cdiv(tokens, per), triton.cdiv(heads, block_h))
     _rms_norm_kernel[grid](x3, r3, weight, y3, tokens, heads, d, eps,
                            x3.stride(0), x3.stride(1), r3.stride(0), r3.stride(1),
