@@ -17,15 +17,15 @@ import torch
 import triton
 import triton.language as tl
 
-from deepinfer.backends.cuda.settings import interpreted
+from deepinfer.backends.cuda.kernels.tiles import rows_per_program
 
 _BLOCK_H = 512  # hidden channels a program (or a loop step) handles
 
 
-def _tokens_per_program() -> int:
-    """One token a program on a GPU (the gates' reductions stay inside a warp); many under the
-    interpreter, whose cost is per program."""
-    return 64 if interpreted() else 1
+def _tokens_per_program(tokens: int, n: int) -> int:
+    """One token a program on a GPU (the gates' reductions stay inside a warp); under the
+    interpreter as many as fill its tile of [streams, _BLOCK_H] rows."""
+    return rows_per_program(tokens, triton.next_power_of_2(n) * _BLOCK_H)
 
 
 @triton.jit
@@ -85,7 +85,7 @@ def hyper_collapse(logits: torch.Tensor, streams: torch.Tensor, scale: torch.Ten
     x = torch.empty((tokens, hidden), dtype=streams.dtype, device=streams.device)
     post = torch.empty((tokens, n), dtype=torch.float32, device=streams.device)
     comb = torch.empty((tokens, n, n), dtype=torch.float32, device=streams.device)
-    per = _tokens_per_program()
+    per = _tokens_per_program(tokens, n)
     if tokens:
         _collapse_kernel[(triton.cdiv(tokens, per),)](
             logits, scale, base, streams, x, post, comb, tokens, hidden, iters, float(eps),
@@ -129,7 +129,7 @@ def hyper_update(streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
     if streams.stride(-1) != 1 or block_output.stride(-1) != 1:
         raise ValueError("streams and block_output need a contiguous last dim")
     new = torch.empty((tokens, n, hidden), dtype=streams.dtype, device=streams.device)
-    per = _tokens_per_program()
+    per = _tokens_per_program(tokens, n)
     if tokens:
         _update_kernel[(triton.cdiv(tokens, per), triton.cdiv(hidden, _BLOCK_H))](
             streams, post.contiguous(), comb.contiguous(), block_output, new, tokens, hidden,
