@@ -55,6 +55,11 @@ class Capabilities:
     prompt_logprobs: bool = False
     # Activation dtypes the backend runs; a model asking for another is refused at load.
     dtypes: tuple[str, ...] = ("float32", "bfloat16")
+    # The step limits where the scheduler config leaves them unset: a GPU reads its weights
+    # once for a step of hundreds of sequences and thousands of tokens, so it wants far larger
+    # steps than a CPU, whose step time grows with every row.
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
 
 
 @dataclass(frozen=True)

@@ -102,12 +102,20 @@ class CacheConfig:
             raise ValueError("num_blocks must be >= 2 (block 0 is the null block)")
 
 
+def _limit(value: int | None, name: str) -> int:
+    if value is None:
+        raise ValueError(f"{name} is read before the backend's default was applied")
+    return value
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_num_batched_tokens: int = field(default=2048, metadata={
-        "help": "tokens in one step (prefill chunks + decodes): the per-step token budget"})
-    max_num_seqs: int = field(default=64, metadata={
-        "help": "sequences in one step's batch"})
+    max_num_batched_tokens: int | None = field(default=None, metadata={
+        "help": "tokens in one step (prefill chunks + decodes): the per-step token budget "
+                "(default: the backend's, 2048 on cpu and neuron, 8192 on nvidia)"})
+    max_num_seqs: int | None = field(default=None, metadata={
+        "help": "sequences in one step's batch (default: the backend's, 64 on cpu and "
+                "neuron, 256 on nvidia)"})
     enable_chunked_prefill: bool = field(default=True, metadata={
         "flag": "--no-chunked-prefill",
         "help": "chunked prefill: a prompt is prefilled over several steps within the token "
@@ -132,8 +140,20 @@ class SchedulerConfig:
                 "support it; steps with logprobs, penalties, grammars or speculative "
                 "decoding still run one at a time"})
 
+    @property
+    def step_tokens(self) -> int:
+        """max_num_batched_tokens, once set (Engine sets what the config leaves unset to the
+        backend's Capabilities before anything reads it)."""
+        return _limit(self.max_num_batched_tokens, "max_num_batched_tokens")
+
+    @property
+    def step_seqs(self) -> int:
+        """max_num_seqs, once set (as step_tokens)."""
+        return _limit(self.max_num_seqs, "max_num_seqs")
+
     def __post_init__(self) -> None:
-        if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
+        if any(limit is not None and limit < 1
+               for limit in (self.max_num_batched_tokens, self.max_num_seqs)):
             raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
         if self.num_speculative_tokens < 0:
             raise ValueError("num_speculative_tokens must be >= 0")

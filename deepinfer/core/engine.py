@@ -14,7 +14,7 @@ import random
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from deepinfer.core.accelerator import Accelerator, ParallelContext, StepFuture
+from deepinfer.core.accelerator import Accelerator, Capabilities, ParallelContext, StepFuture
 from deepinfer.core.batch import TokenLogprobs
 from deepinfer.core.config import EngineConfig
 from deepinfer.core.detokenizer import IncrementalDetokenizer
@@ -61,8 +61,8 @@ class Engine:
     def __init__(self, config: EngineConfig, accelerator: Accelerator | None = None,
                  tokenizer: Any = None, load_tokenizer: bool = True,
                  parallel: ParallelContext = ParallelContext()) -> None:
-        self.config = config
         self.accelerator = accelerator or _select_accelerator(config)
+        self.config = config = with_step_limits(config, self.accelerator.capabilities)
         self.tokenizer = tokenizer if tokenizer is not None or not load_tokenizer \
             else load_hf_tokenizer(config.model.path, config.model.trust_remote_code)
         self.accelerator.init_device(parallel)
@@ -74,7 +74,7 @@ class Engine:
         self.max_model_len = self.model.max_model_len
         num_blocks = self.accelerator.num_kv_blocks(config.cache)
         # Every sequence that can run at once holds one state slot (models with state only).
-        num_slots = config.scheduler.max_num_seqs if self.model.kv_spec.state_bytes else 0
+        num_slots = config.scheduler.step_seqs if self.model.kv_spec.state_bytes else 0
         self.accelerator.allocate_kv_cache(num_blocks, config.cache.block_size, num_slots)
         self.accelerator.warm_up()
         self.accelerator.capture_graphs()
@@ -120,7 +120,7 @@ class Engine:
         """Most tokens one sequence can hold: the context length, or the whole KV pool (a
         sliding-window model holds only its windows, so the pool does not bound it)."""
         window = max(g.sliding_window or 0 for g in self.model.kv_spec.groups)
-        budget = self.config.scheduler.max_num_batched_tokens
+        budget = self.config.scheduler.step_tokens
         if self.kv.all_sliding and \
                 (window + budget) // self.kv.block_size + 2 <= self.kv.pool.num_usable:
             return self.max_model_len
@@ -143,7 +143,7 @@ class Engine:
             raise ValueError(f"prompt has {len(prompt_ids)} tokens; this model's context "
                              f"length is {limit} tokens, leaving no room to generate")
         step_tokens = self.scheduler.buckets.token_budget(
-            self.scheduler.config.max_num_batched_tokens)
+            self.scheduler.config.step_tokens)
         if not self.scheduler.config.enable_chunked_prefill and len(prompt_ids) > step_tokens:
             raise ValueError(f"prompt has {len(prompt_ids)} tokens; without chunked prefill "
                              f"one step holds at most {step_tokens}")
@@ -469,6 +469,14 @@ def _needs_ids_only(req: Request) -> bool:
     params = req.params
     return (params.logprobs is None and not params.uses_penalties and
             params.structured is None and len(req.output_token_ids) >= params.min_tokens)
+
+
+def with_step_limits(config: EngineConfig, caps: Capabilities) -> EngineConfig:
+    """The config with the step limits it leaves unset taken from the backend's."""
+    s = config.scheduler
+    return dataclasses.replace(config, scheduler=dataclasses.replace(
+        s, max_num_seqs=s.max_num_seqs or caps.max_num_seqs,
+        max_num_batched_tokens=s.max_num_batched_tokens or caps.max_num_batched_tokens))
 
 
 def _check_speculative(config: EngineConfig, accelerator: Accelerator) -> None:

@@ -81,7 +81,7 @@ class Scheduler:
         self.buckets = buckets
         # A fixed pool admits a request only with room for all it may ever hold: no preemption.
         self.fixed_pool = fixed_pool
-        self.max_num_seqs = buckets.max_seqs(config.max_num_seqs)
+        self.max_num_seqs = buckets.max_seqs(config.step_seqs)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -108,7 +108,7 @@ class Scheduler:
     # ---- one step ------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = self.buckets.token_budget(self.config.max_num_batched_tokens)
+        budget = self.buckets.token_budget(self.config.step_tokens)
         budget = self._schedule_running(out, budget)
         if not out.preempted:
             self._schedule_waiting(out, budget)

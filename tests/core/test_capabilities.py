@@ -147,3 +147,23 @@ def test_without_chunked_prefill_a_prompt_over_the_budget_is_refused(tmp_path):
     with pytest.raises(ValueError, match="without chunked prefill"):
         engine.add_request("long", list(range(1, 20)), GREEDY)
     assert not engine.has_unfinished_requests()
+
+
+def test_unset_step_limits_are_the_backends_and_set_ones_win(tmp_path):
+    caps = Capabilities(max_num_seqs=3, max_num_batched_tokens=24)
+    prompts = _prompts(8, seed=4)
+    for scheduler, seqs, tokens in ((SchedulerConfig(), 3, 24),
+                                    (SchedulerConfig(max_num_seqs=5), 5, 24),
+                                    (SchedulerConfig(max_num_batched_tokens=40), 3, 40)):
+        config = EngineConfig(model=ModelSpec(write_config(str(tmp_path / "fake"))),
+                              cache=CacheConfig(block_size=4, num_blocks=256),
+                              scheduler=scheduler)
+        engine = Engine(config, PagedFakeAccelerator(capabilities=caps), load_tokenizer=False)
+        assert (engine.config.scheduler.max_num_seqs,
+                engine.config.scheduler.max_num_batched_tokens) == (seqs, tokens)
+        done = _run(engine, prompts)
+        assert all(done[str(i)] == reference(p, 24) for i, p in enumerate(prompts))
+        steps = engine.accelerator.steps
+        assert max(b.num_seqs for b in steps) == seqs  # reached, never passed
+        assert max(b.num_tokens for b in steps) <= tokens
+        assert any(b.num_tokens > tokens - 4 for b in steps)  # the budget filled

@@ -66,7 +66,8 @@ class CUDAAccelerator(Accelerator):
                                 host_copy_skips_null=True, async_output=True,
                                 speculative_decoding=True, rebind_group=True,
                                 prompt_logprobs=True,
-                                dtypes=("bfloat16", "float16", "float32"))
+                                dtypes=("bfloat16", "float16", "float32"),
+                                max_num_seqs=256, max_num_batched_tokens=8192)
 
     def __init__(self, device: str | torch.device | None = None) -> None:
         self.device = torch.device(device) if device is not None else None
@@ -124,8 +125,8 @@ class CUDAAccelerator(Accelerator):
         self.capture_graphs()
 
     def configure(self, config: EngineConfig) -> None:
-        self.max_num_batched_tokens = config.scheduler.max_num_batched_tokens
-        self.max_num_seqs = config.scheduler.max_num_seqs
+        self.max_num_batched_tokens = config.scheduler.step_tokens
+        self.max_num_seqs = config.scheduler.step_seqs
         self.enforce_eager, self.seed = config.enforce_eager, config.seed
         self.num_speculative_tokens = config.scheduler.num_speculative_tokens
 

@@ -78,7 +78,7 @@ class NeuronAccelerator(Accelerator):
     def load_model(self, spec: ModelSpec) -> ModelInfo:
         info = self.runner.load(spec)
         s = self.config.scheduler
-        self.shapes = StaticShapes.plan(s.max_num_batched_tokens, s.max_num_seqs,
+        self.shapes = StaticShapes.plan(s.step_tokens, s.step_seqs,
                                         info.max_model_len, self.config.cache.block_size)
         # The engine reads the buckets after load_model: the scheduler pads to them.
         self.capabilities = dataclasses.replace(
