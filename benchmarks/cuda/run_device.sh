@@ -194,6 +194,23 @@ if wanted v4_hit_ttft; then
             --generation-config none --served-model-name m
     done
 fi
+# MoE at serving concurrency (moe_concurrency.py): each shape at batch 1/32/256 and the mixed
+# closed-loop workload against the lease's bound, then the per-kernel breakdown of a 256-row
+# decode step and a mixed step. MOE_SHAPES picks "shape[:fp8]" entries.
+if wanted moe_concurrency; then
+    for entry in ${MOE_SHAPES:-qwen3_30b_a3b qwen3_30b_a3b:fp8 deepseek_v2_lite llama3_8b deepseek_v3:fp8}; do
+        shape=${entry%%:*}; quant=auto; [[ $entry == *:fp8 ]] && quant=fp8
+        step "moe_concurrency_$entry" python3 benchmarks/cuda/moe_concurrency.py --shape "$shape" \
+            --quantization "$quant" --out "$out/moe_concurrency" ${MOE_ARGS:-}
+    done
+fi
+if wanted moe_profile; then
+    for entry in ${MOE_SHAPES:-qwen3_30b_a3b deepseek_v2_lite}; do
+        shape=${entry%%:*}; quant=auto; [[ $entry == *:fp8 ]] && quant=fp8
+        step "moe_profile_$entry" python3 benchmarks/cuda/moe_concurrency.py --shape "$shape" \
+            --quantization "$quant" --profile --out "$out/moe_concurrency"
+    done
+fi
 wanted profile_steps && step profile_steps python3 benchmarks/cuda/profile_steps.py --out "$out"
 # A whole 256 x (512+128) run: GPU busy time against the wall, kernels by kind, each step's host work.
 wanted profile_run && step profile_run python3 benchmarks/cuda/profile_run.py --out "$out"
