@@ -197,3 +197,49 @@ def test_fp8_experts_move_as_fp8_under_eplb():
         taken = sources[2 * rank:2 * rank + 2]
         assert torch.equal(torch.from_numpy(got_codes), codes[taken])
         assert torch.equal(torch.from_numpy(got_scales), scales[taken])
+
+
+def _break_off_a_rebalance(rank: int, port: int, out: mp.Queue) -> None:
+    import torch.distributed as dist
+
+    from deepinfer.models.moe.layer import MoEBlock, MoEDims
+    from deepinfer.models.moe.routing import RouterSpec
+    from deepinfer.models.moe.runtime import ExpertRuntime
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2)
+    context = ParallelContext(rank, 2, dist.group.WORLD, True, 0)
+    runtime = ExpertRuntime(2, 4, context)
+    blocks = [MoEBlock(MoEDims(64, 32, RouterSpec(4, 2)), layer, None, runtime)
+              for layer in range(2)]
+    skewed = torch.tensor([[100, 90, 1, 1]] * 2)  # experts 0 and 1 both on rank 0: both move
+    runtime.load.copy_(skewed)
+    report = runtime.rebalance()
+    runtime.rebind(context)  # a whole rebalance: the rank may keep its model
+
+    def broken(sources, rt):  # the group breaks off while the second layer moves
+        raise RuntimeError("Connection reset by peer")
+
+    blocks[1].move_experts = broken
+    runtime.load.copy_(skewed.flip(1))
+    try:
+        runtime.rebalance()
+    except RuntimeError:
+        pass
+    try:
+        runtime.rebind(context)
+        refused = ""
+    except RuntimeError as exc:
+        refused = str(exc)
+    out.put((rank, (report.experts_moved, refused)))
+    dist.destroy_process_group()
+
+
+def test_a_rank_whose_rebalance_broke_off_cannot_rejoin_a_group():
+    """A group that breaks off mid-rebalance leaves each rank's experts half moved: a survivor
+    may not keep that model in a regroup (it exits and the whole group restarts)."""
+    port = _port()
+    results = spawn_ranks(_break_off_a_rebalance, [(r, port) for r in range(2)], 60)
+    for moved, refused in results:
+        assert moved > 0
+        assert "broke off an expert rebalance mid-move" in refused

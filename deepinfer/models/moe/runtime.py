@@ -72,6 +72,7 @@ class ExpertRuntime:
         if ep and parallel.placement_from is not None:
             self._take_placement(parallel.placement_from)
         self.blocks: list = []  # the MoE blocks, in layer order (their weights move on rebalance)
+        self.moving = False  # a rebalance's weight moves are under way
         self.padded_tokens = 0  # tokens every rank passes to the exchange this step
         self.device = torch.device("cpu")
         self._tables(torch.device("cpu"))
@@ -86,6 +87,9 @@ class ExpertRuntime:
         if (parallel.rank, parallel.world_size) != (self.rank, self.num_ranks):
             raise ValueError(f"a regroup keeps each rank's place: rank {self.rank} of "
                              f"{self.num_ranks}, got {parallel.rank} of {parallel.world_size}")
+        if self.moving:  # the rank then exits, and the whole group restarts
+            raise RuntimeError("the group broke off an expert rebalance mid-move: this rank's "
+                               "expert weights match no placement, so it cannot keep its model")
         self.group = parallel.group
         for exchange in (self.exchange, self.all_to_all, self.static_exchange):
             if exchange is not None:
@@ -233,13 +237,16 @@ class ExpertRuntime:
             return None
         old = self.placement
         new = rebalance(window, self.num_ranks, self.max_replicas - 1, self.num_groups)
+        # Until the last layer has moved, this rank's weights match neither placement: a group
+        # that breaks off meanwhile cannot be mended around it (see rebind).
+        self.moving = True
         for layer, block in enumerate(self.blocks):
             # The same placement on every rank, so every rank skips the same layers' gathers.
             if not torch.equal(old.phy2log[layer], new.phy2log[layer]):
                 block.move_experts(self._sources(old, new, layer), self)
         self.total_load += self.load.cpu()
         self.load.zero_()
-        self.placement = new
+        self.placement, self.moving = new, False
         self._refresh_tables()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
