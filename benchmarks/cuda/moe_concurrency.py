@@ -4,6 +4,7 @@ own GEMM and copy rates (random weights made on the device, `load_format="dummy"
     python benchmarks/cuda/moe_concurrency.py --shape qwen3_30b_a3b --out DIR
         [--quantization fp8] [--workloads batch1,batch32,batch256,mixed] [--layers N]
         [--max-num-seqs N] [--max-num-batched-tokens N]   (unset: the backend's defaults)
+        [--server]   (then the same workloads through deepinfer-serve, streamed)
     python benchmarks/cuda/moe_concurrency.py --shape S --profile   (time by kernel of one
         256-row decode step and one mixed step: 256 decode rows + a prefill chunk)
     python benchmarks/cuda/moe_concurrency.py --plot DIR   (moe_concurrency.png from the JSONs)
@@ -28,7 +29,9 @@ once, and the preemptions.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import dataclasses
+import gc
 import glob
 import json
 import math
@@ -45,7 +48,15 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from common import pyplot, write_json  # noqa: E402
+from common import (  # noqa: E402
+    free_port,
+    pyplot,
+    save_word_tokenizer,
+    start_server,
+    stop_server,
+    wait_healthy,
+    write_json,
+)
 from engine_bench import LLAMA3_8B, _time_cuda, ceilings, random_prompts  # noqa: E402
 from moe_engine_bench import QWEN3_30B_A3B  # noqa: E402
 
@@ -75,6 +86,7 @@ SHAPES = {"llama3_8b": ("LlamaConfig", LLAMA3_8B),
           "deepseek_v3": ("DeepseekV3Config", V3)}
 PROMPT, OUTPUT, CLIENTS, MIXED_REQUESTS = 512, 128, 256, 1024
 MIXED_PROMPT, MIXED_OUTPUT = 600, 180  # medians of the mixed workload's log-normal lengths
+MAX_MODEL_LEN = 16384
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,10 +177,7 @@ def fixed(engine: Engine, n: int, vocab: int, seed: int) -> Run:
 def mixed(engine: Engine, vocab: int, seed: int) -> Run:
     """MIXED_REQUESTS log-normal requests kept CLIENTS in flight (closed loop)."""
     rng = random.Random(seed)
-    prompts = [min(8192, max(16, round(rng.lognormvariate(math.log(MIXED_PROMPT), 0.7))))
-               for _ in range(MIXED_REQUESTS)]
-    outputs = [min(1024, max(8, round(rng.lognormvariate(math.log(MIXED_OUTPUT), 0.7))))
-               for _ in range(MIXED_REQUESTS)]
+    prompts, outputs = _mixed_lengths(rng)
     run, queue = Run(prompts, outputs), list(range(MIXED_REQUESTS))[::-1]
 
     def submit() -> None:
@@ -181,6 +190,15 @@ def mixed(engine: Engine, vocab: int, seed: int) -> Run:
     submit()
     _drain(engine, run, submit)
     return run
+
+
+def _mixed_lengths(rng: random.Random) -> tuple[list[int], list[int]]:
+    """MIXED_REQUESTS (prompt, output) lengths, each log-normal around its median."""
+    prompts = [min(8192, max(16, round(rng.lognormvariate(math.log(MIXED_PROMPT), 0.7))))
+               for _ in range(MIXED_REQUESTS)]
+    outputs = [min(1024, max(8, round(rng.lognormvariate(math.log(MIXED_OUTPUT), 0.7))))
+               for _ in range(MIXED_REQUESTS)]
+    return prompts, outputs
 
 
 def _drain(engine: Engine, run: Run, refill) -> None:
@@ -242,6 +260,74 @@ def report(name: str, run: Run, shape: Shape, device: dict, weight_bytes: float,
     return out
 
 
+# ---- through the server --------------------------------------------------------------------
+def serve_workloads(args: argparse.Namespace, path: str, values: dict, names: list[str]
+                    ) -> tuple[dict, dict]:
+    """The workloads through deepinfer-serve (the same engine flags), streamed by closed-loop
+    clients: (Runs by workload, the server's start)."""
+    vocab = values["vocab_size"]
+    save_word_tokenizer(path, vocab, values["eos_token_id"])
+    port = free_port()
+    flags = ["--model", path, "--load-format", "dummy", "--dtype", "bfloat16",
+             "--max-model-len", str(MAX_MODEL_LEN), "--quantization", args.quantization,
+             "--gpu-memory-utilization", str(args.gpu_memory_utilization),
+             "--served-model-name", "m", "--port", str(port), "--no-prefix-caching",
+             "--accelerator", args.accelerator]
+    for flag, value in (("--max-num-seqs", args.max_num_seqs),
+                        ("--max-num-batched-tokens", args.max_num_batched_tokens)):
+        flags += [flag, str(value)] if value else []
+    log_path = os.path.join(args.out, f"{args.shape}_server.log")
+    os.makedirs(args.out, exist_ok=True)
+    server = start_server([sys.executable, "-m", "deepinfer.serve.cli", *flags], log_path)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        started = wait_healthy(server, base, log_path, timeout_s=900)
+        asyncio.run(_clients(base, [[PROMPT] * 8, [OUTPUT] * 8], 8, vocab))  # warm-up
+        runs = {}
+        for name in names:
+            lengths = _mixed_lengths(random.Random(1)) if name == "mixed" else \
+                ([PROMPT] * int(name[5:]), [OUTPUT] * int(name[5:]))
+            run = asyncio.run(_clients(base, lengths, CLIENTS, vocab))
+            runs[name] = run
+            print(f"server {name}: {sum(run.outputs) / run.seconds:,.0f} out tok/s", flush=True)
+        return runs, {"start_s": started}
+    finally:
+        stop_server(server)
+
+
+async def _clients(base: str, lengths: list[list[int]], clients: int, vocab: int) -> Run:
+    """Every request (prompt length, output length) streamed, `clients` at a time; a client
+    sends its next request as soon as its last one ends."""
+    import httpx
+
+    prompts, outputs = lengths
+    queue = list(range(len(prompts)))[::-1]
+    rng = random.Random(2)
+    got: list[int] = []
+
+    async def client(http: httpx.AsyncClient) -> None:
+        while queue:
+            i = queue.pop()
+            body = {"model": "m", "prompt": [rng.randrange(vocab // 8, vocab - vocab // 8)
+                                             for _ in range(prompts[i])],
+                    "max_tokens": outputs[i], "ignore_eos": True, "temperature": 0.0,
+                    "stream": True, "stream_options": {"include_usage": True}}
+            async with http.stream("POST", f"{base}/v1/completions", json=body) as response:
+                response.raise_for_status()
+                async for line in response.aiter_lines():
+                    if line.startswith("data: {") and "completion_tokens" in line:
+                        got.append(json.loads(line[6:])["usage"]["completion_tokens"])
+
+    limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as http:
+        start = time.perf_counter()
+        await asyncio.gather(*(client(http) for _ in range(min(clients, len(prompts)))))
+        seconds = time.perf_counter() - start
+    if sorted(got) != sorted(outputs):
+        raise RuntimeError(f"the server gave {sum(got)} tokens, {sum(outputs)} were asked for")
+    return Run(list(prompts), list(outputs), seconds)
+
+
 # ---- kernel breakdown ----------------------------------------------------------------------
 def profile_steps(engine: Engine, vocab: int) -> dict:
     """Device time by kernel of one CLIENTS-row decode step (the mean of 5) and of one mixed
@@ -300,12 +386,12 @@ def make_engine(path: str, args: argparse.Namespace) -> Engine:
     limits = {k: v for k, v in (("max_num_seqs", args.max_num_seqs),
                                 ("max_num_batched_tokens", args.max_num_batched_tokens)) if v}
     config = EngineConfig(
-        model=ModelSpec(path, dtype="bfloat16", max_model_len=16384, load_format="dummy",
+        model=ModelSpec(path, dtype="bfloat16", max_model_len=MAX_MODEL_LEN, load_format="dummy",
                         quantization=args.quantization),
         cache=CacheConfig(gpu_memory_utilization=args.gpu_memory_utilization),
         # The breakdown times one step at a time: no step launched while the last one runs.
         scheduler=SchedulerConfig(**limits, async_scheduling=not args.profile),
-        accelerator="nvidia")
+        accelerator=args.accelerator)
     return Engine(config, load_tokenizer=False)
 
 
@@ -323,6 +409,9 @@ def main() -> None:
     p.add_argument("--profile", action="store_true",
                    help="instead of the workloads: device time by kernel of a 256-row decode "
                         "step and of a mixed step (<shape>_profile.json)")
+    p.add_argument("--server", action="store_true",
+                   help="also run the workloads through deepinfer-serve (streamed, closed loop)")
+    p.add_argument("--accelerator", default="nvidia", help=argparse.SUPPRESS)
     p.add_argument("--plot", metavar="DIR", help="only plot the JSONs in DIR")
     args = p.parse_args()
     if args.plot:
@@ -332,7 +421,28 @@ def main() -> None:
     device = {**ceilings(), **gemm_rates()}
     with tempfile.TemporaryDirectory() as tmp:
         values = write_config(tmp, args.shape, args.layers)
-        engine = make_engine(tmp, args)
+        result = offline(args, tmp, values, device)
+        if args.server and not args.profile:  # the offline engine's memory is free by now
+            runs, result["server_start"] = serve_workloads(args, tmp, values,
+                                                           list(result["workloads"]))
+            result["server"] = {name: report(f"server {name}", run, shape_of(values), device,
+                                             _weight_bytes(args), result["kv_pool_tokens"])
+                                for name, run in runs.items()}
+            for name, served in result["server"].items():
+                served["over_offline"] = served["output_tok_s"] / \
+                    result["workloads"][name]["output_tok_s"]
+    os.makedirs(args.out, exist_ok=True)
+    name = f"{args.shape}{'_fp8' if args.quantization == 'fp8' else ''}{args.tag}.json"
+    write_json(os.path.join(args.out, name), result)
+
+
+def _weight_bytes(args: argparse.Namespace) -> float:
+    return 1.0 if args.quantization == "fp8" else 2.0
+
+
+def offline(args: argparse.Namespace, path: str, values: dict, device: dict) -> dict:
+    """The workloads (or the kernel breakdown) through Engine.step in this process."""
+    engine = make_engine(path, args)
     shape = shape_of(values)
     sched = engine.scheduler
     result = {"shape": args.shape, "config": values, "quantization": args.quantization,
@@ -341,7 +451,6 @@ def main() -> None:
               "kv_pool_tokens": engine.kv.pool.num_usable * engine.kv.block_size,
               "weights_bytes": engine.accelerator.memory_stats().weights_bytes,
               "active_params": shape.active(), "workloads": {}}
-    weight_bytes = 1.0 if args.quantization == "fp8" else 2.0
     vocab = values["vocab_size"]
     fixed(engine, 8, vocab, 0)  # warm-up
     if args.profile:
@@ -350,13 +459,14 @@ def main() -> None:
     for w in [] if args.profile else args.workloads.split(","):
         preempted = sched.num_preemptions
         run = mixed(engine, vocab, 1) if w == "mixed" else fixed(engine, int(w[5:]), vocab, 1)
-        result["workloads"][w] = report(w, run, shape, device, weight_bytes,
+        result["workloads"][w] = report(w, run, shape, device, _weight_bytes(args),
                                         result["kv_pool_tokens"])
         result["workloads"][w]["preemptions"] = sched.num_preemptions - preempted
     engine.shutdown()
-    os.makedirs(args.out, exist_ok=True)
-    name = f"{args.shape}{'_fp8' if args.quantization == 'fp8' else ''}{args.tag}.json"
-    write_json(os.path.join(args.out, name), result)
+    del engine, sched
+    gc.collect()
+    torch.cuda.empty_cache()
+    return result
 
 
 def plot(folder: str) -> None:

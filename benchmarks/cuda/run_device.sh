@@ -201,7 +201,7 @@ if wanted moe_concurrency; then
     for entry in ${MOE_SHAPES:-qwen3_30b_a3b qwen3_30b_a3b:fp8 deepseek_v2_lite llama3_8b deepseek_v3:fp8}; do
         shape=${entry%%:*}; quant=auto; [[ $entry == *:fp8 ]] && quant=fp8
         step "moe_concurrency_$entry" python3 benchmarks/cuda/moe_concurrency.py --shape "$shape" \
-            --quantization "$quant" --out "$out/moe_concurrency" ${MOE_ARGS:-}
+            --quantization "$quant" --server --out "$out/moe_concurrency" ${MOE_ARGS:-}
     done
 fi
 if wanted moe_profile; then
