@@ -59,6 +59,7 @@ from common import (  # noqa: E402
 )
 from engine_bench import LLAMA3_8B, _time_cuda, ceilings, random_prompts  # noqa: E402
 from moe_engine_bench import QWEN3_30B_A3B  # noqa: E402
+from profile_v4 import device_profile  # noqa: E402
 
 from deepinfer.core.config import CacheConfig, EngineConfig, ModelSpec, SchedulerConfig  # noqa: E402
 from deepinfer.core.engine import Engine  # noqa: E402
@@ -354,20 +355,11 @@ def profile_steps(engine: Engine, vocab: int) -> dict:
 
 def _kernels(engine: Engine, steps: int) -> dict:
     torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            engine.step()
-        torch.cuda.synchronize()
-        wall = (time.perf_counter() - t0) / steps
-    rows = [{"name": e.key[:90], "calls": e.count / steps,
-             "us": (getattr(e, "device_time_total", 0) or e.cuda_time_total) / steps}
-            for e in prof.key_averages()]
-    rows = sorted((r for r in rows if r["us"] > 0), key=lambda r: -r["us"])
-    total = sum(r["us"] for r in rows)
-    for r in rows:
-        r["share"] = r["us"] / total
-    return {"step_ms": wall * 1e3, "device_us": total, "kernels": rows[:30]}
+    out = device_profile(engine, steps)
+    total = sum(r["us_per_step"] for r in out["top"])
+    for row in out["top"]:
+        row["share_of_top"] = row["us_per_step"] / total
+    return out
 
 
 # ---- main ----------------------------------------------------------------------------------

@@ -57,18 +57,19 @@ def decoding_engine(path: str, k: int = 0) -> Engine:
     return engine
 
 
-def device_profile(engine: Engine) -> dict:
+def device_profile(engine: Engine, steps: int = STEPS) -> dict:
+    """Device time by kernel over the engine's next `steps` steps, per step."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         t0 = time.perf_counter()
-        for _ in range(STEPS):
+        for _ in range(steps):
             engine.step()
         torch.cuda.synchronize()
-        wall = (time.perf_counter() - t0) / STEPS
-    rows = [{"name": e.key[:90], "calls_per_step": e.count / STEPS,
-             "us_per_step": (getattr(e, "device_time_total", 0) or 0) / STEPS}
+        wall = (time.perf_counter() - t0) / steps
+    rows = [{"name": e.key[:90], "calls_per_step": e.count / steps,
+             "us_per_step": (getattr(e, "device_time_total", 0) or 0) / steps}
             for e in prof.key_averages()]
     rows = sorted((r for r in rows if r["us_per_step"] > 0), key=lambda r: -r["us_per_step"])
-    busy = sum(exposed_us(prof).values()) / STEPS
+    busy = sum(exposed_us(prof).values()) / steps
     return {"step_ms": wall * 1e3, "gpu_busy_us_per_step": busy,
             "kernels_per_step": sum(r["calls_per_step"] for r in rows), "top": rows[:30]}
 
