@@ -202,12 +202,17 @@ def _mixed_lengths(rng: random.Random) -> tuple[list[int], list[int]]:
     return prompts, outputs
 
 
+def _only_decodes(engine: Engine) -> bool:
+    """Whether the next step decodes only: nothing waits and every prompt is prefilled."""
+    return not engine.scheduler.waiting and all(
+        r.num_computed_tokens >= r.num_prompt_tokens for r in engine.scheduler.running)
+
+
 def _drain(engine: Engine, run: Run, refill) -> None:
     torch.cuda.synchronize()
     start = time.perf_counter()
     while engine.has_unfinished_requests():
-        decode = not engine.scheduler.waiting and all(
-            r.num_computed_tokens >= r.num_prompt_tokens for r in engine.scheduler.running)
+        decode = _only_decodes(engine)
         t0 = time.perf_counter()
         engine.step()
         if decode:
@@ -336,8 +341,7 @@ def profile_steps(engine: Engine, vocab: int) -> dict:
     params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
     for i, prompt in enumerate(random_prompts(CLIENTS, PROMPT, vocab, 7)):
         engine.add_request(f"d{i}", prompt, params, prefix_cache=False)
-    while engine.scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens
-                                          for r in engine.scheduler.running):
+    while not _only_decodes(engine):
         engine.step()
     for _ in range(3):
         engine.step()
