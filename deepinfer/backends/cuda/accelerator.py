@@ -71,7 +71,9 @@ class CUDAAccelerator(Accelerator):
 
     def __init__(self, device: str | torch.device | None = None) -> None:
         self.device = torch.device(device) if device is not None else None
-        self.max_num_batched_tokens, self.max_num_seqs = 2048, 64
+        # Until configure() gives the engine's: the backend's own defaults.
+        self.max_num_batched_tokens = self.capabilities.max_num_batched_tokens
+        self.max_num_seqs = self.capabilities.max_num_seqs
         self.enforce_eager, self.seed = False, 0
         self.num_speculative_tokens = 0  # the model loads its MTP draft layer when > 0
         self.runner: TorchRunner | None = None
