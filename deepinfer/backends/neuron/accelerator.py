@@ -20,8 +20,10 @@ import torch
 from deepinfer.backends.neuron.attention import StaticMeta
 from deepinfer.backends.neuron.buckets import StaticShapeGuard, StaticShapes
 from deepinfer.backends.neuron.device import select_device
+from deepinfer.backends.neuron.env import neuron_settings
 from deepinfer.backends.neuron.ops import NeuronOps
 from deepinfer.backends.neuron.timing import RegionTimer, timing_requested
+from deepinfer.backends.neuron.xla_audit import GraphAudit, ir_text, xla_counts
 from deepinfer.backends.torch.runner import TorchRunner
 from deepinfer.core.accelerator import (
     Accelerator,
@@ -50,6 +52,8 @@ class NeuronAccelerator(Accelerator):
                                   lambda cache: NeuronOps(cache, self.timer),
                                   backend=self.name)
         self.guard = StaticShapeGuard()
+        self.audit = GraphAudit() if neuron_settings().audit_graphs and \
+            self.device.kind == "xla" else None
         self.shapes: StaticShapes | None = None
         self._forward = self.device.compile(self._step_forward, "step")
 
@@ -108,9 +112,12 @@ class NeuronAccelerator(Accelerator):
         self.guard.freeze()
 
     # ---- steps ---------------------------------------------------------------------------
-    @torch.inference_mode()
     def forward_logits(self, batch: ModelBatch, width: int | None = None) -> torch.Tensor:
         """float32 logits of the sampled sequences' last tokens (rows past them: padding)."""
+        with self.device.inference():
+            return self._forward_logits(batch, width)
+
+    def _forward_logits(self, batch: ModelBatch, width: int | None) -> torch.Tensor:
         blocks = max(len(t) for g in batch.groups for t in g.block_tables)
         width = width or self.shapes.context_bucket(blocks)
         meta = StaticMeta.from_batch(batch, self.runner.cache, width, self.device.torch_device)
@@ -118,8 +125,31 @@ class NeuronAccelerator(Accelerator):
         ids = torch.tensor(batch.input_ids, dtype=torch.long, device=self.device.torch_device)
         rows = self._sample_rows(batch, kind)
         self.guard.check(kind, ids, meta.tables[0], rows)
-        self.runner.begin_step(batch.num_tokens, batch.num_real_tokens)
-        return self._forward(ids, meta, rows)
+        # The real-token count goes in as data: a constant would make a graph per count. [1],
+        # not a scalar: PyTorch/XLA traces scalars 0 and 1 as constants.
+        real = torch.tensor([batch.num_real_tokens], device=self.device.torch_device)
+        self.runner.begin_step(batch.num_tokens, real)
+        if self.audit is None:
+            logits = self._forward(ids, meta, rows)
+            self.device.end_step()
+            return logits
+        return self._audited_forward((kind, ids.shape[0], width), ids, meta, rows)
+
+    def _audited_forward(self, key: tuple, ids: torch.Tensor, meta: StaticMeta,
+                         rows: torch.Tensor) -> torch.Tensor:
+        """The step checked against its plan (DEEPINFER_NEURON_AUDIT_GRAPHS): while the
+        buckets are built, each one's trace is recorded; after, a step that compiles or syncs
+        mid-way raises UnplannedGraphError naming the op."""
+        before = xla_counts()
+        logits = self._forward(ids, meta, rows)
+        trace = ir_text([logits])
+        self.device.end_step()
+        delta = xla_counts().minus(before)
+        if self.guard.frozen:
+            self.audit.check(key, trace, delta)
+        else:
+            self.audit.record(key, trace)
+        return logits
 
     def _step_forward(self, ids: torch.Tensor, meta: StaticMeta,
                       rows: torch.Tensor) -> torch.Tensor:
@@ -139,8 +169,9 @@ class NeuronAccelerator(Accelerator):
                             device=self.device.torch_device)
 
     def execute(self, batch: ModelBatch) -> SamplerOutput:
-        logits = self.forward_logits(batch)[:len(batch.sample_indices)].to("cpu")
-        with torch.inference_mode():
+        # Sliced on the host: a slice on the device would be a graph per row count.
+        logits = self.forward_logits(batch).to("cpu")[:len(batch.sample_indices)]
+        with self.device.inference():
             return self.runner.sample(logits, batch.sampling)
 
     def region_times(self) -> dict[str, dict[str, float]]:

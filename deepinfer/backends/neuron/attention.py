@@ -60,14 +60,16 @@ def chunk_blocks(width: int, block_size: int) -> int:
 
 def static_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            tables: torch.Tensor, positions: torch.Tensor, block_size: int,
-                           window: int = 0) -> torch.Tensor:
-    """q [T, Hq, D]; caches [slots, Hk, D]; tables [T, W] -> [T, Hq, D] in q's dtype."""
+                           window: int = 0, scale: float | None = None) -> torch.Tensor:
+    """q [T, Hq, D]; k_cache [slots, Hk, D], v_cache [slots, Hk, Dv]; tables [T, W] ->
+    [T, Hq, Dv] in q's dtype. scale: of the scores (default 1/sqrt(D))."""
     tokens, q_heads, dim = q.shape
-    kv_heads = k_cache.shape[1]
-    qg = q.float().view(tokens, kv_heads, q_heads // kv_heads, dim) / math.sqrt(dim)
+    kv_heads, value_dim = k_cache.shape[1], v_cache.shape[-1]
+    scale = 1.0 / math.sqrt(dim) if scale is None else scale
+    qg = q.float().view(tokens, kv_heads, q_heads // kv_heads, dim) * scale
     m = torch.full(qg.shape[:3], float("-inf"), device=q.device)
     total = torch.zeros(qg.shape[:3], device=q.device)
-    acc = torch.zeros(qg.shape, device=q.device)
+    acc = torch.zeros(qg.shape[:3] + (value_dim,), device=q.device)
     step = chunk_blocks(tables.shape[1], block_size)
     offsets = torch.arange(step * block_size, device=q.device)
     for first in range(0, tables.shape[1], step):
@@ -80,7 +82,7 @@ def static_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         scores = torch.einsum("thgd,tkhd->thgk", qg, k_cache[slots].float())
         scores = scores.masked_fill(~seen[:, None, None, :], float("-inf"))
         m, total, acc = _online_softmax(m, total, acc, scores, v_cache[slots].float())
-    return (acc / total[..., None]).reshape(tokens, q_heads, dim).to(q.dtype)
+    return (acc / total[..., None]).reshape(tokens, q_heads, value_dim).to(q.dtype)
 
 
 def _online_softmax(m: torch.Tensor, total: torch.Tensor, acc: torch.Tensor,

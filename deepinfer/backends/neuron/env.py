@@ -71,6 +71,9 @@ class NeuronSettings:
                                   positive_factor)
     # Time attention, router exchange, experts and combine at the graph-split boundaries.
     region_timing: bool = setting(False, "DEEPINFER_NEURON_REGION_TIMING", flag)
+    # On the xla device: check every step against its plan (xla_audit.py) and raise on a
+    # compilation after start-up or a host sync inside a step.
+    audit_graphs: bool = setting(False, "DEEPINFER_NEURON_AUDIT_GRAPHS", flag)
 
 
 def neuron_settings(environ: Mapping[str, str] | None = None) -> NeuronSettings:

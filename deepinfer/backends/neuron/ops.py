@@ -1,6 +1,7 @@
 """ModelOps of the Neuron backend: the reference torch ops for norms, rotary and activations
-(they are static already), static paged attention, and the static MoE (moe.py). It runs no MLA
-and no DeepSeek-V4 ops: models that need them are refused at load."""
+(they are static already), static paged attention (MLA's latent attention on the same static
+kernel: one shared latent head, keys all of it, values its first dims), and the static MoE
+(moe.py). It runs no DeepSeek-V4 ops: models that need them are refused at load."""
 from __future__ import annotations
 
 import torch
@@ -9,9 +10,10 @@ from deepinfer.backends.neuron.attention import StaticMeta, static_paged_attenti
 from deepinfer.backends.neuron.moe import StaticMoEOps
 from deepinfer.backends.neuron.timing import RegionTimer
 from deepinfer.backends.torch.ops import ReferenceOps
+from deepinfer.models.mla_ops import MLAOps
 
 
-class NeuronOps(StaticMoEOps, ReferenceOps):
+class NeuronOps(StaticMoEOps, MLAOps, ReferenceOps):
     def __init__(self, cache, timer: RegionTimer | None = None) -> None:
         super().__init__(cache)
         self.timer = timer or RegionTimer(enabled=False)
@@ -27,6 +29,17 @@ class NeuronOps(StaticMoEOps, ReferenceOps):
             return static_paged_attention(q, k_cache, v_cache, meta.tables[group],
                                           meta.positions, meta.block_size,
                                           meta.windows[group])
+
+    def latent_attention(self, q: torch.Tensor, latent: torch.Tensor, layer: int,
+                         meta: StaticMeta, value_dim: int, scale: float) -> torch.Tensor:
+        group = meta.group_of[layer]
+        (cache,) = self.cache.layer(layer)
+        with self.timer.region("attention"):
+            cache.index_copy_(0, meta.slot_mapping[group], latent.to(cache.dtype))
+            keys = cache.unsqueeze(1)  # [slots, 1, L]: one latent head shared by every head
+            return static_paged_attention(q, keys, keys[..., :value_dim], meta.tables[group],
+                                          meta.positions, meta.block_size,
+                                          meta.windows[group], scale)
 
     def expert_exchange(self, group, rank: int, world_size: int, slots_per_rank: int):
         exchange = super().expert_exchange(group, rank, world_size, slots_per_rank)

@@ -174,9 +174,10 @@ class TorchRunner:
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: Any) -> torch.Tensor:
         return self.model(input_ids, positions, meta)
 
-    def begin_step(self, num_tokens: int, num_real: int) -> None:
-        """Before an eager forward of num_tokens, the first num_real of them real: MoE models
-        agree with the other ranks on the step's size (a collective under expert parallel)."""
+    def begin_step(self, num_tokens: int, num_real: int | torch.Tensor) -> None:
+        """Before an eager forward of num_tokens, the first num_real of them real (an int, or
+        a device scalar that a traced step takes as an input): MoE models agree with the
+        other ranks on the step's size (a collective under expert parallel)."""
         if self.moe is not None:
             self.moe.begin_step(num_tokens, num_real)
 

@@ -159,7 +159,7 @@ class ExpertRuntime:
         self.load = torch.zeros((self.num_layers, self.num_experts), dtype=torch.int64,
                                 device=device)  # this rank's tokens since the last rebalance
         self.valid = torch.zeros((), dtype=torch.int64, device=device)
-        self._valid_value = 0
+        self._valid_value: int | None = 0
 
     # ---- per step --------------------------------------------------------------------------
     def agree(self, num_tokens: int, graphable: bool = False) -> tuple[int, bool]:
@@ -172,16 +172,21 @@ class ExpertRuntime:
         dist.all_reduce(votes, op=dist.ReduceOp.MAX, group=self.shape_group)
         return int(votes[0]), not bool(votes[1])
 
-    def set_step(self, padded_tokens: int, num_real: int) -> None:
+    def set_step(self, padded_tokens: int, num_real: int | torch.Tensor) -> None:
         """The agreed token count, and how many of this rank's tokens are real (padding is
         not counted in any expert's load). Outside any CUDA graph: it writes a device
-        scalar the graphs read."""
+        scalar the graphs read. A device scalar given instead is used as it is: a traced
+        graph (XLA) takes it as an input, where a fill would trace into the step's graph."""
         self.padded_tokens = padded_tokens
-        if num_real != self._valid_value:  # a steady decode batch launches no fill each step
+        if isinstance(num_real, torch.Tensor):
+            self.valid, self._valid_value = num_real, None
+        elif num_real != self._valid_value:  # a steady decode batch launches no fill
+            if self._valid_value is None:  # the last step's input tensor: a buffer again
+                self.valid = torch.zeros((), dtype=torch.int64, device=self.device)
             self.valid.fill_(num_real)
             self._valid_value = num_real
 
-    def begin_step(self, num_tokens: int, num_real: int) -> None:
+    def begin_step(self, num_tokens: int, num_real: int | torch.Tensor) -> None:
         """Before an eager forward: agree, then set the step."""
         self.set_step(self.agree(num_tokens)[0], num_real)
 

@@ -1,0 +1,122 @@
+"""What a step did on PyTorch/XLA, from its debug metrics: graphs compiled, graphs executed,
+transfers each way, ops that ran on the host. This is what decides on Trainium whether serving
+replays the graphs built at start-up or stalls on the compiler and on host round trips.
+
+A step's plan: its inputs go in (a transfer each), one graph runs (cut at the step's end), the
+logits come out (one transfer, after the step). Anything else during the step is unplanned:
+- a compilation after start-up: a trace that differs from every bucket's graph (a Python
+  number traced as a constant, a shape that slipped past the buckets). The audit names the
+  first op where the step's trace departs from the graph its bucket compiled at start-up.
+- a second graph execution, a transfer out or a host-fallback op inside the step: a host sync
+  that cuts the step in two (`.item()`, `int(t)`, `.cpu()`, data-dependent shapes such as
+  `nonzero`). The audit names the ops from PyTorch/XLA's op counters.
+
+DEEPINFER_NEURON_AUDIT_GRAPHS=1 turns it on (every step reads the metrics and traces its IR
+text: for tests and bring-up, not for serving speed); a violation raises UnplannedGraphError.
+"""
+from __future__ import annotations
+
+import importlib
+import re
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+# Op counters that mean the host waited for the device mid-step: results read back, or an
+# op PyTorch/XLA ran on the CPU (every `aten::` counter is such a fallback).
+_SYNC_OPS = ("xla::_to_cpu", "xla::_local_scalar_dense")
+
+
+class UnplannedGraphError(RuntimeError):
+    """A step compiled a new graph or synced with the host where the plan has none."""
+
+
+@dataclass(frozen=True)
+class XlaCounts:
+    compiles: int
+    executions: int
+    to_device: int
+    from_device: int
+    ops: dict[str, int] = field(default_factory=dict)
+
+    def minus(self, before: "XlaCounts") -> "XlaCounts":
+        ops = {k: v - before.ops.get(k, 0) for k, v in self.ops.items()
+               if v != before.ops.get(k, 0)}
+        return XlaCounts(self.compiles - before.compiles, self.executions - before.executions,
+                         self.to_device - before.to_device,
+                         self.from_device - before.from_device, ops)
+
+    def sync_ops(self) -> list[str]:
+        """Ops among these counts that make the host wait for the device."""
+        return sorted(op for op in self.ops if op.startswith("aten::") or op in _SYNC_OPS)
+
+
+def _metrics():
+    return importlib.import_module("torch_xla.debug.metrics")
+
+
+def _samples(metrics, name: str) -> int:
+    data = metrics.metric_data(name)
+    return int(data[0]) if data else 0
+
+
+def xla_counts() -> XlaCounts:
+    """PyTorch/XLA's totals in this process so far."""
+    met = _metrics()
+    ops = {name: int(met.counter_value(name) or 0) for name in met.counter_names()
+           if name.startswith(("aten::", "xla::"))}
+    return XlaCounts(_samples(met, "CompileTime"), int(met.counter_value("ExecuteComputation")
+                                                       or 0),
+                     _samples(met, "TransferToDeviceTime"),
+                     _samples(met, "TransferFromDeviceTime"), ops)
+
+
+def ir_text(tensors: Sequence[torch.Tensor]) -> list[str]:
+    """The pending trace that computes `tensors`, one op a line, node numbers dropped (so two
+    traces of the same graph compare equal)."""
+    xlac = importlib.import_module("torch_xla")._XLAC
+    text = xlac._get_xla_tensors_text(list(tensors))
+    return [re.sub(r"%\d+", "%", line).strip() for line in text.splitlines()
+            if "=" in line]
+
+
+def first_difference(built: list[str], now: list[str]) -> str:
+    """The first op of `now` that `built` does not have at that place."""
+    for a, b in zip(built, now):
+        if a != b:
+            return f"{b} (the graph built at start-up has {a})"
+    longer = now[len(built):] or built[len(now):]
+    return longer[0] if longer else "no op (the same trace compiled again)"
+
+
+class GraphAudit:
+    """Checks each step against the plan (see the module docstring). `record` the trace of
+    every bucket while the graphs are built, then `check` each serving step."""
+
+    def __init__(self) -> None:
+        self.built: dict[tuple, list[str]] = {}
+        self.steps = 0
+
+    def record(self, key: tuple, trace: list[str]) -> None:
+        self.built[key] = trace
+
+    def check(self, key: tuple, trace: list[str], delta: XlaCounts) -> None:
+        """delta: the counts over the step's forward and graph launch (before the logits are
+        read back): one execution, no compile, no transfer out, no host op."""
+        self.steps += 1
+        problems = []
+        if delta.compiles:
+            built = self.built.get(key)
+            where = first_difference(built, trace) if built is not None else \
+                "no graph of this shape was built at start-up"
+            problems.append(f"{delta.compiles} compilation(s) after start-up; the trace "
+                            f"departs at: {where}")
+        sync = delta.sync_ops()
+        if sync or delta.from_device or delta.executions > 1:
+            problems.append(f"a host sync inside the step: ops {', '.join(sync) or 'none'}, "
+                            f"{delta.executions} graph executions, {delta.from_device} "
+                            "transfers from the device")
+        if problems:
+            raise UnplannedGraphError(f"{key[0]} step of bucket {key[1:]}: "
+                                      + "; ".join(problems))
