@@ -23,7 +23,7 @@ from deepinfer.backends.neuron.device import select_device
 from deepinfer.backends.neuron.env import neuron_settings
 from deepinfer.backends.neuron.ops import NeuronOps
 from deepinfer.backends.neuron.timing import RegionTimer, timing_requested
-from deepinfer.backends.neuron.xla_audit import GraphAudit, ir_text, xla_counts
+from deepinfer.backends.neuron.xla_audit import GraphAudit, XlaCounts, ir_text, xla_counts
 from deepinfer.backends.torch.runner import TorchRunner
 from deepinfer.core.accelerator import (
     Accelerator,
@@ -118,6 +118,7 @@ class NeuronAccelerator(Accelerator):
             return self._forward_logits(batch, width)
 
     def _forward_logits(self, batch: ModelBatch, width: int | None) -> torch.Tensor:
+        before = xla_counts() if self.audit is not None else None
         blocks = max(len(t) for g in batch.groups for t in g.block_tables)
         width = width or self.shapes.context_bucket(blocks)
         meta = StaticMeta.from_batch(batch, self.runner.cache, width, self.device.torch_device)
@@ -133,20 +134,22 @@ class NeuronAccelerator(Accelerator):
             logits = self._forward(ids, meta, rows)
             self.device.end_step()
             return logits
-        return self._audited_forward((kind, ids.shape[0], width), ids, meta, rows)
+        # Its inputs: ids, positions, rows, the real count, a table and slots per KV group.
+        planned = 4 + 2 * len(meta.tables)
+        return self._audited_forward((kind, ids.shape[0], width), ids, meta, rows, before,
+                                     planned)
 
     def _audited_forward(self, key: tuple, ids: torch.Tensor, meta: StaticMeta,
-                         rows: torch.Tensor) -> torch.Tensor:
+                         rows: torch.Tensor, before: XlaCounts, inputs: int) -> torch.Tensor:
         """The step checked against its plan (DEEPINFER_NEURON_AUDIT_GRAPHS): while the
-        buckets are built, each one's trace is recorded; after, a step that compiles or syncs
-        mid-way raises UnplannedGraphError naming the op."""
-        before = xla_counts()
+        buckets are built, each one's trace is recorded; after, a step that compiles, syncs
+        mid-way or moves more than its inputs in raises UnplannedGraphError naming the op."""
         logits = self._forward(ids, meta, rows)
         trace = ir_text([logits])
         self.device.end_step()
         delta = xla_counts().minus(before)
         if self.guard.frozen:
-            self.audit.check(key, trace, delta)
+            self.audit.check(key, trace, delta, inputs)
         else:
             self.audit.record(key, trace)
         return logits

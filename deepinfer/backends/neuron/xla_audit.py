@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import importlib
 import re
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -26,6 +27,8 @@ import torch
 # Op counters that mean the host waited for the device mid-step: results read back, or an
 # op PyTorch/XLA ran on the CPU (every `aten::` counter is such a fallback).
 _SYNC_OPS = ("xla::_to_cpu", "xla::_local_scalar_dense")
+# Trace leaves: what a graph reads, not what it computes.
+_LEAVES = ("xla::device_data", "prim::Constant")
 
 
 class UnplannedGraphError(RuntimeError):
@@ -82,12 +85,17 @@ def ir_text(tensors: Sequence[torch.Tensor]) -> list[str]:
 
 
 def first_difference(built: list[str], now: list[str]) -> str:
-    """The first op of `now` that `built` does not have at that place."""
-    for a, b in zip(built, now):
-        if a != b:
-            return f"{b} (the graph built at start-up has {a})"
-    longer = now[len(built):] or built[len(now):]
-    return longer[0] if longer else "no op (the same trace compiled again)"
+    """The ops `now` has that `built` lacks and the reverse, as multisets: the op kinds first,
+    then the data and constants (a constant where the graph took data is a recompile too)."""
+    added, dropped = Counter(now) - Counter(built), Counter(built) - Counter(now)
+
+    def named(ops: Counter) -> list[str]:
+        lines = sorted(ops, key=lambda line: any(k in line for k in _LEAVES))
+        return [line.split("=", 1)[1].strip() for line in lines[:2]]
+
+    parts = [f"adds {', '.join(named(added))}" if added else "",
+             f"drops {', '.join(named(dropped))}" if dropped else ""]
+    return "; ".join(p for p in parts if p) or "no op (the same trace compiled again)"
 
 
 class GraphAudit:
@@ -97,26 +105,35 @@ class GraphAudit:
     def __init__(self) -> None:
         self.built: dict[tuple, list[str]] = {}
         self.steps = 0
+        # Once a step broke the plan every later one fails too: a step run again (the
+        # engine's fault isolation) replays the graph the first one compiled, and would pass.
+        self.violations: list[str] = []
 
     def record(self, key: tuple, trace: list[str]) -> None:
         self.built[key] = trace
 
-    def check(self, key: tuple, trace: list[str], delta: XlaCounts) -> None:
-        """delta: the counts over the step's forward and graph launch (before the logits are
-        read back): one execution, no compile, no transfer out, no host op."""
+    def check(self, key: tuple, trace: list[str], delta: XlaCounts, inputs: int) -> None:
+        """delta: the counts over the step from its inputs to its graph's launch (before the
+        logits are read back): `inputs` transfers in, one execution, no compile, no transfer
+        out, no host op."""
         self.steps += 1
+        if self.violations:
+            raise UnplannedGraphError(f"an earlier step broke the plan: {self.violations[0]}")
         problems = []
+        if delta.to_device != inputs:
+            problems.append(f"{delta.to_device} transfers to the device where the step has "
+                            f"{inputs} inputs")
         if delta.compiles:
             built = self.built.get(key)
             where = first_difference(built, trace) if built is not None else \
                 "no graph of this shape was built at start-up"
-            problems.append(f"{delta.compiles} compilation(s) after start-up; the trace "
-                            f"departs at: {where}")
+            problems.append(f"{delta.compiles} compilation(s) after start-up; against its "
+                            f"bucket's graph the trace {where}")
         sync = delta.sync_ops()
         if sync or delta.from_device or delta.executions > 1:
             problems.append(f"a host sync inside the step: ops {', '.join(sync) or 'none'}, "
                             f"{delta.executions} graph executions, {delta.from_device} "
                             "transfers from the device")
         if problems:
-            raise UnplannedGraphError(f"{key[0]} step of bucket {key[1:]}: "
-                                      + "; ".join(problems))
+            self.violations.append(f"{key[0]} step of bucket {key[1:]}: " + "; ".join(problems))
+            raise UnplannedGraphError(self.violations[-1])
