@@ -6,8 +6,6 @@ These run in the XLA venv (scripts/xla_env.sh: torch and torch-xla at the versio
 pins); where torch_xla is not installed they skip."""
 from __future__ import annotations
 
-import os
-
 import pytest
 
 pytest.importorskip("torch_xla")
