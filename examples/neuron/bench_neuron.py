@@ -259,6 +259,10 @@ def run_matrix(model: str, args: argparse.Namespace, tiny: bool) -> dict:
             "cells": []}
         if tiny:
             result["config"]["tiny_llama"] = TINY_LLAMA
+        # The neuron backend on XLA: each bucket's graph as its compiler received it.
+        graphs = getattr(engine.accelerator, "graph_report", None)
+        if graphs:
+            result["graphs"] = graphs
         for batch in args.batch_sizes:
             for input_len in args.input_lens:
                 cell = bench_cell(engine, batch, input_len, args, info.vocab_size)

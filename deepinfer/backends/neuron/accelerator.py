@@ -23,7 +23,13 @@ from deepinfer.backends.neuron.device import select_device
 from deepinfer.backends.neuron.env import neuron_settings
 from deepinfer.backends.neuron.ops import NeuronOps
 from deepinfer.backends.neuron.timing import RegionTimer, timing_requested
-from deepinfer.backends.neuron.xla_audit import GraphAudit, XlaCounts, ir_text, xla_counts
+from deepinfer.backends.neuron.xla_audit import (
+    GraphAudit,
+    XlaCounts,
+    hlo_instructions,
+    ir_text,
+    xla_counts,
+)
 from deepinfer.backends.torch.runner import TorchRunner
 from deepinfer.core.accelerator import (
     Accelerator,
@@ -54,6 +60,9 @@ class NeuronAccelerator(Accelerator):
         self.guard = StaticShapeGuard()
         self.audit = GraphAudit() if neuron_settings().audit_graphs and \
             self.device.kind == "xla" else None
+        # On XLA, per bucket built at start-up: its HLO size, compilations and compile time.
+        self.graph_report: list[dict] = []
+        self._hlo_size: int | None = None  # set while a reported bucket is built
         self.shapes: StaticShapes | None = None
         self._forward = self.device.compile(self._step_forward, "step")
 
@@ -104,12 +113,29 @@ class NeuronAccelerator(Accelerator):
         graphs = self.shapes.graphs()
         cache, start = self.runner.cache, time.perf_counter()
         for i, (kind, size, width) in enumerate(graphs, 1):
-            self.forward_logits(_warmup_batch(kind, size, cache.block_size,
-                                              len(cache.spec.groups)), width)
+            batch = _warmup_batch(kind, size, cache.block_size, len(cache.spec.groups))
+            if self.device.kind == "xla":
+                self._build_reported(batch, width)
+            else:
+                self.forward_logits(batch, width)
             if i % max(1, len(graphs) // 10) == 0 or i == len(graphs):
                 log.info("neuron graphs: %d/%d built (%.1f s)", i, len(graphs),
                          time.perf_counter() - start)
         self.guard.freeze()
+
+    def _build_reported(self, batch: ModelBatch, width: int) -> None:
+        """One bucket's graph on XLA, with what it cost: its HLO instructions (the size of
+        what neuronx-cc receives), the compilations it made and their seconds."""
+        before = xla_counts()
+        self._hlo_size = 0
+        self.forward_logits(batch, width)
+        delta = xla_counts().minus(before)
+        kind = "decode" if batch.is_decode_only else "prefill"
+        self.graph_report.append(
+            {"kind": kind, "size": batch.num_seqs if kind == "decode" else batch.num_tokens,
+             "context_blocks": width, "hlo_instructions": self._hlo_size,
+             "compiles": delta.compiles, "compile_s": round(delta.compile_seconds, 4)})
+        self._hlo_size = None
 
     # ---- steps ---------------------------------------------------------------------------
     def forward_logits(self, batch: ModelBatch, width: int | None = None) -> torch.Tensor:
@@ -132,6 +158,8 @@ class NeuronAccelerator(Accelerator):
         self.runner.begin_step(batch.num_tokens, real)
         if self.audit is None:
             logits = self._forward(ids, meta, rows)
+            if self._hlo_size is not None:  # a bucket built on XLA: measured before its launch
+                self._hlo_size = hlo_instructions([logits])
             self.device.end_step()
             return logits
         # Its inputs: ids, positions, rows, the real count, a table and slots per KV group.
@@ -146,6 +174,8 @@ class NeuronAccelerator(Accelerator):
         mid-way or moves more than its inputs in raises UnplannedGraphError naming the op."""
         logits = self._forward(ids, meta, rows)
         trace = ir_text([logits])
+        if self._hlo_size is not None:
+            self._hlo_size = hlo_instructions([logits])
         self.device.end_step()
         delta = xla_counts().minus(before)
         if self.guard.frozen:

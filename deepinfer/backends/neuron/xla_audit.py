@@ -42,13 +42,15 @@ class XlaCounts:
     to_device: int
     from_device: int
     ops: dict[str, int] = field(default_factory=dict)
+    compile_seconds: float = 0.0
 
     def minus(self, before: "XlaCounts") -> "XlaCounts":
         ops = {k: v - before.ops.get(k, 0) for k, v in self.ops.items()
                if v != before.ops.get(k, 0)}
         return XlaCounts(self.compiles - before.compiles, self.executions - before.executions,
                          self.to_device - before.to_device,
-                         self.from_device - before.from_device, ops)
+                         self.from_device - before.from_device, ops,
+                         self.compile_seconds - before.compile_seconds)
 
     def sync_ops(self) -> list[str]:
         """Ops among these counts that make the host wait for the device."""
@@ -64,6 +66,11 @@ def _samples(metrics, name: str) -> int:
     return int(data[0]) if data else 0
 
 
+def _total_seconds(metrics, name: str) -> float:
+    data = metrics.metric_data(name)  # (samples, accumulated nanoseconds, recent samples)
+    return data[1] / 1e9 if data else 0.0
+
+
 def xla_counts() -> XlaCounts:
     """PyTorch/XLA's totals in this process so far."""
     met = _metrics()
@@ -72,7 +79,16 @@ def xla_counts() -> XlaCounts:
     return XlaCounts(_samples(met, "CompileTime"), int(met.counter_value("ExecuteComputation")
                                                        or 0),
                      _samples(met, "TransferToDeviceTime"),
-                     _samples(met, "TransferFromDeviceTime"), ops)
+                     _samples(met, "TransferFromDeviceTime"), ops,
+                     _total_seconds(met, "CompileTime"))
+
+
+def hlo_instructions(tensors: Sequence[torch.Tensor]) -> int:
+    """Instructions of the HLO module that computes `tensors` (pending, not yet synced): the
+    size of what the device's compiler receives for it."""
+    xlac = importlib.import_module("torch_xla")._XLAC
+    text = xlac._get_xla_tensors_hlo(list(tensors))
+    return sum(1 for line in text.splitlines() if " = " in line and not line.startswith("Hlo"))
 
 
 def ir_text(tensors: Sequence[torch.Tensor]) -> list[str]:
