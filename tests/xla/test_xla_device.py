@@ -39,8 +39,8 @@ def checkpoint(tmp_path_factory):
     return checkpoint_cache(tmp_path_factory, make_checkpoint)
 
 
-def _llm(path: str) -> LLM:
-    return LLM(path, load_tokenizer=False, **SHAPES)
+def _llm(path: str, **options) -> LLM:
+    return LLM(path, load_tokenizer=False, **{**SHAPES, **options})
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3_moe", "deepseek_v3_moe"])
@@ -55,7 +55,8 @@ def test_one_compile_per_bucket_and_greedy_equals_transformers(checkpoint, famil
     acc = llm.engine.accelerator
     assert acc.device.kind == "xla" and acc.audit is not None
     started = xla_counts()
-    assert started.compiles - before.compiles == len(acc.shapes.graphs())
+    assert started.compiles - before.compiles == len(acc.graph_plan()) \
+        == len(acc.shapes.graphs())  # no step of these buckets can overflow an expert slot
     prompts = _prompts((5, 23, 40), seed=SEEDS[family])
     outs = llm.generate(prompts, GREEDY)
     again = llm.generate([prompts[2]], GREEDY)[0]
@@ -68,6 +69,34 @@ def test_one_compile_per_bucket_and_greedy_equals_transformers(checkpoint, famil
         _assert_reference_greedy(model, prompt, list(out.outputs[0].token_ids))
     assert list(again.outputs[0].token_ids) == list(outs[2].outputs[0].token_ids)
     assert again.num_cached_tokens >= 32
+
+
+def test_an_overflowing_step_reruns_dense_without_a_host_sync(checkpoint, monkeypatch):
+    """Capacity at a quarter of the mean load and grouped experts from 8 tokens: prefill steps
+    overflow a slot. On XLA the step does not read its counts back (the audit would fail it):
+    its graph flags the overflow beside the logits, and the step runs again with dense experts,
+    a graph planned and built at start-up. Tokens stay transformers'."""
+    monkeypatch.setenv("DEEPINFER_NEURON_MOE_CAPACITY", "0.25")
+    monkeypatch.setattr("deepinfer.backends.neuron.moe.DECODE_MAX_TOKENS", 8)
+    path = checkpoint("qwen3_moe")
+    before = xla_counts()
+    # A pool of its own size: no graph of the test above is in PyTorch/XLA's compile cache.
+    llm = _llm(path, num_blocks=24)
+    acc = llm.engine.accelerator
+    plan = acc.graph_plan()
+    dense = [g for g in plan if g[0].endswith("-dense")]
+    assert {g[0] for g in dense} == {"prefill-dense"} and len(dense) == 6  # 2 tokens x 3 ctx
+    started = xla_counts()
+    assert started.compiles - before.compiles == len(plan)
+    exchange = acc.runner.moe.static_exchange
+    dense_before = exchange.dense_runs
+    prompts = _prompts((5, 23, 40), seed=SEEDS["qwen3_moe"])
+    outs = llm.generate(prompts, GREEDY)
+    assert exchange.dense_runs > dense_before  # steps ran again dense
+    assert xla_counts().minus(started).compiles == 0
+    model = _reference(path)
+    for prompt, out in zip(prompts, outs):
+        _assert_reference_greedy(model, prompt, list(out.outputs[0].token_ids))
 
 
 def test_the_audit_names_a_recompile_and_a_host_sync(checkpoint):

@@ -21,6 +21,7 @@ from deepinfer.backends.neuron.attention import StaticMeta
 from deepinfer.backends.neuron.buckets import StaticShapeGuard, StaticShapes
 from deepinfer.backends.neuron.device import select_device
 from deepinfer.backends.neuron.env import neuron_settings
+from deepinfer.backends.neuron.moe import StaticMoEExchange
 from deepinfer.backends.neuron.ops import NeuronOps
 from deepinfer.backends.neuron.timing import RegionTimer, timing_requested
 from deepinfer.backends.neuron.xla_audit import (
@@ -44,6 +45,10 @@ from deepinfer.core.padding import Buckets, dummy_batch, pad_batch
 
 log = logging.getLogger(__name__)
 
+# The graph kinds of a step run again with dense experts (its grouped ones overflowed): its
+# bucket's kind and this suffix.
+DENSE = "-dense"
+
 
 class NeuronAccelerator(Accelerator):
     name = "neuron"
@@ -63,6 +68,7 @@ class NeuronAccelerator(Accelerator):
         # On XLA, per bucket built at start-up: its HLO size, compilations and compile time.
         self.graph_report: list[dict] = []
         self._hlo_size: int | None = None  # set while a reported bucket is built
+        self.flag_row = False  # the last step's logits end with the experts' overflow flag
         self.shapes: StaticShapes | None = None
         self._forward = self.device.compile(self._step_forward, "step")
 
@@ -110,48 +116,79 @@ class NeuronAccelerator(Accelerator):
     def capture_graphs(self) -> None:
         """Run every bucket once (on Trainium: compile it, or load it from the compiler's
         cache), then freeze the guard."""
-        graphs = self.shapes.graphs()
+        graphs = self.graph_plan()
         cache, start = self.runner.cache, time.perf_counter()
         for i, (kind, size, width) in enumerate(graphs, 1):
-            batch = _warmup_batch(kind, size, cache.block_size, len(cache.spec.groups))
+            dense = kind.endswith(DENSE)
+            batch = _warmup_batch(kind.removesuffix(DENSE), size, cache.block_size,
+                                  len(cache.spec.groups))
             if self.device.kind == "xla":
-                self._build_reported(batch, width)
+                self._build_reported(batch, width, dense)
             else:
-                self.forward_logits(batch, width)
+                self.forward_logits(batch, width, dense)
             if i % max(1, len(graphs) // 10) == 0 or i == len(graphs):
                 log.info("neuron graphs: %d/%d built (%.1f s)", i, len(graphs),
                          time.perf_counter() - start)
         self.guard.freeze()
 
-    def _build_reported(self, batch: ModelBatch, width: int) -> None:
+    def graph_plan(self) -> list[tuple[str, int, int]]:
+        """Every graph built at start-up: the buckets (shapes.graphs()) and, on a traced device
+        with experts, the dense rerun of each bucket that can overflow a slot."""
+        plan = self.shapes.graphs()
+        exchange = self._traced_exchange()
+        if exchange is not None:
+            plan += [(kind + DENSE, n, w) for kind, n, w in self.shapes.graphs()
+                     if exchange.may_overflow(n)]
+        return plan
+
+    def _traced_exchange(self) -> StaticMoEExchange | None:
+        """The static MoE exchange where a step cannot read its counts back (a compiled
+        device): it flags an overflow instead, and the step runs again dense."""
+        moe = self.runner.moe
+        exchange = moe.static_exchange if moe is not None else None
+        if exchange is None or self.device.kind == "cpu":
+            return None
+        exchange.traced = True
+        return exchange
+
+    def _build_reported(self, batch: ModelBatch, width: int, dense: bool) -> None:
         """One bucket's graph on XLA, with what it cost: its HLO instructions (the size of
         what neuronx-cc receives), the compilations it made and their seconds."""
         before = xla_counts()
         self._hlo_size = 0
-        self.forward_logits(batch, width)
+        self.forward_logits(batch, width, dense)
         delta = xla_counts().minus(before)
         kind = "decode" if batch.is_decode_only else "prefill"
         self.graph_report.append(
-            {"kind": kind, "size": batch.num_seqs if kind == "decode" else batch.num_tokens,
+            {"kind": kind + (DENSE if dense else ""),
+             "size": batch.num_seqs if kind == "decode" else batch.num_tokens,
              "context_blocks": width, "hlo_instructions": self._hlo_size,
              "compiles": delta.compiles, "compile_s": round(delta.compile_seconds, 4)})
         self._hlo_size = None
 
     # ---- steps ---------------------------------------------------------------------------
-    def forward_logits(self, batch: ModelBatch, width: int | None = None) -> torch.Tensor:
-        """float32 logits of the sampled sequences' last tokens (rows past them: padding)."""
+    def forward_logits(self, batch: ModelBatch, width: int | None = None,
+                       dense: bool = False) -> torch.Tensor:
+        """float32 logits of the sampled sequences' last tokens (rows past them: padding),
+        then, where the step's grouped experts may overflow on a traced device, one more row:
+        the overflow flag (`flag_row`). dense: the step's dense rerun."""
         with self.device.inference():
-            return self._forward_logits(batch, width)
+            return self._forward_logits(batch, width, dense)
 
-    def _forward_logits(self, batch: ModelBatch, width: int | None) -> torch.Tensor:
+    def _forward_logits(self, batch: ModelBatch, width: int | None,
+                        dense: bool) -> torch.Tensor:
         before = xla_counts() if self.audit is not None else None
         blocks = max(len(t) for g in batch.groups for t in g.block_tables)
         width = width or self.shapes.context_bucket(blocks)
         meta = StaticMeta.from_batch(batch, self.runner.cache, width, self.device.torch_device)
         kind = "decode" if batch.is_decode_only else "prefill"
+        exchange = self._traced_exchange()
+        if exchange is not None:
+            exchange.force_dense, exchange.overflow = dense, None
         ids = torch.tensor(batch.input_ids, dtype=torch.long, device=self.device.torch_device)
         rows = self._sample_rows(batch, kind)
-        self.guard.check(kind, ids, meta.tables[0], rows)
+        graph = kind + (DENSE if dense else "")
+        self.guard.check(graph, ids, meta.tables[0], rows)
         # The real-token count goes in as data: a constant would make a graph per count. [1],
         # not a scalar: PyTorch/XLA traces scalars 0 and 1 as constants.
         real = torch.tensor([batch.num_real_tokens], device=self.device.torch_device)
@@ -164,7 +201,7 @@ class NeuronAccelerator(Accelerator):
             return logits
         # Its inputs: ids, positions, rows, the real count, a table and slots per KV group.
         planned = 4 + 2 * len(meta.tables)
-        return self._audited_forward((kind, ids.shape[0], width), ids, meta, rows, before,
+        return self._audited_forward((graph, ids.shape[0], width), ids, meta, rows, before,
                                      planned)
 
     def _audited_forward(self, key: tuple, ids: torch.Tensor, meta: StaticMeta,
@@ -187,7 +224,13 @@ class NeuronAccelerator(Accelerator):
     def _step_forward(self, ids: torch.Tensor, meta: StaticMeta,
                       rows: torch.Tensor) -> torch.Tensor:
         hidden = self.runner.forward(ids, meta.positions, meta)
-        return self.runner.logits(hidden[rows])
+        logits = self.runner.logits(hidden[rows])
+        exchange = self._traced_exchange()
+        self.flag_row = exchange is not None and exchange.overflow is not None
+        if self.flag_row:  # out with the logits: no transfer of its own
+            flag = exchange.overflow.to(logits.dtype).expand(1, logits.shape[1])
+            logits = torch.cat((logits, flag))
+        return logits
 
     def _sample_rows(self, batch: ModelBatch, kind: str) -> torch.Tensor:
         """The last token of each sampled sequence, padded to a fixed count (a decode step:
@@ -203,9 +246,20 @@ class NeuronAccelerator(Accelerator):
 
     def execute(self, batch: ModelBatch) -> SamplerOutput:
         # Sliced on the host: a slice on the device would be a graph per row count.
-        logits = self.forward_logits(batch).to("cpu")[:len(batch.sample_indices)]
+        logits = self._host_logits(batch)[:len(batch.sample_indices)]
         with self.device.inference():
             return self.runner.sample(logits, batch.sampling)
+
+    def _host_logits(self, batch: ModelBatch) -> torch.Tensor:
+        """The step's logits on the host. A step whose grouped experts overflowed a slot (its
+        flag row) runs again with dense experts: it writes the same KV slots, now exact. The
+        routers count its routes twice in the experts' load (a rare step)."""
+        logits = self.forward_logits(batch).to("cpu")
+        if not self.flag_row:
+            return logits
+        if logits[-1, 0] == 0:
+            return logits[:-1]
+        return self.forward_logits(batch, dense=True).to("cpu")[:-1]
 
     def region_times(self) -> dict[str, dict[str, float]]:
         """DEEPINFER_NEURON_REGION_TIMING=1: device seconds and calls per region since start."""

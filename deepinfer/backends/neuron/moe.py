@@ -9,7 +9,10 @@ the routes of every slot over all ranks from the gathered ids, and computes this
   slot, a cumsum of one-hot), batched matmuls over [S, capacity, ...], a weighted scatter-add
   back. Routes past a slot's capacity would be dropped, so it runs only when none overflows;
 - dense: every slot over every token with masked weights, exact at any load. It reruns a layer
-  whose counts overflow the capacity: no token is ever dropped.
+  whose counts overflow the capacity: no token is ever dropped. On a traced device (XLA, where
+  reading the counts back would cut the step's graph) the layer stays grouped and raises a
+  device flag; the backend reads it with the step's logits and reruns the whole step with
+  dense experts (a graph of its own, built at start-up).
 Every rank sees the same gathered counts, so all take the same branch without a collective.
 A reduce-scatter sums each token's partial outputs back on its rank.
 """
@@ -176,6 +179,12 @@ class StaticMoEExchange:
         self.decode_tokens = DECODE_MAX_TOKENS
         self.num_real: int | torch.Tensor | None = None
         self.grouped_runs = self.dense_runs = 0
+        # A traced device (XLA) cannot read the counts back mid-step: there every layer runs
+        # grouped and ORs "some slot overflowed" into `overflow`, a device flag the backend
+        # reads with the step's logits and then reruns the step with `force_dense` set.
+        self.traced = False
+        self.force_dense = False
+        self.overflow: torch.Tensor | None = None
         # Region timing (timing.RegionTimer): the exchange, the experts and the combine are
         # the graph-split boundaries of a MoE layer. None: untimed.
         self.timer = None
@@ -200,7 +209,7 @@ class StaticMoEExchange:
             local = self._local(ids, valid)
             capacity = capacity_for(ids.shape[0], k, self.num_slots, self.capacity_factor,
                                     self.decode_tokens)
-            fits = self._fits(ids, valid, capacity)
+            fits = not self.force_dense and self._fits(ids, valid, capacity)
         with self._region("experts"):
             if fits:
                 self.grouped_runs += 1
@@ -217,10 +226,23 @@ class StaticMoEExchange:
     def _fits(self, ids: torch.Tensor, valid: torch.Tensor, capacity: int) -> bool:
         """Whether no slot of any rank gets more routes than capacity. A token routes at most
         once to a slot (distinct experts, distinct replicas), so capacity >= tokens always
-        fits and needs no host read of the counts."""
+        fits and needs no host read of the counts. Traced: True, and the answer goes into
+        the `overflow` flag instead of a host read."""
         if capacity >= ids.shape[0]:
             return True
-        return int(expert_counts(ids, valid, self.num_slots).max()) <= capacity
+        over = expert_counts(ids, valid, self.num_slots).max() > capacity
+        if self.traced:
+            self.overflow = over if self.overflow is None else self.overflow | over
+            return True
+        return not bool(over)
+
+    def may_overflow(self, tokens: int) -> bool:
+        """Whether a step of `tokens` on this rank can overflow a slot (every rank pads to
+        the same count): capacity below the gathered tokens. Taken at one route a token, the
+        smallest capacity, so that no step that can overflow is missed."""
+        gathered = tokens * self.world_size
+        return gathered > self.decode_tokens and capacity_for(
+            gathered, 1, self.num_slots, self.capacity_factor, self.decode_tokens) < gathered
 
     def _local(self, ids: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         """Gathered slot ids -> this rank's slot index, -1 for other ranks' slots and padding."""
