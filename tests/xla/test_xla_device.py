@@ -62,8 +62,8 @@ def test_one_compile_per_bucket_and_greedy_equals_transformers(checkpoint, famil
     again = llm.generate([prompts[2]], GREEDY)[0]
     done = xla_counts().minus(started)
     assert done.compiles == 0, "a graph compiled after start-up"
-    # One graph a step, and the logits its only transfer out.
-    assert acc.audit.steps > 0 and done.executions == done.from_device == acc.audit.steps
+    # The logits are each step's one transfer out (the audit checked each step's one graph).
+    assert acc.audit.steps > 0 and done.from_device == acc.audit.steps
     model = _reference(path)
     for prompt, out in zip(prompts, outs):
         _assert_reference_greedy(model, prompt, list(out.outputs[0].token_ids))
