@@ -46,20 +46,27 @@ def _llm(path: str, **options) -> LLM:
 @pytest.mark.parametrize("family", ["llama", "qwen3_moe", "deepseek_v3_moe"])
 def test_one_compile_per_bucket_and_greedy_equals_transformers(checkpoint, family):
     """Start-up compiles exactly one graph per planned bucket; batched prompts longer than a
-    prefill bucket (chunked), decoding together, then a prefix-cache hit, compile nothing more
-    and sync nothing mid-step (the audit raises otherwise); every token is transformers'
-    argmax."""
+    prefill bucket (chunked), decoding together, then a prefix-cache hit, then a sampled
+    request beside a greedy one, compile nothing more and sync nothing mid-step (the audit
+    raises otherwise), and take out one transfer a step (the greedy ids, or the logits to
+    sample from); every greedy token is transformers' argmax."""
     path = checkpoint(family)
     before = xla_counts()
     llm = _llm(path)
     acc = llm.engine.accelerator
     assert acc.device.kind == "xla" and acc.audit is not None
     started = xla_counts()
-    assert started.compiles - before.compiles == len(acc.graph_plan()) \
-        == len(acc.shapes.graphs())  # no step of these buckets can overflow an expert slot
+    plan = acc.graph_plan()
+    assert len(plan) == len(acc.shapes.graphs())  # none of these buckets can overflow a slot
+    # One compile per bucket, and one before them that materialises the weights and the pool.
+    assert [g["compiles"] for g in acc.graph_report] == [1] * len(plan)
+    assert started.compiles - before.compiles == len(plan) + 1
     prompts = _prompts((5, 23, 40), seed=SEEDS[family])
-    outs = llm.generate(prompts, GREEDY)
+    outs = llm.generate(prompts, GREEDY)  # plain greedy steps: the graph's argmax comes out
     again = llm.generate([prompts[2]], GREEDY)[0]
+    # A sampled request beside a greedy one: the logits come out, the host samples.
+    sampled = SamplingParams(temperature=0.8, seed=3, max_tokens=8, ignore_eos=True)
+    mixed = llm.generate(prompts[:2], [GREEDY, sampled])
     done = xla_counts().minus(started)
     assert done.compiles == 0, "a graph compiled after start-up"
     # The logits are each step's one transfer out (the audit checked each step's one graph).
@@ -69,6 +76,8 @@ def test_one_compile_per_bucket_and_greedy_equals_transformers(checkpoint, famil
         _assert_reference_greedy(model, prompt, list(out.outputs[0].token_ids))
     assert list(again.outputs[0].token_ids) == list(outs[2].outputs[0].token_ids)
     assert again.num_cached_tokens >= 32
+    assert list(mixed[0].outputs[0].token_ids) == list(outs[0].outputs[0].token_ids)
+    assert len(mixed[1].outputs[0].token_ids) == 8
 
 
 def test_an_overflowing_step_reruns_dense_without_a_host_sync(checkpoint, monkeypatch):
@@ -87,7 +96,7 @@ def test_an_overflowing_step_reruns_dense_without_a_host_sync(checkpoint, monkey
     dense = [g for g in plan if g[0].endswith("-dense")]
     assert {g[0] for g in dense} == {"prefill-dense"} and len(dense) == 6  # 2 tokens x 3 ctx
     started = xla_counts()
-    assert started.compiles - before.compiles == len(plan)
+    assert started.compiles - before.compiles == len(plan) + 1  # + the weights and the pool
     exchange = acc.runner.moe.static_exchange
     dense_before = exchange.dense_runs
     prompts = _prompts((5, 23, 40), seed=SEEDS["qwen3_moe"])
@@ -107,7 +116,8 @@ def test_the_audit_names_a_recompile_and_a_host_sync(checkpoint):
     forward = acc._forward
 
     def extra_op(ids, meta, rows):
-        return forward(ids, meta, rows) * 2.5
+        logits, tokens = forward(ids, meta, rows)
+        return logits * 2.5, tokens
 
     acc._forward = extra_op
     # The engine fails the request with the audit's message.
@@ -115,8 +125,8 @@ def test_the_audit_names_a_recompile_and_a_host_sync(checkpoint):
         llm.generate([[3, 4, 5]], SamplingParams(temperature=0.0, max_tokens=1))
 
     def reads_back(ids, meta, rows):
-        logits = forward(ids, meta, rows)
-        return logits if float(logits.sum()) else logits
+        logits, tokens = forward(ids, meta, rows)
+        return (logits if float(logits.sum()) else logits), tokens
 
     llm = _llm(checkpoint("llama"))
     llm.engine.accelerator._forward = reads_back

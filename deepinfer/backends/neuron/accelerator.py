@@ -42,6 +42,7 @@ from deepinfer.core.accelerator import (
 from deepinfer.core.batch import ModelBatch, SamplerOutput
 from deepinfer.core.config import CacheConfig, EngineConfig, ModelSpec, cpu_threads
 from deepinfer.core.padding import Buckets, dummy_batch, pad_batch
+from deepinfer.core.sampler import all_plain_greedy
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +112,10 @@ class NeuronAccelerator(Accelerator):
     def allocate_kv_cache(self, num_blocks: int, block_size: int,
                           num_state_slots: int = 0) -> None:
         self.runner.allocate(num_blocks, block_size, num_state_slots)
+        # On XLA the loaded weights (copied in by slices) and the zeroed pool are still traced
+        # ops: materialise them now, one graph of their own, or they would ride along in the
+        # first bucket's graph and make it differ from every later step of that bucket.
+        self.device.end_step()
 
     # ---- graphs --------------------------------------------------------------------------
     def capture_graphs(self) -> None:
@@ -173,10 +178,12 @@ class NeuronAccelerator(Accelerator):
         then, where the step's grouped experts may overflow on a traced device, one more row:
         the overflow flag (`flag_row`). dense: the step's dense rerun."""
         with self.device.inference():
-            return self._forward_logits(batch, width, dense)
+            return self._run_step(batch, width, dense)[0]
 
-    def _forward_logits(self, batch: ModelBatch, width: int | None,
-                        dense: bool) -> torch.Tensor:
+    def _run_step(self, batch: ModelBatch, width: int | None,
+                  dense: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's graph: (logits, their argmax), each ending with the overflow flag
+        where the step has one (`flag_row`)."""
         before = xla_counts() if self.audit is not None else None
         blocks = max(len(t) for g in batch.groups for t in g.block_tables)
         width = width or self.shapes.context_bucket(blocks)
@@ -194,43 +201,47 @@ class NeuronAccelerator(Accelerator):
         real = torch.tensor([batch.num_real_tokens], device=self.device.torch_device)
         self.runner.begin_step(batch.num_tokens, real)
         if self.audit is None:
-            logits = self._forward(ids, meta, rows)
+            out = self._forward(ids, meta, rows)
             if self._hlo_size is not None:  # a bucket built on XLA: measured before its launch
-                self._hlo_size = hlo_instructions([logits])
+                self._hlo_size = hlo_instructions(out)
             self.device.end_step()
-            return logits
+            return out
         # Its inputs: ids, positions, rows, the real count, a table and slots per KV group.
         planned = 4 + 2 * len(meta.tables)
         return self._audited_forward((graph, ids.shape[0], width), ids, meta, rows, before,
                                      planned)
 
     def _audited_forward(self, key: tuple, ids: torch.Tensor, meta: StaticMeta,
-                         rows: torch.Tensor, before: XlaCounts, inputs: int) -> torch.Tensor:
+                         rows: torch.Tensor, before: XlaCounts, inputs: int
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
         """The step checked against its plan (DEEPINFER_NEURON_AUDIT_GRAPHS): while the
         buckets are built, each one's trace is recorded; after, a step that compiles, syncs
         mid-way or moves more than its inputs in raises UnplannedGraphError naming the op."""
-        logits = self._forward(ids, meta, rows)
-        trace = ir_text([logits])
+        out = self._forward(ids, meta, rows)
+        trace = ir_text(out)
         if self._hlo_size is not None:
-            self._hlo_size = hlo_instructions([logits])
+            self._hlo_size = hlo_instructions(out)
         self.device.end_step()
         delta = xla_counts().minus(before)
         if self.guard.frozen:
             self.audit.check(key, trace, delta, inputs)
         else:
             self.audit.record(key, trace)
-        return logits
+        return out
 
     def _step_forward(self, ids: torch.Tensor, meta: StaticMeta,
-                      rows: torch.Tensor) -> torch.Tensor:
+                      rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         hidden = self.runner.forward(ids, meta.positions, meta)
         logits = self.runner.logits(hidden[rows])
+        # The argmax in the graph: plain greedy steps take their ids out instead of the logits.
+        tokens = logits.argmax(dim=-1)
         exchange = self._traced_exchange()
         self.flag_row = exchange is not None and exchange.overflow is not None
-        if self.flag_row:  # out with the logits: no transfer of its own
-            flag = exchange.overflow.to(logits.dtype).expand(1, logits.shape[1])
-            logits = torch.cat((logits, flag))
-        return logits
+        if self.flag_row:  # out with either: no transfer of its own
+            flag = exchange.overflow.reshape(1)
+            logits = torch.cat((logits, flag.to(logits.dtype).expand(1, logits.shape[1])))
+            tokens = torch.cat((tokens, flag.to(tokens.dtype)))
+        return logits, tokens
 
     def _sample_rows(self, batch: ModelBatch, kind: str) -> torch.Tensor:
         """The last token of each sampled sequence, padded to a fixed count (a decode step:
@@ -246,20 +257,30 @@ class NeuronAccelerator(Accelerator):
 
     def execute(self, batch: ModelBatch) -> SamplerOutput:
         # Sliced on the host: a slice on the device would be a graph per row count.
-        logits = self._host_logits(batch)[:len(batch.sample_indices)]
+        count = len(batch.sample_indices)
+        if all_plain_greedy(batch.sampling):  # the graph's argmax is the sampler's
+            tokens = self._host_output(batch, greedy=True)[:count].tolist()
+            return SamplerOutput(token_ids=tokens, logprobs=[None] * count)
+        logits = self._host_output(batch, greedy=False)[:count]
         with self.device.inference():
             return self.runner.sample(logits, batch.sampling)
 
-    def _host_logits(self, batch: ModelBatch) -> torch.Tensor:
-        """The step's logits on the host. A step whose grouped experts overflowed a slot (its
-        flag row) runs again with dense experts: it writes the same KV slots, now exact. The
-        routers count its routes twice in the experts' load (a rare step)."""
-        logits = self.forward_logits(batch).to("cpu")
+    def _host_output(self, batch: ModelBatch, greedy: bool) -> torch.Tensor:
+        """What sampling needs on the host, in one transfer: the greedy ids, or the logits. A
+        step whose grouped experts overflowed a slot (its flag, last) runs again with dense
+        experts: it writes the same KV slots, now exact. The routers count its routes twice
+        in the experts' load (a rare step)."""
+        out = self._step_output(batch, greedy, dense=False)
         if not self.flag_row:
-            return logits
-        if logits[-1, 0] == 0:
-            return logits[:-1]
-        return self.forward_logits(batch, dense=True).to("cpu")[:-1]
+            return out
+        if out[-1].max() == 0:
+            return out[:-1]
+        return self._step_output(batch, greedy, dense=True)[:-1]
+
+    def _step_output(self, batch: ModelBatch, greedy: bool, dense: bool) -> torch.Tensor:
+        with self.device.inference():
+            logits, tokens = self._run_step(batch, None, dense)
+        return (tokens if greedy else logits).to("cpu")
 
     def region_times(self) -> dict[str, dict[str, float]]:
         """DEEPINFER_NEURON_REGION_TIMING=1: device seconds and calls per region since start."""
