@@ -2,10 +2,10 @@
 # Install DeepInfer with its test extras and the example backend plugin, then run the tests.
 # --quick runs all but the tests marked slow (see tests/conftest.py): a few minutes, not twenty.
 # Both first run ruff and mypy (configured in pyproject.toml).
-# The full run also runs the Neuron backend's XLA tests (tests/xla) in a venv of their own
-# (scripts/xla_env.sh, at XLA_VENV, default .venv-xla: kept and reused), installed and run in
-# the background beside the main suite (which waits on its servers much of the time); their
-# output follows the main suite's.
+# The full run then runs the Neuron backend's XLA tests (tests/xla) in a venv of their own
+# (scripts/xla_env.sh, at XLA_VENV, default .venv-xla: kept and reused), installed in the
+# background while the main suite runs (downloads, mostly); the tests, which compile on every
+# core, run after it.
 # A torch that is already installed (a CUDA or Neuron build) is kept; where there is none, torch
 # is pinned so that pip takes the CPU wheel where one is on hand instead of a CUDA build.
 set -euo pipefail
@@ -19,13 +19,10 @@ esac
 xla_venv="${XLA_VENV:-$PWD/.venv-xla}"
 xla_log="$(mktemp)"
 xla_tests=""
-# A failing main suite ends the XLA job too (its own session: the whole group).
+# A failing main suite ends the XLA install too (its own session: the whole group).
 trap '[ -n "$xla_tests" ] && kill -- -"$xla_tests" 2>/dev/null; rm -f "$xla_log"' EXIT
 if [ ${#select[@]} -eq 0 ]; then
-    XLA_VENV_DIR="$xla_venv" setsid bash -c '
-        bash scripts/xla_env.sh "$XLA_VENV_DIR" || { echo "scripts/xla_env.sh failed"; exit 1; }
-        PJRT_DEVICE=CPU "$XLA_VENV_DIR/bin/python" -m pytest -q -p no:cacheprovider \
-            --durations=5 tests/xla' >"$xla_log" 2>&1 &
+    setsid bash scripts/xla_env.sh "$xla_venv" >"$xla_log" 2>&1 &
     xla_tests=$!
 fi
 if ! python3 -c "import torch" 2>/dev/null; then
@@ -46,8 +43,12 @@ python3 -m mypy
 python3 -m pytest -q -n 2 --dist loadfile --durations=25 ${select[@]+"${select[@]}"} tests
 [ -z "$xla_tests" ] && exit 0
 echo "=== tests/xla (the XLA venv)"
-xla_status=0
-wait "$xla_tests" || xla_status=$?
+if ! wait "$xla_tests"; then
+    xla_tests=""
+    echo "scripts/xla_env.sh failed:" >&2
+    cat "$xla_log" >&2
+    exit 1
+fi
 xla_tests=""
-cat "$xla_log"
-exit "$xla_status"
+PJRT_DEVICE=CPU "$xla_venv/bin/python" -m pytest -q -p no:cacheprovider -n 2 --dist loadfile \
+    --durations=5 tests/xla
