@@ -71,6 +71,7 @@ class NeuronAccelerator(Accelerator):
         self._hlo_size: int | None = None  # set while a reported bucket is built
         self.flag_row = False  # the last step's logits end with the experts' overflow flag
         self.shapes: StaticShapes | None = None
+        self.scratch_slot: int | None = None
         self._forward = self.device.compile(self._step_forward, "step")
 
     @classmethod
@@ -111,7 +112,11 @@ class NeuronAccelerator(Accelerator):
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int,
                           num_state_slots: int = 0) -> None:
-        self.runner.allocate(num_blocks, block_size, num_state_slots)
+        # One more state slot for a stateful model: padding reads it and every token but a
+        # sequence's last writes it (a step's shape cannot leave them out).
+        self.scratch_slot = num_state_slots if num_state_slots else None
+        self.runner.allocate(num_blocks, block_size, num_state_slots + (1 if num_state_slots
+                                                                         else 0))
         # On XLA the loaded weights (copied in by slices) and the zeroed pool are still traced
         # ops: materialise them now, one graph of their own, or they would ride along in the
         # first bucket's graph and make it differ from every later step of that bucket.
@@ -187,7 +192,8 @@ class NeuronAccelerator(Accelerator):
         before = xla_counts() if self.audit is not None else None
         blocks = max(len(t) for g in batch.groups for t in g.block_tables)
         width = width or self.shapes.context_bucket(blocks)
-        meta = StaticMeta.from_batch(batch, self.runner.cache, width, self.device.torch_device)
+        meta = StaticMeta.from_batch(batch, self.runner.cache, width, self.device.torch_device,
+                                     self.scratch_slot)
         kind = "decode" if batch.is_decode_only else "prefill"
         exchange = self._traced_exchange()
         if exchange is not None:
@@ -206,8 +212,8 @@ class NeuronAccelerator(Accelerator):
                 self._hlo_size = hlo_instructions(out)
             self.device.end_step()
             return out
-        # Its inputs: ids, positions, rows, the real count, a table and slots per KV group.
-        planned = 4 + 2 * len(meta.tables)
+        # Its inputs: ids, rows, the real count and the metadata's.
+        planned = 3 + meta.num_inputs
         return self._audited_forward((graph, ids.shape[0], width), ids, meta, rows, before,
                                      planned)
 

@@ -22,6 +22,14 @@ from deepinfer.core.kv.block_pool import NULL_BLOCK_ID
 CHUNK_KEYS = 256
 
 
+@dataclass(frozen=True)
+class GroupTables:
+    """One KV group's per-token tables, as models that read the groups see them."""
+
+    block_tables: torch.Tensor  # [T, W] long
+    slot_mapping: torch.Tensor  # [T] long
+
+
 @dataclass
 class StaticMeta:
     """One step's attention inputs, every tensor of a bucket's shape."""
@@ -33,11 +41,21 @@ class StaticMeta:
     group_of: dict[int, int]  # layer -> KV group
     block_size: int
 
+    @property
+    def groups(self) -> list[GroupTables]:
+        return [GroupTables(t, s) for t, s in zip(self.tables, self.slot_mapping)]
+
+    @property
+    def num_inputs(self) -> int:
+        """Device tensors the step copies in."""
+        return 1 + len(self.tables) + len(self.slot_mapping)
+
     @classmethod
     def from_batch(cls, batch: ModelBatch, cache: PagedCache, width: int,
-                   device: torch.device) -> "StaticMeta":
+                   device: torch.device, scratch_slot: int | None = None) -> "StaticMeta":
         """width: the context bucket (blocks a table) of this step; the KV spec and block size
-        are the cache's."""
+        are the cache's. scratch_slot: a model with state slots (StateMeta), the slot that
+        padding reads and every token but a sequence's last writes."""
         spec = cache.spec
         lens = torch.tensor(batch.query_lens)
         tables, slots = [], []
@@ -49,8 +67,40 @@ class StaticMeta:
             slots.append(torch.tensor(group.slot_mapping, dtype=torch.long, device=device))
         windows = [kv.sliding_window or 0 for kv in spec.groups]
         group_of = {layer: g.index for g in spec.groups for layer in g.layers}
-        return cls(torch.tensor(batch.positions, dtype=torch.long, device=device), tables, slots,
-                   windows, group_of, cache.block_size)
+        positions = torch.tensor(batch.positions, dtype=torch.long, device=device)
+        if scratch_slot is None:
+            return cls(positions, tables, slots, windows, group_of, cache.block_size)
+        return StateMeta(positions, tables, slots, windows, group_of, cache.block_size,
+                         *_state_inputs(batch, scratch_slot, device))
+
+
+@dataclass
+class StateMeta(StaticMeta):
+    """StaticMeta of a model with per-sequence state slots (DeepSeek-V4's static path,
+    models/deepseek_v4/static.py): per token, what its sequence's state is."""
+
+    starts: torch.Tensor | None = None  # [T] long: its sequence's first new position
+    state_slots: torch.Tensor | None = None  # [T] long: the slot it reads
+    state_writes: torch.Tensor | None = None  # [T] long: the slot it writes
+
+    @property
+    def num_inputs(self) -> int:
+        return super().num_inputs + 3
+
+
+def _state_inputs(batch: ModelBatch, scratch: int, device: torch.device
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per token: its sequence's chunk start, the slot it reads (padding: the scratch slot)
+    and the slot it writes (its sequence's on the sequence's last token, else the scratch)."""
+    real = batch.num_seqs - batch.num_padding_seqs
+    starts, reads, writes = [], [], []
+    for i, (q, seq_len) in enumerate(zip(batch.query_lens, batch.seq_lens)):
+        slot = batch.state_slots[i] if i < real and batch.state_slots else scratch
+        starts += [seq_len - q] * q
+        reads += [slot] * q
+        writes += [scratch] * (q - 1) + [slot]
+    return tuple(torch.tensor(x, dtype=torch.long, device=device)
+                 for x in (starts, reads, writes))
 
 
 def chunk_blocks(width: int, block_size: int) -> int:

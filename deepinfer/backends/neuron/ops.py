@@ -1,7 +1,8 @@
 """ModelOps of the Neuron backend: the reference torch ops for norms, rotary and activations
 (they are static already), static paged attention (MLA's latent attention on the same static
 kernel: one shared latent head, keys all of it, values its first dims), and the static MoE
-(moe.py). It runs no DeepSeek-V4 ops: models that need them are refused at load."""
+(moe.py), and DeepSeek-V4's ops (the norm, rope and mHC references are static; its attention runs in
+static shapes, models/deepseek_v4/static.py, on the step metadata this backend builds)."""
 from __future__ import annotations
 
 import torch
@@ -10,10 +11,11 @@ from deepinfer.backends.neuron.attention import StaticMeta, static_paged_attenti
 from deepinfer.backends.neuron.moe import StaticMoEOps
 from deepinfer.backends.neuron.timing import RegionTimer
 from deepinfer.backends.torch.ops import ReferenceOps
+from deepinfer.models.deepseek_v4.ops import DeepSeekV4Ops
 from deepinfer.models.mla_ops import MLAOps
 
 
-class NeuronOps(StaticMoEOps, MLAOps, ReferenceOps):
+class NeuronOps(StaticMoEOps, MLAOps, DeepSeekV4Ops, ReferenceOps):
     def __init__(self, cache, timer: RegionTimer | None = None) -> None:
         super().__init__(cache)
         self.timer = timer or RegionTimer(enabled=False)

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
+from deepinfer.models.deepseek_v4 import static
 from deepinfer.models.deepseek_v4.attention import RMSNorm, V4Attention, attend, entries_visible
 from deepinfer.models.deepseek_v4.cache import SeqView, V4PagedCache
 from deepinfer.models.deepseek_v4.compressor import (
@@ -32,6 +33,7 @@ from deepinfer.models.deepseek_v4.compressor import (
     CompressorState,
     CSACompressor,
     build_compressor,
+    causal_entry_limit,
     select_topk,
 )
 from deepinfer.models.deepseek_v4.hyper import HyperConnection, HyperDims
@@ -98,6 +100,8 @@ class V4DecoderLayer(nn.Module):
         q, kv = attn.project(hidden, positions, q_residual)
         paged.write_window(self.place.window_layer, kv)
         projected = self._project(hidden, q_residual, positions)
+        if paged.static:
+            return attn.output(self._static(q, projected, positions, paged), positions)
         if paged.decode:
             return attn.output(self._decode(q, projected, positions, paged), positions)
         out = torch.empty_like(q)
@@ -128,6 +132,43 @@ class V4DecoderLayer(nn.Module):
         return self.ops.compressed_decode_attention(
             q, paged.paged(self.place.window_layer), entries, picks, lens, self.self_attn.sinks,
             d.sliding_window, d.scale)
+
+    def _static(self, q: torch.Tensor, projected: _Projected | None, positions: torch.Tensor,
+                paged: V4PagedCache) -> torch.Tensor:
+        """Every token of the step at once, in shapes fixed by its bucket (static.py)."""
+        d = self.self_attn.dims
+        entries = visible = None
+        if projected is not None:
+            entries, visible = self._static_entries(projected, positions, paged)
+        return static.attention(q, positions, paged.paged(self.place.window_layer),
+                                d.sliding_window, entries, visible, self.self_attn.sinks,
+                                d.scale)
+
+    def _static_entries(self, projected: _Projected, positions: torch.Tensor,
+                        paged: V4PagedCache) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's entries written, then the ones each token attends to [T, E, D] and
+        which it sees [T, E]: HCA every entry of the context bucket, masked causally; CSA
+        the indexer's picks."""
+        comp, layer = self.compressor, self.place.entries_layer
+        steps = [(comp, projected.kv, projected.gate)]
+        if isinstance(comp, CSACompressor):
+            steps.append((comp.indexer, projected.index_kv, projected.index_gate))
+        offset, page_offset = self.place.state_offset, 0
+        for entry, (compressor, kv, gate) in enumerate(steps):
+            paged.static_compress(compressor, kv, gate, positions, layer, entry, offset,
+                                  page_offset)
+            offset += compressor.state_numel
+            page_offset += compressor.page_state_numel
+        entries = paged.paged(layer, 0, comp.rate)
+        if not isinstance(comp, CSACompressor):
+            every = static.bucket_entries(entries)
+            limit = causal_entry_limit(positions, comp.rate)[:, None]
+            return every, torch.arange(every.shape[1], device=limit.device)[None, :] < limit
+        indexer = comp.indexer
+        picks = static.indexer_picks(projected.index_q, projected.index_w,
+                                     paged.paged(layer, 1, indexer.rate), positions,
+                                     indexer.topk, indexer.softmax_scale)
+        return entries.cache[entries.rows_at(picks.clamp(min=0))], picks >= 0
 
     def _project(self, hidden: torch.Tensor, q_residual: torch.Tensor,
                  positions: torch.Tensor) -> _Projected | None:

@@ -30,7 +30,9 @@ from typing import Any
 
 import torch
 
-from deepinfer.models.deepseek_v4.compressor import PAGE_TOKENS
+from deepinfer.models.deepseek_v4 import static
+from deepinfer.models.deepseek_v4.compressor import PAGE_TOKENS, Compressor
+from deepinfer.models.deepseek_v4.decode_compress import SlotRows
 from deepinfer.models.deepseek_v4.paged_ops import DecodeLens, DecodeTarget, PagedRows
 
 ENTRY_TENSORS = 2  # compressed (+ index_key): the entry tensors; a CSA's page_state follows
@@ -39,6 +41,10 @@ STEP_FIELDS = ("query_starts", "query_lens", "seq_lens", "groups", "group_of", "
 # A decode step without host lists (what a CUDA graph holds): seq_lens [B] int32 and
 # state_slots [B] int64 are device tensors, max_seq_len bounds the lengths.
 DECODE_FIELDS = ("seq_lens", "groups", "group_of", "state_slots", "max_seq_len")
+# A step in static shapes (static.py): per token, its sequence's chunk start [T], the state
+# slot it reads [T] and the one it writes [T] (its sequence's on its last token, else a
+# scratch slot); per KV group, per-token block tables [T, W] and the slot mapping [T].
+STATIC_FIELDS = ("starts", "state_slots", "state_writes", "groups", "group_of")
 
 @dataclass(frozen=True)
 class SeqView:
@@ -56,6 +62,12 @@ class V4PagedCache:
 
     def __init__(self, cache: Any, meta: Any, dtype: torch.dtype) -> None:
         self.cache, self.meta, self.dtype = cache, meta, dtype
+        self.sequences: list[SeqView] = []
+        self.static = all(hasattr(meta, f) for f in STATIC_FIELDS)
+        self.decode = self.device_only = False
+        if self.static:
+            return
+        self.decode = True
         # Device-only decode metadata: every sequence decodes, nothing is known per sequence
         # on the host (`sequences` is empty; the decode path needs none).
         self.device_only = all(hasattr(meta, f) for f in DECODE_FIELDS)
@@ -64,9 +76,8 @@ class V4PagedCache:
         if missing:
             raise NotImplementedError(
                 f"DeepSeek-V4's paged data path needs step metadata with {STEP_FIELDS} "
-                f"(or, decoding, {DECODE_FIELDS}); {type(meta).__name__} lacks {missing}")
-        self.sequences: list[SeqView] = []
-        self.decode = True
+                f"(or, decoding, {DECODE_FIELDS}; or {STATIC_FIELDS}); "
+                f"{type(meta).__name__} lacks {missing}")
         # Decode rows come in runs of this many tokens of one sequence (a verify step):
         # the compressors step token j of every run at once, j = 0, 1, ...
         self.tokens_per_seq = getattr(meta, "tokens_per_seq", 1)
@@ -190,3 +201,28 @@ class V4PagedCache:
         if seq.state_slot is None or self.cache.state is None:
             raise RuntimeError("DeepSeek-V4 needs a state slot per running sequence")
         return self.cache.state[seq.state_slot].view(self.dtype)[offset:offset + numel]
+
+    # ---- a step in static shapes (static.py) ----------------------------------------------
+    def static_compress(self, comp: Compressor, kv: torch.Tensor, gate: torch.Tensor,
+                        positions: torch.Tensor, layer: int, entry: int, state_offset: int,
+                        page_offset: int) -> None:
+        """One compressor over every token of the step: the entries whose windows close,
+        (overlapping) the carry-over where a page ends, each sequence's state slot."""
+        if self.cache.state is None:
+            raise RuntimeError("DeepSeek-V4 needs a state slot per running sequence")
+        states, starts = self.cache.state.view(self.dtype), self.meta.starts
+        columns = slice(state_offset, state_offset + comp.state_numel)
+        slots = SlotRows.unpack(comp, states[self.meta.state_slots, columns])
+        pages = self.paged(layer, ENTRY_TENSORS, PAGE_TOKENS) if comp.overlap else None
+        if pages is not None:  # a chunk at a page end resumes from the page
+            page = torch.div(starts, PAGE_TOKENS, rounding_mode="floor").sub(1).clamp(min=0)
+            stored = pages.cache[pages.rows_of_each(page),
+                                 page_offset:page_offset + comp.page_state_numel]
+            slots = static.resumed_slots(comp, slots, stored, starts)
+        rows = static.TokenRows(kv, gate, positions, starts, slots, comp.rate, comp.head_dim)
+        static.write_closed(self.paged(layer, entry, comp.rate), static.compress(comp, rows),
+                            positions, comp.rate)
+        if pages is not None:
+            static.write_page_ends(pages, static.page_carry(comp, rows), positions,
+                                   page_offset)
+        states[self.meta.state_writes, columns] = static.state_after(comp, rows)

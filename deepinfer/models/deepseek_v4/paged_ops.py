@@ -36,8 +36,12 @@ class PagedRows:
 
     def rows_of_each(self, items: torch.Tensor) -> torch.Tensor:
         """Row indices [B] of item items[b] (long) of each sequence b."""
+        return self.rows_at(items[:, None])[:, 0]
+
+    def rows_at(self, items: torch.Tensor) -> torch.Tensor:
+        """Row indices [B, n] of items items[b, j] (long) of each sequence b."""
         first = items * self.rate
-        return self._row(self.tables.gather(1, self._column(first)[:, None])[:, 0], first)
+        return self._row(self.tables.gather(1, self._column(first)), first)
 
     def _column(self, first: torch.Tensor) -> torch.Tensor:
         return torch.div(first, self.block_size, rounding_mode="floor")
