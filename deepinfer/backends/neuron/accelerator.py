@@ -115,6 +115,7 @@ class NeuronAccelerator(Accelerator):
         # One more state slot for a stateful model: padding reads it and every token but a
         # sequence's last writes it (a step's shape cannot leave them out).
         self.scratch_slot = num_state_slots if num_state_slots else None
+        self.runner.cache.state_dtype = self.runner.dtype
         self.runner.allocate(num_blocks, block_size, num_state_slots + (1 if num_state_slots
                                                                          else 0))
         # On XLA the loaded weights (copied in by slices) and the zeroed pool are still traced

@@ -24,6 +24,9 @@ class PagedCache:
         self._layers: dict[int, tuple[torch.Tensor, ...]] = {}
         self._chunks: list[tuple[Chunk, torch.Tensor]] = []
         self.state: torch.Tensor | None = None
+        # Bytes, as a page copy moves them; a device that cannot reinterpret a tensor's bytes
+        # in the middle of a graph (XLA) keeps the slots in the dtype the model reads them in.
+        self.state_dtype = torch.uint8
 
     @property
     def kv_spec(self) -> KVSpec:
@@ -43,7 +46,8 @@ class PagedCache:
                           device) for e in group.kind.entries)
         self._chunks = self._pair_chunks()
         if self.kv_spec.state_bytes and num_state_slots:
-            self.state = zeros((num_state_slots, self.kv_spec.state_bytes), torch.uint8, device)
+            width = self.kv_spec.state_bytes // self.state_dtype.itemsize
+            self.state = zeros((num_state_slots, width), self.state_dtype, device)
 
     def layer(self, index: int) -> tuple[torch.Tensor, ...]:
         """The layer's entry tensors, in the order its LayerKV lists them."""

@@ -190,17 +190,24 @@ class V4PagedCache:
         page_state = None if page_offset is None else \
             self.paged(layer, ENTRY_TENSORS, PAGE_TOKENS).select(rows)
         slots = self.slot_index[rows].contiguous()
-        return DecodeTarget(self.cache.state.view(self.dtype), slots, state_offset,
+        return DecodeTarget(self.states, slots, state_offset,
                             self.paged(layer, entry, rate).select(rows), page_state,
                             page_offset or 0)
 
     # ---- compressor state ---------------------------------------------------------------
+    @property
+    def states(self) -> torch.Tensor:
+        """Every state slot [num_slots, elements] in the model's dtype (the pool keeps bytes,
+        or, where a bitcast is not to be had, the model's dtype already)."""
+        state = self.cache.state
+        return state if state.dtype == self.dtype else state.view(self.dtype)
+
     def state(self, seq: SeqView, offset: int, numel: int) -> torch.Tensor:
         """A view of elements [offset, offset + numel) of the sequence's state slot, in the
         model's dtype (writes go straight to the slot)."""
         if seq.state_slot is None or self.cache.state is None:
             raise RuntimeError("DeepSeek-V4 needs a state slot per running sequence")
-        return self.cache.state[seq.state_slot].view(self.dtype)[offset:offset + numel]
+        return self.states[seq.state_slot][offset:offset + numel]
 
     # ---- a step in static shapes (static.py) ----------------------------------------------
     def static_compress(self, comp: Compressor, kv: torch.Tensor, gate: torch.Tensor,
@@ -210,7 +217,7 @@ class V4PagedCache:
         (overlapping) the carry-over where a page ends, each sequence's state slot."""
         if self.cache.state is None:
             raise RuntimeError("DeepSeek-V4 needs a state slot per running sequence")
-        states, starts = self.cache.state.view(self.dtype), self.meta.starts
+        states, starts = self.states, self.meta.starts
         columns = slice(state_offset, state_offset + comp.state_numel)
         slots = SlotRows.unpack(comp, states[self.meta.state_slots, columns])
         pages = self.paged(layer, ENTRY_TENSORS, PAGE_TOKENS) if comp.overlap else None
