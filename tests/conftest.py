@@ -47,6 +47,7 @@ SLOW = (
     "models/test_deepseek_v4_hicache.py",
     "models/test_deepseek_v4_mtp.py",
     "models/test_deepseek_v4_parity.py",
+    "models/test_deepseek_v4_static.py",
     "models/test_default_model.py",
     "models/test_expert_parallel.py",
     "models/test_gguf_convert.py",
