@@ -18,21 +18,31 @@ case "${1:-}" in
 esac
 xla_venv="${XLA_VENV:-$PWD/.venv-xla}"
 xla_log="$(mktemp)"
+uv_cache="$(mktemp -d)"
 xla_tests=""
 # A failing main suite ends the XLA install too (its own session: the whole group).
-trap '[ -n "$xla_tests" ] && kill -- -"$xla_tests" 2>/dev/null; rm -f "$xla_log"' EXIT
+trap '[ -n "$xla_tests" ] && kill -- -"$xla_tests" 2>/dev/null; rm -rf "$xla_log" "$uv_cache"' EXIT
 if [ ${#select[@]} -eq 0 ]; then
     # Niced, CPU and disk: the download waits on the network anyway, and its unpacking of
     # 7 GB must not slow the main suite's tests.
     setsid nice -n 19 ionice -c 3 bash scripts/xla_env.sh "$xla_venv" >"$xla_log" 2>&1 &
     xla_tests=$!
 fi
+pip=(python3 -m pip install -q --disable-pip-version-check --no-compile)
 if ! python3 -c "import torch" 2>/dev/null; then
-    python3 -m pip install -q --disable-pip-version-check --no-compile "torch==2.13.0"
+    "${pip[@]}" "torch==2.13.0"
 fi
-# --no-compile: Python compiles what the tests import when they import it, not every module
-# of every installed package up front.
-python3 -m pip install -q --disable-pip-version-check --no-compile -e ".[test]" ./examples/plugin
+# Inside a virtual environment (what .ci/run makes) uv installs the test extras in seconds
+# where pip takes over a minute (it resolves, downloads and unpacks in parallel); the torch
+# above is kept. Its cache is this run's own. Outside one, pip. Neither compiles bytecode up
+# front: Python compiles what the tests import when they import it.
+if python3 -c 'import sys; sys.exit(sys.prefix == sys.base_prefix)'; then
+    "${pip[@]}" uv
+    UV_CACHE_DIR="$uv_cache" python3 -m uv pip install -q --python "$(command -v python3)" \
+        -e ".[test]" ./examples/plugin
+else
+    "${pip[@]}" -e ".[test]" ./examples/plugin
+fi
 # The CPU backend's C++ kernels are built once here, not inside
 # whichever test first starts an engine.
 python3 -c "from deepinfer.backends.cpu.kernels import extension; extension()"

