@@ -62,5 +62,7 @@ if ! wait "$xla_tests"; then
     exit 1
 fi
 xla_tests=""
-PJRT_DEVICE=CPU "$xla_venv/bin/python" -m pytest -q -p no:cacheprovider -n 2 --dist loadfile \
-    --durations=5 tests/xla
+# --dist load: a test at a time (their modules share nothing but checkpoints), so the two
+# workers finish together.
+PJRT_DEVICE=CPU "$xla_venv/bin/python" -m pytest -q -p no:cacheprovider -n 2 --dist load \
+    --durations=8 tests/xla

@@ -74,12 +74,18 @@ _TESTS = Path(__file__).parent
 
 
 def pytest_collection_modifyitems(items) -> None:
+    heavy = set()
     for item in items:
         path = item.path.relative_to(_TESTS).as_posix()
         test = f"{path}::{getattr(item, 'originalname', item.name)}"
         served = "server_pool" in getattr(item, "fixturenames", ())
         if path.startswith(SLOW) or test in SLOW or served:
             item.add_marker(pytest.mark.slow)
+            heavy.add(item.path)
+    # Modules with slow tests first (a stable sort: each module's tests stay together and in
+    # order): pytest-xdist hands out modules in this order, so the last ones, which decide
+    # how long one worker waits for the other, are the short ones.
+    items.sort(key=lambda item: item.path not in heavy)
 
 
 @pytest.fixture(scope="session")

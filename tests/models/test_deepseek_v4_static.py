@@ -22,12 +22,11 @@ def host_device(monkeypatch):
 
 @pytest.fixture(scope="module")
 def neuron_run(v4_checkpoint, prompts):  # noqa: F811 - the fixture
-    import os
-
-    os.environ["DEEPINFER_NEURON_DEVICE"] = "cpu"  # module scope: before monkeypatch applies
-    llm = LLM(v4_checkpoint, dtype="float32", accelerator="neuron", num_blocks=12,
-              load_tokenizer=False, max_num_batched_tokens=48, max_num_seqs=4,
-              max_model_len=512)
+    with pytest.MonkeyPatch.context() as patch:  # module scope: the autouse one is not yet
+        patch.setenv("DEEPINFER_NEURON_DEVICE", "cpu")
+        llm = LLM(v4_checkpoint, dtype="float32", accelerator="neuron", num_blocks=12,
+                  load_tokenizer=False, max_num_batched_tokens=48, max_num_seqs=4,
+                  max_model_len=512)
     graphs = llm.engine.accelerator.guard.num_graphs
     outs = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
     return llm, graphs, outs
