@@ -2,10 +2,10 @@
 # Install DeepInfer with its test extras and the example backend plugin, then run the tests.
 # --quick runs all but the tests marked slow (see tests/conftest.py): a few minutes, not twenty.
 # Both first run ruff and mypy (configured in pyproject.toml).
-# The full run then runs the Neuron backend's XLA tests (tests/xla) in a venv of their own
-# (scripts/xla_env.sh, at XLA_VENV, default .venv-xla: kept and reused), installed in the
-# background while the main suite runs (downloads, mostly); the tests, which compile on every
-# core, run after it.
+# The full run also runs the Neuron backend's XLA tests (tests/xla) in a venv of their own
+# (scripts/xla_tests.sh; the venv at XLA_VENV, default .venv-xla, kept and reused): beside the
+# main suite, niced, so they take the cores only while the main suite leaves them idle (its
+# tests wait on spawned servers and rank processes much of the time).
 # A torch that is already installed (a CUDA or Neuron build) is kept; where there is none, torch
 # is pinned so that pip takes the CPU wheel where one is on hand instead of a CUDA build.
 set -euo pipefail
@@ -20,12 +20,10 @@ xla_venv="${XLA_VENV:-$PWD/.venv-xla}"
 xla_log="$(mktemp)"
 uv_cache="$(mktemp -d)"
 xla_tests=""
-# A failing main suite ends the XLA install too (its own session: the whole group).
+# A failing main suite ends the XLA run too (its own session: the whole group).
 trap '[ -n "$xla_tests" ] && kill -- -"$xla_tests" 2>/dev/null; rm -rf "$xla_log" "$uv_cache"' EXIT
 if [ ${#select[@]} -eq 0 ]; then
-    # Niced, CPU and disk: the download waits on the network anyway, and its unpacking of
-    # 7 GB must not slow the main suite's tests.
-    setsid nice -n 19 ionice -c 3 bash scripts/xla_env.sh "$xla_venv" >"$xla_log" 2>&1 &
+    setsid nice -n 19 ionice -c 3 bash scripts/xla_tests.sh "$xla_venv" >"$xla_log" 2>&1 &
     xla_tests=$!
 fi
 pip=(python3 -m pip install -q --disable-pip-version-check --no-compile)
@@ -54,15 +52,9 @@ python3 -m mypy
 # processes or runs Triton's single-threaded interpreter, so the two cores overlap them.
 python3 -m pytest -q -n 2 --dist loadfile --durations=25 ${select[@]+"${select[@]}"} tests
 [ -z "$xla_tests" ] && exit 0
-echo "=== tests/xla (the XLA venv)"
-if ! wait "$xla_tests"; then
-    xla_tests=""
-    echo "scripts/xla_env.sh failed:" >&2
-    cat "$xla_log" >&2
-    exit 1
-fi
+echo "=== tests/xla (the XLA venv, scripts/xla_tests.sh)"
+status=0
+wait "$xla_tests" || status=$?
 xla_tests=""
-# --dist load: a test at a time (their modules share nothing but checkpoints), so the two
-# workers finish together.
-PJRT_DEVICE=CPU "$xla_venv/bin/python" -m pytest -q -p no:cacheprovider -n 2 --dist load \
-    --durations=8 tests/xla
+grep -v "^WARNING: Location" "$xla_log"
+exit "$status"

@@ -17,16 +17,11 @@ from tests.checkpoints import checkpoint_cache  # noqa: E402
 from tests.models.test_deepseek_v4_parity import make_v4, prompts  # noqa: E402,F401
 from tests.models.test_moe_parity import _assert_reference_greedy, _reference  # noqa: E402
 
+pytestmark = pytest.mark.usefixtures("xla_device")
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 # V4's pages are 128 tokens. Buckets: tokens 16; batches 1, 2; context 1, 2 pages: 6 graphs.
 SHAPES = dict(dtype="float32", accelerator="neuron", block_size=128, num_blocks=8,
               max_num_batched_tokens=16, max_num_seqs=2, max_model_len=256)
-
-
-@pytest.fixture(autouse=True)
-def xla_device(monkeypatch):
-    monkeypatch.setenv("DEEPINFER_NEURON_DEVICE", "xla")
-    monkeypatch.setenv("DEEPINFER_NEURON_AUDIT_GRAPHS", "1")
 
 
 def test_one_compile_per_bucket_and_greedy_equals_transformers(tmp_path_factory,

@@ -20,18 +20,13 @@ from tests.models.test_moe_parity import (  # noqa: E402
     _reference,
 )
 
+pytestmark = pytest.mark.usefixtures("xla_device")
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 # Prompt seeds whose greedy paths keep the reference's top-1/top-2 margin (MIN_MARGIN).
 SEEDS = {"llama": 2, "qwen3_moe": 1, "deepseek_v3_moe": 4}
 # Small buckets keep the compiles few: tokens 16, 32; batches 1, 2; context 1, 2, 4 blocks.
 SHAPES = dict(dtype="float32", accelerator="neuron", block_size=16, num_blocks=32,
               max_num_batched_tokens=32, max_num_seqs=2, max_model_len=64)
-
-
-@pytest.fixture(autouse=True)
-def xla_device(monkeypatch):
-    monkeypatch.setenv("DEEPINFER_NEURON_DEVICE", "xla")
-    monkeypatch.setenv("DEEPINFER_NEURON_AUDIT_GRAPHS", "1")
 
 
 @pytest.fixture(scope="module")

@@ -61,6 +61,19 @@ class _Projected:
     index_w: torch.Tensor | None = None  # CSA: index head weights [T, heads] float32
 
 
+@dataclass(frozen=True)
+class _CompressorStep:
+    """One compressor of a layer over the step's rows: its entry tensor, and where its part
+    of a state slot and of a page's carry-over start."""
+
+    compressor: Compressor
+    kv: torch.Tensor
+    gate: torch.Tensor
+    entry: int  # 0: compressed, 1: index_key
+    state_offset: int
+    page_offset: int
+
+
 class V4DecoderLayer(nn.Module):
     """Parameters under transformers' names (attn_hc, ffn_hc, input_layernorm,
     post_attention_layernorm, self_attn incl. self_attn.compressor, mlp)."""
@@ -150,15 +163,9 @@ class V4DecoderLayer(nn.Module):
         which it sees [T, E]: HCA every entry of the context bucket, masked causally; CSA
         the indexer's picks."""
         comp, layer = self.compressor, self.place.entries_layer
-        steps = [(comp, projected.kv, projected.gate)]
-        if isinstance(comp, CSACompressor):
-            steps.append((comp.indexer, projected.index_kv, projected.index_gate))
-        offset, page_offset = self.place.state_offset, 0
-        for entry, (compressor, kv, gate) in enumerate(steps):
-            paged.static_compress(compressor, kv, gate, positions, layer, entry, offset,
-                                  page_offset)
-            offset += compressor.state_numel
-            page_offset += compressor.page_state_numel
+        for step in self._compressor_steps(projected):
+            paged.static_compress(step.compressor, step.kv, step.gate, positions, layer,
+                                  step.entry, step.state_offset, step.page_offset)
         entries = paged.paged(layer, 0, comp.rate)
         if not isinstance(comp, CSACompressor):
             every = static.bucket_entries(entries)
@@ -214,27 +221,33 @@ class V4DecoderLayer(nn.Module):
     def _compress_rows(self, projected: _Projected, positions: torch.Tensor,
                        paged: V4PagedCache, rows: slice) -> None:
         comp, layer = self.compressor, self.place.entries_layer
-        steps = [(comp, projected.kv, projected.gate)]
+        for step in self._compressor_steps(projected):
+            page_offset = step.page_offset if step.compressor.overlap else None
+            target = paged.decode_target(layer, step.entry, comp.rate, step.state_offset,
+                                         page_offset, rows)
+            self.ops.compressor_decode(step.compressor, step.kv[rows].contiguous(),
+                                       step.gate[rows].contiguous(),
+                                       positions[rows].contiguous(), target)
+
+    def _compressor_steps(self, projected: _Projected) -> list[_CompressorStep]:
+        """The layer's compressors in their state slot's order: the compressor, then (CSA)
+        its indexer's (the index keys: the same windows, its own weights)."""
+        comp = self.compressor
+        rows = [(comp, projected.kv, projected.gate)]
         if isinstance(comp, CSACompressor):
-            steps.append((comp.indexer, projected.index_kv, projected.index_gate))
-        offset, page_offset = self.place.state_offset, 0
-        for entry, (compressor, kv, gate) in enumerate(steps):
-            target = paged.decode_target(layer, entry, comp.rate, offset,
-                                         page_offset if compressor.overlap else None, rows)
-            self.ops.compressor_decode(compressor, kv[rows].contiguous(),
-                                       gate[rows].contiguous(), positions[rows].contiguous(),
-                                       target)
+            rows.append((comp.indexer, projected.index_kv, projected.index_gate))
+        steps, offset, page_offset = [], self.place.state_offset, 0
+        for entry, (compressor, kv, gate) in enumerate(rows):
+            steps.append(_CompressorStep(compressor, kv, gate, entry, offset, page_offset))
             offset += compressor.state_numel
             page_offset += compressor.page_state_numel
+        return steps
 
     def _compress(self, seq: SeqView, projected: _Projected, paged: V4PagedCache) -> int:
         """Run the layer's compressors over the sequence's new tokens, from and back to its
         state slot, and write the entries they emit (and, CSA, the carry-over as of every page
         end of the chunk into that page); returns its entry count."""
         comp, layer = self.compressor, self.place.entries_layer
-        steps = [(comp, projected.kv, projected.gate)]
-        if isinstance(comp, CSACompressor):  # the indexer's keys: same windows, own weights
-            steps.append((comp.indexer, projected.index_kv, projected.index_gate))
         # A chunk starting at a page end reads the carry-over the page stores: after a prefix
         # hit the state slot holds nothing of this sequence, and otherwise the two are equal.
         resume = isinstance(comp, CSACompressor) and seq.start > 0 \
@@ -242,16 +255,16 @@ class V4DecoderLayer(nn.Module):
         stored = paged.page_state(seq, layer, seq.start // PAGE_TOKENS - 1) if resume else None
         ends = list(range((seq.start // PAGE_TOKENS + 1) * PAGE_TOKENS, seq.seq_len + 1,
                           PAGE_TOKENS))
-        offset, page_offset, emitted, page_rows = self.place.state_offset, 0, [], []
-        for compressor, kv, gate in steps:
-            n, slot = compressor.page_state_numel, paged.state(seq, offset, compressor.state_numel)
-            kv, gate = kv[seq.rows], gate[seq.rows]
-            own = None if stored is None else stored[page_offset:page_offset + n]
+        emitted, page_rows = [], []
+        for step in self._compressor_steps(projected):
+            compressor, n = step.compressor, step.compressor.page_state_numel
+            slot = paged.state(seq, step.state_offset, compressor.state_numel)
+            kv, gate = step.kv[seq.rows], step.gate[seq.rows]
+            own = None if stored is None else stored[step.page_offset:step.page_offset + n]
             state = _start_state(compressor, seq, kv, slot, own)
             if ends and n:
                 page_rows.append(compressor.page_end_rows(state, kv, gate, ends))
             emitted.append(_step(compressor, seq, kv, gate, state, slot))
-            offset, page_offset = offset + compressor.state_numel, page_offset + n
         paged.write_entries(seq, layer, comp.rate, emitted[0].indices,
                             tuple(e.entries for e in emitted))
         if page_rows:
