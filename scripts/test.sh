@@ -22,10 +22,6 @@ uv_cache="$(mktemp -d)"
 xla_tests=""
 # A failing main suite ends the XLA run too (its own session: the whole group).
 trap '[ -n "$xla_tests" ] && kill -- -"$xla_tests" 2>/dev/null; rm -rf "$xla_log" "$uv_cache"' EXIT
-if [ ${#select[@]} -eq 0 ]; then
-    setsid nice -n 19 ionice -c 3 bash scripts/xla_tests.sh "$xla_venv" >"$xla_log" 2>&1 &
-    xla_tests=$!
-fi
 pip=(python3 -m pip install -q --disable-pip-version-check --no-compile)
 if ! python3 -c "import torch" 2>/dev/null; then
     "${pip[@]}" "torch==2.13.0"
@@ -48,11 +44,18 @@ python3 -c "from deepinfer.backends.cpu.kernels import extension; extension()"
 # and they fail before the tests' minutes start.
 python3 -m ruff check deepinfer tests benchmarks scripts examples
 python3 -m mypy
+echo "=== installed, kernels built, linted: ${SECONDS} s"
+# The XLA run starts here, not before the installs: niced, its 7 GB of downloads and unpacking
+# wait for the cores the main suite leaves idle instead of slowing the kernel build.
+if [ ${#select[@]} -eq 0 ]; then
+    setsid nice -n 19 ionice -c 3 bash scripts/xla_tests.sh "$xla_venv" >"$xla_log" 2>&1 &
+    xla_tests=$!
+fi
 # Two workers, a test file each at a time: most of the suite waits on spawned servers and rank
 # processes or runs Triton's single-threaded interpreter, so the two cores overlap them.
 python3 -m pytest -q -n 2 --dist loadfile --durations=25 ${select[@]+"${select[@]}"} tests
 [ -z "$xla_tests" ] && exit 0
-echo "=== tests/xla (the XLA venv, scripts/xla_tests.sh)"
+echo "=== main suite done: ${SECONDS} s; tests/xla (the XLA venv, scripts/xla_tests.sh)"
 status=0
 wait "$xla_tests" || status=$?
 xla_tests=""
