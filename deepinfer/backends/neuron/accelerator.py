@@ -190,7 +190,13 @@ class NeuronAccelerator(Accelerator):
                   dense: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """The step's graph: (logits, their argmax), each ending with the overflow flag
         where the step has one (`flag_row`)."""
-        before = xla_counts() if self.audit is not None else None
+        before = None
+        if self.audit is not None:
+            # XLA runs graphs asynchronously: a graph launched before this step (the last
+            # bucket built at start-up, whose result nobody reads) may still be running, and
+            # its execution would be counted in this step's.
+            self.device.synchronize()
+            before = xla_counts()
         blocks = max(len(t) for g in batch.groups for t in g.block_tables)
         width = width or self.shapes.context_bucket(blocks)
         meta = StaticMeta.from_batch(batch, self.runner.cache, width, self.device.torch_device,
