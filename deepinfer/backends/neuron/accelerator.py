@@ -114,10 +114,10 @@ class NeuronAccelerator(Accelerator):
                           num_state_slots: int = 0) -> None:
         # One more state slot for a stateful model: padding reads it and every token but a
         # sequence's last writes it (a step's shape cannot leave them out).
-        self.scratch_slot = num_state_slots if num_state_slots else None
+        extra = 1 if num_state_slots else 0
+        self.scratch_slot = num_state_slots if extra else None
         self.runner.cache.state_dtype = self.runner.dtype
-        self.runner.allocate(num_blocks, block_size, num_state_slots + (1 if num_state_slots
-                                                                         else 0))
+        self.runner.allocate(num_blocks, block_size, num_state_slots + extra)
         # On XLA the loaded weights (copied in by slices) and the zeroed pool are still traced
         # ops: materialise them now, one graph of their own, or they would ride along in the
         # first bucket's graph and make it differ from every later step of that bucket.

@@ -1,8 +1,9 @@
 """ModelOps of the Neuron backend: the reference torch ops for norms, rotary and activations
 (they are static already), static paged attention (MLA's latent attention on the same static
 kernel: one shared latent head, keys all of it, values its first dims), and the static MoE
-(moe.py), and DeepSeek-V4's ops (the norm, rope and mHC references are static; its attention runs in
-static shapes, models/deepseek_v4/static.py, on the step metadata this backend builds)."""
+(moe.py), and DeepSeek-V4's ops (the norm, rope and mHC references are static; its attention
+runs in static shapes, models/deepseek_v4/static.py, on the step metadata this backend
+builds)."""
 from __future__ import annotations
 
 import torch
