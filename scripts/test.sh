@@ -16,6 +16,12 @@ case "${1:-}" in
     "") ;;
     *) echo "usage: $0 [--quick]" >&2; exit 2 ;;
 esac
+# The installs below compile no bytecode up front; each module is compiled once, by the first
+# process that imports it, and cached. An environment that forbids writing the cache
+# (PYTHONDONTWRITEBYTECODE, set on some CI images) would make every process the tests spawn (a
+# server, each of its ranks) compile torch and transformers from source again: seconds of CPU
+# each, minutes over the suite.
+unset PYTHONDONTWRITEBYTECODE
 xla_venv="${XLA_VENV:-$PWD/.venv-xla}"
 xla_log="$(mktemp)"
 uv_cache="$(mktemp -d)"

@@ -115,6 +115,9 @@ class HostPoolLayout:
     num_state_slots: int = 0
     state_slot_bytes: int = 0  # 0: the model keeps no state besides its pages
     pinned: bool = False  # page-locked memory (fast asynchronous DMA)
+    # The pages' bytes as host code sees them (page i at [i * page_bytes, (i + 1) *
+    # page_bytes)), for the disk tier's file I/O; None where the host cannot address them.
+    memory: memoryview | None = field(default=None, compare=False, repr=False)
 
     @property
     def stateful(self) -> bool:

@@ -81,6 +81,13 @@ class CacheConfig:
     hicache_size_gb: float = field(default=0.0, metadata={
         "help": "host memory per rank for HiCache, a host tier of KV pages behind the device "
                 "prefix cache (0: off)"})
+    hicache_disk_dir: str | None = field(default=None, metadata={
+        "help": "a local folder for HiCache's disk tier: host pages are written back there "
+                "(checksummed; kept across restarts, shared by the ranks of a node) and read "
+                "back when a prompt's pages match (default: no disk tier)"})
+    hicache_disk_gb: float = field(default=64.0, metadata={
+        "help": "disk space per rank for the disk tier (least recently used pages are "
+                "deleted beyond it)"})
     hicache_state_slots: int = field(default=0, metadata={
         "help": "host slots for per-request layer state (models that keep state besides KV "
                 "pages only)"})
@@ -96,6 +103,11 @@ class CacheConfig:
         if self.hicache_size_gb < 0 or self.hicache_state_slots < 0 or self.yoco_keep_tokens < 0:
             raise ValueError("hicache_size_gb, hicache_state_slots and yoco_keep_tokens "
                              "must be >= 0")
+        if self.hicache_disk_dir is not None and self.hicache_size_gb <= 0:
+            raise ValueError("hicache_disk_dir needs the host tier (hicache_size_gb > 0): disk "
+                             "pages are read into host pages")
+        if self.hicache_disk_gb <= 0:
+            raise ValueError(f"hicache_disk_gb must be > 0, got {self.hicache_disk_gb}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
         if self.num_blocks is not None and self.num_blocks < 2:

@@ -9,6 +9,7 @@ With async scheduling a step is launched before the one ahead is read:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import random
 from dataclasses import dataclass
@@ -19,6 +20,7 @@ from deepinfer.core.batch import TokenLogprobs
 from deepinfer.core.config import EngineConfig
 from deepinfer.core.detokenizer import IncrementalDetokenizer
 from deepinfer.core.hicache import HiCache
+from deepinfer.core.hicache.disk import kv_fingerprint
 from deepinfer.core.histogram import STEP_TOKEN_BOUNDS, CountHistogram
 from deepinfer.core.kv.manager import KVCacheManager
 from deepinfer.core.outputs import RequestOutput
@@ -81,7 +83,10 @@ class Engine:
         self.kv = KVCacheManager(num_blocks, config.cache.block_size,
                                  config.cache.enable_prefix_caching, self.model.kv_spec,
                                  num_slots)
-        self.hicache = HiCache.create(self.accelerator, config.cache, self.model.kv_spec)
+        self.hicache = HiCache.create(
+            self.accelerator, config.cache, self.model.kv_spec,
+            functools.partial(kv_fingerprint, config.model, config.seed, self.accelerator.name,
+                              block_size=config.cache.block_size))
         scheduler_config = config.scheduler
         if not caps.chunked_prefill and scheduler_config.enable_chunked_prefill:
             scheduler_config = dataclasses.replace(scheduler_config, enable_chunked_prefill=False)
@@ -461,7 +466,7 @@ class Engine:
     def shutdown(self) -> None:
         self._in_flight = None
         if self.hicache is not None:
-            self.hicache.poll(wait=True)  # no copy may outlive the memory it targets
+            self.hicache.close()  # no copy or disk job may outlive the memory it targets
         self.accelerator.shutdown()
 
 

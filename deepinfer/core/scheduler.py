@@ -89,6 +89,8 @@ class Scheduler:
     # ---- requests in and out -------------------------------------------------------------
     def add(self, req: Request) -> None:
         self.waiting.append(req)
+        if self.hicache is not None:  # its pages on disk start for the host tier now
+            self.hicache.prefetch(req, len(self.kv.find_cached_prefix(req)[0]))
 
     def finish(self, req: Request, reason: FinishReason,
                stop_reason: str | int | None = None) -> None:
@@ -224,6 +226,10 @@ class Scheduler:
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
+            if self.hicache is not None and self.hicache.prefetching(req):
+                if self.running or out.seqs:
+                    break  # the steps go on; it is admitted once its pages are read
+                self.hicache.wait_prefetch(req)
             cached = self.kv.find_cached_prefix(req)
             num_cached = len(cached[0])
             device_tokens = num_cached * self.kv.block_size

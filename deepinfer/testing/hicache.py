@@ -11,6 +11,7 @@ from deepinfer.core.accelerator import Accelerator
 from deepinfer.core.config import CacheConfig, EngineConfig, ModelSpec, SchedulerConfig
 from deepinfer.core.engine import Engine
 from deepinfer.core.hicache.cache import HiCacheStats
+from deepinfer.core.hicache.disk import DiskStats
 from deepinfer.core.sampling import SamplingParams
 
 BLOCK = 16
@@ -23,16 +24,20 @@ class ConversationResult:
     outputs: list[list[int]]
     cached_tokens: list[int]
     stats: HiCacheStats | None
+    disk: DiskStats | None = None
 
 
-def make_engine(path: str, accelerator: Accelerator, host_pages: int) -> Engine:
+def make_engine(path: str, accelerator: Accelerator, host_pages: int,
+                disk_dir: str | None = None, disk_pages: int = 1024) -> Engine:
     from deepinfer.models.registry import kv_spec_of
 
     page_bytes = kv_spec_of(path).block_bytes(BLOCK, 4)  # float32
     config = EngineConfig(
         model=ModelSpec(path, "float32"),
         cache=CacheConfig(block_size=BLOCK, num_blocks=DEVICE_BLOCKS, yoco_keep_tokens=8,
-                          hicache_size_gb=host_pages * page_bytes / (1 << 30)),
+                          hicache_size_gb=host_pages * page_bytes / (1 << 30),
+                          hicache_disk_dir=disk_dir,
+                          hicache_disk_gb=disk_pages * (page_bytes + 512) / (1 << 30)),
         scheduler=SchedulerConfig(max_num_batched_tokens=256))
     return Engine(config, accelerator, load_tokenizer=False)
 
@@ -79,3 +84,30 @@ def check_host_tier(path: str, make_accelerator: Callable[[], Accelerator], voca
     assert on_engine.hicache.pool.num_pinned == 0 and on_engine.kv.num_request_blocks() == 0
     on_engine.shutdown()
     return stats
+
+
+def check_disk_tier(path: str, make_accelerator: Callable[[], Accelerator], vocab: int,
+                    disk_dir: str, host_pages: int = 64) -> list[ConversationResult]:
+    """Raise AssertionError unless the disk tier changes nothing but where the hits come from:
+    the conversation with host and disk tiers on, then again in a new engine (a restart: an
+    empty device and host) over the same folder, decode the tokens of a run with no tier; the
+    second run's first turn hits pages the first run wrote to disk."""
+    off_engine = make_engine(path, make_accelerator(), host_pages=0)
+    off = conversation(off_engine, vocab)
+    off_engine.shutdown()
+    runs = []
+    for _ in range(2):
+        engine = make_engine(path, make_accelerator(), host_pages, disk_dir)
+        run = conversation(engine, vocab)
+        assert run.outputs == off.outputs, "greedy tokens changed with the disk tier on"
+        engine.hicache.poll(wait=True)
+        assert engine.hicache.pool.num_pinned == 0 and engine.kv.num_request_blocks() == 0
+        engine.shutdown()
+        run.disk = engine.hicache.disk_stats()
+        runs.append(run)
+    first, restarted = runs
+    assert first.disk.written_pages > 0 and first.disk.corrupt_pages == 0
+    assert first.cached_tokens[0] == 0 and restarted.cached_tokens[0] > 0, \
+        "the restarted engine's first turn was not served from disk"
+    assert restarted.disk.read_pages > 0
+    return runs

@@ -11,7 +11,7 @@ import torch
 
 from deepinfer.backends.cpu.ops import CPUOps
 from deepinfer.backends.torch.attention import PagedAttentionMeta
-from deepinfer.backends.torch.host_pool import CPUHostPool
+from deepinfer.backends.torch.host_pool import CPUHostPool, host_memory
 from deepinfer.backends.torch.runner import TorchRunner
 from deepinfer.backends.torch.speculative import MTPSpeculator
 from deepinfer.backends.torch.step_future import DeviceTokens, fill_from_last_step
@@ -120,7 +120,8 @@ class CPUAccelerator(Accelerator):
     def allocate_host_pool(self, num_pages: int, num_state_slots: int = 0) -> HostPoolLayout:
         self.host_pool = CPUHostPool.allocate(num_pages, self.runner.cache)
         # State slots are bookkeeping only until a model with state runs here.
-        return HostPoolLayout(num_pages, self.host_page_bytes(), num_state_slots, 0, False)
+        return HostPoolLayout(num_pages, self.host_page_bytes(), num_state_slots, 0, False,
+                              host_memory(self.host_pool.pages))
 
     def copy_pages(self, host_pages: Sequence[int], device_blocks: Sequence[Sequence[int]],
                    to_device: bool) -> None:

@@ -39,6 +39,7 @@ from deepinfer.backends.cuda.probe import unavailable_reason
 from deepinfer.backends.cuda.settings import cuda_settings
 from deepinfer.backends.cuda.spec_graphs import GraphSpeculator
 from deepinfer.backends.cuda.step_inputs import DecodeRows, StepInputs, pack_batch, unpack_batch
+from deepinfer.backends.torch.host_pool import host_memory
 from deepinfer.backends.torch.runner import TorchRunner
 from deepinfer.backends.torch.speculative import MTPSpeculator
 from deepinfer.backends.torch.step_future import DeviceTokens, HostTokenBuffers, fill_from_last_step
@@ -445,7 +446,8 @@ class CUDAAccelerator(Accelerator):
         # State slots are bookkeeping only, as on the CPU backend: the one model with state
         # (DeepSeek-V4) keeps it in its pages (KVSpec.state_in_pages), so HiCache asks for none
         # and never calls copy_state.
-        return HostPoolLayout(num_pages, self.host_page_bytes(), num_state_slots, 0, True)
+        return HostPoolLayout(num_pages, self.host_page_bytes(), num_state_slots, 0, True,
+                              host_memory(self.host_pool.pages))
 
     def copy_pages(self, host_pages: Sequence[int], device_blocks: Sequence[Sequence[int]],
                    to_device: bool):

@@ -8,6 +8,7 @@ tensors viewed as [num_blocks, numel per block].
 """
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -15,6 +16,15 @@ import torch
 
 from deepinfer.backends.torch.paged_cache import PagedCache
 from deepinfer.core.kv.block_pool import NULL_BLOCK_ID
+
+
+def host_memory(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous host tensor as a memoryview (HiCache's disk tier reads and
+    writes pages through it). The view does not keep `t` alive: the pool that owns it does."""
+    if not t.is_contiguous() or t.device.type != "cpu":
+        raise ValueError("host_memory needs a contiguous tensor in host memory")
+    nbytes = t.numel() * t.element_size()
+    return memoryview((ctypes.c_char * nbytes).from_address(t.data_ptr())).cast("B")
 
 
 @dataclass

@@ -25,6 +25,7 @@ from typing import Callable, Protocol, Sequence
 
 from deepinfer.core.accelerator import Accelerator, CopyHandle, HostPoolLayout
 from deepinfer.core.config import CacheConfig
+from deepinfer.core.hicache.disk import DiskStats, DiskTier
 from deepinfer.core.hicache.pool import HostPage, HostPagePool
 from deepinfer.core.kv.block_pool import NULL_BLOCK_ID
 from deepinfer.core.kv.hashing import BlockHash, extend_block_hashes
@@ -32,6 +33,9 @@ from deepinfer.core.kv.spec import KVSpec
 from deepinfer.core.request import Request
 
 GIB = 1 << 30
+# How long a waiting request's admission waits for its pages to come from disk: past it, it
+# runs with what has landed (a slow disk costs a recompute, not a stall).
+PREFETCH_WAIT_S = 2.0
 
 
 @dataclass
@@ -109,7 +113,7 @@ class _Copy:
 class HiCache:
     def __init__(self, accelerator: Accelerator, layout: HostPoolLayout, block_size: int,
                  keep_tokens: int, window: int | None = None,
-                 state_in_pages: bool = False) -> None:
+                 state_in_pages: bool = False, disk: DiskTier | None = None) -> None:
         self.accelerator = accelerator
         self.layout = layout
         self.block_size = block_size
@@ -127,11 +131,17 @@ class HiCache:
         # Pages a store in flight is writing, by hash: a prompt that comes back before its
         # first store is done (the next turn, a device hit) is not stored a second time.
         self._storing: dict[BlockHash, _Commit] = {}
+        self.disk = disk
+        self._disk_pages: dict[int, HostPage] = {}  # page id -> the host page a job reads/writes
+        self._prefetching: dict[str, tuple[list[int], float]] = {}  # request -> pages, deadline
 
     @classmethod
     def create(cls, accelerator: Accelerator, cache: CacheConfig,
-               kv_spec: KVSpec | None = None) -> "HiCache | None":
-        """The rank's host tier, or None when it is off (size 0 or no prefix caching)."""
+               kv_spec: KVSpec | None = None,
+               fingerprint: Callable[[int], str] | None = None) -> "HiCache | None":
+        """The rank's host tier, or None when it is off (size 0 or no prefix caching); with
+        its disk tier where cache.hicache_disk_dir is set (`fingerprint(page_bytes)` names
+        the folder of this model's pages there)."""
         if cache.hicache_size_gb <= 0 or not cache.enable_prefix_caching:
             return None
         if not accelerator.capabilities.host_page_copy:
@@ -152,8 +162,29 @@ class HiCache:
         slots = 0 if spec.state_in_pages else cache.hicache_state_slots
         layout = accelerator.allocate_host_pool(num_pages, slots)
         windows = [g.sliding_window for g in spec.groups if g.sliding_window is not None]
+        disk = cls._disk_tier(accelerator.name, cache, layout, spec, fingerprint)
         return cls(accelerator, layout, cache.block_size, cache.yoco_keep_tokens,
-                   max(windows, default=None), spec.state_in_pages)
+                   max(windows, default=None), spec.state_in_pages, disk)
+
+    @staticmethod
+    def _disk_tier(backend: str, cache: CacheConfig, layout: HostPoolLayout, spec: KVSpec,
+                   fingerprint: Callable[[int], str] | None) -> DiskTier | None:
+        if cache.hicache_disk_dir is None:
+            return None
+        if layout.memory is None:
+            raise ValueError(f"the {backend} backend's host pages cannot be read by the host; "
+                             "run without hicache_disk_dir")
+        if layout.stateful and not spec.state_in_pages:
+            raise ValueError("the disk tier keeps KV pages, not layer state slots; run this "
+                             "model without hicache_disk_dir")
+        capacity = int(cache.hicache_disk_gb * GIB)
+        if capacity < layout.page_bytes:
+            raise ValueError(f"hicache_disk_gb={cache.hicache_disk_gb:g} holds no page of "
+                             f"{layout.page_bytes} bytes")
+        name = fingerprint(layout.page_bytes) if fingerprint is not None else "default"
+        # Write-back holds a host page per page in its queue: at most a quarter of the pool.
+        return DiskTier(cache.hicache_disk_dir, capacity, layout.memory, layout.page_bytes,
+                        name, max_queue=max(1, layout.num_pages // 4))
 
     # ---- hits ----------------------------------------------------------------------------
     def match(self, req: Request, num_device_pages: int) -> HostHit | None:
@@ -174,6 +205,55 @@ class HiCache:
         while pages and not self._resumable(num_device_pages, pages):
             pages.pop()
         return HostHit(num_device_pages, tuple(pages), bs) if pages else None
+
+    def prefetch(self, req: Request, num_device_pages: int) -> None:
+        """Start reading from disk the pages that continue the request's device and host
+        hits, into host pages, as soon as the request is queued: by its turn to run they are
+        host pages that `match` finds."""
+        if self.disk is None or not req.reads_prefix_cache:
+            return
+        bs = self.block_size
+        limit = max(0, req.num_tokens - self.keep_tokens) // bs
+        if limit <= num_device_pages:
+            return
+        extend_block_hashes(req.block_hashes, req.token_slice, limit * bs, bs, req.cache_salt)
+        held, wanted = [], []
+        for i in range(num_device_pages, limit):
+            page = self.pool.lookup(req.block_hashes[i], req.token_slice(i * bs, (i + 1) * bs))
+            if page is not None and not wanted:
+                held.append(page)  # a host hit so far: kept while room is made
+            elif page is None and self.disk.holds(req.block_hashes[i]):
+                wanted.append(i)
+            else:
+                break
+        if not wanted:
+            return
+        self.pool.pin(held)
+        fresh = self.pool.allocate(len(wanted))
+        self.pool.unpin(reversed(held))
+        for i, page in zip(wanted, fresh):
+            self._disk_pages[page.page_id] = page
+            self.disk.read(req.block_hashes[i], req.token_slice(i * bs, (i + 1) * bs),
+                           page.page_id)
+        self._prefetching[req.request_id] = ([p.page_id for p in fresh],
+                                             time.monotonic() + PREFETCH_WAIT_S)
+
+    def prefetching(self, req: Request) -> bool:
+        """Whether the request's pages are still coming from disk (within PREFETCH_WAIT_S)."""
+        entry = self._prefetching.get(req.request_id)
+        if entry is None or self.disk is None:
+            return False
+        pages, deadline = entry
+        if time.monotonic() < deadline and self.disk.reading(pages):
+            return True
+        del self._prefetching[req.request_id]
+        return False
+
+    def wait_prefetch(self, req: Request) -> None:
+        """Wait (at most until its deadline) for the request's disk reads, and index them."""
+        while self.prefetching(req):
+            time.sleep(0.001)
+            self.poll()
 
     def _resumable(self, first_page: int, pages: list[HostPage]) -> bool:
         """Whether a prefill can resume after `pages` (the request's pages first_page..).
@@ -336,6 +416,26 @@ class HiCache:
             else:
                 still.append(copy)
         self._inflight = still
+        if self.disk is not None:
+            self._finish_disk(wait)
+
+    def _finish_disk(self, wait: bool) -> None:
+        """Index pages read from disk (whole ones: a corrupt page goes back to the free
+        list); let go of host pages written back."""
+        assert self.disk is not None
+        for done in self.disk.poll(wait):
+            page = self._disk_pages.pop(done.page_id)
+            if done.is_read and done.entry is not None:
+                self.pool.commit(page, done.block_hash, done.entry.tokens, done.entry.complete)
+            self.pool.unpin([page])
+
+    def _write_back(self, page: HostPage) -> None:
+        """A page just indexed on the host goes to disk too (pinned until it is written)."""
+        if self.disk is None or page.block_hash is None or page.token_ids is None:
+            return
+        if self.disk.write(page.block_hash, page.token_ids, page.complete, page.page_id):
+            self.pool.pin([page])
+            self._disk_pages[page.page_id] = page
 
     def _finish(self, copy: _Copy) -> None:
         for c in copy.commits:
@@ -343,6 +443,7 @@ class HiCache:
                 del self._storing[c.block_hash]
             if self.pool.commit(c.page, c.block_hash, c.tokens, c.complete):
                 self._stats.stored_pages += 1
+                self._write_back(c.page)
         if copy.state is not None:
             page, slot = copy.state
             if page.block_hash is not None:
@@ -370,6 +471,15 @@ class HiCache:
     # ---- admin ---------------------------------------------------------------------------
     def reset(self) -> int:
         return self.pool.reset()
+
+    def disk_stats(self) -> DiskStats | None:
+        return self.disk.stats() if self.disk is not None else None
+
+    def close(self) -> None:
+        """Every copy and disk job done (they target the host pool), the disk workers gone."""
+        self.poll(wait=True)
+        if self.disk is not None:
+            self.disk.close()
 
     def stats(self) -> HiCacheStats:
         s = self._stats

@@ -36,6 +36,26 @@ _HICACHE_TOTALS = (
     ("load_seconds", "Seconds spent copying host to device"),
     ("store_seconds", "Seconds spent copying device to host"),
 )
+# The disk tier's (EngineStats.hicache_disk_<name>): gauges summed over ranks, then totals.
+_DISK_GAUGES = (
+    ("pages", "KV pages on disk, all ranks"),
+    ("bytes_used", "Bytes of KV pages on disk, all ranks"),
+    ("capacity_bytes", "Disk space for KV pages, all ranks"),
+    ("write_queue", "KV pages waiting for or in write-back to disk"),
+    ("write_stopped", "Ranks whose write-back to disk stopped on an error (the disk full)"),
+)
+_DISK_TOTALS = (
+    ("written_pages", "KV pages written back from host to disk"),
+    ("write_bytes", "Bytes written to disk"),
+    ("write_seconds", "Seconds of disk writes (worker threads)"),
+    ("write_errors", "Disk writes that failed"),
+    ("write_dropped", "KV pages not written back: the queue was full or write-back stopped"),
+    ("read_pages", "KV pages read from disk into host pages"),
+    ("read_bytes", "Bytes read from disk"),
+    ("read_seconds", "Seconds of disk reads (worker threads)"),
+    ("corrupt_pages", "KV pages on disk that failed their checksum: deleted, not served"),
+    ("evicted_pages", "KV pages deleted from disk (LRU) to stay within the space"),
+)
 # The finish reasons a recorded generation can have (serve/api/generation.py: "abort" for one the
 # client left or the server aborted before its end); failed requests are not recorded.
 _FINISH_REASONS = ("stop", "length", "abort")
@@ -140,6 +160,10 @@ class ServerMetrics:
                                           "on", labels + ["tier"], registry=r)
         self.hicache = {name: Counter(f"deepinfer:hicache_{name}", doc, labels, registry=r)
                         for name, doc in _HICACHE_TOTALS}
+        self.disk_gauges = {name: Gauge(f"deepinfer:hicache_disk_{name}", doc, labels, **gauge)
+                            for name, doc in _DISK_GAUGES}
+        self.disk = {name: Counter(f"deepinfer:hicache_disk_{name}", doc, labels, registry=r)
+                     for name, doc in _DISK_TOTALS}
         # Ranks report running totals; counters advance by the change since the last report.
         self._seen: dict[tuple[int, str], float] = {}
         self.bad_requests = Counter("deepinfer:bad_requests", "Requests answered with 400",
@@ -219,6 +243,9 @@ class ServerMetrics:
         if with_host:
             self.hicache_pages_used.labels(m).set(sum(s.hicache_pages_used for s in with_host))
             self.hicache_pages_total.labels(m).set(sum(s.hicache_pages_total for s in with_host))
+        with_disk = [s for s in live if s.hicache_disk_capacity_bytes]
+        for name, gauge in self.disk_gauges.items() if with_disk else ():
+            gauge.labels(m).set(sum(getattr(s, f"hicache_disk_{name}") for s in with_disk))
 
     def _observe_hicache(self, rank: int, s: EngineStats) -> None:
         for name, counter in self.hicache.items():
@@ -226,6 +253,10 @@ class ServerMetrics:
         for tier in ("device", "host"):
             self._advance(self.hicache_hit_tokens, rank, f"hicache_{tier}_hits",
                           getattr(s, f"hicache_{tier}_hit_tokens"), tier)
+        if s.hicache_disk_capacity_bytes:
+            for name, counter in self.disk.items():
+                self._advance(counter, rank, f"hicache_disk_{name}",
+                              getattr(s, f"hicache_disk_{name}"))
 
     def _observe_spec(self, rank: int, s: EngineStats) -> None:
         """Series that exist where a rank speculates (created at 0 with its first report)."""

@@ -383,6 +383,9 @@ def _stats(engine: Engine, deferred: int = 0) -> EngineStats:
     kv, sched = engine.kv, engine.scheduler
     host = {} if engine.hicache is None else \
         {f"hicache_{k}": v for k, v in vars(engine.hicache.stats()).items()}
+    disk = None if engine.hicache is None else engine.hicache.disk_stats()
+    if disk is not None:
+        host.update({f"hicache_disk_{k}": v for k, v in vars(disk).items()})
     spec = sched.spec_stats
     return EngineStats(len(sched.running), len(sched.waiting) + deferred, kv.usage,
                        kv.pool.num_usable, kv.stats.queries, kv.stats.hits,

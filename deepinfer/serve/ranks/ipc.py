@@ -133,6 +133,23 @@ class EngineStats:
     hicache_store_bytes: int = 0
     hicache_load_seconds: float = 0.0
     hicache_store_seconds: float = 0.0
+    # HiCache's disk tier (core/hicache/disk.py DiskStats); all 0 when it is off. Gauges:
+    # pages, bytes_used, capacity_bytes, write_queue, write_stopped; the rest totals.
+    hicache_disk_pages: int = 0
+    hicache_disk_bytes_used: int = 0
+    hicache_disk_capacity_bytes: int = 0
+    hicache_disk_write_queue: int = 0
+    hicache_disk_write_stopped: int = 0
+    hicache_disk_written_pages: int = 0
+    hicache_disk_write_bytes: int = 0
+    hicache_disk_write_seconds: float = 0.0
+    hicache_disk_write_errors: int = 0
+    hicache_disk_write_dropped: int = 0
+    hicache_disk_read_pages: int = 0
+    hicache_disk_read_bytes: int = 0
+    hicache_disk_read_seconds: float = 0.0
+    hicache_disk_corrupt_pages: int = 0
+    hicache_disk_evicted_pages: int = 0
     # Speculative decoding (core/speculative.py SpecDecodeStats): k (0: off), then totals.
     spec_tokens: int = 0
     spec_drafts: int = 0
