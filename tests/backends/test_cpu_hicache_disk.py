@@ -10,8 +10,8 @@ import os
 import random
 
 import pytest
-
 from checkpoints import make_checkpoint
+
 from deepinfer.backends.cpu.accelerator import CPUAccelerator
 from deepinfer.core.config import ModelSpec
 from deepinfer.core.engine import Engine
@@ -85,9 +85,14 @@ def test_a_corrupt_page_is_recomputed_not_served(llama_dir, prompt, reference, t
         f.write(bytes([byte[0] ^ 0x10]))
     out, read = _run(llama_dir, disk_dir, prompt)
     assert list(out.token_ids) == reference
-    assert read.corrupt_pages == 1 and not os.path.exists(bad)
+    assert read.corrupt_pages == 1
     assert out.num_cached_tokens == 5 * BLOCK  # the pages before the corrupt one
     assert read.read_pages == 5 + 6  # the rest were read too, but a hit cannot pass a gap
+    # The corrupt file was deleted; the recomputed page was written back whole.
+    assert read.written_pages == 1
+    page = memoryview(bytearray(os.path.getsize(bad) - disk_module._HEADER.size - 8 * BLOCK))
+    entry, corrupt = disk_module._read_page(bad, page, tuple(prompt[5 * BLOCK:6 * BLOCK]))
+    assert entry is not None and not corrupt
 
 
 def test_a_write_cut_short_leaves_no_page(llama_dir, prompt, reference, tmp_path):
@@ -104,9 +109,10 @@ def test_a_write_cut_short_leaves_no_page(llama_dir, prompt, reference, tmp_path
         f.write(b"partial")
     out, read = _run(llama_dir, disk_dir, prompt)
     assert list(out.token_ids) == reference
-    assert not os.path.exists(stray) and not os.path.exists(cut)
-    assert read.corrupt_pages == 1
+    assert not os.path.exists(stray)
+    assert read.corrupt_pages == 1  # found by the start's scan: deleted before any read
     assert out.num_cached_tokens == 3 * BLOCK
+    assert os.path.getsize(cut) == os.path.getsize(files[tuple(prompt[:BLOCK])])  # rewritten
 
 
 def test_a_full_disk_stops_write_back_and_serving_goes_on(llama_dir, prompt, reference,
@@ -119,12 +125,12 @@ def test_a_full_disk_stops_write_back_and_serving_goes_on(llama_dir, prompt, ref
     engine = _engine(llama_dir, disk_dir)
     with caplog.at_level(logging.WARNING, logger="deepinfer.core.hicache.disk"):
         first = generate(engine, "a", prompt)
-        again = generate(engine, "b", prompt + list(range(2, 22)))  # one page more
+        again = generate(engine, "b", prompt[:96] + list(range(2, 82)))  # new pages
     engine.hicache.poll(wait=True)
     stats = engine.hicache.disk_stats()
     assert list(first.token_ids) == reference
     assert stats.write_stopped == 1 and stats.write_errors >= 1 and stats.written_pages == 0
-    assert stats.write_dropped > 0  # the new page, after the failure
+    assert stats.write_dropped > 0  # the new pages, after the failure
     assert "disk is full" in caplog.text
     assert again.num_cached_tokens > 0  # the device and host tiers still serve
     assert engine.hicache.pool.num_pinned == 0

@@ -217,7 +217,8 @@ class HiCache:
         if limit <= num_device_pages:
             return
         extend_block_hashes(req.block_hashes, req.token_slice, limit * bs, bs, req.cache_salt)
-        held, wanted = [], []
+        held: list[HostPage] = []
+        wanted: list[int] = []
         for i in range(num_device_pages, limit):
             page = self.pool.lookup(req.block_hashes[i], req.token_slice(i * bs, (i + 1) * bs))
             if page is not None and not wanted:
