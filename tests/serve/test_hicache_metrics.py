@@ -33,3 +33,24 @@ def test_hicache_metrics_from_rank_stats():
     assert _value(text, 'deepinfer:hicache_hit_tokens_total{model_name="m",tier="host"}') == 48
     assert _value(text, 'deepinfer:hicache_hit_tokens_total{model_name="m",tier="device"}') == 32
     assert _value(text, 'deepinfer:hicache_load_seconds_total{model_name="m"}') == 1.0
+
+
+def test_disk_tier_metrics_from_rank_stats():
+    metrics = ServerMetrics("m")
+    base = EngineStats(0, 0, 0.0, 10, 0, 0, 0, hicache_pages_total=8)
+    metrics.observe_engine([base])
+    assert b"hicache_disk_pages{" not in metrics.render()  # no disk tier: no disk samples
+    rank0 = dataclasses.replace(base, hicache_disk_capacity_bytes=1000, hicache_disk_pages=3,
+                                hicache_disk_bytes_used=300, hicache_disk_written_pages=3,
+                                hicache_disk_read_pages=2, hicache_disk_corrupt_pages=1)
+    rank1 = dataclasses.replace(rank0, hicache_disk_pages=1, hicache_disk_write_stopped=1,
+                                hicache_disk_write_errors=4)
+    metrics.observe_engine([rank0, rank1])
+    metrics.observe_engine([dataclasses.replace(rank0, hicache_disk_read_pages=5), rank1])
+    text = metrics.render().decode()
+    assert _value(text, 'deepinfer:hicache_disk_pages{model_name="m"}') == 4
+    assert _value(text, 'deepinfer:hicache_disk_capacity_bytes{model_name="m"}') == 2000
+    assert _value(text, 'deepinfer:hicache_disk_write_stopped{model_name="m"}') == 1
+    assert _value(text, 'deepinfer:hicache_disk_read_pages_total{model_name="m"}') == 7
+    assert _value(text, 'deepinfer:hicache_disk_corrupt_pages_total{model_name="m"}') == 2
+    assert _value(text, 'deepinfer:hicache_disk_write_errors_total{model_name="m"}') == 4
