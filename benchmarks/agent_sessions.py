@@ -12,6 +12,8 @@ last prompt + its answer + new tokens. Each session sends `X-Session-Affinity`. 
   restart      as disk, but the server is stopped after the first turn and a new one started
                over the same folder: the second turn's hits come from disk
   least        as host, with --routing least-loaded (with --dp 2: sessions move between ranks)
+  least_disk   as least, with the disk tier: the ranks share its folder, so a session that
+               moved finds its pages there
 
     python benchmarks/agent_sessions.py                    # CPU, embedded SmolLM2, tiny sizes
     python benchmarks/agent_sessions.py --settings off,host,restart --sessions 64 --turns 6 \\
@@ -55,6 +57,7 @@ SETTINGS = {
     "disk": ["HOST", "DISK"],
     "restart": ["HOST", "DISK"],
     "least": ["HOST", "--routing", "least-loaded"],
+    "least_disk": ["HOST", "DISK", "--routing", "least-loaded"],
 }
 
 

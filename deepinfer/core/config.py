@@ -88,6 +88,9 @@ class CacheConfig:
     hicache_disk_gb: float = field(default=64.0, metadata={
         "help": "disk space per rank for the disk tier (least recently used pages are "
                 "deleted beyond it)"})
+    hicache_disk_write_mb_s: float = field(default=0.0, metadata={
+        "help": "a cap on each rank's write-back bandwidth to the disk tier in MB/s, so "
+                "write-back leaves the disk to reads and to other users (0: none)"})
     hicache_state_slots: int = field(default=0, metadata={
         "help": "host slots for per-request layer state (models that keep state besides KV "
                 "pages only)"})
@@ -106,6 +109,8 @@ class CacheConfig:
         if self.hicache_disk_dir is not None and self.hicache_size_gb <= 0:
             raise ValueError("hicache_disk_dir needs the host tier (hicache_size_gb > 0): disk "
                              "pages are read into host pages")
+        if self.hicache_disk_write_mb_s < 0:
+            raise ValueError("hicache_disk_write_mb_s must be >= 0")
         if self.hicache_disk_gb <= 0:
             raise ValueError(f"hicache_disk_gb must be > 0, got {self.hicache_disk_gb}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

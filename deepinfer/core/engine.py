@@ -231,6 +231,17 @@ class Engine:
         # and one whose requests all ended has nothing left to give (the next step reads it).
         return self.scheduler.num_unfinished > 0
 
+    @property
+    def has_background_work(self) -> bool:
+        """Host copies or disk jobs in flight that only `poll_caches` (or a step) finishes."""
+        return self.hicache is not None and self.hicache.busy
+
+    def poll_caches(self) -> None:
+        """Finish the cache tiers' copies and disk jobs that are done, while no step runs (a
+        step polls them itself): stored pages get indexed, their host pages unpinned."""
+        if self.hicache is not None:
+            self.hicache.poll()
+
     # ---- the loop ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         if self.hicache is not None:

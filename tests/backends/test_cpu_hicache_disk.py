@@ -160,3 +160,15 @@ def test_pages_of_another_checkpoint_or_layout_are_never_read(llama_dir, tmp_pat
         assert base != kv_fingerprint(spec, 0, "cpu", 4096, 16)
     finally:
         os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+def test_a_reset_drops_the_disk_pages_too(llama_dir, prompt, tmp_path):
+    disk_dir = str(tmp_path / "disk")
+    engine = _engine(llama_dir, disk_dir)
+    generate(engine, "a", prompt)
+    engine.hicache.poll(wait=True)
+    assert len(_page_files(disk_dir)) == 12
+    assert engine.reset_prefix_cache() >= 12
+    assert _page_files(disk_dir) == {} and engine.hicache.disk_stats().pages == 0
+    assert generate(engine, "b", prompt).num_cached_tokens == 0
+    engine.shutdown()

@@ -61,14 +61,16 @@ def text_ids() -> list[int]:
     return ids
 
 
-def _engine(path: str, host_pages: int, prefix_caching: bool = True) -> Engine:
+def _engine(path: str, host_pages: int, prefix_caching: bool = True,
+            disk_dir: str | None = None) -> Engine:
     page_bytes = kv_spec_of(path).block_bytes(PAGE, 4)  # float32
     config = EngineConfig(
         model=ModelSpec(path, "float32"),
         # 4 state slots asked for: V4 keeps its state in its pages, so HiCache takes none.
         cache=CacheConfig(block_size=PAGE, num_blocks=12, yoco_keep_tokens=KEEP,
                           enable_prefix_caching=prefix_caching, hicache_state_slots=4,
-                          hicache_size_gb=host_pages * page_bytes / (1 << 30)),
+                          hicache_size_gb=host_pages * page_bytes / (1 << 30),
+                          hicache_disk_dir=disk_dir, hicache_disk_gb=0.5),
         scheduler=SchedulerConfig(max_num_batched_tokens=BUDGET))
     return Engine(config, load_tokenizer=False)
 
@@ -203,3 +205,22 @@ def test_nothing_leaks(runs):
     assert pool.num_free + pool.num_evictable == pool.num_total
     assert on.kv.num_request_blocks() == 0 and not on.kv._slots
     assert all(g.pool.num_free == g.pool.num_usable for g in on.kv.groups)
+
+
+def test_a_restart_is_served_from_the_disk_tier(runs, v4_checkpoint, tmp_path):
+    """The first prompt's pages written back to disk serve a new engine (an empty device and
+    host): the same hits as the host tier gave, the same tokens as no cache at all."""
+    disk_dir = str(tmp_path / "disk")
+    writer = _engine(v4_checkpoint, host_pages=16, disk_dir=disk_dir)
+    _generate(writer, "first", runs.prompts["first"])
+    writer.shutdown()
+    assert writer.hicache.disk_stats().written_pages == 3
+    reader = _engine(v4_checkpoint, host_pages=16, disk_dir=disk_dir)
+    for rid in ("again", "short"):
+        reader.kv.reset_prefix_cache()
+        run = _generate(reader, rid, runs.prompts[rid])
+        assert (run.tokens, run.cached) == (runs.cold[rid], runs.runs[rid].cached), rid
+    reader.shutdown()
+    stats = reader.hicache.disk_stats()
+    assert stats.read_pages == 2 and stats.corrupt_pages == 0
+    assert reader.hicache.pool.num_pinned == 0

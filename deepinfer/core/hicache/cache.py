@@ -184,7 +184,8 @@ class HiCache:
         name = fingerprint(layout.page_bytes) if fingerprint is not None else "default"
         # Write-back holds a host page per page in its queue: at most a quarter of the pool.
         return DiskTier(cache.hicache_disk_dir, capacity, layout.memory, layout.page_bytes,
-                        name, max_queue=max(1, layout.num_pages // 4))
+                        name, max_queue=max(1, layout.num_pages // 4),
+                        write_bytes_per_s=cache.hicache_disk_write_mb_s * 1e6)
 
     # ---- hits ----------------------------------------------------------------------------
     def match(self, req: Request, num_device_pages: int) -> HostHit | None:
@@ -465,13 +466,20 @@ class HiCache:
         return len(self._inflight)
 
     @property
+    def busy(self) -> bool:
+        """Copies or disk jobs in flight: poll() has work to finish (host pages to unpin)."""
+        return bool(self._inflight or self._disk_pages)
+
+    @property
     def holds_blocks(self) -> bool:
         """Whether a store in flight holds device blocks (KVCacheManager.hold)."""
         return any(c.held is not None for c in self._inflight)
 
     # ---- admin ---------------------------------------------------------------------------
     def reset(self) -> int:
-        return self.pool.reset()
+        """Forget unpinned host pages and the disk tier's pages (an explicit reset asks for
+        cold prefills, not the next restart's hits)."""
+        return self.pool.reset() + (self.disk.reset() if self.disk is not None else 0)
 
     def disk_stats(self) -> DiskStats | None:
         return self.disk.stats() if self.disk is not None else None

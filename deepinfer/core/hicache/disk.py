@@ -112,7 +112,8 @@ def kv_fingerprint(model: ModelSpec, seed: int, backend: str, page_bytes: int,
 
 class DiskTier:
     def __init__(self, root: str, capacity_bytes: int, memory: memoryview, page_bytes: int,
-                 fingerprint: str, workers: int = 2, max_queue: int = 64) -> None:
+                 fingerprint: str, workers: int = 2, max_queue: int = 64,
+                 write_bytes_per_s: float = 0.0) -> None:
         self.dir = os.path.join(root, fingerprint)
         os.makedirs(self.dir, exist_ok=True)
         self.memory, self.page_bytes = memory, page_bytes
@@ -123,6 +124,7 @@ class DiskTier:
         self._writing: set[BlockHash] = set()
         self._stats = DiskStats(capacity_bytes=capacity_bytes)
         self._workers = ThreadPoolExecutor(workers, thread_name_prefix="hicache-disk")
+        self._throttle = _Throttle(write_bytes_per_s) if write_bytes_per_s > 0 else None
         self._scan()
 
     # ---- the folder ----------------------------------------------------------------------
@@ -183,7 +185,8 @@ class DiskTier:
             return False
         self._writing.add(block_hash)
         future = self._workers.submit(_write_page, self.path(block_hash), block_hash,
-                                      tuple(tokens), complete, self._page(page_id))
+                                      tuple(tokens), complete, self._page(page_id),
+                                      self._throttle)
         self._jobs.append(_Job(False, block_hash, page_id, future, time.perf_counter()))
         return True
 
@@ -274,6 +277,14 @@ class DiskTier:
         return self.memory[start:start + self.page_bytes]
 
     # ---- admin ---------------------------------------------------------------------------
+    def reset(self) -> int:
+        """Delete every page no job reads or writes; returns how many were dropped."""
+        busy = {j.block_hash for j in self._jobs}
+        dropped = [h for h in self._index if h not in busy]
+        for block_hash in dropped:
+            self._drop(block_hash)
+        return len(dropped)
+
     def stats(self) -> DiskStats:
         s = self._stats
         s.pages, s.write_queue = len(self._index), len(self._writing)
@@ -285,9 +296,28 @@ class DiskTier:
         self._workers.shutdown(wait=True)
 
 
-# ---- the workers' side (no shared state) ---------------------------------------------------
+# ---- the workers' side ----------------------------------------------------------------------
+class _Throttle:
+    """Write-back at most `bytes_per_s`: each write starts at its slot in one schedule shared
+    by the workers."""
+
+    def __init__(self, bytes_per_s: float) -> None:
+        self.bytes_per_s = bytes_per_s
+        self._next = 0.0
+        self._lock = threading.Lock()
+
+    def wait(self, nbytes: int) -> None:
+        with self._lock:
+            start = max(time.monotonic(), self._next)
+            self._next = start + nbytes / self.bytes_per_s
+        time.sleep(max(0.0, start - time.monotonic()))
+
+
 def _write_page(path: str, block_hash: BlockHash, tokens: tuple[int, ...], complete: bool,
-                payload: memoryview) -> tuple[DiskEntry, bool]:
+                payload: memoryview, throttle: _Throttle | None = None
+                ) -> tuple[DiskEntry, bool]:
+    if throttle is not None:
+        throttle.wait(len(payload))
     token_bytes = array("q", tokens).tobytes()
     crc = zlib.crc32(payload, zlib.crc32(token_bytes))
     header = _HEADER.pack(MAGIC, complete, len(tokens), len(payload), block_hash, crc)

@@ -42,7 +42,8 @@ from deepinfer.serve.ranks.stream_pacing import StreamPacer
 
 log = logging.getLogger("deepinfer.rank")
 IDLE_POLL_MS = 200  # how often an idle rank checks that its parent is alive
-GRAMMAR_POLL_MS = 5  # how often an otherwise idle rank looks for a prepared grammar
+GRAMMAR_POLL_MS = 5  # how often an otherwise idle rank looks for a prepared grammar (and
+# finishes the cache tiers' copies and disk writes)
 EXPERT_STATS_EVERY_S = 1.0  # expert load is L x E numbers: reported at most this often
 REPORT_LINGER_MS = 10_000  # how long a failed start-up waits for its report to be sent
 
@@ -260,8 +261,9 @@ def _loop(engine: Engine, rank: int, inbox: zmq.Socket, outbox: RankOutbox, pare
     while True:
         # In lockstep a busy peer needs this rank's vote (and dummy step) at once.
         peers_busy = lockstep is not None and lockstep.peers_busy
+        background = engine.has_background_work
         timeout = 0 if engine.has_unfinished_requests() or peers_busy else \
-            GRAMMAR_POLL_MS if grammars.waiting else IDLE_POLL_MS
+            GRAMMAR_POLL_MS if grammars.waiting or background else IDLE_POLL_MS
         errors: list[RequestError] = []
         handled = False
         while poller.poll(timeout):
@@ -280,6 +282,9 @@ def _loop(engine: Engine, rank: int, inbox: zmq.Socket, outbox: RankOutbox, pare
             handled = True
         if os.getppid() != parent:
             return None  # orphaned: the API process is gone
+        if background and not engine.has_unfinished_requests():
+            engine.poll_caches()  # write-backs end while the rank idles too
+            handled = handled or not engine.has_background_work  # report the drained queue
         outputs = _step(engine, clock, lockstep, experts)
         errors += [RequestError(o.request_id, o.error, 500) for o in outputs if o.error]
         for error in errors:
