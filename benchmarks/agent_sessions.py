@@ -70,14 +70,15 @@ class Server:
         self.proc = start_server(cmd, log_path)
         self.base = f"http://127.0.0.1:{self.port}"
         wait_healthy(self.proc, self.base, log_path)
+        self.model = httpx.get(f"{self.base}/v1/models", timeout=10.0).json()["data"][0]["id"]
 
     def stop(self) -> None:
         stop_server(self.proc)
 
 
-async def one_turn(client: httpx.AsyncClient, session: int, prompt: list[int],
+async def one_turn(client: httpx.AsyncClient, model: str, session: int, prompt: list[int],
                    output: int) -> dict:
-    body = {"model": "default", "prompt": prompt, "max_tokens": output, "temperature": 0.0,
+    body = {"model": model, "prompt": prompt, "max_tokens": output, "temperature": 0.0,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
             "return_token_ids": True}
     t0 = time.perf_counter()
@@ -112,17 +113,17 @@ def workload(args: argparse.Namespace) -> tuple[list[int], list[list[int]], list
     return system, contexts, news
 
 
-async def run_turns(base: str, prompts: list[list[int]], news, turns: range, output: int,
+async def run_turns(server: Server, prompts: list[list[int]], news, turns: range, output: int,
                     records: list[list[dict]]) -> None:
     """Turns `turns` of every session, all sessions at once per turn; prompts grow in place,
     by each turn's new tokens and then its answer (the generated ids, as an agent sends the
     model's reply back)."""
     limits = httpx.Limits(max_connections=len(prompts) + 8)
-    async with httpx.AsyncClient(base_url=base, timeout=600.0, limits=limits) as client:
+    async with httpx.AsyncClient(base_url=server.base, timeout=600.0, limits=limits) as client:
         for t in turns:
             for s, prompt in enumerate(prompts):
                 prompt.extend(news[s][t])
-            rows = await asyncio.gather(*(one_turn(client, s, list(p), output)
+            rows = await asyncio.gather(*(one_turn(client, server.model, s, list(p), output)
                                           for s, p in enumerate(prompts)))
             records[t] = [{k: v for k, v in r.items() if k != "answer"} for r in rows]
             for prompt, row in zip(prompts, rows):
@@ -156,13 +157,13 @@ def run_setting(name: str, args: argparse.Namespace, scratch: str) -> dict:
     t0 = time.perf_counter()
     try:
         if name == "restart":
-            asyncio.run(run_turns(server.base, prompts, news, range(1), args.output, records))
+            asyncio.run(run_turns(server, prompts, news, range(1), args.output, records))
             server.stop()
             server = Server(args, flags, log_path + ".2")
-            asyncio.run(run_turns(server.base, prompts, news, range(1, args.turns), args.output,
+            asyncio.run(run_turns(server, prompts, news, range(1, args.turns), args.output,
                                   records))
         else:
-            asyncio.run(run_turns(server.base, prompts, news, range(args.turns), args.output,
+            asyncio.run(run_turns(server, prompts, news, range(args.turns), args.output,
                                   records))
     finally:
         server.stop()
