@@ -154,12 +154,14 @@ def run_setting(name: str, args: argparse.Namespace, scratch: str) -> dict:
     t0 = time.perf_counter()
     server = Server(args, flags, log_path)
     start_s = time.perf_counter() - t0
-    t0 = time.perf_counter()
+    t0, restart_s = time.perf_counter(), 0.0
     try:
         if name == "restart":
             asyncio.run(run_turns(server, prompts, news, range(1), args.output, records))
             server.stop()
+            t_restart = time.perf_counter()
             server = Server(args, flags, log_path + ".2")
+            restart_s = time.perf_counter() - t_restart
             asyncio.run(run_turns(server, prompts, news, range(1, args.turns), args.output,
                                   records))
         else:
@@ -167,23 +169,24 @@ def run_setting(name: str, args: argparse.Namespace, scratch: str) -> dict:
                                   records))
     finally:
         server.stop()
-    wall = time.perf_counter() - t0
+    wall = time.perf_counter() - t0 - restart_s  # the requests' time, not the new start's
     turns = summarize(records)
     rows = [r for turn in records for r in turn]
     share = sum(r["cached_tokens"] for r in rows) / max(1, sum(r["prompt_tokens"] for r in rows))
     print(f"{name:8s} wall {wall:7.1f} s  cached {share:6.1%}  TTFT mean by turn: "
           + " ".join(f"{t['ttft_mean_s']:.2f}" for t in turns), flush=True)
-    return {"flags": flags, "server_start_s": start_s, "wall_s": wall, "cached_share": share,
-            "turns": turns}
+    return {"flags": flags, "server_start_s": start_s, "restart_s": restart_s, "wall_s": wall,
+            "cached_share": share, "turns": turns}
 
 
 def plot(result: dict, path: str) -> None:
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4))
+    w = result["workload"]
     for name, r in result["settings"].items():
         ax.plot(range(1, len(r["turns"]) + 1), [t["ttft_mean_s"] for t in r["turns"]],
                 marker="o", label=f"{name} ({r['cached_share']:.0%} cached, {r['wall_s']:.0f} s)")
-    w = result["workload"]
+    ax.set_xticks(range(1, w["turns"] + 1))
     ax.set_xlabel("turn")
     ax.set_ylabel("TTFT mean (s)")
     ax.set_title(f"{w['sessions']} agent sessions x {w['turns']} turns "
