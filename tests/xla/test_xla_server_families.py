@@ -1,0 +1,103 @@
+"""deepinfer-serve on the Neuron backend's xla device for each family test_xla_server.py does not
+serve (llama, DeepSeek-V3's MLA + MoE, DeepSeek-V4): batched prompts longer than a prefill
+bucket (chunked), then a prefix-cache hit, every step audited against its plan (a compilation
+after start-up or a host sync inside a step fails it); every greedy token is transformers'
+argmax, the hit's too.
+
+Runs in the XLA venv (scripts/xla_env.sh); skipped where torch_xla is not installed."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+pytest.importorskip("torch_xla")
+
+from tests.checkpoints import make_checkpoint  # noqa: E402
+from tests.models.test_deepseek_v4_parity import make_v4, prompts  # noqa: E402,F401
+from tests.models.test_moe_parity import (  # noqa: E402
+    _assert_reference_greedy,
+    _prompts,
+    _reference,
+)
+from tests.xla.test_xla_server import ENV, _free_port, _post, _wait_healthy  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
+from common import save_word_tokenizer  # noqa: E402
+
+VOCAB = 256
+# test_xla_device.py's buckets (tokens 16, 32; batches 1, 2; context 1, 2, 4 blocks) and its
+# prompt seeds, whose greedy paths keep the reference's margin.
+SHAPES = ["--dtype", "float32", "--block-size", "16", "--num-kv-blocks", "32",
+          "--max-num-batched-tokens", "32", "--max-num-seqs", "2", "--max-model-len", "64"]
+SEEDS = {"llama": 2, "deepseek_v3_moe": 4}
+# test_xla_deepseek_v4.py's: V4's 128-token pages, tokens 16; batches 1, 2; context 1, 2 pages.
+V4_SHAPES = ["--dtype", "float32", "--block-size", "128", "--num-kv-blocks", "8",
+             "--max-num-batched-tokens", "16", "--max-num-seqs", "2", "--max-model-len", "256"]
+
+
+def _serve(path: str, shapes: list[str], log: str, work: list[list[int]],
+           hit: list[int]) -> tuple[list[list[int]], dict]:
+    """Start the server on the xla device, send `work` at once, then `hit`; the greedy tokens
+    of each and the hit's reply."""
+    port = _free_port()
+    command = [sys.executable, "-m", "deepinfer.serve.cli", "--model", path,
+               "--served-model-name", "m", "--host", "127.0.0.1", "--port", str(port),
+               "--accelerator", "neuron", "--tokenizer-backend", "hf",
+               "--generation-config", "none", *shapes]
+    with open(log, "w") as out:
+        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT,
+                                env={**os.environ, **ENV}, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+
+    def complete(prompt: list[int]) -> dict:
+        return _post(f"{url}/v1/completions",
+                     {"model": "m", "prompt": prompt, "max_tokens": 16, "temperature": 0.0,
+                      "ignore_eos": True, "return_token_ids": True})
+
+    try:
+        _wait_healthy(proc, url, log)
+        with ThreadPoolExecutor(len(work)) as pool:
+            replies = list(pool.map(complete, work))
+        replies.append(complete(hit))
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+    errors = [r["error"] for r in replies if "error" in r]
+    assert not errors, f"{errors[0]}\n{open(log).read()[-3000:]}"
+    return [r["choices"][0]["token_ids"] for r in replies], replies[-1]
+
+
+@pytest.mark.parametrize("family", ["llama", "deepseek_v3_moe"])
+def test_a_family_through_the_server_equals_transformers(family, tmp_path):
+    path = make_checkpoint(str(tmp_path / family), family, eos_token_id=VOCAB - 1)
+    save_word_tokenizer(path, VOCAB, VOCAB - 1)
+    work = _prompts((5, 23, 40), seed=SEEDS[family])  # 40 tokens: chunks of 32 and 8
+    tokens, hit = _serve(path, SHAPES, str(tmp_path / "server.log"), work, work[2])
+    model = _reference(path)
+    for prompt, out in zip(work + [work[2]], tokens):
+        _assert_reference_greedy(model, prompt, out)
+    assert hit["usage"]["prompt_tokens_details"]["cached_tokens"] >= 32
+
+
+def test_deepseek_v4_through_the_server_equals_transformers(tmp_path, prompts):  # noqa: F811
+    path = make_v4(str(tmp_path / "v4"), hc_sinkhorn_iters=5)
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    eos = config.get("eos_token_id")
+    save_word_tokenizer(path, config["vocab_size"], (eos[0] if isinstance(eos, list) else eos) or 1)
+    short, long = prompts[0], prompts[1]  # 41 and 150 tokens: 3 and 10 chunks
+    shared = long[:128] + short[:30]  # a page hit: the CSA carry-over resumes from the page
+    tokens, hit = _serve(path, V4_SHAPES, str(tmp_path / "server.log"), [short, long], shared)
+    model = _reference(path)
+    for prompt, out in zip([short, long, shared], tokens):
+        _assert_reference_greedy(model, prompt, out)
+    assert hit["usage"]["prompt_tokens_details"]["cached_tokens"] == 128
