@@ -7,6 +7,8 @@ step leaves; HiCache's host tier moved by a UVA copy kernel. With device="cpu" a
 TRITON_INTERPRET=1 the same code runs on the CPU (no graphs), which is how CI checks the
 backend end to end.
 
+Llama-family models with sliding and full layers (several KV groups, one per layer) get one
+AttentionMeta per group, each layer reading its own (step_inputs.LayerGroupMeta), in eager steps.
 Models with several KV groups or per-request state (DeepSeek-V4) get every group's tables and
 their state slots (group_inputs.py). Their prefill and mixed steps run eagerly (the compressors
 step sequence by sequence there); their decode steps replay graphs too when the model's decode
@@ -38,7 +40,13 @@ from deepinfer.backends.cuda.prefill_graphs import PrefillGraphs
 from deepinfer.backends.cuda.probe import unavailable_reason
 from deepinfer.backends.cuda.settings import cuda_settings
 from deepinfer.backends.cuda.spec_graphs import GraphSpeculator
-from deepinfer.backends.cuda.step_inputs import DecodeRows, StepInputs, pack_batch, unpack_batch
+from deepinfer.backends.cuda.step_inputs import (
+    DecodeRows,
+    LayerGroupMeta,
+    StepInputs,
+    pack_batch,
+    unpack_batch,
+)
 from deepinfer.backends.torch.host_pool import host_memory
 from deepinfer.backends.torch.runner import TorchRunner
 from deepinfer.backends.torch.speculative import MTPSpeculator
@@ -151,11 +159,10 @@ class CUDAAccelerator(Accelerator):
         self.runner.num_speculative_tokens = self.num_speculative_tokens
         self.speculator = MTPSpeculator(self.runner, self._step_meta)
         self.info = self.runner.load(spec)
-        if self.grouped and not self.runner.model.traits.reads_group_meta:
-            # Only a model whose data path reads every group's tables (GroupedMeta) may have
-            # several: the llama family's attention reads one group's (AttentionMeta).
-            raise ValueError("the nvidia backend serves this model with one KV group only "
-                             "(every layer alike); its layers differ in their KV cache")
+        if self.grouped and not self.layer_groups and \
+                not self.runner.model.traits.reads_group_meta:
+            raise ValueError("the nvidia backend serves a model with per-request state only "
+                             "where its data path reads every group's tables")
         return self.info
 
     @property
@@ -163,6 +170,14 @@ class CUDAAccelerator(Accelerator):
         """The model has several KV groups or per-request state: eager grouped steps."""
         kv = self.info.kv_spec
         return kv.num_groups != 1 or kv.state_bytes > 0
+
+    @property
+    def layer_groups(self) -> bool:
+        """Several KV groups whose layers each read one group's tables, no state (the llama
+        family with sliding and full layers): each group's AttentionMeta, the layer picks."""
+        kv = self.info.kv_spec
+        return kv.num_groups > 1 and kv.state_bytes == 0 and \
+            not self.runner.model.traits.reads_group_meta
 
     @property
     def model(self) -> torch.nn.Module | None:
@@ -334,16 +349,32 @@ class CUDAAccelerator(Accelerator):
         return self.runner.forward(inputs.input_ids, inputs.positions, inputs.meta)
 
     def _eager_inputs(self, batch: ModelBatch) -> StepInputs:
-        if self.grouped:
+        if self.layer_groups:
+            inputs = self._layer_group_inputs(batch)
+        elif self.grouped:
             inputs = grouped_inputs(batch, self.info.kv_spec, self.device)
         else:
-            flat, width = pack_batch(batch, self.cache.block_size)
-            splits = self._num_splits(batch.num_seqs, max(batch.seq_lens)) \
-                if batch.is_decode_only else 1
-            device_flat = to_device(torch.from_numpy(flat), self.device)
-            inputs = unpack_batch(device_flat, batch, width, splits)
+            inputs = self._one_group_inputs(batch)
         fill_from_last_step(inputs.input_ids, batch.from_last_step)
         return inputs
+
+    def _one_group_inputs(self, batch: ModelBatch) -> StepInputs:
+        flat, width = pack_batch(batch, self.cache.block_size)
+        splits = self._num_splits(batch.num_seqs, max(batch.seq_lens)) \
+            if batch.is_decode_only else 1
+        device_flat = to_device(torch.from_numpy(flat), self.device)
+        return unpack_batch(device_flat, batch, width, splits)
+
+    def _layer_group_inputs(self, batch: ModelBatch) -> StepInputs:
+        """One group's inputs per KV group (their ids and positions alike: the first's are
+        the step's), and the layers' map to them."""
+        per_group = [self._one_group_inputs(dataclasses.replace(batch, groups=(group,)))
+                     for group in batch.groups]
+        spec = self.info.kv_spec
+        group_of = {layer: g.index for g in spec.groups for layer in g.layers}
+        first = per_group[0]
+        meta = LayerGroupMeta([inputs.meta for inputs in per_group], group_of)
+        return StepInputs(first.input_ids, first.positions, meta, first.logits_index)
 
     def forward_logits(self, batch: ModelBatch, all_tokens: bool = False) -> torch.Tensor:
         """float32 logits of each sampled sequence's last token (or of every token)."""

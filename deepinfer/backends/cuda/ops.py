@@ -48,7 +48,7 @@ from deepinfer.backends.cuda.kernels.prefill_attention import (
 from deepinfer.backends.cuda.kernels.rotary import apply_rotary_, rotary_store_kv_
 from deepinfer.backends.cuda.kernels.rotary_decode import SplitCounters, rotary_decode_attention
 from deepinfer.backends.cuda.settings import cuda_settings, interpreted
-from deepinfer.backends.cuda.step_inputs import AttentionMeta
+from deepinfer.backends.cuda.step_inputs import AttentionMeta, LayerGroupMeta, layer_meta
 from deepinfer.backends.torch.paged_cache import PagedCache
 from deepinfer.models.deepseek_v4.ops import DeepSeekV4Ops
 from deepinfer.models.deepseek_v4.paged_ops import DecodeLens, DecodeTarget, PagedRows
@@ -116,7 +116,8 @@ class CUDAOps(MoEOps, MLAOps, DeepSeekV4Ops, ModelOps):
         return silu_and_mul(x)
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
-                  meta: AttentionMeta) -> torch.Tensor:
+                  meta: AttentionMeta | LayerGroupMeta) -> torch.Tensor:
+        meta = layer_meta(meta, layer)
         k_cache, v_cache = self.cache.layer(layer)
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         return self._attend(q, layer, meta)
@@ -134,10 +135,11 @@ class CUDAOps(MoEOps, MLAOps, DeepSeekV4Ops, ModelOps):
 
     def rotary_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                         layer: int, meta: AttentionMeta, qk_norm: QKNorm | None = None
-                         ) -> torch.Tensor:
+                         layer: int, meta: AttentionMeta | LayerGroupMeta,
+                         qk_norm: QKNorm | None = None) -> torch.Tensor:
         """Rotary (and Qwen3's q/k norm, when it covers the head) fused into the KV write, and
         at decode into the attention too (rotary_decode.py)."""
+        meta = layer_meta(meta, layer)
         fused_norm = None
         if qk_norm is not None and cos.shape[-1] == q.shape[-1] and \
                 qk_norm.q_weight.dtype == qk_norm.k_weight.dtype == q.dtype:

@@ -40,6 +40,24 @@ class AttentionMeta:
 
 
 @dataclass
+class LayerGroupMeta:
+    """A step's metadata for a model of several KV groups whose layers read one group each
+    (the llama family with sliding and full layers): each group's AttentionMeta, and which
+    group a layer's cache belongs to."""
+
+    groups: list[AttentionMeta]
+    group_of: dict[int, int]  # spec layer -> group
+
+    def of(self, layer: int) -> AttentionMeta:
+        return self.groups[self.group_of[layer]]
+
+
+def layer_meta(meta: AttentionMeta | LayerGroupMeta, layer: int) -> AttentionMeta:
+    """The metadata the kernels read for `layer`."""
+    return meta.of(layer) if isinstance(meta, LayerGroupMeta) else meta
+
+
+@dataclass
 class StepInputs:
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64

@@ -59,22 +59,28 @@ def _greedy_round(engine: Engine, prompts: list[list[int]], params: SamplingPara
     return [got[f"{round_}-{i}"] for i in range(len(prompts))]
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen3_windowed"])
 def test_engine_greedy_equals_transformers(tmp_path, family):
     """Chunked prefill (16-token budget over a 16-token block size), mixed prefill + decode
     steps (their decodes through the decode kernel), then a second round that hits the prefix
     cache (the 75-token prompt's last chunk over its cached 64 runs split-K): every greedy
     token equals transformers' generate in float32. The prefix cache's path is the same for
     every family (and round 1's later chunks already attend over cached pages), so qwen3
-    runs round 1 only. The vocabulary and MLP are narrower than make_checkpoint's and the
-    answers short: the interpreter runs a one-row projection (the GEMV,
-    test_one_token_steps_run_the_gemv) as one program per few output rows."""
+    runs round 1 only. qwen3_windowed: a full layer and a 24-token sliding layer, two KV
+    groups (the sliding group frees the pages that leave its window), each layer reading its
+    group's tables (LayerGroupMeta); it runs the prefix-hit round too. The vocabulary and MLP
+    are narrower than make_checkpoint's and the answers short: the interpreter runs a one-row
+    projection (the GEMV, test_one_token_steps_run_the_gemv) as one program per few output
+    rows."""
     import transformers
 
     from tests.checkpoints import make_checkpoint
 
-    path = make_checkpoint(str(tmp_path / family), family, torch.float32, vocab_size=128,
-                           eos_token_id=127, intermediate_size=64)
+    windowed = dict(use_sliding_window=True, sliding_window=24, max_window_layers=1) \
+        if family == "qwen3_windowed" else {}
+    path = make_checkpoint(str(tmp_path / family), family.removesuffix("_windowed"),
+                           torch.float32, vocab_size=128, eos_token_id=127,
+                           intermediate_size=64, **windowed)
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, 127, (n,), generator=g).tolist() for n in (5, 19, 37, 75)]
@@ -87,8 +93,9 @@ def test_engine_greedy_equals_transformers(tmp_path, family):
                           cache=CacheConfig(block_size=16, num_blocks=32),
                           scheduler=SchedulerConfig(max_num_batched_tokens=16, max_num_seqs=4))
     engine = Engine(config, accelerator=_interpreted_cls()(), load_tokenizer=False)
+    assert len(engine.kv.groups) == (2 if windowed else 1)
     params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
-    for round_ in range(2 if family == "llama" else 1):
+    for round_ in range(1 if family == "qwen3" else 2):
         assert _greedy_round(engine, prompts, params, round_) == expected, f"round {round_}"
     assert engine.kv.pool.num_free == engine.kv.pool.num_usable
     engine.shutdown()
