@@ -5,10 +5,12 @@
 1. The backend conformance suite (deepinfer.testing.conformance) on CUDAAccelerator.
 2. Greedy tokens of the engine (chunked prefill, decode graphs, a prefix-cache hit, each prompt
    alone at batch 1) equal transformers' greedy generate, float32, on random-weight llama,
-   qwen3, mistral (sliding window 48, prompts to 300) and dense deepseek_v3 (MLA) checkpoints.
+   qwen3, mistral (sliding window 48, prompts to 300), qwen3 with sliding and full layers (two KV
+   groups) and dense deepseek_v3 (MLA) checkpoints.
 3. bfloat16: relative error of every prompt token's logits against transformers in bfloat16.
 4. HiCache through the engine: a conversation evicted between turns decodes the same tokens
-   with the host tier (UVA page copy) on and off.
+   with the host tier (UVA page copy) on and off, and with the disk tier behind it, across a
+   restart.
 Exits nonzero on any failure; prints one line per check.
 """
 from __future__ import annotations
@@ -41,6 +43,11 @@ SHAPES = {
     "mistral": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=3,
                     num_attention_heads=8, num_key_value_heads=2, vocab_size=1024,
                     max_position_embeddings=1024, initializer_range=0.05, sliding_window=48),
+    # Layer 0 full, layer 1 and 2 a 48-token window: two KV groups, each layer its own tables.
+    "qwen3_windowed": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=3,
+                           num_attention_heads=4, num_key_value_heads=4, vocab_size=1024,
+                           max_position_embeddings=1024, initializer_range=0.05,
+                           use_sliding_window=True, sliding_window=48, max_window_layers=1),
     # MLA: the paged latent cache and the MLA kernels.
     "deepseek_v3": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=3,
                         num_attention_heads=4, vocab_size=1024, max_position_embeddings=1024,
@@ -113,11 +120,16 @@ def engine_greedy(path: str, prompts: list[list[int]], block_size: int) -> list[
     return results[0]
 
 
+def _checkpoint(path: str, family: str, dtype: torch.dtype) -> str:
+    """SHAPES[family]'s random checkpoint; `<family>_windowed` names a transformers family
+    made with sliding and full layers (two KV groups)."""
+    return make_checkpoint(path, family.removesuffix("_windowed"), dtype, **SHAPES[family])
+
+
 def check_greedy(family: str, block_size: int, workdir: str) -> dict:
     import transformers
 
-    path = make_checkpoint(os.path.join(workdir, f"{family}-fp32"), family, torch.float32,
-                           **SHAPES[family])
+    path = _checkpoint(os.path.join(workdir, f"{family}-fp32"), family, torch.float32)
     g = torch.Generator().manual_seed(7)
     vocab = SHAPES[family]["vocab_size"]
     prompts = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in PROMPT_LENS]
@@ -147,8 +159,7 @@ def check_bf16_logits(family: str, workdir: str) -> dict:
 
     from deepinfer.core.batch import GroupBatch, ModelBatch
 
-    path = make_checkpoint(os.path.join(workdir, f"{family}-bf16"), family, torch.bfloat16,
-                           **SHAPES[family])
+    path = _checkpoint(os.path.join(workdir, f"{family}-bf16"), family, torch.bfloat16)
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda()
     acc = CUDAAccelerator()
     acc.init_device()
@@ -182,13 +193,20 @@ def check_bf16_logits(family: str, workdir: str) -> dict:
 def check_hicache(workdir: str) -> dict:
     """HiCache through the engine on the GPU: the UVA copy kernel stores and loads the pages of a
     conversation that another user's prompt evicts; greedy tokens equal the run without it."""
-    from deepinfer.testing.hicache import check_host_tier
+    from deepinfer.testing.hicache import check_disk_tier, check_host_tier
 
     path = make_checkpoint(os.path.join(workdir, "hicache"), "llama", torch.float32,
                            **SHAPES["llama"])
     stats = check_host_tier(path, CUDAAccelerator, vocab=SHAPES["llama"]["vocab_size"])
+    # The disk tier behind it: pages written back from the pinned pool, read into it again by
+    # a new engine (a restart) over the same folder.
+    first, restarted = check_disk_tier(path, CUDAAccelerator, SHAPES["llama"]["vocab_size"],
+                                       os.path.join(workdir, "hicache-disk"))
     return {"host_hit_tokens": stats.host_hit_tokens, "loaded_pages": stats.loaded_pages,
-            "stored_pages": stats.stored_pages}
+            "stored_pages": stats.stored_pages,
+            "disk_written_pages": first.disk.written_pages,
+            "disk_read_pages_after_restart": restarted.disk.read_pages,
+            "restart_cached_tokens": restarted.cached_tokens}
 
 
 def main() -> None:
