@@ -168,9 +168,10 @@ def check_bf16_logits(family: str, workdir: str) -> dict:
     prompt = torch.randint(3, SHAPES[family]["vocab_size"], (300,)).tolist()
     blocks = list(range(40, 40 + 19))[::-1]  # non-contiguous, reversed block table
     slots = [blocks[p // 16] * 16 + p % 16 for p in range(300)]
+    # One chunk: every KV group (a sliding group too) holds all of its pages.
+    groups = (GroupBatch([blocks], slots),) * acc.info.kv_spec.num_groups
     batch = ModelBatch(input_ids=prompt, positions=list(range(300)), query_lens=[300],
-                       seq_lens=[300], groups=(GroupBatch([blocks], slots),), sample_indices=[0],
-                       sampling=[])
+                       seq_lens=[300], groups=groups, sample_indices=[0], sampling=[])
     ours = acc.forward_logits(batch, all_tokens=True)
     ids = torch.tensor([prompt], device="cuda")
     with torch.inference_mode():
