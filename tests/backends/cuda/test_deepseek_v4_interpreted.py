@@ -86,18 +86,3 @@ def test_prefix_hit_resumes_from_the_page(engine, reference, prompts):
     (tokens, cached), = run_greedy(engine, [shared], 4, "b").values()
     assert cached == 128
     _assert_reference_greedy(reference, shared, tokens)
-
-
-def test_other_models_with_several_groups_are_refused(tmp_path):
-    """Only a model that reads every group's tables (DeepSeek-V4) gets the grouped steps: a
-    Qwen3 with sliding and full layers (two groups) is a clear error, not a wrong answer."""
-    from tests.checkpoints import make_checkpoint
-
-    # Layer 0 full, layer 1 windowed (as tests/models/test_sliding_window.py's hybrid).
-    path = make_checkpoint(str(tmp_path / "hybrid"), "qwen3", use_sliding_window=True,
-                           sliding_window=32, max_window_layers=1)
-    acc = _interpreted_cls()()
-    acc.init_device()
-    with pytest.raises(ValueError, match="one KV group"):
-        acc.load_model(ModelSpec(path, dtype="float32"))
-    acc.shutdown()
