@@ -101,6 +101,8 @@ class Scheduler:
         else:
             self.waiting.remove(req)
         self.kv.free(req)
+        if self.hicache is not None:
+            self.hicache.forget(req)
         req.status, req.finish_reason, req.stop_reason = RequestStatus.FINISHED, reason, stop_reason
 
     @property

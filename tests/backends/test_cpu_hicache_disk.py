@@ -17,7 +17,7 @@ from deepinfer.core.config import ModelSpec
 from deepinfer.core.engine import Engine
 from deepinfer.core.hicache import disk as disk_module
 from deepinfer.core.hicache.disk import SUFFIX, kv_fingerprint
-from deepinfer.testing.hicache import BLOCK, check_disk_tier, generate, make_engine
+from deepinfer.testing.hicache import BLOCK, GREEDY, check_disk_tier, generate, make_engine
 
 VOCAB = 250
 PROMPT_TOKENS = 200  # 12 pages a hit may cover (the last 8 tokens are recomputed)
@@ -171,4 +171,20 @@ def test_a_reset_drops_the_disk_pages_too(llama_dir, prompt, tmp_path):
     assert engine.reset_prefix_cache() >= 12
     assert _page_files(disk_dir) == {} and engine.hicache.disk_stats().pages == 0
     assert generate(engine, "b", prompt).num_cached_tokens == 0
+    engine.shutdown()
+
+
+def test_a_request_aborted_while_its_pages_come_from_disk_leaves_nothing(llama_dir, prompt,
+                                                                         tmp_path):
+    disk_dir = str(tmp_path / "disk")
+    _run(llama_dir, disk_dir, prompt)
+    engine = _engine(llama_dir, disk_dir)
+    engine.add_request("gone", prompt, GREEDY)  # its pages start coming from disk
+    assert engine.hicache.prefetching(engine.scheduler.waiting[0])
+    engine.abort("gone")
+    engine.hicache.poll(wait=True)
+    assert not engine.hicache._prefetching and not engine.hicache.busy
+    assert engine.hicache.pool.num_pinned == 0 and engine.kv.num_request_blocks() == 0
+    # The pages it asked for were indexed all the same: the next request hits them.
+    assert generate(engine, "next", prompt).num_cached_tokens == 12 * BLOCK
     engine.shutdown()

@@ -251,6 +251,11 @@ class HiCache:
         del self._prefetching[req.request_id]
         return False
 
+    def forget(self, req: Request) -> None:
+        """The request ended (an abort while it waited too): its prefetch entry goes; reads
+        still in flight finish and index their pages as usual."""
+        self._prefetching.pop(req.request_id, None)
+
     def wait_prefetch(self, req: Request) -> None:
         """Wait (at most until its deadline) for the request's disk reads, and index them."""
         while self.prefetching(req):
