@@ -18,6 +18,8 @@ import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from typing import Iterator
 
 import pytest
 
@@ -90,6 +92,37 @@ def _wait_healthy(proc: subprocess.Popen, url: str, log: str) -> None:
                 f"{open(log).read()[-3000:]}")
 
 
+@contextmanager
+def xla_server(model: str, shapes: list[str], log: str) -> Iterator[str]:
+    """deepinfer-serve on the xla device with every step audited (ENV): its URL once healthy;
+    stopped with SIGTERM (its process group killed if it does not end)."""
+    port = _free_port()
+    command = [sys.executable, "-m", "deepinfer.serve.cli", "--model", model,
+               "--served-model-name", "m", "--host", "127.0.0.1", "--port", str(port),
+               "--accelerator", "neuron", "--tokenizer-backend", "hf",
+               "--generation-config", "none", *shapes]
+    with open(log, "w") as out:
+        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT,
+                                env={**os.environ, **ENV}, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_healthy(proc, url, log)
+        yield url
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def complete(url: str, prompt: list[int], max_tokens: int) -> dict:
+    """A greedy completion of token ids, EOS ignored, with its token ids."""
+    return _post(f"{url}/v1/completions",
+                 {"model": "m", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+                  "ignore_eos": True, "return_token_ids": True})
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     path = make_checkpoint(str(tmp_path_factory.mktemp("qwen3_moe")), "qwen3_moe",
@@ -99,34 +132,10 @@ def model_dir(tmp_path_factory):
 
 
 def test_200_mixed_requests_through_the_server_compile_nothing(model_dir, tmp_path):
-    port, log = _free_port(), str(tmp_path / "server.log")
-    command = [sys.executable, "-m", "deepinfer.serve.cli", "--model", model_dir,
-               "--served-model-name", "m", "--host", "127.0.0.1", "--port", str(port),
-               "--accelerator", "neuron", "--tokenizer-backend", "hf",
-               "--generation-config", "none", *SHAPES]
-    with open(log, "w") as out:
-        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT,
-                                env={**os.environ, **ENV}, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        _wait_healthy(proc, url, log)
-        work = _workload()
-
-        def complete(item: tuple[list[int], int]) -> dict:
-            prompt, max_tokens = item
-            return _post(f"{url}/v1/completions",
-                         {"model": "m", "prompt": prompt, "max_tokens": max_tokens,
-                          "temperature": 0.0, "ignore_eos": True,
-                          "return_token_ids": True})
-
+    work = _workload()
+    with xla_server(model_dir, SHAPES, str(tmp_path / "server.log")) as url:
         with ThreadPoolExecutor(CLIENTS) as pool:
-            replies = list(pool.map(complete, work))
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+            replies = list(pool.map(lambda item: complete(url, *item), work))
     errors = [r["error"] for r in replies if "error" in r]
     assert not errors, f"{len(errors)} of {REQUESTS} failed; the first: {errors[0]}"
     got = [r["choices"][0]["token_ids"] for r in replies]

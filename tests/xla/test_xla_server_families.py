@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
@@ -25,7 +23,7 @@ from tests.models.test_moe_parity import (  # noqa: E402
     _prompts,
     _reference,
 )
-from tests.xla.test_xla_server import ENV, _free_port, _post, _wait_healthy  # noqa: E402
+from tests.xla.test_xla_server import complete, xla_server  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
 from common import save_word_tokenizer  # noqa: E402
@@ -43,34 +41,12 @@ V4_SHAPES = ["--dtype", "float32", "--block-size", "128", "--num-kv-blocks", "8"
 
 def _serve(path: str, shapes: list[str], log: str, work: list[list[int]],
            hit: list[int]) -> tuple[list[list[int]], dict]:
-    """Start the server on the xla device, send `work` at once, then `hit`; the greedy tokens
-    of each and the hit's reply."""
-    port = _free_port()
-    command = [sys.executable, "-m", "deepinfer.serve.cli", "--model", path,
-               "--served-model-name", "m", "--host", "127.0.0.1", "--port", str(port),
-               "--accelerator", "neuron", "--tokenizer-backend", "hf",
-               "--generation-config", "none", *shapes]
-    with open(log, "w") as out:
-        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT,
-                                env={**os.environ, **ENV}, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-
-    def complete(prompt: list[int]) -> dict:
-        return _post(f"{url}/v1/completions",
-                     {"model": "m", "prompt": prompt, "max_tokens": 16, "temperature": 0.0,
-                      "ignore_eos": True, "return_token_ids": True})
-
-    try:
-        _wait_healthy(proc, url, log)
+    """Send `work` at once, then `hit`, to the model served on the xla device; the greedy
+    tokens of each and the hit's reply."""
+    with xla_server(path, shapes, log) as url:
         with ThreadPoolExecutor(len(work)) as pool:
-            replies = list(pool.map(complete, work))
-        replies.append(complete(hit))
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+            replies = list(pool.map(lambda prompt: complete(url, prompt, 16), work))
+        replies.append(complete(url, hit, 16))
     errors = [r["error"] for r in replies if "error" in r]
     assert not errors, f"{errors[0]}\n{open(log).read()[-3000:]}"
     return [r["choices"][0]["token_ids"] for r in replies], replies[-1]
