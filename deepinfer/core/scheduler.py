@@ -89,7 +89,9 @@ class Scheduler:
     # ---- requests in and out -------------------------------------------------------------
     def add(self, req: Request) -> None:
         self.waiting.append(req)
-        if self.hicache is not None:  # its pages on disk start for the host tier now
+        if self.hicache is not None and self.hicache.disk is not None:
+            # Its pages on disk start for the host tier now (the device lookup only then: no
+            # second prefix walk per request without a disk tier).
             self.hicache.prefetch(req, len(self.kv.find_cached_prefix(req)[0]))
 
     def finish(self, req: Request, reason: FinishReason,
