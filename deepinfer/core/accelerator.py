@@ -36,6 +36,9 @@ class Capabilities:
     # sliding-window group's page already out of its window); HiCache serves sliding-window
     # models (DeepSeek-V4, Mistral) only with it.
     host_copy_skips_null: bool = False
+    # allocate_host_pool places its pages in a file every rank of the node maps (HiCache's
+    # node-wide pool, core/hicache/shared_pool.py); without it each rank keeps its own pool.
+    host_pool_shared: bool = False
     # Runs ModelBatch.spec steps (verify drafts, propose the next ones with the model's MTP
     # layer); the engine refuses num_speculative_tokens > 0 elsewhere.
     speculative_decoding: bool = False
@@ -230,8 +233,12 @@ class Accelerator(ABC):
         """Bytes of one host page (one block of every KV group), after allocate_kv_cache."""
         raise NotImplementedError(f"the {self.name} backend has no host page copy")
 
-    def allocate_host_pool(self, num_pages: int, num_state_slots: int = 0) -> HostPoolLayout:
-        """Allocate host memory for num_pages pages (pinned where the backend can)."""
+    def allocate_host_pool(self, num_pages: int, num_state_slots: int = 0,
+                           shared_file: str | None = None) -> HostPoolLayout:
+        """Allocate host memory for num_pages pages (pinned where the backend can). With
+        shared_file (Capabilities.host_pool_shared), the pages are that file's bytes, mapped
+        shared (num_pages x host_page_bytes(), made by the core): the other ranks of the node
+        map the same file, and a page one rank stores another loads."""
         raise NotImplementedError(f"the {self.name} backend has no host page copy")
 
     def copy_pages(self, host_pages: Sequence[int], device_blocks: Sequence[Sequence[int]],

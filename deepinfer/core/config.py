@@ -81,6 +81,11 @@ class CacheConfig:
     hicache_size_gb: float = field(default=0.0, metadata={
         "help": "host memory per rank for HiCache, a host tier of KV pages behind the device "
                 "prefix cache (0: off)"})
+    hicache_shared: bool = field(default=True, metadata={
+        "flag": "--no-hicache-shared",
+        "help": "with several ranks on a node (--dp), one HiCache host pool in shared memory "
+                "for all of them (hicache_size_gb each, pooled): any rank hits a page any rank "
+                "stored, and a restarted rank keeps the node's pages (off: a pool per rank)"})
     hicache_disk_dir: str | None = field(default=None, metadata={
         "help": "a local folder for HiCache's disk tier: host pages are written back there "
                 "(checksummed; kept across restarts, shared by the ranks of a node) and read "

@@ -21,6 +21,7 @@ from deepinfer.core.config import EngineConfig
 from deepinfer.core.detokenizer import IncrementalDetokenizer
 from deepinfer.core.hicache import HiCache
 from deepinfer.core.hicache.disk import kv_fingerprint
+from deepinfer.core.hicache.shared_pool import SharedPoolPlace
 from deepinfer.core.histogram import STEP_TOKEN_BOUNDS, CountHistogram
 from deepinfer.core.kv.manager import KVCacheManager
 from deepinfer.core.outputs import RequestOutput
@@ -62,7 +63,8 @@ class _Sample:
 class Engine:
     def __init__(self, config: EngineConfig, accelerator: Accelerator | None = None,
                  tokenizer: Any = None, load_tokenizer: bool = True,
-                 parallel: ParallelContext = ParallelContext()) -> None:
+                 parallel: ParallelContext = ParallelContext(),
+                 shared_host_pool: SharedPoolPlace | None = None) -> None:
         self.accelerator = accelerator or _select_accelerator(config)
         self.config = config = with_step_limits(config, self.accelerator.capabilities)
         self.tokenizer = tokenizer if tokenizer is not None or not load_tokenizer \
@@ -86,7 +88,7 @@ class Engine:
         self.hicache = HiCache.create(
             self.accelerator, config.cache, self.model.kv_spec,
             functools.partial(kv_fingerprint, config.model, config.seed, self.accelerator.name,
-                              block_size=config.cache.block_size))
+                              block_size=config.cache.block_size), shared_host_pool)
         scheduler_config = config.scheduler
         if not caps.chunked_prefill and scheduler_config.enable_chunked_prefill:
             scheduler_config = dataclasses.replace(scheduler_config, enable_chunked_prefill=False)

@@ -242,18 +242,18 @@ class Scheduler:
             hit_tokens = device_tokens + host_tokens
             req.num_computed_tokens = 0
             remaining = req.num_tokens - hit_tokens
-            if not self.config.enable_chunked_prefill and remaining > budget:
-                break
             num_new = min(remaining, budget)
             if self.config.long_prefill_token_threshold > 0:
                 num_new = min(num_new, self.config.long_prefill_token_threshold)
-            if self.fixed_pool and not self._fits_whole(req, hit_tokens, cached):
-                break
             # Host-hit pages need device blocks too: allocated here with the first chunk's.
             loaded = len(host.pages) if host is not None else 0
             sampled = hit_tokens + num_new == req.num_tokens
             ahead = self._lookahead(req, hit_tokens + num_new, sampled)
-            if not self._allocate(req, host_tokens + num_new + ahead, cached, loaded):
+            if ((not self.config.enable_chunked_prefill and remaining > budget)
+                    or (self.fixed_pool and not self._fits_whole(req, hit_tokens, cached))
+                    or not self._allocate(req, host_tokens + num_new + ahead, cached, loaded)):
+                if host is not None and self.hicache is not None:
+                    self.hicache.release(host)  # its pins: the request waits
                 break
             self.waiting.popleft()
             if host is not None and self.hicache is not None:

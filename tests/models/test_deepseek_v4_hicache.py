@@ -23,6 +23,7 @@ import pytest
 
 from deepinfer.core.config import CacheConfig, EngineConfig, ModelSpec, SchedulerConfig
 from deepinfer.core.engine import Engine
+from deepinfer.core.hicache.shared_pool import SharedPoolPlace
 from deepinfer.core.sampling import SamplingParams
 from deepinfer.models.registry import kv_spec_of
 from tests.models.test_deepseek_v4_parity import CONFIG, TEXT
@@ -62,7 +63,7 @@ def text_ids() -> list[int]:
 
 
 def _engine(path: str, host_pages: int, prefix_caching: bool = True,
-            disk_dir: str | None = None) -> Engine:
+            disk_dir: str | None = None, shared: SharedPoolPlace | None = None) -> Engine:
     page_bytes = kv_spec_of(path).block_bytes(PAGE, 4)  # float32
     config = EngineConfig(
         model=ModelSpec(path, "float32"),
@@ -72,7 +73,7 @@ def _engine(path: str, host_pages: int, prefix_caching: bool = True,
                           hicache_size_gb=host_pages * page_bytes / (1 << 30),
                           hicache_disk_dir=disk_dir, hicache_disk_gb=0.5),
         scheduler=SchedulerConfig(max_num_batched_tokens=BUDGET))
-    return Engine(config, load_tokenizer=False)
+    return Engine(config, load_tokenizer=False, shared_host_pool=shared)
 
 
 @dataclass
@@ -224,3 +225,19 @@ def test_a_restart_is_served_from_the_disk_tier(runs, v4_checkpoint, tmp_path):
     stats = reader.hicache.disk_stats()
     assert stats.read_pages == 2 and stats.corrupt_pages == 0
     assert reader.hicache.pool.num_pinned == 0
+
+
+def test_a_peer_rank_is_served_from_the_shared_pool(runs, v4_checkpoint, tmp_path):
+    """Two ranks over the node's shared pool: the first prompt computed on one rank serves
+    the other (an empty device of its own) with the hits and tokens of the host tier."""
+    ranks = [_engine(v4_checkpoint, host_pages=16, shared=SharedPoolPlace(str(tmp_path), 2, r))
+             for r in range(2)]
+    _generate(ranks[0], "first", runs.prompts["first"])
+    for rid in ("again", "short"):
+        ranks[1].kv.reset_prefix_cache()
+        run = _generate(ranks[1], rid, runs.prompts[rid])
+        assert (run.tokens, run.cached) == (runs.cold[rid], runs.runs[rid].cached), rid
+    stats = ranks[1].hicache.stats()
+    assert stats.shared and stats.host_hit_tokens > 0 and stats.pages_pinned == 0
+    for engine in ranks:
+        engine.shutdown()

@@ -54,3 +54,19 @@ def test_disk_tier_metrics_from_rank_stats():
     assert _value(text, 'deepinfer:hicache_disk_read_pages_total{model_name="m"}') == 7
     assert _value(text, 'deepinfer:hicache_disk_corrupt_pages_total{model_name="m"}') == 2
     assert _value(text, 'deepinfer:hicache_disk_write_errors_total{model_name="m"}') == 4
+
+
+def test_a_shared_pool_is_counted_once():
+    """Ranks of the node's shared pool each report the whole pool: its gauges count it once,
+    beside a rank with a pool of its own (pinned pages too)."""
+    metrics = ServerMetrics("m")
+    base = EngineStats(0, 0, 0.0, 10, 0, 0, 0)
+    shared = dataclasses.replace(base, hicache_pages_used=5, hicache_pages_total=16,
+                                 hicache_pages_pinned=2, hicache_shared=True)
+    own = dataclasses.replace(base, hicache_pages_used=1, hicache_pages_total=8,
+                              hicache_pages_pinned=1)
+    metrics.observe_engine([shared, shared, own])
+    text = metrics.render().decode()
+    assert _value(text, 'deepinfer:hicache_pages_used{model_name="m"}') == 6
+    assert _value(text, 'deepinfer:hicache_pages_total{model_name="m"}') == 24
+    assert _value(text, 'deepinfer:hicache_pages_pinned{model_name="m"}') == 3

@@ -31,6 +31,7 @@ class CPUAccelerator(Accelerator):
     name = "cpu"
     capabilities = Capabilities(chunked_prefill=True, host_page_copy=True,
                                 host_copy_skips_null=True, speculative_decoding=True,
+                                host_pool_shared=True,
                                 async_output=True, rebind_group=True, prompt_logprobs=True,
                                 dtypes=("float32", "bfloat16", "float16"),
                                 prefill_beside_decodes=256)
@@ -117,8 +118,9 @@ class CPUAccelerator(Accelerator):
     def host_page_bytes(self) -> int:
         return self.runner.block_bytes(self.runner.cache.block_size)
 
-    def allocate_host_pool(self, num_pages: int, num_state_slots: int = 0) -> HostPoolLayout:
-        self.host_pool = CPUHostPool.allocate(num_pages, self.runner.cache)
+    def allocate_host_pool(self, num_pages: int, num_state_slots: int = 0,
+                           shared_file: str | None = None) -> HostPoolLayout:
+        self.host_pool = CPUHostPool.allocate(num_pages, self.runner.cache, shared_file)
         # State slots are bookkeeping only until a model with state runs here.
         return HostPoolLayout(num_pages, self.host_page_bytes(), num_state_slots, 0, False,
                               host_memory(self.host_pool.pages))

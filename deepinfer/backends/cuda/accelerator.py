@@ -73,6 +73,7 @@ class CUDAAccelerator(Accelerator):
     distributed_backend = "nccl"
     capabilities = Capabilities(chunked_prefill=True, host_page_copy=True,
                                 host_copy_skips_null=True, async_output=True,
+                                host_pool_shared=True,
                                 speculative_decoding=True, rebind_group=True,
                                 prompt_logprobs=True,
                                 dtypes=("bfloat16", "float16", "float32"),
@@ -464,7 +465,8 @@ class CUDAAccelerator(Accelerator):
     def host_page_bytes(self) -> int:
         return self.runner.block_bytes(self.cache.block_size)
 
-    def allocate_host_pool(self, num_pages: int, num_state_slots: int = 0) -> HostPoolLayout:
+    def allocate_host_pool(self, num_pages: int, num_state_slots: int = 0,
+                           shared_file: str | None = None) -> HostPoolLayout:
         if not self.on_gpu:
             raise RuntimeError("the host page pool needs a CUDA device")
         from deepinfer.backends.cuda.host_pool import CUDAHostPool
@@ -473,7 +475,7 @@ class CUDAAccelerator(Accelerator):
         pairs = self.cache.chunk_tensors()
         chunks = DeviceChunks.prepare([t for _, t in pairs], [c.group for c, _ in pairs],
                                       self.cache.num_blocks)
-        self.host_pool = CUDAHostPool.allocate(num_pages, chunks)
+        self.host_pool = CUDAHostPool.allocate(num_pages, chunks, shared_file=shared_file)
         # State slots are bookkeeping only, as on the CPU backend: the one model with state
         # (DeepSeek-V4) keeps it in its pages (KVSpec.state_in_pages), so HiCache asks for none
         # and never calls copy_state.

@@ -34,6 +34,7 @@ from deepinfer.backends.cuda.page_copy import (
     UVAPageCopier,
     pinned_empty,
 )
+from deepinfer.backends.torch.host_pool import map_shared
 
 
 @dataclass
@@ -53,6 +54,23 @@ class EventHandle:
 STORE_CTAS = 2
 
 
+# cudaHostRegisterPortable | cudaHostRegisterMapped: pinned for every device's DMA, and (under
+# UVA) addressable by kernels at its host address, as the UVA copy kernel needs.
+REGISTER_FLAGS = 0x1 | 0x2
+
+
+def pin_shared(path: str, nbytes: int) -> torch.Tensor:
+    """A file's first nbytes, mapped shared and page-locked (cudaHostRegister), as a uint8
+    [nbytes] tensor. The registration lasts as long as the process: the pool it backs lives
+    until the rank exits."""
+    pages = map_shared(path, nbytes, torch.uint8)
+    err = torch.cuda.cudart().cudaHostRegister(pages.data_ptr(), nbytes, REGISTER_FLAGS)
+    if int(err) != 0:
+        raise RuntimeError(f"cudaHostRegister of the shared host pool {path} ({nbytes} bytes) "
+                           f"failed: CUDA error {int(err)}")
+    return pages
+
+
 @dataclass
 class CUDAHostPool:
     pages: torch.Tensor  # pinned uint8 [num_pages, page_bytes]
@@ -64,11 +82,15 @@ class CUDAHostPool:
 
     @classmethod
     def allocate(cls, num_pages: int, chunks: DeviceChunks,
-                 copier: UVAPageCopier | None = None) -> "CUDAHostPool":
+                 copier: UVAPageCopier | None = None,
+                 shared_file: str | None = None) -> "CUDAHostPool":
         if num_pages < 1:
             raise ValueError(f"num_pages must be >= 1, got {num_pages}")
-        # Exactly the bytes asked for: torch's pinned allocator would round up to a power of two.
-        pages = pinned_empty(num_pages * chunks.page_bytes, chunks.device)
+        nbytes = num_pages * chunks.page_bytes
+        if shared_file is not None:  # the node's pool: every rank maps and registers the file
+            pages = pin_shared(shared_file, nbytes)
+        else:  # exactly the bytes asked for: torch's allocator would round up to a power of 2
+            pages = pinned_empty(nbytes, chunks.device)
         # A copy moves at most one pair per host page: its indices are a page id and a block
         # per KV group each.
         staging = PinnedStaging(num_pages * (1 + len(chunks.layout.num_blocks)))

@@ -9,6 +9,7 @@ tensors viewed as [num_blocks, numel per block].
 from __future__ import annotations
 
 import ctypes
+import os
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -27,15 +28,27 @@ def host_memory(t: torch.Tensor) -> memoryview:
     return memoryview((ctypes.c_char * nbytes).from_address(t.data_ptr())).cast("B")
 
 
+def map_shared(path: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """numel elements of an existing file, mapped shared (writes reach every process that
+    maps it), as a 1-D tensor."""
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    if os.path.getsize(path) < nbytes:
+        raise ValueError(f"{path} holds {os.path.getsize(path)} bytes, not {nbytes}")
+    return torch.from_file(path, shared=True, size=numel, dtype=dtype)
+
+
 @dataclass
 class CPUHostPool:
     pages: torch.Tensor
 
     @classmethod
-    def allocate(cls, num_pages: int, cache: PagedCache) -> "CPUHostPool":
+    def allocate(cls, num_pages: int, cache: PagedCache,
+                 shared_file: str | None = None) -> "CPUHostPool":
         chunks = cache.chunk_tensors()
         numel = sum(c.numel for c, _ in chunks)
         dtype = chunks[0][1].dtype
+        if shared_file is not None:  # the node's pool: every rank maps the file
+            return cls(map_shared(shared_file, num_pages * numel, dtype).view(num_pages, numel))
         # empty, not zeros: the OS commits memory only for pages actually written.
         return cls(torch.empty((num_pages, numel), dtype=dtype))
 

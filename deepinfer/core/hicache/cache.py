@@ -11,7 +11,7 @@ accelerator calls by page-id lists.
 Sliding-window models (DeepSeek-V4's window group, Mistral): a windowed group frees its blocks
 as they leave the window, and a device hit's table holds only the pages the window reads. Each
 prefill chunk's pages are stored right after it runs, before they can leave the window; pages a
-device hit left out are stored without that group's bytes (`HostPage.complete` False; the page
+device hit left out are stored without that group's bytes (`Page.complete` False; the page
 copy skips the null block). A hit loads no block of such a group out of the window at the hit's
 end (the manager gives the null block), so what the window reads there must come from complete
 pages. Models that keep their state in their pages (`KVSpec.state_in_pages`: DeepSeek-V4's
@@ -19,6 +19,7 @@ page_state entries) need no state slots.
 """
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Protocol, Sequence
@@ -26,11 +27,19 @@ from typing import Callable, Protocol, Sequence
 from deepinfer.core.accelerator import Accelerator, CopyHandle, HostPoolLayout
 from deepinfer.core.config import CacheConfig
 from deepinfer.core.hicache.disk import DiskStats, DiskTier
-from deepinfer.core.hicache.pool import HostPage, HostPagePool
+from deepinfer.core.hicache.pool import HostPagePool, Page, PagePool
+from deepinfer.core.hicache.shared_pool import (
+    PoolGeometry,
+    SharedHostPagePool,
+    SharedPoolPlace,
+    pages_file,
+)
 from deepinfer.core.kv.block_pool import NULL_BLOCK_ID
 from deepinfer.core.kv.hashing import BlockHash, extend_block_hashes
 from deepinfer.core.kv.spec import KVSpec
 from deepinfer.core.request import Request
+
+log = logging.getLogger(__name__)
 
 GIB = 1 << 30
 # How long a waiting request's admission waits for its pages to come from disk: past it, it
@@ -44,6 +53,8 @@ class HiCacheStats:
 
     pages_used: int = 0
     pages_total: int = 0
+    pages_pinned: int = 0  # held by a copy or disk job in flight (any rank's, if shared)
+    shared: bool = False  # the node's shared pool: the page gauges are the node's
     lookups: int = 0  # admitted requests that consulted the host tier
     device_hit_tokens: int = 0
     host_hit_tokens: int = 0
@@ -61,7 +72,7 @@ class HostHit:
     """Host pages continuing a device hit: the request's pages first_page.. in order."""
 
     first_page: int
-    pages: tuple[HostPage, ...]
+    pages: tuple[Page, ...]
     block_size: int
 
     @property
@@ -77,10 +88,10 @@ class HostHit:
 class _Commit:
     """A stored page, indexed once its copy is done."""
 
-    page: HostPage
+    page: Page
     block_hash: BlockHash
     tokens: tuple[int, ...]
-    complete: bool  # every KV group's block was held (see HostPage.complete)
+    complete: bool  # every KV group's block was held (see Page.complete)
 
 
 class Held(Protocol):
@@ -97,11 +108,11 @@ class _Copy:
     A store also holds the device blocks it reads until then."""
 
     handles: list[CopyHandle]
-    pinned: list[HostPage]  # unpinned at the end, in eviction order (tails first)
+    pinned: list[Page]  # unpinned at the end, in eviction order (tails first)
     to_device: bool
     started: float
     commits: list[_Commit] = field(default_factory=list)
-    state: tuple[HostPage, int] | None = None
+    state: tuple[Page, int] | None = None
     held: Held | None = None
 
     def add(self, handle: CopyHandle | None) -> None:
@@ -113,7 +124,8 @@ class _Copy:
 class HiCache:
     def __init__(self, accelerator: Accelerator, layout: HostPoolLayout, block_size: int,
                  keep_tokens: int, window: int | None = None,
-                 state_in_pages: bool = False, disk: DiskTier | None = None) -> None:
+                 state_in_pages: bool = False, disk: DiskTier | None = None,
+                 pool: SharedHostPagePool | None = None) -> None:
         self.accelerator = accelerator
         self.layout = layout
         self.block_size = block_size
@@ -125,23 +137,26 @@ class HiCache:
         # Layer state must come back from a state slot: the backend keeps some (stateful
         # layout) and the pages do not carry it already.
         self.restores_state = layout.stateful and not state_in_pages
-        self.pool = HostPagePool(layout.num_pages, layout.num_state_slots)
-        self._stats = HiCacheStats(pages_total=layout.num_pages)
+        self.pool: PagePool = pool or HostPagePool(layout.num_pages, layout.num_state_slots)
+        self._stats = HiCacheStats(pages_total=layout.num_pages, shared=pool is not None)
         self._inflight: list[_Copy] = []
         # Pages a store in flight is writing, by hash: a prompt that comes back before its
         # first store is done (the next turn, a device hit) is not stored a second time.
         self._storing: dict[BlockHash, _Commit] = {}
         self.disk = disk
-        self._disk_pages: dict[int, HostPage] = {}  # page id -> the host page a job reads/writes
+        self._disk_pages: dict[int, Page] = {}  # page id -> the host page a job reads/writes
         self._prefetching: dict[str, tuple[list[int], float]] = {}  # request -> pages, deadline
 
     @classmethod
     def create(cls, accelerator: Accelerator, cache: CacheConfig,
                kv_spec: KVSpec | None = None,
-               fingerprint: Callable[[int], str] | None = None) -> "HiCache | None":
+               fingerprint: Callable[[int], str] | None = None,
+               shared: SharedPoolPlace | None = None) -> "HiCache | None":
         """The rank's host tier, or None when it is off (size 0 or no prefix caching); with
         its disk tier where cache.hicache_disk_dir is set (`fingerprint(page_bytes)` names
-        the folder of this model's pages there)."""
+        the folder of this model's pages there). With `shared`, the node's ranks share one
+        pool of hicache_size_gb per rank (see shared_pool.py), where the backend and model
+        allow it; else the rank has its own."""
         if cache.hicache_size_gb <= 0 or not cache.enable_prefix_caching:
             return None
         if not accelerator.capabilities.host_page_copy:
@@ -160,15 +175,42 @@ class HiCache:
                              f"{page_bytes} bytes")
         # State kept in the pages moves with them: host state slots would hold nothing new.
         slots = 0 if spec.state_in_pages else cache.hicache_state_slots
-        layout = accelerator.allocate_host_pool(num_pages, slots)
+        name = fingerprint(page_bytes) if fingerprint is not None else "default"
+        pool = cls._shared_pool(accelerator, shared, slots, PoolGeometry(
+            num_pages * (shared.num_ranks if shared else 1), page_bytes, cache.block_size, name))
+        if pool is not None:
+            layout = accelerator.allocate_host_pool(pool.num_total, 0, pages_file(pool.place))
+        else:
+            layout = accelerator.allocate_host_pool(num_pages, slots)
         windows = [g.sliding_window for g in spec.groups if g.sliding_window is not None]
-        disk = cls._disk_tier(accelerator.name, cache, layout, spec, fingerprint)
+        disk = cls._disk_tier(accelerator.name, cache, layout, spec, name)
         return cls(accelerator, layout, cache.block_size, cache.yoco_keep_tokens,
-                   max(windows, default=None), spec.state_in_pages, disk)
+                   max(windows, default=None), spec.state_in_pages, disk, pool)
+
+    @staticmethod
+    def _shared_pool(accelerator: Accelerator, place: SharedPoolPlace | None, state_slots: int,
+                     geometry: PoolGeometry) -> SharedHostPagePool | None:
+        """The node's shared pool, or None: none offered, a backend that cannot map one, a
+        model with layer state slots, or no room for it in shared memory (then each rank
+        keeps its own, as with one rank)."""
+        if place is None:
+            return None
+        why = None
+        if not accelerator.capabilities.host_pool_shared:
+            why = f"the {accelerator.name} backend cannot map a shared host pool"
+        elif state_slots:
+            why = "a shared host pool keeps no layer state slots"
+        else:
+            try:
+                return SharedHostPagePool(place, geometry)
+            except OSError as e:
+                why = f"no room for {geometry.num_pages} pages in {place.path} ({e})"
+        log.warning("HiCache: a host pool per rank, not shared: %s", why)
+        return None
 
     @staticmethod
     def _disk_tier(backend: str, cache: CacheConfig, layout: HostPoolLayout, spec: KVSpec,
-                   fingerprint: Callable[[int], str] | None) -> DiskTier | None:
+                   name: str) -> DiskTier | None:
         if cache.hicache_disk_dir is None:
             return None
         if layout.memory is None:
@@ -181,7 +223,6 @@ class HiCache:
         if capacity < layout.page_bytes:
             raise ValueError(f"hicache_disk_gb={cache.hicache_disk_gb:g} holds no page of "
                              f"{layout.page_bytes} bytes")
-        name = fingerprint(layout.page_bytes) if fingerprint is not None else "default"
         # Write-back holds a host page per page in its queue: at most a quarter of the pool.
         return DiskTier(cache.hicache_disk_dir, capacity, layout.memory, layout.page_bytes,
                         name, max_queue=max(1, layout.num_pages // 4),
@@ -189,7 +230,9 @@ class HiCache:
 
     # ---- hits ----------------------------------------------------------------------------
     def match(self, req: Request, num_device_pages: int) -> HostHit | None:
-        """Host pages continuing the request's device hit of num_device_pages pages."""
+        """Host pages continuing the request's device hit of num_device_pages pages, pinned
+        (another rank of a shared pool could evict them otherwise): `load` them, or
+        `release` the hit."""
         if not req.reads_prefix_cache:
             return None
         bs = self.block_size
@@ -197,15 +240,22 @@ class HiCache:
         if limit <= num_device_pages:
             return None
         extend_block_hashes(req.block_hashes, req.token_slice, limit * bs, bs, req.cache_salt)
-        pages: list[HostPage] = []
-        for i in range(num_device_pages, limit):
-            page = self.pool.lookup(req.block_hashes[i], req.token_slice(i * bs, (i + 1) * bs))
-            if page is None:
-                break
-            pages.append(page)
-        while pages and not self._resumable(num_device_pages, pages):
-            pages.pop()
+        pages: list[Page] = []
+        with self.pool.locked():
+            for i in range(num_device_pages, limit):
+                page = self.pool.lookup(req.block_hashes[i],
+                                        req.token_slice(i * bs, (i + 1) * bs))
+                if page is None:
+                    break
+                pages.append(page)
+            while pages and not self._resumable(num_device_pages, pages):
+                pages.pop()
+            self.pool.pin(pages)
         return HostHit(num_device_pages, tuple(pages), bs) if pages else None
+
+    def release(self, hit: HostHit) -> None:
+        """A hit that is not loaded (its request was not admitted) lets go of its pages."""
+        self.pool.unpin(reversed(hit.pages))
 
     def prefetch(self, req: Request, num_device_pages: int) -> None:
         """Start reading from disk the pages that continue the request's device and host
@@ -218,21 +268,23 @@ class HiCache:
         if limit <= num_device_pages:
             return
         extend_block_hashes(req.block_hashes, req.token_slice, limit * bs, bs, req.cache_salt)
-        held: list[HostPage] = []
-        wanted: list[int] = []
-        for i in range(num_device_pages, limit):
-            page = self.pool.lookup(req.block_hashes[i], req.token_slice(i * bs, (i + 1) * bs))
-            if page is not None and not wanted:
-                held.append(page)  # a host hit so far: kept while room is made
-            elif page is None and self.disk.holds(req.block_hashes[i]):
-                wanted.append(i)
-            else:
-                break
-        if not wanted:
-            return
-        self.pool.pin(held)
-        fresh = self.pool.allocate(len(wanted))
-        self.pool.unpin(reversed(held))
+        with self.pool.locked():
+            held: list[Page] = []
+            wanted: list[int] = []
+            for i in range(num_device_pages, limit):
+                page = self.pool.lookup(req.block_hashes[i],
+                                        req.token_slice(i * bs, (i + 1) * bs))
+                if page is not None and not wanted:
+                    held.append(page)  # a host hit so far: kept while room is made
+                elif page is None and self.disk.holds(req.block_hashes[i]):
+                    wanted.append(i)
+                else:
+                    break
+            if not wanted:
+                return
+            self.pool.pin(held)
+            fresh = self.pool.allocate(len(wanted))
+            self.pool.unpin(reversed(held))
         for i, page in zip(wanted, fresh):
             self._disk_pages[page.page_id] = page
             self.disk.read(req.block_hashes[i], req.token_slice(i * bs, (i + 1) * bs),
@@ -262,7 +314,7 @@ class HiCache:
             time.sleep(0.001)
             self.poll()
 
-    def _resumable(self, first_page: int, pages: list[HostPage]) -> bool:
+    def _resumable(self, first_page: int, pages: list[Page]) -> bool:
         """Whether a prefill can resume after `pages` (the request's pages first_page..).
         Layer state must be restored too, and it exists only where a store saved it. A
         sliding window reads its last pages there: those must have been stored whole (the
@@ -281,11 +333,11 @@ class HiCache:
 
     def load(self, req: Request, hit: HostHit, device_blocks: list[list[int]]) -> None:
         """Copy the hit's pages (and state) into the request's new device blocks (one list per
-        KV group)."""
+        KV group); the pins `match` took go when the copy is done."""
         if any(len(blocks) != len(hit.pages) for blocks in device_blocks):
+            self.release(hit)
             raise ValueError(f"{len(hit.pages)} host pages for {len(device_blocks)} blocks")
         pages = list(hit.pages)
-        self.pool.pin(pages)
         copy = _Copy([], list(reversed(pages)), True, time.perf_counter())
         try:
             copy.add(self.accelerator.copy_pages(
@@ -330,11 +382,12 @@ class HiCache:
         if num_full <= first:
             return
         extend_block_hashes(req.block_hashes, req.token_slice, num_full * bs, bs, req.cache_salt)
-        chain = self._host_chain(req, first, num_full)
-        # Pin what the host holds first, so making room never evicts this chain's own pages.
-        self.pool.pin(p for p in chain if p is not None)
-        missing = [first + j for j, p in enumerate(chain) if p is None]
-        fresh = self.pool.allocate(len(missing))
+        with self.pool.locked():
+            chain = self._host_chain(req, first, num_full)
+            # Pin what the host holds first, so making room never evicts this chain's pages.
+            self.pool.pin(p for p in chain if p is not None)
+            missing = [first + j for j, p in enumerate(chain) if p is None]
+            fresh = self.pool.allocate(len(missing))
         missing = missing[:len(fresh)]  # short of room: the leading missing pages go first
         for i, page in zip(missing, fresh):
             chain[i - first] = page
@@ -367,7 +420,7 @@ class HiCache:
         self._storing.update((c.block_hash, c) for c in copy.commits)
         self._track(copy)
 
-    def _host_chain(self, req: Request, first: int, num_full: int) -> list[HostPage | None]:
+    def _host_chain(self, req: Request, first: int, num_full: int) -> list[Page | None]:
         """Per prompt page from `first`: the host page that holds it (or a store in flight
         writes it to), None where the host lacks it; cut before a page whose hash collides."""
         bs, chain = self.block_size, []
@@ -378,7 +431,7 @@ class HiCache:
             chain.append(page)
         return chain
 
-    def _store_state(self, req: Request, last: HostPage, num_tokens: int, copy: _Copy) -> int:
+    def _store_state(self, req: Request, last: Page, num_tokens: int, copy: _Copy) -> int:
         """The request's layer state at num_tokens into a state slot beside its last page
         (models that restore state, once per page); the bytes it copies."""
         if not self.restores_state or last.state_slot is not None:
@@ -395,7 +448,7 @@ class HiCache:
         copy.state = (last, slot)
         return self.layout.state_slot_bytes
 
-    def _holder(self, block_hash: BlockHash) -> tuple[HostPage | None, tuple[int, ...] | None]:
+    def _holder(self, block_hash: BlockHash) -> tuple[Page | None, tuple[int, ...] | None]:
         """The host page that holds this hash, or that a store in flight is writing it to,
         and its tokens (for the collision check)."""
         page = self.pool.holder(block_hash)
@@ -425,6 +478,7 @@ class HiCache:
         self._inflight = still
         if self.disk is not None:
             self._finish_disk(wait)
+        self.pool.maintain()
 
     def _finish_disk(self, wait: bool) -> None:
         """Index pages read from disk (whole ones: a corrupt page goes back to the free
@@ -436,7 +490,7 @@ class HiCache:
                 self.pool.commit(page, done.block_hash, done.entry.tokens, done.entry.complete)
             self.pool.unpin([page])
 
-    def _write_back(self, page: HostPage) -> None:
+    def _write_back(self, page: Page) -> None:
         """A page just indexed on the host goes to disk too (pinned until it is written)."""
         if self.disk is None or page.block_hash is None or page.token_ids is None:
             return
@@ -494,8 +548,11 @@ class HiCache:
         self.poll(wait=True)
         if self.disk is not None:
             self.disk.close()
+        self.pool.close()
 
     def stats(self) -> HiCacheStats:
+        self.pool.maintain()  # an idle rank reports: a dead peer's pins go all the same
         s = self._stats
         s.pages_used, s.evicted_pages = self.pool.num_used, self.pool.evictions
+        s.pages_pinned = self.pool.num_pinned
         return HiCacheStats(**vars(s))

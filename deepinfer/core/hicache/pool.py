@@ -6,11 +6,76 @@ pinned (ref_cnt > 0: a copy in or out is in flight, so it is never evicted).
 """
 from __future__ import annotations
 
+import contextlib
 from collections import OrderedDict, deque
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Any, Iterable, Protocol, Sequence
 
 from deepinfer.core.kv.hashing import BlockHash
+
+
+class Page(Protocol):
+    """A host page as HiCache reads it: a HostPage, or a page of the node's shared pool."""
+
+    @property
+    def page_id(self) -> int: ...
+
+    @property
+    def block_hash(self) -> BlockHash | None: ...
+
+    @property
+    def token_ids(self) -> tuple[int, ...] | None: ...
+
+    @property
+    def complete(self) -> bool: ...
+
+    @property
+    def state_slot(self) -> int | None: ...
+
+
+class PagePool(Protocol):
+    """What HiCache asks of its host pages' bookkeeping: a rank's own (HostPagePool) or the
+    node's, in shared memory (SharedHostPagePool). Pages passed in are the pool's own."""
+
+    evictions: int
+
+    @property
+    def num_total(self) -> int: ...
+
+    @property
+    def num_used(self) -> int: ...
+
+    @property
+    def num_pinned(self) -> int: ...
+
+    def lookup(self, block_hash: BlockHash, tokens: Sequence[int]) -> Page | None: ...
+
+    def holder(self, block_hash: BlockHash) -> Page | None: ...
+
+    def commit(self, page: Any, block_hash: BlockHash, tokens: Sequence[int],
+               complete: bool = True) -> bool: ...
+
+    def pin(self, pages: Iterable[Any]) -> None: ...
+
+    def unpin(self, pages: Iterable[Any]) -> None: ...
+
+    def allocate(self, n: int) -> Sequence[Page]: ...
+
+    def take_state_slot(self) -> int | None: ...
+
+    def set_state(self, page: Any, slot: int) -> None: ...
+
+    def release_state_slot(self, slot: int) -> None: ...
+
+    def touch_state(self, page: Any) -> None: ...
+
+    def locked(self) -> contextlib.AbstractContextManager[None]: ...
+
+    def maintain(self) -> None: ...
+
+    def reset(self) -> int: ...
+
+    def close(self) -> None: ...
 
 
 @dataclass(eq=False)
@@ -152,6 +217,17 @@ class HostPagePool:
             self._slot_lru.pop(page.state_slot, None)
             self._free_slots.append(page.state_slot)
             page.state_slot = None
+
+    # ---- what a shared pool needs (shared_pool.py); nothing to do for a rank's own ------
+    def locked(self) -> contextlib.AbstractContextManager[None]:
+        """Hold the pool across several calls: one process touches a rank's own pool."""
+        return contextlib.nullcontext()
+
+    def maintain(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
     # ---- reset ---------------------------------------------------------------------------
     def reset(self) -> int:

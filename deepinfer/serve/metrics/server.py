@@ -107,6 +107,13 @@ class Phases:
     inference: float
 
 
+def _pool_sum(stats: list[EngineStats], name: str) -> int:
+    """A host-pool gauge over ranks: each rank's own pool counts, the node's shared pool (which
+    every rank of it reports whole) once."""
+    own = sum(getattr(s, name) for s in stats if not s.hicache_shared)
+    return own + max((getattr(s, name) for s in stats if s.hicache_shared), default=0)
+
+
 def multiprocess_mode() -> bool:
     return bool(serve_settings().metrics_dir)
 
@@ -155,6 +162,9 @@ class ServerMetrics:
                                         "holding data, all ranks", labels, **gauge)
         self.hicache_pages_total = Gauge("deepinfer:hicache_pages_total", "Host KV pages, all "
                                          "ranks", labels, **gauge)
+        self.hicache_pages_pinned = Gauge("deepinfer:hicache_pages_pinned", "Host KV pages "
+                                          "held by a copy or disk job in flight, all ranks",
+                                          labels, **gauge)
         self.hicache_hit_tokens = Counter("deepinfer:hicache_hit_tokens", "Prompt tokens served "
                                           "from a cache tier (device or host) where HiCache is "
                                           "on", labels + ["tier"], registry=r)
@@ -240,9 +250,9 @@ class ServerMetrics:
             if s.spec_tokens:
                 self._observe_spec(rank, s)
         with_host = [s for s in live if s.hicache_pages_total]
-        if with_host:
-            self.hicache_pages_used.labels(m).set(sum(s.hicache_pages_used for s in with_host))
-            self.hicache_pages_total.labels(m).set(sum(s.hicache_pages_total for s in with_host))
+        for name in ("used", "total", "pinned") if with_host else ():
+            gauge = getattr(self, f"hicache_pages_{name}")
+            gauge.labels(m).set(_pool_sum(with_host, f"hicache_pages_{name}"))
         with_disk = [s for s in live if s.hicache_disk_capacity_bytes]
         for name, gauge in self.disk_gauges.items() if with_disk else ():
             gauge.labels(m).set(sum(getattr(s, f"hicache_disk_{name}") for s in with_disk))

@@ -44,6 +44,7 @@ log = logging.getLogger("deepinfer.rank")
 IDLE_POLL_MS = 200  # how often an idle rank checks that its parent is alive
 GRAMMAR_POLL_MS = 5  # how often an otherwise idle rank looks for a prepared grammar (and
 # finishes the cache tiers' copies and disk writes)
+POOL_REPORT_S = 1.0  # how often an idle rank looks at the node's shared host pool
 EXPERT_STATS_EVERY_S = 1.0  # expert load is L x E numbers: reported at most this often
 REPORT_LINGER_MS = 10_000  # how long a failed start-up waits for its report to be sent
 
@@ -202,10 +203,12 @@ def _start_engine(spec: RankSpec, registry) -> tuple[Engine, Lockstep | None]:
     parallel = spec.config.parallel
     if not (parallel.ep and parallel.world_size > 1):
         context = ParallelContext(spec.rank, spec.world_size)
-        return Engine(spec.config, accelerator, parallel=context), None
+        return Engine(spec.config, accelerator, parallel=context,
+                      shared_host_pool=spec.shared_host_pool), None
     context = init_rank_group(parallel, spec.rank, accelerator.distributed_backend,
                               placement_from=spec.placement_from)
-    return Engine(spec.config, accelerator, parallel=context), Lockstep()
+    return Engine(spec.config, accelerator, parallel=context,
+                  shared_host_pool=spec.shared_host_pool), Lockstep()
 
 
 def _accelerator_class(registry, name: str | None) -> type:
@@ -248,6 +251,26 @@ def _heartbeat(ctx: zmq.Context, spec: RankSpec, clock: StepClock,
         out.close()
 
 
+class SharedPoolWatch:
+    """The node's shared HiCache pool changes while this rank idles (its peers store, load,
+    die): an idle rank reports it, at most every POOL_REPORT_S, so the pool's gauges stay
+    true."""
+
+    def __init__(self, engine: Engine) -> None:
+        hicache = engine.hicache
+        self.hicache = hicache if hicache is not None and hicache.stats().shared else None
+        self.last: tuple[int, int] | None = None
+        self.checked = 0.0
+
+    def changed(self) -> bool:
+        if self.hicache is None or time.monotonic() - self.checked < POOL_REPORT_S:
+            return False
+        self.checked = time.monotonic()
+        stats = self.hicache.stats()  # reaps ranks that died, too
+        now, self.last = self.last, (stats.pages_used, stats.pages_pinned)
+        return now != self.last
+
+
 def _loop(engine: Engine, rank: int, inbox: zmq.Socket, outbox: RankOutbox, parent: int,
           clock: StepClock | None = None, lockstep: Lockstep | None = None,
           experts: ExpertReporter | None = None, pacer: StreamPacer | None = None,
@@ -258,6 +281,7 @@ def _loop(engine: Engine, rank: int, inbox: zmq.Socket, outbox: RankOutbox, pare
     grammars = grammars if grammars is not None else PendingGrammars(engine)
     poller = zmq.Poller()
     poller.register(inbox, zmq.POLLIN)
+    shared_pool = SharedPoolWatch(engine)
     while True:
         # In lockstep a busy peer needs this rank's vote (and dummy step) at once.
         peers_busy = lockstep is not None and lockstep.peers_busy
@@ -285,6 +309,8 @@ def _loop(engine: Engine, rank: int, inbox: zmq.Socket, outbox: RankOutbox, pare
         if background and not engine.has_unfinished_requests():
             engine.poll_caches()  # write-backs end while the rank idles too
             handled = handled or not engine.has_background_work  # report the drained queue
+        if not engine.has_unfinished_requests():
+            handled = shared_pool.changed() or handled  # the node's pool moves under it
         outputs = _step(engine, clock, lockstep, experts)
         errors += [RequestError(o.request_id, o.error, 500) for o in outputs if o.error]
         for error in errors:

@@ -123,6 +123,8 @@ class EngineStats:
     # HiCache (host tier) of this rank; all 0 when it is off. Totals except the page gauges.
     hicache_pages_used: int = 0
     hicache_pages_total: int = 0
+    hicache_pages_pinned: int = 0
+    hicache_shared: bool = False  # the node's shared pool: its page gauges are the node's
     hicache_lookups: int = 0
     hicache_device_hit_tokens: int = 0
     hicache_host_hit_tokens: int = 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from deepinfer.core.config import EngineConfig
+from deepinfer.core.hicache.shared_pool import SharedPoolPlace
 from deepinfer.serve.ranks.stream_pacing import DEFAULT_STREAM_INTERVAL
 
 
@@ -26,6 +27,8 @@ class RankSpec:
     # A replacement joining a running expert-parallel group: the surviving rank whose expert
     # placement it takes (ParallelContext.placement_from). None at a group's first start.
     placement_from: int | None = None
+    # The node's shared HiCache host pool (serve/ranks/node_pool.py); None: a pool per rank.
+    shared_host_pool: SharedPoolPlace | None = None
 
 
 def regroups(config: EngineConfig, num_ranks: int) -> bool:

@@ -46,6 +46,7 @@ from deepinfer.serve.ranks.ipc import (
     Ready,
     StepResult,
 )
+from deepinfer.serve.ranks.node_pool import make_node_pool, place, remove_node_pool
 from deepinfer.serve.ranks.rank import RankDiedError, RankStartError, RankView, _Rank, describe_exit
 from deepinfer.serve.ranks.router import Router
 from deepinfer.serve.ranks.spec import RankSpec, regroups
@@ -112,12 +113,14 @@ class RankSupervisor(GroupRecovery):
         self._regrouping: Regrouping | None = None  # the one in progress
         self.regroup_timeout_s = START_TIMEOUT_S  # a replacement's start, as a first start's
         self._envs: list[dict[str, str]] = [{} for _ in range(num_ranks)]  # set by start
+        self._node_pool: str | None = None  # the ranks' shared HiCache pool (set by start)
 
     # ---- lifecycle -----------------------------------------------------------------------
     async def start(self) -> list[Ready]:
         self._rendezvous()
         # All at once, before any rank starts: an impossible layout is one error, not a rank.
         self._envs = rank_envs(self.config.accelerator, self.num_ranks, process_env())
+        self._node_pool = make_node_pool(self.config.cache, self.num_ranks)
         self._ranks = [self._spawn(rank) for rank in range(self.num_ranks)]
         await self._await_ready()
         now = asyncio.get_running_loop().time()
@@ -153,7 +156,8 @@ class RankSupervisor(GroupRecovery):
                         tuple(output_addr(self._dir, k) for k in clients),
                         self.health.heartbeat_interval_s,
                         logging.getLevelName(logging.getLogger().getEffectiveLevel()),
-                        self._envs[rank], self.stream_interval, placement_from)
+                        self._envs[rank], self.stream_interval, placement_from,
+                        place(self._node_pool, self.num_ranks, rank))
         process = mp.get_context("spawn").Process(target=run_rank, args=(spec,),
                                                   name=f"deepinfer-rank{rank}", daemon=True)
         process.start()
@@ -247,6 +251,7 @@ class RankSupervisor(GroupRecovery):
                 rank.process.kill()
                 await asyncio.to_thread(rank.process.join, 5)
         self._ctx.destroy(linger=0)
+        remove_node_pool(self._node_pool)
         for name in os.listdir(self._dir):
             os.unlink(os.path.join(self._dir, name))
         os.rmdir(self._dir)
