@@ -11,9 +11,11 @@ last prompt + its answer + new tokens. Each session sends `X-Session-Affinity`. 
   disk         device + host + disk tier (--hicache-disk-dir, a fresh folder)
   restart      as disk, but the server is stopped after the first turn and a new one started
                over the same folder: the second turn's hits come from disk
-  least        as host, with --routing least-loaded (with --dp 2: sessions move between ranks)
-  least_disk   as least, with the disk tier: the ranks share its folder, so a session that
-               moved finds its pages there
+  least        as host, with --routing least-loaded (with --dp 2: sessions move between ranks,
+               and find their pages in the node's shared host pool)
+  least_private  as least, with a host pool per rank (--no-hicache-shared): a session that
+               moved finds its pages only where the disk tier has them
+  least_disk   as least_private, with the disk tier: the ranks share its folder
 
     python benchmarks/agent_sessions.py                    # CPU, embedded SmolLM2, tiny sizes
     python benchmarks/agent_sessions.py --settings off,host,restart --sessions 64 --turns 6 \\
@@ -57,7 +59,8 @@ SETTINGS = {
     "disk": ["HOST", "DISK"],
     "restart": ["HOST", "DISK"],
     "least": ["HOST", "--routing", "least-loaded"],
-    "least_disk": ["HOST", "DISK", "--routing", "least-loaded"],
+    "least_private": ["HOST", "--no-hicache-shared", "--routing", "least-loaded"],
+    "least_disk": ["HOST", "DISK", "--no-hicache-shared", "--routing", "least-loaded"],
 }
 
 

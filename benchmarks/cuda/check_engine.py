@@ -194,7 +194,7 @@ def check_bf16_logits(family: str, workdir: str) -> dict:
 def check_hicache(workdir: str) -> dict:
     """HiCache through the engine on the GPU: the UVA copy kernel stores and loads the pages of a
     conversation that another user's prompt evicts; greedy tokens equal the run without it."""
-    from deepinfer.testing.hicache import check_disk_tier, check_host_tier
+    from deepinfer.testing.hicache import check_disk_tier, check_host_tier, check_shared_pool
 
     path = make_checkpoint(os.path.join(workdir, "hicache"), "llama", torch.float32,
                            **SHAPES["llama"])
@@ -203,8 +203,13 @@ def check_hicache(workdir: str) -> dict:
     # a new engine (a restart) over the same folder.
     first, restarted = check_disk_tier(path, CUDAAccelerator, SHAPES["llama"]["vocab_size"],
                                        os.path.join(workdir, "hicache-disk"))
+    # Two engines (ranks) over one pool in shared memory, mapped and registered for the GPU by
+    # each: a conversation's turns alternate between them.
+    shared = check_shared_pool(path, CUDAAccelerator, SHAPES["llama"]["vocab_size"],
+                               os.path.join(workdir, "hicache-shared"))
     return {"host_hit_tokens": stats.host_hit_tokens, "loaded_pages": stats.loaded_pages,
             "stored_pages": stats.stored_pages,
+            "shared_pool_host_hit_tokens": [s.host_hit_tokens for s in shared],
             "disk_written_pages": first.disk.written_pages,
             "disk_read_pages_after_restart": restarted.disk.read_pages,
             "restart_cached_tokens": restarted.cached_tokens}
@@ -215,6 +220,8 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     parser.add_argument("--skip-conformance", action="store_true")
     parser.add_argument("--families", nargs="+", default=list(SHAPES))
+    parser.add_argument("--hicache-only", action="store_true",
+                        help="only the HiCache checks (host, disk, shared pool)")
     args = parser.parse_args()
     report: dict = {"gpu": torch.cuda.get_device_name()}
     with tempfile.TemporaryDirectory() as workdir:
@@ -222,7 +229,7 @@ def main() -> None:
             run_conformance(CUDAAccelerator, os.path.join(workdir, "conformance"))
             print("conformance suite: passed", flush=True)
         report["greedy"], report["bf16"] = [], []
-        for family in args.families:
+        for family in args.families if not args.hicache_only else ():
             for block_size in (16, 128):
                 report["greedy"].append(check_greedy(family, block_size, workdir))
                 print("greedy vs transformers:", report["greedy"][-1], flush=True)

@@ -125,6 +125,20 @@ if wanted hit_ttft; then
     [ -n "${AB_BASELINE:-}" ] && step hit_ttft_base baseline python3 "$PWD/${hits[0]}" \
         "${hits[@]:1}" --out "$out/hit_ttft_base" -- "${serve[@]}"
 fi
+# Agent sessions over the cache tiers at the Llama-3-8B shape: two ranks on the one GPU
+# (--dp 2), affinity routing against least-loaded over the node's shared host pool and over a
+# pool per rank (AGENT_SETTINGS, AGENT_ARGS and AGENT_SERVER_ARGS change the run).
+if wanted agent_sessions; then
+    llama=$(python3 benchmarks/cuda/engine_bench.py --write-model /tmp/llama3-8b --max-len 16384 \
+        | tail -n 1)
+    step agent_sessions python3 benchmarks/agent_sessions.py \
+        --settings "${AGENT_SETTINGS:-host,least,least_private}" ${AGENT_ARGS:---sessions 32 \
+        --turns 6 --system 2048 --context 1024 --new 512 --output 128 --vocab 128000 \
+        --host-gb 16} --out "$out/agent_sessions" --server-args "--model $llama \
+        --accelerator nvidia --dtype bfloat16 --load-format dummy --block-size 128 \
+        --max-model-len 16384 --tokenizer-backend hf --generation-config none \
+        ${AGENT_SERVER_ARGS:---dp 2 --num-kv-blocks 750 --gpu-memory-utilization 0.45}"
+fi
 # The Llama-3-8B shape through the server and offline, the same prompts in one process pair on
 # one GPU: 512-token random prompts, 128 output tokens, 1 / 64 / 256 streams.
 if wanted serve_overhead; then
