@@ -205,8 +205,9 @@ def check_hicache(workdir: str) -> dict:
                                        os.path.join(workdir, "hicache-disk"))
     # Two engines (ranks) over one pool in shared memory, mapped and registered for the GPU by
     # each: a conversation's turns alternate between them.
-    shared = check_shared_pool(path, CUDAAccelerator, SHAPES["llama"]["vocab_size"],
-                               os.path.join(workdir, "hicache-shared"))
+    # Shared memory, as the server's: a file on a disk file system cannot be page-locked.
+    with tempfile.TemporaryDirectory(dir="/dev/shm") as folder:
+        shared = check_shared_pool(path, CUDAAccelerator, SHAPES["llama"]["vocab_size"], folder)
     return {"host_hit_tokens": stats.host_hit_tokens, "loaded_pages": stats.loaded_pages,
             "stored_pages": stats.stored_pages,
             "shared_pool_host_hit_tokens": [s.host_hit_tokens for s in shared],

@@ -66,8 +66,10 @@ def pin_shared(path: str, nbytes: int) -> torch.Tensor:
     pages = map_shared(path, nbytes, torch.uint8)
     err = torch.cuda.cudart().cudaHostRegister(pages.data_ptr(), nbytes, REGISTER_FLAGS)
     if int(err) != 0:
+        # A file on a disk file system cannot be page-locked for good (the kernel refuses
+        # long-term pins of its pages); shared memory (tmpfs, /dev/shm) can.
         raise RuntimeError(f"cudaHostRegister of the shared host pool {path} ({nbytes} bytes) "
-                           f"failed: CUDA error {int(err)}")
+                           f"failed: CUDA error {int(err)} (is it on tmpfs, e.g. /dev/shm?)")
     return pages
 
 

@@ -178,14 +178,28 @@ class HiCache:
         name = fingerprint(page_bytes) if fingerprint is not None else "default"
         pool = cls._shared_pool(accelerator, shared, slots, PoolGeometry(
             num_pages * (shared.num_ranks if shared else 1), page_bytes, cache.block_size, name))
-        if pool is not None:
-            layout = accelerator.allocate_host_pool(pool.num_total, 0, pages_file(pool.place))
-        else:
+        layout = cls._map_shared(accelerator, pool)
+        if layout is None:
+            pool = None
             layout = accelerator.allocate_host_pool(num_pages, slots)
         windows = [g.sliding_window for g in spec.groups if g.sliding_window is not None]
         disk = cls._disk_tier(accelerator.name, cache, layout, spec, name)
         return cls(accelerator, layout, cache.block_size, cache.yoco_keep_tokens,
                    max(windows, default=None), spec.state_in_pages, disk, pool)
+
+    @staticmethod
+    def _map_shared(accelerator: Accelerator,
+                    pool: SharedHostPagePool | None) -> HostPoolLayout | None:
+        """The backend's mapping of the shared pool's pages, or None (no pool, or the backend
+        could not map or pin them: then the rank keeps its own)."""
+        if pool is None:
+            return None
+        try:
+            return accelerator.allocate_host_pool(pool.num_total, 0, pages_file(pool.place))
+        except (OSError, RuntimeError, ValueError) as e:
+            log.warning("HiCache: a host pool per rank, not shared: %s", e)
+            pool.close()
+            return None
 
     @staticmethod
     def _shared_pool(accelerator: Accelerator, place: SharedPoolPlace | None, state_slots: int,
