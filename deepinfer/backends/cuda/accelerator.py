@@ -16,12 +16,13 @@ reads no host list (`graph_decode`), with one extra state slot for the padding r
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
 import time
 from collections import deque
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import torch
 
@@ -91,6 +92,10 @@ class CUDAAccelerator(Accelerator):
         self.graphs: DecodeGraphs | None = None
         self.prefill_graphs: PrefillGraphs | None = None  # short chunks of one sequence
         self.host_pool = None
+        # Layer-by-layer HiCache loads the next step waits for (copy_pages), and each KV
+        # chunk's layer; None: loads go whole, on the engine's stream.
+        self._loads: list = []
+        self._chunk_layers: list[int] | None = None
         self.host_tokens: HostTokenBuffers | None = None  # launch()'s readback, on a GPU
         # The steps launch() returned lately, newest last: at most one unread at a time.
         self.launched: deque[DeviceTokens] = deque(maxlen=2)
@@ -388,10 +393,12 @@ class CUDAAccelerator(Accelerator):
         them (None otherwise)."""
         if not all_tokens and self.prefill_graphs is not None and \
                 self.prefill_graphs.can_run(batch):
+            self._await_loads()
             return sampled_rows(self.prefill_graphs.run(batch), batch), None
         graphable = not all_tokens and self.graphs is not None and self.graphs.can_run(batch)
         padded, graphable = self._agree(batch, graphable)
         if graphable:
+            self._await_loads()
             bucket = self.graphs.bucket_for(padded)
             self._set_step(bucket, batch)
             logits, greedy = self.graphs.run(batch, bucket)
@@ -399,7 +406,8 @@ class CUDAAccelerator(Accelerator):
             return rows, (greedy if rows is logits else None)
         self._set_step(padded, batch)
         inputs = self._eager_inputs(batch)
-        hidden = self._forward(inputs)
+        with self._layer_waits():
+            hidden = self._forward(inputs)
         if all_tokens:
             return self.runner.logits(hidden), None
         return self.runner.logits(hidden[inputs.logits_index]), None
@@ -417,6 +425,8 @@ class CUDAAccelerator(Accelerator):
 
     def execute(self, batch: ModelBatch) -> SamplerOutput:
         self.launched.clear()  # a step read to its end: stores order after the stream again
+        if batch.spec is not None or batch.prompt_logprobs:
+            self._await_loads()
         if batch.spec is not None:  # eager: a verify step's queries are 1 + k tokens long
             with torch.inference_mode():
                 return self.speculator.execute(batch)
@@ -476,6 +486,10 @@ class CUDAAccelerator(Accelerator):
         chunks = DeviceChunks.prepare([t for _, t in pairs], [c.group for c, _ in pairs],
                                       self.cache.num_blocks)
         self.host_pool = CUDAHostPool.allocate(num_pages, chunks, shared_file=shared_file)
+        # Per-layer waits need every KV read to go through the ops' layer accessor: not so for
+        # models that read the grouped tables from the step metadata (DeepSeek-V4).
+        if cuda_settings().layer_loads and not self.runner.model.traits.reads_group_meta:
+            self._chunk_layers = [c.layer for c, _ in pairs]
         # State slots are bookkeeping only, as on the CPU backend: the one model with state
         # (DeepSeek-V4) keeps it in its pages (KVSpec.state_in_pages), so HiCache asks for none
         # and never calls copy_state.
@@ -488,7 +502,38 @@ class CUDAAccelerator(Accelerator):
             raise RuntimeError("allocate_host_pool was not called")
         # A null block in device_blocks[g][i] leaves group g of page i alone
         # (host_copy_skips_null): sliding-window models' freed pages.
+        if to_device and self._chunk_layers is not None:
+            load = self.host_pool.load_layers(host_pages, device_blocks, self._chunk_layers)
+            if load is not None:
+                self._loads.append(load)
+            return load
         return self.host_pool.copy(host_pages, device_blocks, to_device, self._read_upto())
+
+    def _await_loads(self) -> None:
+        """The engine's stream waits for every layer of the loads since the last step (a step
+        that cannot wait layer by layer: a graph replay, a verify or scoring step)."""
+        stream = torch.cuda.current_stream(self.device) if self._loads else None
+        for load in self._loads:
+            load.wait_all(stream)
+        self._loads = []
+
+    @contextlib.contextmanager
+    def _layer_waits(self) -> Iterator[None]:
+        """While the step's forward is enqueued, each layer waits for its own pages of the
+        loads since the last step, just before it reads its KV."""
+        loads, self._loads = self._loads, []
+        if not loads:
+            yield
+            return
+        stream = torch.cuda.current_stream(self.device)
+        ops = self.runner.ops
+        ops.layer_gate = lambda layer: [load.wait_layer(layer, stream) for load in loads]
+        try:
+            yield
+        finally:
+            ops.layer_gate = None
+            for load in loads:  # layers the forward never touched: still in order after it
+                load.wait_all(stream)
 
     def _read_upto(self) -> torch.cuda.Event | None:
         """The end of the newest launched step whose tokens the host has read (None: none in

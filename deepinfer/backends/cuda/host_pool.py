@@ -10,7 +10,10 @@ the CPU backend (Capabilities.host_copy_skips_null): a sliding-window group's pa
 window is neither stored nor loaded, and block 0 is never written.
 
 Loads are enqueued on the current stream of the chunks' device (the engine's), so a step
-launched after a load reads the loaded pages in order without a host wait. Stores (the
+launched after a load reads the loaded pages in order without a host wait; or, layer by layer
+(load_layers), on a load stream of their own with an event per layer, which the next step
+waits for layer by layer (LayerLoad): layer i's pages come in while layers before it compute.
+Stores (the
 write-through of a prompt just computed, gigabytes for a long one) run on a stream of their
 own, after the point of the engine's stream the caller names (the end of the step that
 computed the pages: not behind the next step, already launched under async scheduling), or
@@ -23,6 +26,7 @@ handle (an event) tells HiCache when a host page may be reused and the blocks le
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
@@ -46,6 +50,32 @@ class EventHandle:
 
     def wait(self) -> None:
         self.event.synchronize()
+
+
+@dataclass
+class LayerLoad:
+    """A host -> device load in flight, layer by layer on the pool's load stream: an event per
+    layer, recorded once that layer's pages are in. The step that reads them waits for layer
+    i's event just before layer i reads its KV (wait_layer), so the copy of later layers runs
+    beside the earlier layers' compute; a step that cannot wait per layer (a graph replay)
+    waits for all of it (wait_all). The last event tells HiCache the host pages are free."""
+
+    events: dict[int, torch.cuda.Event]
+    last: torch.cuda.Event
+
+    def wait_layer(self, layer: int, stream: torch.cuda.Stream) -> None:
+        event = self.events.get(layer)
+        if event is not None:
+            stream.wait_event(event)
+
+    def wait_all(self, stream: torch.cuda.Stream) -> None:
+        stream.wait_event(self.last)
+
+    def done(self) -> bool:
+        return self.last.query()
+
+    def wait(self) -> None:
+        self.last.synchronize()
 
 
 # CTAs of a store (256 threads, 4 loads in flight each: 16 KiB of writes to host memory per
@@ -80,6 +110,7 @@ class CUDAHostPool:
     copier: UVAPageCopier
     store_copier: UVAPageCopier = UVAPageCopier(max_ctas=STORE_CTAS)
     store_stream: torch.cuda.Stream | None = None  # None: stores on the engine's stream too
+    load_stream: torch.cuda.Stream | None = None  # layer-by-layer loads (load_layers)
     staging: PinnedStaging | None = None  # the copies' index uploads (None: pin_memory())
 
     @classmethod
@@ -97,7 +128,8 @@ class CUDAHostPool:
         # per KV group each.
         staging = PinnedStaging(num_pages * (1 + len(chunks.layout.num_blocks)))
         return cls(pages.view(num_pages, chunks.page_bytes), chunks, copier or UVAPageCopier(),
-                   store_stream=torch.cuda.Stream(chunks.device), staging=staging)
+                   store_stream=torch.cuda.Stream(chunks.device),
+                   load_stream=torch.cuda.Stream(chunks.device), staging=staging)
 
     @property
     def num_pages(self) -> int:
@@ -125,6 +157,30 @@ class CUDAHostPool:
         with torch.cuda.stream(self.store_stream):
             return self._copy_on(self.store_stream, self.store_copier, host_pages,
                                  device_blocks, to_device)
+
+    def load_layers(self, host_pages: Indices, device_blocks: GroupIndices,
+                    chunk_layers: Sequence[int]) -> LayerLoad | None:
+        """Host pages into device blocks (as copy, to_device) on the load stream, layer by
+        layer (chunk_layers[c]: chunk c's layer), after the engine's work enqueued so far (the
+        blocks may have been read by a step still in flight). None when there is nothing to
+        copy."""
+        if len(host_pages) == 0 or self.load_stream is None:
+            return None
+        engine = torch.cuda.current_stream(self.chunks.device)
+        self.load_stream.wait_stream(engine)
+        events: dict[int, torch.cuda.Event] = {}
+
+        def layer_done(layer: int) -> None:
+            event = torch.cuda.Event()
+            event.record(self.load_stream)
+            events[layer] = event
+
+        with torch.cuda.stream(self.load_stream):
+            self.copier.copy_layers(self.pages, self.chunks, host_pages, device_blocks, True,
+                                    chunk_layers, layer_done, staging=self.staging)
+        last = torch.cuda.Event()
+        last.record(self.load_stream)
+        return LayerLoad(events, last)
 
     def _copy_on(self, stream: torch.cuda.Stream, copier: UVAPageCopier, host_pages: Indices,
                  device_blocks: GroupIndices, to_device: bool) -> EventHandle | None:

@@ -14,6 +14,7 @@ for the Triton GEMM, the baseline)."""
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import torch
 
@@ -96,6 +97,14 @@ class CUDAOps(MoEOps, MLAOps, DeepSeekV4Ops, ModelOps):
         # DEEPINFER_CUDA_FP8_SKINNY=0: on the prefill GEMM, the baseline it is measured against.
         self.fp8_skinny_max = SKINNY_MAX_M if cuda_settings().fp8_skinny else GEMV_AUTO_M
         self.skinny_counters = SplitCounters()  # the skinny GEMM's split tickets
+        # Called with a layer's index before the layer reads or writes its KV (set while a
+        # step runs behind a layer-by-layer HiCache load: the layer waits for its pages).
+        self.layer_gate: Callable[[int], None] | None = None
+
+    def _layer_kv(self, layer: int) -> tuple[torch.Tensor, ...]:
+        if self.layer_gate is not None:
+            self.layer_gate(layer)
+        return self.cache.layer(layer)
 
     def _window(self, layer: int) -> int:
         return self.cache.spec.layers[layer].sliding_window or 0
@@ -118,13 +127,13 @@ class CUDAOps(MoEOps, MLAOps, DeepSeekV4Ops, ModelOps):
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
                   meta: AttentionMeta | LayerGroupMeta) -> torch.Tensor:
         meta = layer_meta(meta, layer)
-        k_cache, v_cache = self.cache.layer(layer)
+        k_cache, v_cache = self._layer_kv(layer)
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         return self._attend(q, layer, meta)
 
     def latent_attention(self, q: torch.Tensor, latent: torch.Tensor, layer: int,
                          meta: AttentionMeta, value_dim: int, scale: float) -> torch.Tensor:
-        (cache,) = self.cache.layer(layer)
+        (cache,) = self._layer_kv(layer)
         store_latent(latent, cache, meta.slot_mapping)
         bs = self.cache.block_size
         if meta.decode:
@@ -147,7 +156,7 @@ class CUDAOps(MoEOps, MLAOps, DeepSeekV4Ops, ModelOps):
         elif qk_norm is not None:
             q = self.rms_norm(q, qk_norm.q_weight, qk_norm.eps)
             k = self.rms_norm(k, qk_norm.k_weight, qk_norm.eps)
-        k_cache, v_cache = self.cache.layer(layer)
+        k_cache, v_cache = self._layer_kv(layer)
         if meta.decode and self.fused_decode and cos.shape[-1] == q.shape[-1]:
             # Decode: rotary, KV write, attention and split merge in one kernel.
             return rotary_decode_attention(
@@ -229,7 +238,7 @@ class CUDAOps(MoEOps, MLAOps, DeepSeekV4Ops, ModelOps):
         """Attention over the layer's cache, which already holds this step's K and V. A mixed
         step's leading decodes go to the decode kernel (the prefill kernel would spend a
         BLOCK_M-row tile on each one-token query), the rest to the prefill kernel."""
-        k_cache, v_cache = self.cache.layer(layer)
+        k_cache, v_cache = self._layer_kv(layer)
         bs, scale, window = self.cache.block_size, 1.0 / math.sqrt(q.shape[-1]), self._window(layer)
         if meta.decode:
             return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,

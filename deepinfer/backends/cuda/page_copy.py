@@ -48,7 +48,7 @@ import numbers
 import os
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import TYPE_CHECKING, Sequence, Union
+from typing import TYPE_CHECKING, Callable, Sequence, Union
 
 import torch
 
@@ -265,6 +265,19 @@ class CopyPart:
     pairs: torch.Tensor  # int64 [m], CPU: positions in the copy's pair list, ascending
 
 
+def layer_launches(parts: Sequence[CopyPart], chunk_layers: Sequence[int]
+                   ) -> list[tuple[int, list[tuple[int, tuple[int, ...]]]]]:
+    """A copy's launches layer by layer: per layer (ascending, every layer that has a chunk),
+    the (part index, that part's chunks of the layer) with any; a layer no part moves has an
+    empty list (its pages were all out of that layer's window: nothing to wait for)."""
+    out = []
+    for layer in sorted(set(chunk_layers)):
+        subsets = [(i, ids) for i, part in enumerate(parts)
+                   if (ids := tuple(c for c in part.chunks if chunk_layers[c] == layer))]
+        out.append((layer, subsets))
+    return out
+
+
 def copy_parts(blocks: torch.Tensor, layout: ChunkLayout, skip_null: bool) -> list[CopyPart]:
     """Split a copy into launches; `blocks` is its device_blocks as a checked int64
     [num_groups, n] CPU tensor (block_indices). Without skip_null, or without a null block:
@@ -420,6 +433,25 @@ def _device_pages(ids: Indices, device: torch.device, num_pages: int) -> torch.T
     return _upload(host_page_indices(ids, num_pages), device)
 
 
+def _upload_parts(chunks: DeviceChunks, pages: torch.Tensor, blocks: torch.Tensor,
+                  parts: Sequence[CopyPart], staging: PinnedStaging | None
+                  ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Every part's pages [m], then its blocks [num_groups, m], up in one upload; per part its
+    slices on the device (a part's blocks keep every group's row: the kernel reads only the
+    rows of the groups its table names)."""
+    if not parts:
+        return []
+    indices = [(pages[part.pairs], blocks[:, part.pairs]) for part in parts]
+    flat = _upload(torch.cat([t.reshape(-1) for pair in indices for t in pair]),
+                   chunks.device, staging)
+    out, at = [], 0
+    for part_pages, part_blocks in indices:
+        m, size = part_pages.numel(), part_blocks.numel()
+        out.append((flat[at:at + m], flat[at + m:at + m + size].view(part_blocks.shape)))
+        at += m + size
+    return out
+
+
 def _device_blocks(ids: GroupIndices, device: torch.device, layout: ChunkLayout,
                    n: int) -> torch.Tensor:
     if _rows_on_device(ids, device):
@@ -492,25 +524,35 @@ class UVAPageCopier:
     def _copy_parts(self, host_pool: torch.Tensor, chunks: DeviceChunks, pages: torch.Tensor,
                     blocks: torch.Tensor, parts: list[CopyPart], to_device: bool,
                     staging: PinnedStaging | None = None) -> None:
-        """One kernel per part. pages [n] and blocks [num_groups, n] are checked CPU tensors;
-        every part's pages [m], then its blocks [num_groups, m], go up in one upload and each
-        launch takes its contiguous slices (a part's blocks keep every group's row: the kernel
-        reads only the rows of the groups its table names)."""
-        if not parts:
-            return
-        indices = [(pages[part.pairs], blocks[:, part.pairs]) for part in parts]
-        flat = _upload(torch.cat([t.reshape(-1) for pair in indices for t in pair]),
-                       chunks.device, staging)
+        """One kernel per part. pages [n] and blocks [num_groups, n] are checked CPU tensors."""
         extension = _extension(chunks.device)
-        at = 0
-        for part, (part_pages, part_blocks) in zip(parts, indices):
-            m, size = part_pages.numel(), part_blocks.numel()
-            dev_pages = flat[at:at + m]
-            dev_blocks = flat[at + m:at + m + size].view(part_blocks.shape)
-            at += m + size
+        for part, (dev_pages, dev_blocks) in zip(parts, _upload_parts(chunks, pages, blocks,
+                                                                      parts, staging)):
             extension.copy_uva(host_pool, chunks.table_of(part.chunks), chunks.page_bytes,
                                dev_pages, dev_blocks, to_device, self.threads,
                                self.ctas_per_chunk, self.unroll, self.max_ctas)
+
+    def copy_layers(self, host_pool: torch.Tensor, chunks: DeviceChunks, host_pages: Indices,
+                    device_blocks: GroupIndices, to_device: bool, chunk_layers: Sequence[int],
+                    layer_done: Callable[[int], None],
+                    staging: PinnedStaging | None = None) -> None:
+        """copy with skip_null, layer by layer (chunk_layers[c]: chunk c's layer): each
+        layer's chunks of every part are launched, in layer order, and then layer_done(layer)
+        is called (to record an event a step's layer waits for before it reads its KV). The
+        indices go up once, as for copy."""
+        num_pages = validate_host_pool(host_pool, chunks.page_bytes)
+        pages = host_page_indices(host_pages, num_pages)
+        blocks = block_indices(device_blocks, chunks.layout, pages.numel())
+        parts = copy_parts(blocks, chunks.layout, skip_null=True)
+        uploaded = _upload_parts(chunks, pages, blocks, parts, staging)
+        extension = _extension(chunks.device)
+        for layer, subsets in layer_launches(parts, chunk_layers):
+            for index, chunk_ids in subsets:
+                dev_pages, dev_blocks = uploaded[index]
+                extension.copy_uva(host_pool, chunks.table_of(chunk_ids), chunks.page_bytes,
+                                   dev_pages, dev_blocks, to_device, self.threads,
+                                   self.ctas_per_chunk, self.unroll, self.max_ctas)
+            layer_done(layer)
 
     def copy_memcpy(self, host_pool: torch.Tensor, chunks: DeviceChunks, host_pages: Indices,
                     device_blocks: GroupIndices, to_device: bool, skip_null: bool = False) -> None:

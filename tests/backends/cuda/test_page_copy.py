@@ -32,6 +32,7 @@ from deepinfer.backends.cuda.page_copy import (
     copy_parts,
     copy_reference,
     host_page_indices,
+    layer_launches,
     validate_host_pool,
 )
 from deepinfer.core.kv.spec import KVSpec, kv_heads_layer, latent_layer
@@ -791,3 +792,72 @@ def test_pinned_staging_reuses_its_buffers_and_falls_back_while_they_are_busy():
     assert staging.fallbacks == 2
     torch.cuda.synchronize()
     assert [int(t[0]) for t in busy + [late]] == [1, 2, 3] and int(big[-1]) == 99
+
+
+def test_layer_launches_group_each_parts_chunks_by_layer():
+    chunks = _cpu_chunks()
+    layers = [0, 0, 2, 2, 1, 1]  # chunk -> layer: group 0 holds layers 0 and 2, group 1 layer 1
+    parts = copy_parts(torch.tensor([[5, 2, 0, 4], [0, 2, 1, 1]]), chunks.layout, skip_null=True)
+    plan = layer_launches(parts, layers)
+    assert [layer for layer, _ in plan] == [0, 1, 2]
+    for layer, subsets in plan:
+        for index, ids in subsets:
+            assert ids and all(layers[c] == layer for c in ids)
+            assert set(ids) <= set(parts[index].chunks)
+    # Every chunk of every part is launched exactly once, over all layers.
+    launched = sorted((i, c) for _, subsets in plan for i, ids in subsets for c in ids)
+    assert launched == sorted((i, c) for i, part in enumerate(parts) for c in part.chunks)
+
+
+def test_copy_layers_moves_what_copy_does_a_layer_at_a_time(emulated):
+    """copy_layers, its launches run by the kernel's emulation: after each layer's callback
+    exactly that layer's (and earlier layers') chunks hold the loaded pages; the end result is
+    copy_reference's with skip_null."""
+    chunks = _cpu_chunks(seed=31)
+    layout = chunks.layout
+    layers = [0, 0, 2, 2, 1, 1]  # chunk -> layer (page order is group by group)
+    ref_tensors = [t.clone() for t in chunks.tensors]
+    host = torch.randint(0, 256, (5, layout.page_bytes), generator=torch.Generator()
+                         .manual_seed(32), dtype=torch.uint8)
+    pages, blocks = [3, 0, 4, 1], [[4, 3, 0, 1], [0, 1, 2, 2]]
+    copy_reference(host.clone(), ref_tensors, layout, pages, blocks, True, skip_null=True)
+    seen: list[int] = []
+
+    def layer_done(layer: int) -> None:
+        seen.append(layer)
+        for c, (t, ref) in enumerate(zip(chunks.tensors, ref_tensors)):
+            if layers[c] <= layer:
+                assert torch.equal(t.view(torch.int16), ref.view(torch.int16)), (layer, c)
+
+    UVAPageCopier().copy_layers(host, chunks, pages, blocks, True, layers, layer_done)
+    assert seen == sorted(set(layers))
+    for t, ref in zip(chunks.tensors, ref_tensors):
+        assert torch.equal(t.view(torch.int16), ref.view(torch.int16))
+
+
+@needs_cuda
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_a_layer_load_waits_behind_the_engine_and_equals_the_reference(name: str):
+    """load_layers on the pool's load stream: it starts only after the engine's work queued so
+    far (a kernel still running reads those blocks), each layer's event passes once its chunks
+    are in, and the blocks end up as copy_reference loads them."""
+    from deepinfer.backends.cuda.host_pool import CUDAHostPool
+
+    chunks, host, blocks = _setup(name, seed=7)
+    pool = CUDAHostPool.allocate(5, chunks)
+    pool.pages.copy_(host)
+    layers = list(range(chunks.layout.num_chunks))  # a chunk per "layer": the finest split
+    ref = [t.clone() for t in chunks.tensors]
+    pages = [4, 1, 3]
+    pair_blocks = [row[:3] for row in blocks]
+    copy_reference(host.clone(), ref, chunks.layout, pages, pair_blocks, True, skip_null=True)
+    torch.cuda._sleep(1_000_000_000)  # the engine's stream is busy for a while
+    busy = torch.cuda.Event()
+    busy.record()
+    load = pool.load_layers(pages, pair_blocks, layers)
+    assert set(load.events) == set(layers)
+    load.wait()
+    assert busy.query(), "the load ran before the engine's queued work"
+    for t, r in zip(chunks.tensors, ref):
+        assert torch.equal(t, r)
+    assert pool.load_layers([], [[] for _ in pair_blocks], layers) is None
