@@ -391,9 +391,10 @@ class CUDAAccelerator(Accelerator):
                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """forward_logits', and the greedy ids of those rows where a decode graph computed
         them (None otherwise)."""
-        if not all_tokens and self.prefill_graphs is not None and \
+        # Behind a HiCache load a step runs eagerly: its layers wait for their own pages, and
+        # launching them overlaps the copy (a graph would wait for all of it first).
+        if not all_tokens and not self._loads and self.prefill_graphs is not None and \
                 self.prefill_graphs.can_run(batch):
-            self._await_loads()
             return sampled_rows(self.prefill_graphs.run(batch), batch), None
         graphable = not all_tokens and self.graphs is not None and self.graphs.can_run(batch)
         padded, graphable = self._agree(batch, graphable)
