@@ -858,6 +858,6 @@ def test_a_layer_load_waits_behind_the_engine_and_equals_the_reference(name: str
     assert set(load.events) == set(layers)
     load.wait()
     assert busy.query(), "the load ran before the engine's queued work"
-    for t, r in zip(chunks.tensors, ref):
-        assert torch.equal(t, r)
+    for t, r in zip(chunks.tensors, ref):  # as bits: random bf16 bytes hold NaNs
+        assert torch.equal(t.view(torch.int16), r.view(torch.int16))
     assert pool.load_layers([], [[] for _ in pair_blocks], layers) is None
