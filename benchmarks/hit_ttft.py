@@ -4,8 +4,13 @@ HiCache host-tier hit.
 For each repeat, prompt A (random ids) is sent with the caches off (cold), then with them on
 (prefilled and stored), then again (a device hit), then a second prompt B of the same length
 pushes A's pages out of a device pool sized for one prompt, and A once more is a host-tier hit.
-Every request streams one token; TTFT is the client's time to that token, and each hit is
-reported as a share of cold (a hit still prefills at least the prompt's last page).
+With --disk (and the server's --hicache-disk-dir), a third prompt C is stored, more prompts
+push it out of the device and host tiers, its files are written back, synced and dropped from
+the OS page cache (posix_fadvise), and C once more is a disk-tier hit: read from the disk as it
+is, then loaded. The disk's own read rate is measured beside it (a file written, dropped from
+the page cache and read back). Every request streams one token; TTFT is the client's time to
+that token, and each hit is reported as a share of cold (a hit still prefills at least the
+prompt's last page).
 
     python benchmarks/hit_ttft.py --tokens 32768 -- --model DIR --load-format dummy \\
         --dtype bfloat16 --hicache-size-gb 12 --num-kv-blocks 300
@@ -42,6 +47,7 @@ from serve_overhead import summarize_collapsed  # noqa: E402
 from deepinfer.serve.check_prefix_cache import run_arm  # noqa: E402
 
 ARMS = ("cold", "device_hit", "host_hit")
+DISK_ARMS = ARMS + ("disk_hit",)
 
 
 def first_token(client: httpx.Client, model: str, ids: list[int], prefix_cache: bool
@@ -79,6 +85,71 @@ def repeat(client: httpx.Client, model: str, a: list[int], b: list[int],
     return result
 
 
+def metric(base: str, name: str) -> float:
+    """A metric's value summed over its samples (/metrics)."""
+    text = httpx.get(f"{base}/metrics", timeout=30.0).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name + "{") or line.startswith(name + " "))
+
+
+def drop_from_page_cache(folder: str) -> int:
+    """Flush and drop every file under folder from the OS page cache (no root needed for
+    clean pages): a read that follows comes from the disk. Bytes dropped."""
+    os.sync()
+    dropped = 0
+    for root, _, names in os.walk(folder):
+        for name in names:
+            path = os.path.join(root, name)
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except FileNotFoundError:
+                continue
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                dropped += os.fstat(fd).st_size
+            finally:
+                os.close(fd)
+    return dropped
+
+
+def disk_read_rate(folder: str, nbytes: int = 2 << 30) -> float:
+    """Bytes per second the disk under folder reads a file not in the page cache."""
+    path = os.path.join(folder, "read-rate.bin")
+    block = os.urandom(16 << 20)
+    with open(path, "wb") as f:
+        for _ in range(nbytes // len(block)):
+            f.write(block)
+        f.flush()
+        os.fsync(f.fileno())
+    try:
+        fd = os.open(path, os.O_RDONLY)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        t0 = time.perf_counter()
+        while os.read(fd, 16 << 20):
+            pass
+        elapsed = time.perf_counter() - t0
+        os.close(fd)
+    finally:
+        os.unlink(path)
+    return nbytes / elapsed
+
+
+def disk_hit(client: httpx.Client, model: str, base: str, c: list[int], pushers: list[list[int]],
+             disk_dir: str) -> tuple[float, int]:
+    """C stored, pushed out of the device and host tiers, on disk only (not in the page
+    cache); then C's TTFT and cached tokens."""
+    first_token(client, model, c, prefix_cache=True)
+    for p in pushers:
+        first_token(client, model, p, prefix_cache=True)
+    deadline = time.monotonic() + 600
+    while metric(base, "deepinfer:hicache_disk_write_queue") > 0:
+        if time.monotonic() > deadline:
+            raise RuntimeError("the disk write-back queue did not drain")
+        time.sleep(0.2)
+    drop_from_page_cache(disk_dir)
+    return first_token(client, model, c, prefix_cache=True)
+
+
 def spied(pid: int, run, idle: bool = False, keep: str | None = None) -> dict:
     """py-spy over the server and its ranks while `run()` runs: its stacks by frame (with
     `idle`, threads off the CPU too), and run()'s return value under "results"."""
@@ -106,6 +177,13 @@ def spied(pid: int, run, idle: bool = False, keep: str | None = None) -> dict:
     return summary
 
 
+def pushers_for(host_pages: float, tokens: int, server_args: list[str]) -> int:
+    """Prompts of `tokens` that fill a host tier of host_pages pages, and one more."""
+    block = int(server_args[server_args.index("--block-size") + 1]) \
+        if "--block-size" in server_args else 16
+    return int(host_pages) // max(1, tokens // block) + 1
+
+
 def profile_hits(client: httpx.Client, model: str, ids: list[int], pid: int, count: int
                  ) -> dict:
     """py-spy over the server and its ranks while `count` device hits of `ids` run back to
@@ -118,13 +196,14 @@ def profile_hits(client: httpx.Client, model: str, ids: list[int], pid: int, cou
 
 
 def summarize(runs: list[dict], tokens: int) -> dict:
-    summary = {}
-    for arm in ARMS:
+    summary: dict = {}
+    arms = DISK_ARMS if runs and "disk_hit" in runs[0] else ARMS
+    for arm in arms:
         times = [r[arm]["ttft_s"] for r in runs]
         summary[arm] = {"ttft_p50_s": percentile(times, 50), "ttft_min_s": min(times),
                         "cached_tokens": [r[arm]["cached_tokens"] for r in runs]}
     cold = summary["cold"]["ttft_p50_s"]
-    for arm in ("device_hit", "host_hit"):
+    for arm in arms[1:]:
         summary[arm]["share_of_cold"] = summary[arm]["ttft_p50_s"] / cold
     summary["tokens"] = tokens
     return summary
@@ -134,8 +213,9 @@ def plot(result: dict, path: str) -> None:
     plt = pyplot()
     s = result["summary"]
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    values = [s[arm]["ttft_p50_s"] * 1e3 for arm in ARMS]
-    ax.bar(ARMS, values, color=["#999999", "#1f77b4", "#ff7f0e"])
+    arms = [arm for arm in DISK_ARMS if arm in s]
+    values = [s[arm]["ttft_p50_s"] * 1e3 for arm in arms]
+    ax.bar(arms, values, color=["#999999", "#1f77b4", "#ff7f0e", "#2ca02c"][:len(arms)])
     for i, v in enumerate(values):
         ax.annotate(f"{v:.0f} ms", (i, v), ha="center", va="bottom")
     # The targets: a device hit within 40 ms, a host-tier hit within 10% of cold.
@@ -162,10 +242,18 @@ def main(argv=None) -> int:
     p.add_argument("--settle", type=float, default=0.0,
                    help="seconds between the request that stores a prompt (or evicts it) and "
                         "the hit that follows (0: right behind its write-through)")
+    p.add_argument("--disk", action="store_true",
+                   help="a disk-tier hit too (adds --hicache-disk-dir, a fresh folder, unless "
+                        "the server arguments name one)")
     p.add_argument("server_args", nargs=argparse.REMAINDER,
                    help="-- then deepinfer-serve's arguments")
     args = p.parse_args(argv)
     server_args = [a for a in args.server_args if a != "--"]
+    disk_dir = None
+    if args.disk:
+        if "--hicache-disk-dir" not in server_args:
+            server_args += ["--hicache-disk-dir", tempfile.mkdtemp(prefix="hit-ttft-disk-")]
+        disk_dir = server_args[server_args.index("--hicache-disk-dir") + 1]
     os.makedirs(args.out, exist_ok=True)
     port = free_port()
     log_path = os.path.join(args.out, "hit_ttft_server.log")
@@ -182,24 +270,37 @@ def main(argv=None) -> int:
             # which would otherwise land in the first repeat's cold TTFT.
             warm = random_prompts(1, args.tokens, args.vocab, seed=999)[0]
             first_token(client, model, warm, prefix_cache=False)
+            # Prompts that push a disk arm's prompt out of the host tier: one more than it holds.
+            pages = metric(base, "deepinfer:hicache_pages_total")
             for r in range(args.repeats):
                 a, b = random_prompts(2, args.tokens, args.vocab, seed=r)
                 spy = server.pid if args.profile_first_hit and r == 0 else None
                 runs.append(repeat(client, model, a, b, spy,
                                    os.path.join(args.out, "first_hit_pyspy_raw.txt"),
                                    args.settle))
-                log(f"repeat {r}: " + ", ".join(f"{k} {runs[-1][k]['ttft_s'] * 1e3:.0f} ms "
-                                               f"({runs[-1][k]['cached_tokens']} cached)"
-                                               for k in ARMS))
+                if disk_dir is not None:
+                    c, *pushers = random_prompts(1 + pushers_for(pages, args.tokens,
+                                                                 server_args),
+                                                 args.tokens, args.vocab, seed=100 + r)
+                    t, cached = disk_hit(client, model, base, c, pushers, disk_dir)
+                    runs[-1]["disk_hit"] = {"ttft_s": t, "cached_tokens": cached}
+                log(f"repeat {r}: " + ", ".join(f"{k} {v['ttft_s'] * 1e3:.0f} ms "
+                                               f"({v['cached_tokens']} cached)"
+                                               for k, v in runs[-1].items()
+                                               if isinstance(v, dict) and "ttft_s" in v))
             if args.profile_hits:
                 profile = profile_hits(client, model, a, server.pid, args.profile_hits)
     finally:
         stop_server(server)
     result = {"server_args": server_args, "settle_s": args.settle, "runs": runs,
               "summary": summarize(runs, args.tokens), "profile_device_hits": profile}
+    if disk_dir is not None:
+        result["disk_read_bytes_per_s"] = disk_read_rate(disk_dir)
+        print(f"the disk under {disk_dir} reads {result['disk_read_bytes_per_s'] / 1e9:.2f} "
+              "GB/s (a file not in the page cache)")
     write_json(os.path.join(args.out, "hit_ttft.json"), result)
     plot(result, os.path.join(args.out, "hit_ttft.png"))
-    for arm in ARMS:
+    for arm in [a for a in DISK_ARMS if a in result["summary"]]:
         s = result["summary"][arm]
         share = f", {s['share_of_cold']:.1%} of cold" if "share_of_cold" in s else ""
         print(f"{arm:11s} TTFT p50 {s['ttft_p50_s'] * 1e3:8.1f} ms{share}; cached "
