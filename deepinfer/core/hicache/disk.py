@@ -12,7 +12,8 @@ temporaries.
 The index is the folder itself: a start reads every file's header (least recently used first,
 by modification time, which a hit refreshes), and a lookup the in-memory index misses checks
 for the file, so ranks sharing the folder hit each other's pages. File I/O and checksums run on
-worker threads (both release the GIL); the step loop only submits jobs and collects the
+worker threads (both release the GIL; reads have their own, never queued behind
+write-back); the step loop only submits jobs and collects the
 finished ones (`poll`). A write that fails (the disk full) stops write-back for good, with a
 log line and a metric; reads and serving go on.
 """
@@ -110,10 +111,17 @@ def kv_fingerprint(model: ModelSpec, seed: int, backend: str, page_bytes: int,
     return h.hexdigest()
 
 
+# Reads (a prompt waits for them) have threads of their own, so they never queue behind
+# write-back; several, as one thread's page at a time leaves an NVMe drive mostly idle
+# (benchmarks/disk_tier.py, docs/benchmarks.md).
+READ_WORKERS = 4
+WRITE_WORKERS = 2
+
+
 class DiskTier:
     def __init__(self, root: str, capacity_bytes: int, memory: memoryview, page_bytes: int,
-                 fingerprint: str, workers: int = 2, max_queue: int = 64,
-                 write_bytes_per_s: float = 0.0) -> None:
+                 fingerprint: str, max_queue: int = 64, write_bytes_per_s: float = 0.0,
+                 read_workers: int = READ_WORKERS, write_workers: int = WRITE_WORKERS) -> None:
         self.dir = os.path.join(root, fingerprint)
         os.makedirs(self.dir, exist_ok=True)
         self.memory, self.page_bytes = memory, page_bytes
@@ -123,7 +131,9 @@ class DiskTier:
         self._jobs: list[_Job] = []
         self._writing: set[BlockHash] = set()
         self._stats = DiskStats(capacity_bytes=capacity_bytes)
-        self._workers = ThreadPoolExecutor(workers, thread_name_prefix="hicache-disk")
+        self._readers = ThreadPoolExecutor(read_workers, thread_name_prefix="hicache-disk-read")
+        self._writers = ThreadPoolExecutor(write_workers,
+                                           thread_name_prefix="hicache-disk-write")
         self._throttle = _Throttle(write_bytes_per_s) if write_bytes_per_s > 0 else None
         self._scan()
 
@@ -167,7 +177,7 @@ class DiskTier:
         if block_hash in self._index:
             self._index.move_to_end(block_hash)
         view = self._page(page_id)
-        future = self._workers.submit(_read_page, self.path(block_hash), view, tuple(tokens))
+        future = self._readers.submit(_read_page, self.path(block_hash), view, tuple(tokens))
         self._jobs.append(_Job(True, block_hash, page_id, future, time.perf_counter()))
 
     # ---- write-back ----------------------------------------------------------------------
@@ -184,7 +194,7 @@ class DiskTier:
             self._stats.write_dropped += 1
             return False
         self._writing.add(block_hash)
-        future = self._workers.submit(_write_page, self.path(block_hash), block_hash,
+        future = self._writers.submit(_write_page, self.path(block_hash), block_hash,
                                       tuple(tokens), complete, self._page(page_id),
                                       self._throttle)
         self._jobs.append(_Job(False, block_hash, page_id, future, time.perf_counter()))
@@ -293,7 +303,8 @@ class DiskTier:
     def close(self) -> None:
         """Finish the jobs in flight (their host pages must outlive them) and stop."""
         self.poll(wait=True)
-        self._workers.shutdown(wait=True)
+        self._readers.shutdown(wait=True)
+        self._writers.shutdown(wait=True)
 
 
 # ---- the workers' side ----------------------------------------------------------------------
