@@ -346,12 +346,20 @@ def profile_steps(engine: Engine, vocab: int) -> dict:
     for _ in range(3):
         engine.step()
     out = {"decode": _kernels(engine, 5)}
-    chunk = engine.config.scheduler.step_tokens - CLIENTS
+    # A seat for the long prompt: with every decode row running, max_num_seqs would keep it
+    # waiting and the "mixed" step would be one more decode step.
+    rows = len(engine.scheduler.running)
+    if rows >= engine.scheduler.max_num_seqs:
+        engine.abort(engine.scheduler.running[0].request_id)
+        rows -= 1
+    chunk = engine.config.scheduler.step_tokens - rows
     engine.add_request("long", random_prompts(1, chunk, vocab, 8)[0],
                        SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True),
                        prefix_cache=False)
     out["mixed"] = _kernels(engine, 1)
-    out["mixed"]["prefill_tokens"] = chunk
+    if not engine.last_step_prefilled:
+        raise RuntimeError("the profiled mixed step ran no prompt chunk")
+    out["mixed"]["prefill_tokens"], out["mixed"]["decode_rows"] = chunk, rows
     while engine.has_unfinished_requests():
         engine.step()
     return out
