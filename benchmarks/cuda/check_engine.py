@@ -208,7 +208,22 @@ def check_hicache(workdir: str) -> dict:
     # Shared memory, as the server's: a file on a disk file system cannot be page-locked.
     with tempfile.TemporaryDirectory(dir="/dev/shm") as folder:
         shared = check_shared_pool(path, CUDAAccelerator, SHAPES["llama"]["vocab_size"], folder)
-    return {"host_hit_tokens": stats.host_hit_tokens, "loaded_pages": stats.loaded_pages,
+    # Every tier on and off for a sliding-window model, one with a full and windowed layers
+    # (two KV groups) and MLA: the host tier and the shared pool give the tokens of no cache.
+    families = {}
+    for family in ("mistral", "qwen3_windowed", "deepseek_v3"):
+        fpath = make_checkpoint(os.path.join(workdir, f"hicache-{family}"),
+                                family.removesuffix("_windowed"),
+                                torch.float32, **SHAPES[family])
+        host = check_host_tier(fpath, CUDAAccelerator, vocab=SHAPES[family]["vocab_size"])
+        with tempfile.TemporaryDirectory(dir="/dev/shm") as folder:
+            pooled = check_shared_pool(fpath, CUDAAccelerator, SHAPES[family]["vocab_size"],
+                                       folder)
+        families[family] = {"host_hit_tokens": host.host_hit_tokens,
+                            "shared_pool_host_hit_tokens": [p.host_hit_tokens for p in pooled]}
+        print(f"hicache {family}: {families[family]}", flush=True)
+    return {"families": families,
+            "host_hit_tokens": stats.host_hit_tokens, "loaded_pages": stats.loaded_pages,
             "stored_pages": stats.stored_pages,
             "shared_pool_host_hit_tokens": [s.host_hit_tokens for s in shared],
             "disk_written_pages": first.disk.written_pages,
