@@ -1,8 +1,8 @@
 """The node's shared HiCache pool through `deepinfer-serve --dp 2`: a prompt one rank computed is
 a host hit on the other rank (same tokens); a rank SIGKILLed while it holds pool pages (its
 write-back to disk, throttled, still reading them) costs nothing: the other rank serves on,
-the pool's pinned count returns to 0, and the pool's shared-memory folder goes with the
-server."""
+the pool's pinned count returns to 0, the restarted rank finds the node's pages (a host hit
+on its empty device), and the pool's shared-memory folder goes with the server."""
 from __future__ import annotations
 
 import glob
@@ -43,6 +43,10 @@ def _pinned(server: ServerProcess) -> float:
     return scrape(server.url)["deepinfer:hicache_pages_pinned"]
 
 
+def _rank(server: ServerProcess, rank: int) -> dict:
+    return httpx.get(f"{server.url}/health", timeout=10).json()["ranks"][rank]
+
+
 def test_ranks_share_one_pool_and_a_killed_rank_leaks_nothing(tmp_path):
     (tmp_path / "ckpt").mkdir()
     ckpt = make_tiny_chat_checkpoint(str(tmp_path / "ckpt"))
@@ -52,9 +56,7 @@ def test_ranks_share_one_pool_and_a_killed_rank_leaks_nothing(tmp_path):
             "--hicache-disk-dir", str(tmp_path / "disk"),
             # ~50 KB/s: the prompt's 18 pages of 8 KB take ~3 s to write back, and a page
             # stays pinned in the pool until it is written.
-            "--hicache-disk-write-mb-s", "0.05",
-            # The killed rank stays dead: its peer alone must undo what it held.
-            "--max-rank-restarts", "0"]
+            "--hicache-disk-write-mb-s", "0.05"]
     rng = random.Random(0)
     prompt = [rng.randrange(100, 40000) for _ in range(PROMPT_TOKENS)]
     server = ServerProcess("hicache-shared", args, str(tmp_path / "server.log"), "tiny")
@@ -76,12 +78,18 @@ def test_ranks_share_one_pool_and_a_killed_rank_leaks_nothing(tmp_path):
 
         # Rank 0's write-back still holds the prompt's pages when it is killed.
         wait_until(lambda: _pinned(server) > 0, 10.0, "pinned pages in the pool")
-        pid = httpx.get(f"{server.url}/health", timeout=10).json()["ranks"][0]["pid"]
+        pid = _rank(server, 0)["pid"]
         os.kill(pid, signal.SIGKILL)
-        wait_until(lambda: _pinned(server) == 0, 30.0, "the dead rank's pins to be released")
-        again, served = _complete(server, prompt, others[1])
+        again, served = _complete(server, prompt, others[1])  # the peer serves on
         assert served == 1 and again["choices"][0]["token_ids"] == answer
-        assert scrape(server.url)["deepinfer:hicache_pages_pinned"] == 0
+        wait_until(lambda: _pinned(server) == 0, 30.0, "the dead rank's pins to be released")
+        # The restarted rank 0 maps the same pool: its first request hits the node's pages.
+        wait_until(lambda: _rank(server, 0)["pid"] != pid and
+                   _rank(server, 0)["state"] == "serving", 120.0, "rank 0 to be back")
+        back, served = _complete(server, prompt, others[0])
+        assert served == 0 and back["choices"][0]["token_ids"] == answer
+        assert back["usage"]["prompt_tokens_details"]["cached_tokens"] == cached
+        wait_until(lambda: _pinned(server) == 0, 30.0, "no pinned page at the end")
     finally:
         server.terminate()
         problems = server.finish_stop()
