@@ -82,7 +82,8 @@ def _process_start(pid: int) -> int:
         return 0
 
 
-def _alive(pid: int, started: int) -> bool:
+def process_alive(pid: int, started: int = 0) -> bool:
+    """Whether process pid runs (and, given its start time, is still that process)."""
     if pid <= 0:
         return False
     try:
@@ -203,7 +204,8 @@ class SharedHostPagePool:
         if not 0 <= self.slot < self.place.num_ranks:
             raise ValueError(f"rank slot {self.slot} outside the pool's {self.place.num_ranks}")
         rec = self._ranks[self.slot]
-        if int(rec["pid"]) != os.getpid() and _alive(int(rec["pid"]), int(rec["started"])):
+        pid, started = int(rec["pid"]), int(rec["started"])
+        if pid != os.getpid() and process_alive(pid, started):
             raise ValueError(f"rank slot {self.slot} of the shared host pool is held by the "
                              f"live process {int(rec['pid'])}")
         self._reap_slot(self.slot)  # a restarted rank: what its predecessor held goes
@@ -384,7 +386,7 @@ class SharedHostPagePool:
             for slot in range(self.place.num_ranks):
                 rec = self._ranks[slot]
                 pid = int(rec["pid"])
-                if slot != self.slot and pid and not _alive(pid, int(rec["started"])):
+                if slot != self.slot and pid and not process_alive(pid, int(rec["started"])):
                     log.warning("shared host pool: rank slot %d's process %d is gone; its "
                                 "pins are released", slot, pid)
                     freed += self._reap_slot(slot)

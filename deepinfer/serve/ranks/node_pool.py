@@ -9,7 +9,7 @@ import shutil
 import tempfile
 
 from deepinfer.core.config import CacheConfig
-from deepinfer.core.hicache.shared_pool import SharedPoolPlace
+from deepinfer.core.hicache.shared_pool import SharedPoolPlace, process_alive
 
 log = logging.getLogger(__name__)
 
@@ -45,16 +45,6 @@ def remove_stale_pools() -> None:
         if not name.startswith(PREFIX):
             continue
         pid = name[len(PREFIX):].split("-", 1)[0]
-        if pid.isdigit() and not _alive(int(pid)):
+        if pid.isdigit() and not process_alive(int(pid)):
             log.info("HiCache: removing %s, left by a server that is gone", name)
             shutil.rmtree(os.path.join(SHM_DIR, name), ignore_errors=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
