@@ -29,6 +29,7 @@ import logging
 import os
 import threading
 import time
+from array import array
 from dataclasses import dataclass
 from typing import Iterable, Iterator, Sequence
 
@@ -162,13 +163,20 @@ class SharedHostPagePool:
         self._mm = np.memmap(os.path.join(self.place.path, "meta"), np.uint8, "r+",
                              shape=(total,))
         offsets = np.cumsum([0] + sizes)
-        part = [self._mm[offsets[i]:offsets[i + 1]] for i in range(len(sizes))]
+        raw: np.ndarray = self._mm.view(np.ndarray)  # plain arrays: memmap indexing is slow
+        part = [raw[offsets[i]:offsets[i + 1]] for i in range(len(sizes))]
         self._header = part[0].view(header_t)[0:1]
         self._ranks = part[1].view(rank_t)
         self._pages = part[2].view(page_t)
+        self._tokens: np.ndarray = self._pages["tokens"]
+        self._hash: np.ndarray = self._pages["hash"]
         self._pins: np.ndarray = part[3].view("<i4").reshape(g.num_pages, ranks)
         self._keys: np.ndarray = part[4].view("<u8")
         self._vals: np.ndarray = part[5].view("<i4")
+        # The probe loop's scalars as Python ints (numpy scalar reads cost several times more).
+        self._keys_mv = self._keys.data.cast("B").cast("Q")
+        self._vals_mv = self._vals.data.cast("B").cast("i")
+        self._state: np.ndarray = self._pages["state"]
         self._mask = slots - 1
         fingerprint = hashlib.sha256(g.fingerprint.encode()).digest()
         h = self._header[0]
@@ -260,13 +268,15 @@ class SharedHostPagePool:
 
     def _find(self, block_hash: BlockHash) -> int:
         """The table slot of block_hash's entry, or -1."""
-        key, i = self._key(block_hash), self._key(block_hash) & self._mask
-        while (k := int(self._keys[i])) != 0:
+        key = self._key(block_hash)
+        keys, vals, mask = self._keys_mv, self._vals_mv, self._mask
+        i = key & mask
+        while (k := keys[i]) != 0:
             if k == key:
-                rec = self._pages[int(self._vals[i])]
-                if rec["state"] == INDEXED and bytes(rec["hash"]) == block_hash:
+                page = vals[i]
+                if self._state[page] == INDEXED and self._hash[page].tobytes() == block_hash:
                     return i
-            i = (i + 1) & self._mask
+            i = (i + 1) & mask
         return -1
 
     def _insert(self, block_hash: BlockHash, page_id: int) -> None:
@@ -297,7 +307,7 @@ class SharedHostPagePool:
             if i < 0:
                 return None
             page = int(self._vals[i])
-            if tuple(self._pages[page]["tokens"].tolist()) != tuple(tokens):
+            if self._tokens[page].tobytes() != array("q", tokens).tobytes():
                 return None
             return self.pages[page]
 
@@ -320,30 +330,30 @@ class SharedHostPagePool:
 
     # ---- references ----------------------------------------------------------------------
     def pin(self, pages: Iterable[SharedPage]) -> None:
+        ids = np.fromiter((p.page_id for p in pages), np.int64)
         with self.locked_raw():
-            for page in pages:
-                self._pins[page.page_id, self.slot] += 1
+            np.add.at(self._pins[:, self.slot], ids, 1)
 
     def unpin(self, pages: Iterable[SharedPage]) -> None:
         """Drop one reference each, in eviction order (first is evicted first)."""
+        ids = np.fromiter((p.page_id for p in pages), np.int64)
         with self.locked_raw():
-            for page in pages:
-                pid = page.page_id
-                if self._pins[pid, self.slot] <= 0:
-                    raise RuntimeError(f"host page {pid} unpinned twice")
-                self._pins[pid, self.slot] -= 1
-                if self._pins[pid].any():
-                    continue
-                rec = self._pages[pid]
-                if rec["state"] == INDEXED:
-                    rec["stamp"] = self._tick()
-                else:
-                    rec["state"] = FREE  # a store that never committed: nothing to keep
-
-    def _tick(self) -> int:
-        h = self._header[0]
-        h["clock"] += 1
-        return int(h["clock"])
+            mine = self._pins[:, self.slot]
+            counts = np.bincount(ids, minlength=len(mine))[ids]
+            if (mine[ids] < counts).any():
+                raise RuntimeError(f"host pages {ids[mine[ids] < counts].tolist()} unpinned "
+                                   "twice")
+            np.subtract.at(mine, ids, 1)
+            # A page joins the LRU where its last reference in the list is, as one by one.
+            uniq, from_end = np.unique(ids[::-1], return_index=True)
+            idle = uniq[np.argsort(-from_end, kind="stable")]
+            idle = idle[~self._pins[idle].any(axis=1)]
+            state = self._pages["state"]
+            indexed = idle[state[idle] == INDEXED]
+            clock = int(self._header[0]["clock"])
+            self._pages["stamp"][indexed] = clock + 1 + np.arange(len(indexed))
+            self._header[0]["clock"] = clock + len(indexed)
+            state[idle[state[idle] != INDEXED]] = FREE  # stores that never committed
 
     def allocate(self, n: int) -> list[SharedPage]:
         """Up to n empty pages pinned by this rank: free ones first, then the least recently
