@@ -125,6 +125,20 @@ if wanted hit_ttft; then
     [ -n "${AB_BASELINE:-}" ] && step hit_ttft_base baseline python3 "$PWD/${hits[0]}" \
         "${hits[@]:1}" --out "$out/hit_ttft_base" -- "${serve[@]}"
 fi
+# The 32K prompt's disk-tier hit (its files dropped from the page cache first), with a host
+# tier large enough that write-back keeps every page of the prompt, and the disk tier's reads
+# against plain reads on this machine's disk.
+if wanted hit_ttft_disk; then
+    llama=$(python3 benchmarks/cuda/engine_bench.py --write-model /tmp/llama3-8b --max-len 40960 \
+        | tail -n 1)
+    step disk_tier python3 benchmarks/disk_tier.py --dir /tmp --out "$out/disk_tier"
+    step hit_ttft_disk python3 benchmarks/hit_ttft.py --tokens 32768 --vocab 128000 --disk \
+        ${HIT_ARGS:---repeats 1} --out "$out/hit_ttft_disk" -- --model "$llama" \
+        --accelerator nvidia --dtype bfloat16 --load-format dummy --max-model-len 36864 \
+        --block-size 128 --num-kv-blocks 300 --hicache-size-gb 24 --hicache-disk-gb 40 \
+        --max-num-batched-tokens 8192 --tokenizer-backend hf --generation-config none \
+        --served-model-name m
+fi
 # Agent sessions over the cache tiers at the Llama-3-8B shape: two ranks on the one GPU
 # (--dp 2), affinity routing against least-loaded over the node's shared host pool and over a
 # pool per rank (AGENT_SETTINGS, AGENT_ARGS and AGENT_SERVER_ARGS change the run).
