@@ -58,15 +58,19 @@ class Shape(NamedTuple):
 
 
 SHAPES = {"qwen3-30b-a3b": Shape(2048, 768, 128, 8), "mixtral-8x7b": Shape(4096, 14336, 8, 2)}
-TOKENS = (1, 2, 4, 8, 32, 128, 512, 2048, 8192)
+TOKENS = (1, 2, 4, 8, 32, 128, 512, 2048, 4096, 8192, 16384)
 HBM_BYTES_PER_S, BF16_FLOPS = 4.8e12, 989e12
 ROUTINGS, REFERENCE_MAX_TOKENS = 4, 128
 # Sweep grid: narrow tiles and long K steps for the weight-bound small batches, wide tiles
 # (wgmma needs BLOCK_M >= 64) for the compute-bound large ones.
 SMALL_TILES = (Tiles(16, 256, 4, 4), Tiles(32, 128, 4, 4), Tiles(32, 256, 4, 3),
                Tiles(64, 128, 4, 3), Tiles(64, 128, 4, 4), Tiles(16, 128, 4, 5))
+# Serving's mixed steps (2K-16K tokens, hundreds of routes per expert) are compute-bound: wider
+# N tiles and deeper pipelines there, as vLLM's tuned tables for these shapes have.
 LARGE_TILES = (Tiles(64, 64, 4, 3), Tiles(64, 64, 4, 4), Tiles(128, 64, 8, 3),
-               Tiles(128, 64, 8, 4), Tiles(64, 128, 4, 3), Tiles(256, 64, 8, 3))
+               Tiles(128, 64, 8, 4), Tiles(64, 128, 4, 3), Tiles(256, 64, 8, 3),
+               Tiles(256, 64, 8, 4), Tiles(128, 128, 8, 3), Tiles(128, 128, 8, 4),
+               Tiles(128, 32, 4, 4))
 SAFE_TILES = Tiles(32, 64, 4, 2)  # fits every BLOCK_M: makes the down GEMM's input
 # Few-token (GEMV) sweep: rows per program and K step, as bench_gemv's grid for small weights.
 GEMV_TOKENS = (1, 2, 4, 8)
@@ -120,7 +124,9 @@ def flops(shape: Shape, tokens: int) -> float:
 def block_ms_for(per_slot: float) -> tuple[int, ...]:
     if per_slot <= 4:
         return (16,)
-    return (16, 32, 64) if per_slot <= 48 else (64, 128)
+    if per_slot <= 48:
+        return (16, 32, 64)
+    return (64, 128) if per_slot < 256 else (64, 128, 256)
 
 
 def _time_tiles(fn) -> float | str:
