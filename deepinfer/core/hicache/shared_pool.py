@@ -35,6 +35,7 @@ from typing import Iterable, Iterator, Sequence
 
 import numpy as np
 
+from deepinfer.core.hicache.page_table import PageTable, table_slots
 from deepinfer.core.kv.hashing import BlockHash
 
 log = logging.getLogger(__name__)
@@ -151,7 +152,7 @@ class SharedHostPagePool:
     def _map(self, create: bool) -> None:
         g, ranks = self.geometry, self.place.num_ranks
         header_t, rank_t, page_t = _dtypes(g.block_size, ranks)
-        slots = 1 << max(4, (2 * g.num_pages - 1).bit_length())  # a load factor <= 1/2
+        slots = table_slots(g.num_pages)
         sizes = [header_t.itemsize, rank_t.itemsize * ranks, page_t.itemsize * g.num_pages,
                  4 * g.num_pages * ranks, 8 * slots, 4 * slots]
         total = sum(sizes)
@@ -171,13 +172,8 @@ class SharedHostPagePool:
         self._tokens: np.ndarray = self._pages["tokens"]
         self._hash: np.ndarray = self._pages["hash"]
         self._pins: np.ndarray = part[3].view("<i4").reshape(g.num_pages, ranks)
-        self._keys: np.ndarray = part[4].view("<u8")
-        self._vals: np.ndarray = part[5].view("<i4")
-        # The probe loop's scalars as Python ints (numpy scalar reads cost several times more).
-        self._keys_mv = self._keys.data.cast("B").cast("Q")
-        self._vals_mv = self._vals.data.cast("B").cast("i")
+        self.index = PageTable(part[4].view("<u8"), part[5].view("<i4"), self._holds)
         self._state: np.ndarray = self._pages["state"]
-        self._mask = slots - 1
         fingerprint = hashlib.sha256(g.fingerprint.encode()).digest()
         h = self._header[0]
         if create:
@@ -262,70 +258,32 @@ class SharedHostPagePool:
                                         & ~self._pins.any(axis=1)))
 
     # ---- index ---------------------------------------------------------------------------
-    @staticmethod
-    def _key(block_hash: BlockHash) -> int:
-        return int.from_bytes(block_hash[:8], "little") | 1  # 0 marks an empty slot
-
-    def _find(self, block_hash: BlockHash) -> int:
-        """The table slot of block_hash's entry, or -1."""
-        key = self._key(block_hash)
-        keys, vals, mask = self._keys_mv, self._vals_mv, self._mask
-        i = key & mask
-        while (k := keys[i]) != 0:
-            if k == key:
-                page = vals[i]
-                if self._state[page] == INDEXED and self._hash[page].tobytes() == block_hash:
-                    return i
-            i = (i + 1) & mask
-        return -1
-
-    def _insert(self, block_hash: BlockHash, page_id: int) -> None:
-        i = self._key(block_hash) & self._mask
-        while self._keys[i] != 0:
-            i = (i + 1) & self._mask
-        self._vals[i], self._keys[i] = page_id, self._key(block_hash)
-
-    def _delete(self, i: int) -> None:
-        """Empty slot i, moving later entries of its probe run back (no tombstones)."""
-        mask = self._mask
-        j = i
-        while True:
-            j = (j + 1) & mask
-            k = int(self._keys[j])
-            if k == 0:
-                break
-            home = k & mask
-            # Entry j may fill the hole at i if its home is not within (i, j] cyclically.
-            if (i <= j and not i < home <= j) or (i > j and j < home <= i):
-                self._keys[i], self._vals[i] = k, self._vals[j]
-                i = j
-        self._keys[i] = 0
+    def _holds(self, page: int, block_hash: BlockHash) -> bool:
+        """Whether the page's own record holds block_hash (what confirms an index entry)."""
+        return self._state[page] == INDEXED and self._hash[page].tobytes() == block_hash
 
     def lookup(self, block_hash: BlockHash, tokens: Sequence[int]) -> SharedPage | None:
         with self.locked_raw():
-            i = self._find(block_hash)
-            if i < 0:
-                return None
-            page = int(self._vals[i])
-            if self._tokens[page].tobytes() != array("q", tokens).tobytes():
+            page = self.index.find(block_hash)
+            if page < 0 or self._tokens[page].tobytes() != array("q", tokens).tobytes():
                 return None
             return self.pages[page]
 
     def holder(self, block_hash: BlockHash) -> SharedPage | None:
         with self.locked_raw():
-            i = self._find(block_hash)
-            return None if i < 0 else self.pages[int(self._vals[i])]
+            page = self.index.find(block_hash)
+            return None if page < 0 else self.pages[page]
 
     def commit(self, page: SharedPage, block_hash: BlockHash, tokens: Sequence[int],
                complete: bool = True) -> bool:
         with self.locked_raw():
-            if self._find(block_hash) >= 0:
+            if self.index.find(block_hash) >= 0:
                 return False
             rec = self._pages[page.page_id]
             rec["hash"], rec["tokens"] = np.void(bytes(block_hash)), list(tokens)
             rec["complete"] = complete
             rec["state"] = INDEXED  # the record first: an entry is trusted only if it matches
-            self._insert(block_hash, page.page_id)
+            self.index.insert(block_hash, page.page_id)
             return True
 
     # ---- references ----------------------------------------------------------------------
@@ -379,11 +337,8 @@ class SharedHostPagePool:
         return free
 
     def _evict(self, page: int) -> None:
-        rec = self._pages[page]
-        i = self._find(bytes(rec["hash"]))
-        if i >= 0 and int(self._vals[i]) == page:
-            self._delete(i)  # the entry first: a lost record is only a miss
-        rec["state"] = FREE
+        self.index.remove(self._hash[page].tobytes(), page)  # first: a lost record is a miss
+        self._state[page] = FREE
         self.evictions += 1
 
     # ---- dead ranks ----------------------------------------------------------------------
