@@ -140,7 +140,7 @@ class SharedHostPagePool:
         self._fd = os.open(os.path.join(place.path, "meta"), os.O_RDWR | os.O_CREAT, 0o600)
         self._last_reap = 0.0
         try:
-            with self.locked_raw():
+            with self.locked():
                 self._map(create=os.fstat(self._fd).st_size == 0)
                 self._take_slot()
         except BaseException:
@@ -217,7 +217,9 @@ class SharedHostPagePool:
 
     # ---- locking -------------------------------------------------------------------------
     @contextlib.contextmanager
-    def locked_raw(self) -> Iterator[None]:
+    def locked(self) -> Iterator[None]:
+        """Hold the pool (reentrant), also across several calls: a lookup and the pin that
+        keeps its page."""
         with self._thread_lock:
             if self._depth == 0:
                 fcntl.flock(self._fd, fcntl.LOCK_EX)
@@ -228,10 +230,6 @@ class SharedHostPagePool:
                 self._depth -= 1
                 if self._depth == 0:
                     fcntl.flock(self._fd, fcntl.LOCK_UN)
-
-    def locked(self) -> contextlib.AbstractContextManager[None]:
-        """Hold the pool across several calls (a lookup and the pin that keeps its page)."""
-        return self.locked_raw()
 
     # ---- sizes ---------------------------------------------------------------------------
     @property
@@ -253,7 +251,7 @@ class SharedHostPagePool:
 
     @property
     def num_evictable(self) -> int:
-        with self.locked_raw():
+        with self.locked():
             return int(np.count_nonzero((self._pages["state"] == INDEXED)
                                         & ~self._pins.any(axis=1)))
 
@@ -263,20 +261,20 @@ class SharedHostPagePool:
         return self._state[page] == INDEXED and self._hash[page].tobytes() == block_hash
 
     def lookup(self, block_hash: BlockHash, tokens: Sequence[int]) -> SharedPage | None:
-        with self.locked_raw():
+        with self.locked():
             page = self.index.find(block_hash)
             if page < 0 or self._tokens[page].tobytes() != array("q", tokens).tobytes():
                 return None
             return self.pages[page]
 
     def holder(self, block_hash: BlockHash) -> SharedPage | None:
-        with self.locked_raw():
+        with self.locked():
             page = self.index.find(block_hash)
             return None if page < 0 else self.pages[page]
 
     def commit(self, page: SharedPage, block_hash: BlockHash, tokens: Sequence[int],
                complete: bool = True) -> bool:
-        with self.locked_raw():
+        with self.locked():
             if self.index.find(block_hash) >= 0:
                 return False
             rec = self._pages[page.page_id]
@@ -289,13 +287,13 @@ class SharedHostPagePool:
     # ---- references ----------------------------------------------------------------------
     def pin(self, pages: Iterable[SharedPage]) -> None:
         ids = np.fromiter((p.page_id for p in pages), np.int64)
-        with self.locked_raw():
+        with self.locked():
             np.add.at(self._pins[:, self.slot], ids, 1)
 
     def unpin(self, pages: Iterable[SharedPage]) -> None:
         """Drop one reference each, in eviction order (first is evicted first)."""
         ids = np.fromiter((p.page_id for p in pages), np.int64)
-        with self.locked_raw():
+        with self.locked():
             mine = self._pins[:, self.slot]
             counts = np.bincount(ids, minlength=len(mine))[ids]
             if (mine[ids] < counts).any():
@@ -316,7 +314,7 @@ class SharedHostPagePool:
     def allocate(self, n: int) -> list[SharedPage]:
         """Up to n empty pages pinned by this rank: free ones first, then the least recently
         used indexed pages no rank pins."""
-        with self.locked_raw():
+        with self.locked():
             out = self._take(n)
             if len(out) < n and self.reap():
                 out += self._take(n - len(out))  # a dead rank's pages came back
@@ -345,7 +343,7 @@ class SharedHostPagePool:
     def reap(self) -> int:
         """Undo what ranks that died held: their pins dropped, the pages they were writing
         freed. How many pages came back."""
-        with self.locked_raw():
+        with self.locked():
             self._last_reap = time.monotonic()
             freed = 0
             for slot in range(self.place.num_ranks):
@@ -387,7 +385,7 @@ class SharedHostPagePool:
     # ---- reset and close -------------------------------------------------------------------
     def reset(self) -> int:
         """Forget every indexed page no rank pins; how many were dropped."""
-        with self.locked_raw():
+        with self.locked():
             idle = np.flatnonzero((self._pages["state"] == INDEXED) & ~self._pins.any(axis=1))
             for page in idle.tolist():
                 self._evict(page)
@@ -398,7 +396,7 @@ class SharedHostPagePool:
         """Let go of this rank's slot (its pins too: nothing it started is still in flight)."""
         if self._fd < 0:
             return
-        with self.locked_raw():
+        with self.locked():
             self._reap_slot(self.slot)
             self._ranks[self.slot]["pid"] = 0
         self._mm.flush()
