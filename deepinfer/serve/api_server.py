@@ -25,10 +25,22 @@ from deepinfer.serve.http_server import (
 from deepinfer.serve.settings import metrics_dir_set, serve_settings
 
 if TYPE_CHECKING:
-    pass
+    from deepinfer.serve.ranks.ipc import Ready
 
 
 log = logging.getLogger("deepinfer.serve")
+
+
+def log_hicache(ready: list[Ready]) -> None:
+    """The host tier's size: the node's shared pool, and the ranks with a pool of their own."""
+    shared = [r for r in ready if r.stats is not None and r.stats.hicache_shared]
+    own = [r for r in ready if r.stats is None or not r.stats.hicache_shared]
+    if shared:
+        log.info("HiCache: one host pool of %d pages of %d tokens, shared by %d of %d ranks",
+                 shared[0].hicache_pages, shared[0].block_size, len(shared), len(ready))
+    if own:
+        log.info("HiCache: %d host pages of %d tokens per rank (%d ranks)",
+                 own[0].hicache_pages, own[0].block_size, len(own))
 
 
 async def serve(args: argparse.Namespace, model_dir: str, listener: socket.socket) -> None:
@@ -51,8 +63,7 @@ async def serve(args: argparse.Namespace, model_dir: str, listener: socket.socke
                  "start)", len(ready), ready[0].accelerator, ready[0].num_blocks,
                  ready[0].block_size, ready[0].max_model_len, time.monotonic() - STARTED)
         if ready[0].hicache_pages:
-            log.info("HiCache: %d host pages of %d tokens per rank", ready[0].hicache_pages,
-                     ready[0].block_size)
+            log_hicache(ready)
         tokenizer, prompt_tokenizer = await loading
         workers = await start_workers(args, model_dir, supervisor, ready, listener)
         if workers:

@@ -70,3 +70,16 @@ def test_a_shared_pool_is_counted_once():
     assert _value(text, 'deepinfer:hicache_pages_used{model_name="m"}') == 6
     assert _value(text, 'deepinfer:hicache_pages_total{model_name="m"}') == 24
     assert _value(text, 'deepinfer:hicache_pages_pinned{model_name="m"}') == 3
+
+
+def test_the_start_log_names_a_shared_pool_once(caplog):
+    from deepinfer.serve.api_server import log_hicache
+    from deepinfer.serve.ranks.ipc import Ready
+
+    stats = EngineStats(0, 0, 0.0, 10, 0, 0, 0, hicache_pages_total=64, hicache_shared=True)
+    ready = [Ready(r, 10, 16, 1024, "cpu", 64, stats) for r in range(2)]
+    with caplog.at_level("INFO", logger="deepinfer.serve"):
+        log_hicache(ready)
+        log_hicache([dataclasses.replace(r, hicache_pages=32, stats=None) for r in ready])
+    assert "one host pool of 64 pages of 16 tokens, shared by 2 of 2 ranks" in caplog.text
+    assert "32 host pages of 16 tokens per rank (2 ranks)" in caplog.text
