@@ -31,6 +31,12 @@ def _pools(path: str, n: int = 2, geometry: PoolGeometry = GEOMETRY) -> list[Sha
     return [SharedHostPagePool(SharedPoolPlace(path, n, rank), geometry) for rank in range(n)]
 
 
+def _counted_right(pool: SharedHostPagePool) -> bool:
+    """The pool's running counts are what a scan of its records gives."""
+    return (pool.num_used, pool.num_pinned) == (
+        int((pool._state != shared_module.FREE).sum()), int(pool._pins.any(axis=1).sum()))
+
+
 def _page(i: int) -> tuple[bytes, tuple[int, ...]]:
     tokens = tuple(range(i * BLOCK, (i + 1) * BLOCK))
     return hash_block(None, tokens), tokens
@@ -79,6 +85,7 @@ def test_eviction_is_lru_and_skips_pages_any_rank_pins(tmp_path):
     assert a.num_pinned == 8
     b.unpin([held])
     assert a.num_pinned == 7
+    assert _counted_right(a)
 
 
 def test_a_killed_rank_is_undone_by_its_peers(tmp_path):
@@ -109,7 +116,7 @@ def test_a_killed_rank_is_undone_by_its_peers(tmp_path):
         proc.wait()
     assert a.num_pinned == 3  # not reaped yet
     assert a.reap() == 2
-    assert a.num_pinned == 0 and a.num_used == 1
+    assert a.num_pinned == 0 and a.num_used == 1 and _counted_right(a)
     assert a.lookup(*_page(0)) is not None  # what the dead rank read is kept
     # A replacement takes the slot.
     SharedHostPagePool(SharedPoolPlace(str(tmp_path), 2, 1), GEOMETRY).close()
@@ -121,7 +128,7 @@ def test_a_restarted_rank_reaps_its_own_slot(tmp_path):
     a.allocate(3)
     a._ranks[1]["pid"] = 2 ** 22 + 12345  # as if its process were gone (pids stay below)
     again = SharedHostPagePool(SharedPoolPlace(path, 2, 1), GEOMETRY)
-    assert again.num_pinned == 0 and again.num_used == 0
+    assert again.num_pinned == 0 and again.num_used == 0 and _counted_right(again)
 
 
 def test_another_model_or_layout_may_not_attach(tmp_path):
@@ -184,3 +191,4 @@ def test_the_index_stays_exact_through_wrapping_deletions(tmp_path):
             for k, t in reference.items():
                 assert pool.lookup(k, t) is not None
             assert len(pool.index) == len(reference)
+            assert _counted_right(pool)

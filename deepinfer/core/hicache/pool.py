@@ -115,7 +115,8 @@ class HostPagePool:
 
     @property
     def num_pinned(self) -> int:
-        return sum(1 for p in self.pages if p.ref_cnt > 0)
+        # Every page is free, in the LRU or pinned (the module doc): no walk over the pages.
+        return len(self.pages) - len(self._free) - len(self._lru)
 
     @property
     def num_free(self) -> int:

@@ -67,7 +67,8 @@ class PoolGeometry:
 def _dtypes(block_size: int, max_ranks: int) -> tuple[np.dtype, np.dtype, np.dtype]:
     header = np.dtype([("magic", "S8"), ("ready", "<i8"), ("num_pages", "<i8"),
                        ("page_bytes", "<i8"), ("block_size", "<i8"), ("max_ranks", "<i8"),
-                       ("index_slots", "<i8"), ("fingerprint", "S32"), ("clock", "<i8")])
+                       ("index_slots", "<i8"), ("fingerprint", "S32"), ("clock", "<i8"),
+                       ("used", "<i8"), ("pinned", "<i8")])
     rank = np.dtype([("pid", "<i8"), ("started", "<i8")])
     page = np.dtype([("state", "u1"), ("complete", "u1"), ("hash", f"V{HASH_BYTES}"),
                      ("stamp", "<i8"), ("tokens", "<i8", (block_size,))])
@@ -236,24 +237,34 @@ class SharedHostPagePool:
     def num_total(self) -> int:
         return self.geometry.num_pages
 
+    # Counted as pages change hands (a rank reports them after every step: no scan of the
+    # pool), and recounted whenever dead ranks are looked for (what a death mid-update left).
     @property
     def num_used(self) -> int:
-        return int(np.count_nonzero(self._pages["state"] != FREE))
+        return int(self._header[0]["used"])
 
     @property
     def num_pinned(self) -> int:
         """Pages some rank of the node pins."""
-        return int(np.count_nonzero(self._pins.any(axis=1)))
+        return int(self._header[0]["pinned"])
 
     @property
     def num_free(self) -> int:
-        return int(np.count_nonzero(self._pages["state"] == FREE))
+        return self.num_total - self.num_used
+
+    def _count(self, used: int = 0, pinned: int = 0) -> None:
+        h = self._header[0]
+        h["used"], h["pinned"] = int(h["used"]) + used, int(h["pinned"]) + pinned
+
+    def _recount(self) -> None:
+        h = self._header[0]
+        h["used"] = np.count_nonzero(self._state != FREE)
+        h["pinned"] = np.count_nonzero(self._pins.any(axis=1))
 
     @property
     def num_evictable(self) -> int:
         with self.locked():
-            return int(np.count_nonzero((self._pages["state"] == INDEXED)
-                                        & ~self._pins.any(axis=1)))
+            return int(np.count_nonzero((self._state == INDEXED) & ~self._pins.any(axis=1)))
 
     # ---- index ---------------------------------------------------------------------------
     def _holds(self, page: int, block_hash: BlockHash) -> bool:
@@ -288,6 +299,8 @@ class SharedHostPagePool:
     def pin(self, pages: Iterable[SharedPage]) -> None:
         ids = np.fromiter((p.page_id for p in pages), np.int64)
         with self.locked():
+            uniq = np.unique(ids)
+            self._count(pinned=int(np.count_nonzero(~self._pins[uniq].any(axis=1))))
             np.add.at(self._pins[:, self.slot], ids, 1)
 
     def unpin(self, pages: Iterable[SharedPage]) -> None:
@@ -304,12 +317,12 @@ class SharedHostPagePool:
             uniq, from_end = np.unique(ids[::-1], return_index=True)
             idle = uniq[np.argsort(-from_end, kind="stable")]
             idle = idle[~self._pins[idle].any(axis=1)]
-            state = self._pages["state"]
-            indexed = idle[state[idle] == INDEXED]
+            indexed = idle[self._state[idle] == INDEXED]
             clock = int(self._header[0]["clock"])
             self._pages["stamp"][indexed] = clock + 1 + np.arange(len(indexed))
             self._header[0]["clock"] = clock + len(indexed)
-            state[idle[state[idle] != INDEXED]] = FREE  # stores that never committed
+            self._state[idle[self._state[idle] != INDEXED]] = FREE  # stores never committed
+            self._count(used=len(indexed) - len(idle), pinned=-len(idle))
 
     def allocate(self, n: int) -> list[SharedPage]:
         """Up to n empty pages pinned by this rank: free ones first, then the least recently
@@ -321,22 +334,22 @@ class SharedHostPagePool:
             return [self.pages[i] for i in out]
 
     def _take(self, n: int) -> list[int]:
-        state = self._pages["state"]
-        free = np.flatnonzero(state == FREE)[:n].tolist()
+        free = np.flatnonzero(self._state == FREE)[:n].tolist()
         if len(free) < n:
-            idle = np.flatnonzero((state == INDEXED) & ~self._pins.any(axis=1))
+            idle = np.flatnonzero((self._state == INDEXED) & ~self._pins.any(axis=1))
             oldest = idle[np.argsort(self._pages["stamp"][idle], kind="stable")]
             for page in oldest[:n - len(free)].tolist():
                 self._evict(page)
                 free.append(page)
-        for page in free:
-            self._pages[page]["state"] = WRITING
-            self._pins[page, self.slot] = 1
+        self._state[free] = WRITING
+        self._pins[free, self.slot] = 1
+        self._count(used=len(free), pinned=len(free))
         return free
 
     def _evict(self, page: int) -> None:
         self.index.remove(self._hash[page].tobytes(), page)  # first: a lost record is a miss
         self._state[page] = FREE
+        self._count(used=-1)
         self.evictions += 1
 
     # ---- dead ranks ----------------------------------------------------------------------
@@ -354,14 +367,16 @@ class SharedHostPagePool:
                                 "pins are released", slot, pid)
                     freed += self._reap_slot(slot)
                     rec["pid"] = 0
+            self._recount()
             return freed
 
     def _reap_slot(self, slot: int) -> int:
         held = np.flatnonzero(self._pins[:, slot])
         self._pins[held, slot] = 0
         unpinned = held[~self._pins[held].any(axis=1)]
-        writing = unpinned[self._pages["state"][unpinned] == WRITING]
-        self._pages["state"][writing] = FREE
+        writing = unpinned[self._state[unpinned] == WRITING]
+        self._state[writing] = FREE
+        self._count(used=-len(writing), pinned=-len(unpinned))
         return len(writing)
 
     def maintain(self) -> None:
@@ -386,7 +401,7 @@ class SharedHostPagePool:
     def reset(self) -> int:
         """Forget every indexed page no rank pins; how many were dropped."""
         with self.locked():
-            idle = np.flatnonzero((self._pages["state"] == INDEXED) & ~self._pins.any(axis=1))
+            idle = np.flatnonzero((self._state == INDEXED) & ~self._pins.any(axis=1))
             for page in idle.tolist():
                 self._evict(page)
                 self.evictions -= 1  # a reset is not pressure
