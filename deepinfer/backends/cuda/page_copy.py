@@ -506,31 +506,17 @@ class UVAPageCopier:
         skip_null, group g of pair i is left alone where device_blocks[g][i] is the null block:
         one kernel per part of copy_parts, the indices checked on the host (device tensors
         read back, a sync) and uploaded in one go."""
-        num_pages = validate_host_pool(host_pool, chunks.page_bytes)
-        if skip_null:
-            pages = host_page_indices(host_pages, num_pages)
-            blocks = block_indices(device_blocks, chunks.layout, pages.numel())
-            self._copy_parts(host_pool, chunks, pages, blocks,
-                             copy_parts(blocks, chunks.layout, skip_null=True), to_device,
-                             staging)
+        if skip_null:  # every chunk as one "layer": a launch per part
+            self.copy_layers(host_pool, chunks, host_pages, device_blocks, to_device,
+                             [0] * chunks.layout.num_chunks, lambda layer: None, staging)
             return
+        num_pages = validate_host_pool(host_pool, chunks.page_bytes)
         pages = _device_pages(host_pages, chunks.device, num_pages)
         blocks = _device_blocks(device_blocks, chunks.device, chunks.layout, pages.numel())
         if pages.numel():
             _extension(chunks.device).copy_uva(host_pool, chunks.table, chunks.page_bytes, pages,
                                                blocks, to_device, self.threads,
                                                self.ctas_per_chunk, self.unroll, self.max_ctas)
-
-    def _copy_parts(self, host_pool: torch.Tensor, chunks: DeviceChunks, pages: torch.Tensor,
-                    blocks: torch.Tensor, parts: list[CopyPart], to_device: bool,
-                    staging: PinnedStaging | None = None) -> None:
-        """One kernel per part. pages [n] and blocks [num_groups, n] are checked CPU tensors."""
-        extension = _extension(chunks.device)
-        for part, (dev_pages, dev_blocks) in zip(parts, _upload_parts(chunks, pages, blocks,
-                                                                      parts, staging)):
-            extension.copy_uva(host_pool, chunks.table_of(part.chunks), chunks.page_bytes,
-                               dev_pages, dev_blocks, to_device, self.threads,
-                               self.ctas_per_chunk, self.unroll, self.max_ctas)
 
     def copy_layers(self, host_pool: torch.Tensor, chunks: DeviceChunks, host_pages: Indices,
                     device_blocks: GroupIndices, to_device: bool, chunk_layers: Sequence[int],
