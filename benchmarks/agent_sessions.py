@@ -141,8 +141,8 @@ def warm_up(server: Server, args: argparse.Namespace) -> None:
     length = args.system + args.context + args.new
     prompts = [[rng.randrange(1, args.vocab) for _ in range(length)]
                for _ in range(args.sessions)]
-    news = [[[] for _ in range(1)] for _ in prompts]
-    asyncio.run(run_turns(server, prompts, news, range(1), args.output, [[]]))
+    no_news = [[[]] for _ in prompts]  # turn 0 adds nothing to the prompts
+    asyncio.run(run_turns(server, prompts, no_news, range(1), args.output, [[]]))
     r = httpx.post(f"{server.base}/reset_prefix_cache", timeout=60.0)
     r.raise_for_status()
 

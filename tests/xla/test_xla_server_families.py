@@ -7,28 +7,25 @@ argmax, the hit's too.
 Runs in the XLA venv (scripts/xla_env.sh); skipped where torch_xla is not installed."""
 from __future__ import annotations
 
-import json
-import os
-import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 pytest.importorskip("torch_xla")
 
-from tests.checkpoints import make_checkpoint  # noqa: E402
 from tests.models.test_deepseek_v4_parity import make_v4, prompts  # noqa: E402,F401
 from tests.models.test_moe_parity import (  # noqa: E402
     _assert_reference_greedy,
     _prompts,
     _reference,
 )
-from tests.xla.test_xla_server import complete, xla_server  # noqa: E402
+from tests.xla.serving import (  # noqa: E402
+    complete,
+    save_tokenizer_for,
+    served_checkpoint,
+    xla_server,
+)
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
-from common import save_word_tokenizer  # noqa: E402
-
-VOCAB = 256
 # test_xla_device.py's buckets (tokens 16, 32; batches 1, 2; context 1, 2, 4 blocks) and its
 # prompt seeds, whose greedy paths keep the reference's margin.
 SHAPES = ["--dtype", "float32", "--block-size", "16", "--num-kv-blocks", "32",
@@ -54,8 +51,7 @@ def _serve(path: str, shapes: list[str], log: str, work: list[list[int]],
 
 @pytest.mark.parametrize("family", ["llama", "deepseek_v3_moe"])
 def test_a_family_through_the_server_equals_transformers(family, tmp_path):
-    path = make_checkpoint(str(tmp_path / family), family, eos_token_id=VOCAB - 1)
-    save_word_tokenizer(path, VOCAB, VOCAB - 1)
+    path = served_checkpoint(str(tmp_path / family), family)
     work = _prompts((5, 23, 40), seed=SEEDS[family])  # 40 tokens: chunks of 32 and 8
     tokens, hit = _serve(path, SHAPES, str(tmp_path / "server.log"), work, work[2])
     model = _reference(path)
@@ -66,10 +62,7 @@ def test_a_family_through_the_server_equals_transformers(family, tmp_path):
 
 def test_deepseek_v4_through_the_server_equals_transformers(tmp_path, prompts):  # noqa: F811
     path = make_v4(str(tmp_path / "v4"), hc_sinkhorn_iters=5)
-    with open(os.path.join(path, "config.json")) as f:
-        config = json.load(f)
-    eos = config.get("eos_token_id")
-    save_word_tokenizer(path, config["vocab_size"], (eos[0] if isinstance(eos, list) else eos) or 1)
+    save_tokenizer_for(path)
     short, long = prompts[0], prompts[1]  # 41 and 150 tokens: 3 and 10 chunks
     shared = long[:128] + short[:30]  # a page hit: the CSA carry-over resumes from the page
     tokens, hit = _serve(path, V4_SHAPES, str(tmp_path / "server.log"), [short, long], shared)
