@@ -282,23 +282,27 @@ class HiCache:
         if limit <= num_device_pages:
             return
         extend_block_hashes(req.block_hashes, req.token_slice, limit * bs, bs, req.cache_salt)
-        with self.pool.locked():
+        with self.pool.locked():  # the host hit so far, pinned while room is made
             held: list[Page] = []
-            wanted: list[int] = []
             for i in range(num_device_pages, limit):
                 page = self.pool.lookup(req.block_hashes[i],
                                         req.token_slice(i * bs, (i + 1) * bs))
-                if page is not None and not wanted:
-                    held.append(page)  # a host hit so far: kept while room is made
-                elif page is None and self.disk.holds(req.block_hashes[i]):
-                    wanted.append(i)
-                else:
+                if page is None:
                     break
-            if not wanted:
-                return
+                held.append(page)
             self.pool.pin(held)
-            fresh = self.pool.allocate(len(wanted))
-            self.pool.unpin(reversed(held))
+        # The disk's pages after it, looked for outside the pool's hold (a file check is a
+        # system call, and a shared pool's hold stalls every rank of the node).
+        wanted: list[int] = []
+        for i in range(num_device_pages + len(held), limit):
+            h = req.block_hashes[i]
+            if self.pool.holder(h) is not None or not self.disk.holds(h):
+                break
+            wanted.append(i)
+        fresh = self.pool.allocate(len(wanted)) if wanted else []
+        self.pool.unpin(reversed(held))
+        if not fresh:
+            return
         for i, page in zip(wanted, fresh):
             self._disk_pages[page.page_id] = page
             self.disk.read(req.block_hashes[i], req.token_slice(i * bs, (i + 1) * bs),
