@@ -254,18 +254,22 @@ class HiCache:
         if limit <= num_device_pages:
             return None
         extend_block_hashes(req.block_hashes, req.token_slice, limit * bs, bs, req.cache_salt)
-        pages: list[Page] = []
         with self.pool.locked():
-            for i in range(num_device_pages, limit):
-                page = self.pool.lookup(req.block_hashes[i],
-                                        req.token_slice(i * bs, (i + 1) * bs))
-                if page is None:
-                    break
-                pages.append(page)
+            pages = self._host_run(req, num_device_pages, limit)
             while pages and not self._resumable(num_device_pages, pages):
                 pages.pop()
             self.pool.pin(pages)
         return HostHit(num_device_pages, tuple(pages), bs) if pages else None
+
+    def _host_run(self, req: Request, first: int, limit: int) -> list[Page]:
+        """The host pages holding the request's pages first.. in a row (up to limit)."""
+        bs, pages = self.block_size, []
+        for i in range(first, limit):
+            page = self.pool.lookup(req.block_hashes[i], req.token_slice(i * bs, (i + 1) * bs))
+            if page is None:
+                break
+            pages.append(page)
+        return pages
 
     def release(self, hit: HostHit) -> None:
         """A hit that is not loaded (its request was not admitted) lets go of its pages."""
@@ -283,13 +287,7 @@ class HiCache:
             return
         extend_block_hashes(req.block_hashes, req.token_slice, limit * bs, bs, req.cache_salt)
         with self.pool.locked():  # the host hit so far, pinned while room is made
-            held: list[Page] = []
-            for i in range(num_device_pages, limit):
-                page = self.pool.lookup(req.block_hashes[i],
-                                        req.token_slice(i * bs, (i + 1) * bs))
-                if page is None:
-                    break
-                held.append(page)
+            held = self._host_run(req, num_device_pages, limit)
             self.pool.pin(held)
         # The disk's pages after it, looked for outside the pool's hold (a file check is a
         # system call, and a shared pool's hold stalls every rank of the node).
