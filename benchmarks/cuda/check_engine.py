@@ -254,7 +254,8 @@ def main() -> None:
         report["hicache"] = check_hicache(workdir)
         print("hicache through the engine:", report["hicache"], flush=True)
     if args.out:
-        name = "cuda_check_engine" if args.families == list(SHAPES) else "cuda_check_moe"
+        name = "cuda_check_hicache" if args.hicache_only else \
+            "cuda_check_engine" if args.families == list(SHAPES) else "cuda_check_moe"
         with open(os.path.join(args.out, f"{name}.json"), "w") as f:
             json.dump(report, f, indent=2)
 

@@ -133,6 +133,13 @@ if wanted hit_ttft; then
     [ -n "${AB_BASELINE:-}" ] && step hit_ttft_base baseline python3 "$PWD/${hits[0]}" \
         "${hits[@]:1}" --out "$out/hit_ttft_base" -- "${serve[@]}"
 fi
+# HiCache through the engine on the GPU (host tier, disk tier, two engines over one shared
+# pool: greedy tokens equal no cache for llama, mistral, a two-group qwen3 and deepseek_v3),
+# then DeepSeek-V4's HiCache tests on the nvidia backend.
+wanted hicache_checks && step hicache_check python3 benchmarks/cuda/check_engine.py \
+    --skip-conformance --hicache-only --out "$out"
+wanted hicache_checks && step v4_hicache env DEEPINFER_ACCELERATOR=nvidia python3 -m pytest -q \
+    -rs -p no:cacheprovider tests/models/test_deepseek_v4_hicache.py
 # The 32K prompt's disk-tier hit (its files dropped from the page cache first), with a host
 # tier large enough that write-back keeps every page of the prompt, and the disk tier's reads
 # against plain reads on this machine's disk.
