@@ -167,9 +167,10 @@ def _best(gate_up: dict, down: dict) -> dict:
     return {"best_gate_up": gu, "best_down": dn, "best_us": ok_gu[gu] + ok_dn[dn]}
 
 
-def sweep(shape: Shape, w13: torch.Tensor, w2: torch.Tensor) -> dict:
+def sweep(shape: Shape, w13: torch.Tensor, w2: torch.Tensor,
+          tokens_list: tuple[int, ...] = TOKENS) -> dict:
     out = {}
-    for tokens in TOKENS:
+    for tokens in tokens_list:
         point = sweep_point(shape, w13, w2, tokens)
         bm = min(point, key=lambda b: point[b]["best_us"])
         out[str(tokens)] = {"points": point, "best_block_m": int(bm)}
@@ -292,12 +293,16 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="time the tile grid first")
     parser.add_argument("--gemv-sweep", action="store_true",
                         help="time the few-token path's tiles (and only that)")
+    parser.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=list(SHAPES))
+    parser.add_argument("--sweep-tokens", type=int, nargs="+", default=list(TOKENS),
+                        help="the token counts --sweep times (default: every one)")
     args = parser.parse_args()
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     result: dict = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
                     "triton": triton.__version__, "hbm_bytes_per_s": HBM_BYTES_PER_S,
                     "bf16_flops": BF16_FLOPS, "shapes": {}}
-    for name, shape in SHAPES.items():
+    for name in args.shapes:
+        shape = SHAPES[name]
         print(f"{name} {shape}", flush=True)
         w13, w2 = make_weights(shape)
         entry: dict = {"shape": shape._asdict()}
@@ -308,7 +313,7 @@ def main() -> None:
                 json.dump(result, f, indent=2)
             continue
         if args.sweep:
-            entry["sweep"] = sweep(shape, w13, w2)
+            entry["sweep"] = sweep(shape, w13, w2, tuple(args.sweep_tokens))
         entry["bench"] = bench(shape, w13, w2)
         result["shapes"][name] = entry
         del w13, w2

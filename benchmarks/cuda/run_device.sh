@@ -42,6 +42,10 @@ wanted check_moe && step check_moe python3 benchmarks/cuda/check_engine.py --out
     --skip-conformance --families qwen3_moe mixtral deepseek_v3_moe
 wanted moe_engine && step moe_engine python3 benchmarks/cuda/moe_engine_bench.py --out "$out" $quick
 wanted moe_bench && step moe_bench python3 benchmarks/cuda/moe_bench.py --out "$out/fused_moe.json"
+# The grouped GEMMs' tiles at the token counts of mixed steps (MOE_SWEEP_TOKENS), one shape.
+wanted moe_sweep && step moe_sweep python3 benchmarks/cuda/moe_bench.py --sweep \
+    --shapes ${MOE_SWEEP_SHAPES:-qwen3-30b-a3b} --sweep-tokens ${MOE_SWEEP_TOKENS:-2048 4096 8192} \
+    --out "$out/fused_moe_sweep_mixed.json"
 wanted moe_gemv_sweep && step moe_gemv_sweep python3 benchmarks/cuda/moe_bench.py \
     --out "$out/fused_moe.json" --gemv-sweep
 wanted profile_moe && step profile_moe python3 benchmarks/cuda/profile_moe.py --out "$out" \
