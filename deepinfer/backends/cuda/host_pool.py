@@ -25,6 +25,8 @@ handle (an event) tells HiCache when a host page may be reused and the blocks le
 """
 from __future__ import annotations
 
+import mmap
+import os
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -38,7 +40,6 @@ from deepinfer.backends.cuda.page_copy import (
     UVAPageCopier,
     pinned_empty,
 )
-from deepinfer.backends.torch.host_pool import map_shared
 
 
 @dataclass
@@ -89,17 +90,45 @@ STORE_CTAS = 2
 REGISTER_FLAGS = 0x1 | 0x2
 
 
+class PinnedMap(mmap.mmap):
+    """A file mapped shared and page-locked for as long as the mapping lives: a tensor made
+    from it (torch.frombuffer) keeps it alive, and when the last one goes the registration
+    ends before the pages are unmapped. An address range unmapped while still registered
+    would make the next registration of a mapping placed there fail
+    (cudaErrorHostMemoryAlreadyRegistered), as when a process makes a second pool over the
+    same file (an engine restarted in place, the checks of two engines in one process)."""
+
+    address = 0  # the registered range's start; 0 while not registered
+
+    def __del__(self) -> None:
+        if self.address:
+            _cudart().cudaHostUnregister(self.address)
+            self.address = 0
+
+
+def _cudart():
+    return torch.cuda.cudart()
+
+
 def pin_shared(path: str, nbytes: int) -> torch.Tensor:
     """A file's first nbytes, mapped shared and page-locked (cudaHostRegister), as a uint8
-    [nbytes] tensor. The registration lasts as long as the process: the pool it backs lives
-    until the rank exits."""
-    pages = map_shared(path, nbytes, torch.uint8)
-    err = torch.cuda.cudart().cudaHostRegister(pages.data_ptr(), nbytes, REGISTER_FLAGS)
+    [nbytes] tensor; unregistered and unmapped when the tensor and its views are gone."""
+    if os.path.getsize(path) < nbytes:
+        raise ValueError(f"{path} holds {os.path.getsize(path)} bytes, not {nbytes}")
+    fd = os.open(path, os.O_RDWR)
+    try:
+        mapping = PinnedMap(fd, nbytes, flags=mmap.MAP_SHARED,
+                            prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)  # the mapping keeps the file
+    pages = torch.frombuffer(mapping, dtype=torch.uint8)
+    err = _cudart().cudaHostRegister(pages.data_ptr(), nbytes, REGISTER_FLAGS)
     if int(err) != 0:
         # A file on a disk file system cannot be page-locked for good (the kernel refuses
         # long-term pins of its pages); shared memory (tmpfs, /dev/shm) can.
         raise RuntimeError(f"cudaHostRegister of the shared host pool {path} ({nbytes} bytes) "
                            f"failed: CUDA error {int(err)} (is it on tmpfs, e.g. /dev/shm?)")
+    mapping.address = pages.data_ptr()
     return pages
 
 

@@ -16,6 +16,7 @@ decodes the same tokens through the engine.
 from __future__ import annotations
 
 import ctypes
+import os
 
 import pytest
 import torch
@@ -587,6 +588,75 @@ def test_host_pool_allocates_exactly_and_returns_an_event():
     pool.pages[6] = 0
     pool.copy([6], pair, to_device=False).wait()
     assert torch.equal(pool.pages[6], host[4])
+
+
+class _FakeCudart:
+    """cudaHostRegister / cudaHostUnregister as calls recorded, for a host without CUDA."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, int]] = []
+
+    def cudaHostRegister(self, address: int, nbytes: int, flags: int) -> int:
+        self.calls.append(("register", address))
+        return 0
+
+    def cudaHostUnregister(self, address: int) -> int:
+        self.calls.append(("unregister", address))
+        return 0
+
+
+def _pool_file(folder: str, nbytes: int) -> str:
+    path = os.path.join(folder, "pool")
+    with open(path, "wb") as f:
+        f.truncate(nbytes)
+    return path
+
+
+def test_a_shared_pool_is_unregistered_when_its_last_view_goes(tmp_path, monkeypatch):
+    """The registration of a shared pool's mapping ends with the mapping (before the unmap),
+    so a second pool over the same file in the same process registers afresh; writes go to
+    the file either way."""
+    import gc
+
+    from deepinfer.backends.cuda import host_pool
+
+    cudart = _FakeCudart()
+    monkeypatch.setattr(host_pool, "_cudart", lambda: cudart)
+    path = _pool_file(str(tmp_path), 4096)
+    pages = host_pool.pin_shared(path, 4096).view(4, 1024)
+    first = cudart.calls[0][1]
+    assert cudart.calls == [("register", first)] and first == pages.data_ptr()
+    pages[3, 5] = 7
+    rows = pages[2:]  # a view keeps the mapping, and so the registration
+    del pages
+    gc.collect()
+    assert len(cudart.calls) == 1 and rows[1, 5] == 7
+    del rows
+    gc.collect()
+    assert cudart.calls == [("register", first), ("unregister", first)]
+    again = host_pool.pin_shared(path, 4096)
+    assert again[3 * 1024 + 5] == 7 and cudart.calls[-1] == ("register", again.data_ptr())
+    with pytest.raises(ValueError, match="holds 4096 bytes"):
+        host_pool.pin_shared(path, 8192)
+
+
+@needs_cuda
+def test_pools_over_one_file_made_and_freed_in_turn_register_each_time():
+    """The GPU's own registrations: pools over one /dev/shm file made one after another in a
+    process (each freed first) all register, with writes seen by the next."""
+    import gc
+    import tempfile
+
+    from deepinfer.backends.cuda.host_pool import pin_shared
+
+    with tempfile.TemporaryDirectory(dir="/dev/shm") as folder:
+        path = _pool_file(folder, 1 << 22)
+        for value in range(1, 5):
+            pages = pin_shared(path, 1 << 22)
+            assert pages[0].item() == value - 1
+            pages[0] = value
+            del pages
+            gc.collect()
 
 
 @needs_cuda
