@@ -102,8 +102,11 @@ class PinnedMap(mmap.mmap):
 
     def __del__(self) -> None:
         if self.address:
-            _cudart().cudaHostUnregister(self.address)
-            self.address = 0
+            address, self.address = self.address, 0
+            try:
+                _cudart().cudaHostUnregister(address)
+            except (RuntimeError, AttributeError, TypeError):
+                pass  # at interpreter exit CUDA (or this module) may be torn down first
 
 
 def _cudart():
