@@ -184,8 +184,13 @@ class SharedHostPagePool:
         elif (bytes(h["magic"]) != MAGIC or not h["ready"] or h["fingerprint"] != fingerprint
               or (h["num_pages"], h["page_bytes"], h["block_size"], h["max_ranks"])
               != (g.num_pages, g.page_bytes, g.block_size, ranks)):
-            raise ValueError(f"the shared host pool in {self.place.path} was made for another "
-                             "model or layout than this rank's")
+            theirs = (int(h["num_pages"]), int(h["page_bytes"]), int(h["block_size"]),
+                      int(h["max_ranks"]), bytes(h["fingerprint"]).hex()[:16])
+            ours = (g.num_pages, g.page_bytes, g.block_size, ranks, fingerprint.hex()[:16])
+            raise ValueError(
+                f"the shared host pool in {self.place.path} was made for another model or "
+                f"layout than this rank's: (pages, page bytes, block size, ranks, model) "
+                f"{theirs} there, {ours} here")
 
     def _allocate_files(self, meta_bytes: int) -> None:
         """Reserve both files' space now (tmpfs: a mapping past what it can hold would fault
