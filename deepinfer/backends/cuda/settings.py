@@ -27,9 +27,6 @@ class CudaSettings:
     fp8_cublas: bool = setting(True, "DEEPINFER_CUDA_FP8_CUBLAS", flag)
     # FP8 projections of decode batches on the skinny GEMM (off: the prefill GEMM).
     fp8_skinny: bool = setting(True, "DEEPINFER_CUDA_FP8_SKINNY", flag)
-    # FP8 fused MoE grouped GEMMs take two 128-column scale groups a K step, every dot of the
-    # step in flight before the first is scaled (off, the default until measured: one group).
-    fp8_moe_pairs: bool = setting(False, "DEEPINFER_CUDA_FP8_MOE_PAIRS", flag)
     # HiCache loads layer by layer on a stream of their own, each layer of the next step
     # waiting for its own pages (off: the whole load on the engine's stream, then the step).
     layer_loads: bool = setting(True, "DEEPINFER_CUDA_LAYER_LOADS", flag)

@@ -12,14 +12,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deepinfer.backends.cuda.kernels import fused_moe
 from deepinfer.backends.cuda.kernels.fp8_gemm import Scaled
 from deepinfer.backends.cuda.kernels.fused_moe import (
     FP8_MOE_CONFIGS,
     MoeConfig,
     Tiles,
     config_for,
-    fp8_dots,
     fp8_tiles,
     fused_experts,
 )
@@ -57,7 +55,7 @@ def _round_tokens(x: torch.Tensor) -> torch.Tensor:
     return RowScaledFP8.quantize(x.float()).dequantize()
 
 
-def _problem(g: torch.Generator, tokens: int, top_k: int, dtype: torch.dtype, f: int = F):
+def _problem(g: torch.Generator, tokens: int, top_k: int, dtype: torch.dtype):
     choices = torch.tensor([s for s in range(SLOTS) if s != IDLE])
     slots = torch.stack([choices[torch.randperm(len(choices), generator=g)[:top_k]]
                          for _ in range(tokens)])
@@ -65,8 +63,8 @@ def _problem(g: torch.Generator, tokens: int, top_k: int, dtype: torch.dtype, f:
     # x already on FP8's grid (rounding it again is exact): the w8a8 path's only activation
     # rounding left is the intermediate's, which the reference below repeats.
     x = _round_tokens(torch.randn(tokens, H, generator=g)).to(dtype=dtype, device=DEVICE)
-    w13 = _quantize(torch.randn(SLOTS, 2 * f, H, generator=g) / H ** 0.5)
-    w2 = _quantize(torch.randn(SLOTS, H, f, generator=g) / f ** 0.5)
+    w13 = _quantize(torch.randn(SLOTS, 2 * F, H, generator=g) / H ** 0.5)
+    w2 = _quantize(torch.randn(SLOTS, H, F, generator=g) / F ** 0.5)
     weights = torch.rand(tokens, top_k, generator=g).to(DEVICE)
     return x, w13, w2, weights, slots.to(torch.int32).to(DEVICE)
 
@@ -126,24 +124,6 @@ def test_fp8_grouped_gemms_equal_the_w8a8_reference(tokens, top_k, dtype) -> Non
         assert out.shape == x.shape and out.dtype == dtype
         _assert_near(out, ref, 1e-2 if dtype == torch.float32 else 2e-2)
         _assert_near(out, exact, 0.06)
-
-
-@pytest.mark.parametrize("pairs", [True, False])
-def test_fp8_k_steps_of_two_scale_groups(monkeypatch, pairs: bool) -> None:
-    """F 256: both GEMMs' K is whole pairs of scale groups, so with the switch on each K step
-    takes two groups (every dot issued before the first is scaled); the result is the same
-    w8a8 product either way (only float32 sum order differs)."""
-    monkeypatch.setattr(fused_moe, "cuda_settings", lambda: CudaSettings(fp8_moe_pairs=pairs))
-    g = torch.Generator().manual_seed(7)
-    x, w13, w2, weights, slots = _problem(g, 17, 3, torch.float32, f=256)
-    for cfg in CONFIGS:
-        gate_up = fp8_dots(fp8_tiles(cfg.gate_up, cfg.block_m, 2), cfg.block_m, 2, H)
-        down = fp8_dots(fp8_tiles(cfg.down, cfg.block_m, 1), cfg.block_m, 1, 256)
-        assert (gate_up[1], down[1]) == ((2, 2) if pairs else (1, 1))
-        assert gate_up[0].block_k == down[0].block_k == 128
-        out = fused_experts(x, w13, w2, weights, slots, cfg)
-        _assert_near(out, _w8a8_reference(x, w13, w2, weights, slots), 1e-2)
-    assert fp8_dots(fp8_tiles(CONFIGS[0].down, 16, 1), 16, 1, F)[1] == 1  # F 192: odd groups
 
 
 def test_fp8_swiglu_limit_in_both_paths() -> None:

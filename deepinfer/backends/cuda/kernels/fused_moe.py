@@ -50,7 +50,6 @@ from deepinfer.backends.cuda.kernels.fp8_gemm import GROUP, Scaled, quantize_tok
 from deepinfer.backends.cuda.kernels.moe_gemv import limit_constexpr as _limit
 from deepinfer.backends.cuda.kernels.moe_gemv import swiglu
 from deepinfer.backends.cuda.kernels.tiles import rows_per_program
-from deepinfer.backends.cuda.settings import cuda_settings
 
 _ALIGN_CHUNK = 1024  # routes one align program sorts in registers
 _ALIGN_BLOCKS = 32  # blocks one align program labels per iteration
@@ -241,7 +240,7 @@ def _gate_up_kernel(x_ptr, w_ptr, routes_ptr, block_slots_ptr, h_ptr, xs_ptr, ws
                     top_k, F, H, num_blocks, sx, sw_e, sw_n, sh, sxs, sws_e, sws_n,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     EVEN_K: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr,
-                    DOTS: tl.constexpr = 1, LIMIT: tl.constexpr = None):
+                    LIMIT: tl.constexpr = None):
     """h[row] = silu(x[t] @ gate.T) * (x[t] @ up.T) for the route in each sorted row; with a
     LIMIT, silu(min(gate, LIMIT)) * clamp(up, -LIMIT, LIMIT). FP8: x and the weights are
     float8 codes with one scale per row and 128 columns (xs [T, groups], ws [S, 2F, groups])
@@ -267,54 +266,32 @@ def _gate_up_kernel(x_ptr, w_ptr, routes_ptr, block_slots_ptr, h_ptr, xs_ptr, ws
     us_ptrs = gs_ptrs + F * sws_n
     gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, H, BLOCK_K * DOTS):
-        if DOTS == 2:
-            # Two scale groups a step: four dots in flight before the first is scaled.
-            a0 = tl.load(a_ptrs, mask=live[:, None], other=0.0)
-            a1 = tl.load(a_ptrs + BLOCK_K, mask=live[:, None], other=0.0)
-            g0 = tl.load(g_ptrs)
-            g1 = tl.load(g_ptrs + BLOCK_K)
-            u0 = tl.load(u_ptrs)
-            u1 = tl.load(u_ptrs + BLOCK_K)
-            group = k0 // BLOCK_K
-            a0_scale = tl.load(xs_ptrs + group)[:, None]
-            a1_scale = tl.load(xs_ptrs + group + 1)[:, None]
-            g0_scale = a0_scale * tl.load(gs_ptrs + group)[None, :]
-            g1_scale = a1_scale * tl.load(gs_ptrs + group + 1)[None, :]
-            u0_scale = a0_scale * tl.load(us_ptrs + group)[None, :]
-            u1_scale = a1_scale * tl.load(us_ptrs + group + 1)[None, :]
-            g0_dot = tl.dot(a0, g0)
-            u0_dot = tl.dot(a0, u0)
-            g1_dot = tl.dot(a1, g1)
-            u1_dot = tl.dot(a1, u1)
-            gate += g0_dot * g0_scale + g1_dot * g1_scale
-            up += u0_dot * u0_scale + u1_dot * u1_scale
+    for k0 in range(0, H, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=live[:, None], other=0.0)
+            g = tl.load(g_ptrs)
+            u = tl.load(u_ptrs)
         else:
-            if EVEN_K:
-                a = tl.load(a_ptrs, mask=live[:, None], other=0.0)
-                g = tl.load(g_ptrs)
-                u = tl.load(u_ptrs)
-            else:
-                k_ok = ks < H - k0
-                a = tl.load(a_ptrs, mask=live[:, None] & k_ok[None, :], other=0.0)
-                g = tl.load(g_ptrs, mask=k_ok[:, None], other=0.0)
-                u = tl.load(u_ptrs, mask=k_ok[:, None], other=0.0)
-            if FP8:
-                # The scales first and both dots in flight before either is scaled: a scale
-                # loaded after its dot's wait adds a memory round trip to every K step.
-                a_scale = tl.load(xs_ptrs + k0 // BLOCK_K)[:, None]
-                g_scale = a_scale * tl.load(gs_ptrs + k0 // BLOCK_K)[None, :]
-                u_scale = a_scale * tl.load(us_ptrs + k0 // BLOCK_K)[None, :]
-                g_dot = tl.dot(a, g)
-                u_dot = tl.dot(a, u)
-                gate += g_dot * g_scale
-                up += u_dot * u_scale
-            else:
-                gate = tl.dot(a, g, gate, input_precision=PRECISION)
-                up = tl.dot(a, u, up, input_precision=PRECISION)
-        a_ptrs += BLOCK_K * DOTS
-        g_ptrs += BLOCK_K * DOTS
-        u_ptrs += BLOCK_K * DOTS
+            k_ok = ks < H - k0
+            a = tl.load(a_ptrs, mask=live[:, None] & k_ok[None, :], other=0.0)
+            g = tl.load(g_ptrs, mask=k_ok[:, None], other=0.0)
+            u = tl.load(u_ptrs, mask=k_ok[:, None], other=0.0)
+        if FP8:
+            # The scales first and both dots in flight before either is scaled: a scale
+            # loaded after its dot's wait adds a memory round trip to every K step.
+            a_scale = tl.load(xs_ptrs + k0 // BLOCK_K)[:, None]
+            g_scale = a_scale * tl.load(gs_ptrs + k0 // BLOCK_K)[None, :]
+            u_scale = a_scale * tl.load(us_ptrs + k0 // BLOCK_K)[None, :]
+            g_dot = tl.dot(a, g)
+            u_dot = tl.dot(a, u)
+            gate += g_dot * g_scale
+            up += u_dot * u_scale
+        else:
+            gate = tl.dot(a, g, gate, input_precision=PRECISION)
+            up = tl.dot(a, u, up, input_precision=PRECISION)
+        a_ptrs += BLOCK_K
+        g_ptrs += BLOCK_K
+        u_ptrs += BLOCK_K
     h = swiglu(gate, up, LIMIT)
     h_ptrs = h_ptr + rows.to(tl.int64)[:, None] * sh + cols[None, :]
     tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=cols[None, :] < F)
@@ -324,8 +301,7 @@ def _gate_up_kernel(x_ptr, w_ptr, routes_ptr, block_slots_ptr, h_ptr, xs_ptr, ws
 def _down_kernel(h_ptr, w_ptr, routes_ptr, block_slots_ptr, weights_ptr, y_ptr, hs_ptr, ws_ptr,
                  n_routes, H, F, num_blocks, sh, sw_e, sw_n, sy, shs, sws_e, sws_n,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 EVEN_K: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr,
-                 DOTS: tl.constexpr = 1):
+                 EVEN_K: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr):
     """y[route] = weight[route] * (h[row] @ w2[slot].T) for the route in each sorted row. FP8:
     as in _gate_up_kernel, h's scales hs [rows, groups] and w2's ws [S, H, groups]."""
     pid_m, pid_n = _tile(num_blocks, H, BLOCK_N)
@@ -343,34 +319,21 @@ def _down_kernel(h_ptr, w_ptr, routes_ptr, block_slots_ptr, weights_ptr, y_ptr, 
     hs_ptrs = hs_ptr + rows.to(tl.int64) * shs  # FP8 only, as the one below
     bs_ptrs = ws_ptr + slot.to(tl.int64) * sws_e + (cols % H) * sws_n
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, F, BLOCK_K * DOTS):
-        if DOTS == 2:  # two scale groups a step, both dots in flight before either is scaled
-            a0 = tl.load(a_ptrs)
-            a1 = tl.load(a_ptrs + BLOCK_K)
-            b0 = tl.load(b_ptrs)
-            b1 = tl.load(b_ptrs + BLOCK_K)
-            group = k0 // BLOCK_K
-            scale0 = tl.load(hs_ptrs + group)[:, None] * tl.load(bs_ptrs + group)
-            scale1 = tl.load(hs_ptrs + group + 1)[:, None] * tl.load(bs_ptrs + group + 1)
-            dot0 = tl.dot(a0, b0)
-            dot1 = tl.dot(a1, b1)
-            acc += dot0 * scale0 + dot1 * scale1
+    for k0 in range(0, F, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            b = tl.load(b_ptrs)
         else:
-            if EVEN_K:
-                a = tl.load(a_ptrs)
-                b = tl.load(b_ptrs)
-            else:
-                k_ok = ks < F - k0
-                a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
-                b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
-            if FP8:
-                scale = tl.load(hs_ptrs + k0 // BLOCK_K)[:, None] * \
-                    tl.load(bs_ptrs + k0 // BLOCK_K)
-                acc += tl.dot(a, b) * scale
-            else:
-                acc = tl.dot(a, b, acc, input_precision=PRECISION)
-        a_ptrs += BLOCK_K * DOTS
-        b_ptrs += BLOCK_K * DOTS
+            k_ok = ks < F - k0
+            a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
+        if FP8:
+            scale = tl.load(hs_ptrs + k0 // BLOCK_K)[:, None] * tl.load(bs_ptrs + k0 // BLOCK_K)
+            acc += tl.dot(a, b) * scale
+        else:
+            acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
     acc *= tl.load(weights_ptr + route, mask=live, other=0.0)[:, None]
     y_ptrs = y_ptr + route.to(tl.int64)[:, None] * sy + cols[None, :]
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=live[:, None] & (cols[None, :] < H))
@@ -422,19 +385,6 @@ def fp8_tiles(tiles: Tiles, block_m: int, b_tiles: int) -> Tiles:
     return fitted
 
 
-def fp8_dots(tiles: Tiles, block_m: int, b_tiles: int, k: int) -> tuple[Tiles, int]:
-    """Scale groups an FP8 GEMM's K step takes, and its tiles for that: two where K is whole
-    pairs of groups and the pipeline keeps two stages of both in shared memory (as many as
-    the tiles had, if fewer). Triton waits for each dot whose result is scaled before it is
-    added, so a step's dots are issued together; else one group a step."""
-    if not cuda_settings().fp8_moe_pairs or k % (2 * GROUP):
-        return tiles, 1
-    paired = fit_tiles(dataclasses.replace(tiles, block_k=2 * GROUP), block_m, 1, b_tiles)
-    if paired.block_k != 2 * GROUP or paired.num_stages < min(2, tiles.num_stages):
-        return tiles, 1
-    return dataclasses.replace(paired, block_k=GROUP), 2
-
-
 def moe_gate_up(x: torch.Tensor | Scaled, w13: torch.Tensor | Scaled, al: Alignment,
                 top_k: int, tiles: Tiles, swiglu_limit: float | None = None,
                 out_dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -446,15 +396,13 @@ def moe_gate_up(x: torch.Tensor | Scaled, w13: torch.Tensor | Scaled, al: Alignm
     blocks = al.block_slots.numel()
     scales, strides = _scale_args(x, w13)
     out = torch.empty((al.routes.numel(), f), dtype=out_dtype or xq.dtype, device=xq.device)
-    fp8 = isinstance(w13, Scaled)
-    tiles, dots = fp8_dots(tiles, al.block_m, 2, h) if fp8 else (tiles, 1)
     grid = (blocks * triton.cdiv(f, tiles.block_n),)
     _gate_up_kernel[grid](
         xq, wq, al.routes, al.block_slots, out, *scales, top_k * xq.shape[0], top_k, f, h,
         blocks, xq.stride(0), wq.stride(0), wq.stride(1), out.stride(0), *strides,
         BLOCK_M=al.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
-        EVEN_K=h % tiles.block_k == 0, PRECISION=_precision(xq.dtype), FP8=fp8, DOTS=dots,
-        LIMIT=_limit(swiglu_limit), num_warps=tiles.num_warps,
+        EVEN_K=h % tiles.block_k == 0, PRECISION=_precision(xq.dtype),
+        FP8=isinstance(w13, Scaled), LIMIT=_limit(swiglu_limit), num_warps=tiles.num_warps,
         num_stages=tiles.num_stages)
     return out
 
@@ -470,15 +418,13 @@ def moe_down(inter: torch.Tensor | Scaled, w2: torch.Tensor | Scaled, al: Alignm
     blocks = al.block_slots.numel()
     scales, strides = _scale_args(inter, w2)
     out = torch.empty((weights.numel(), h), dtype=out_dtype or iq.dtype, device=iq.device)
-    fp8 = isinstance(w2, Scaled)
-    tiles, dots = fp8_dots(tiles, al.block_m, 1, f) if fp8 else (tiles, 1)
     grid = (blocks * triton.cdiv(h, tiles.block_n),)
     _down_kernel[grid](
         iq, wq, al.routes, al.block_slots, weights, out, *scales, weights.numel(), h, f,
         blocks, iq.stride(0), wq.stride(0), wq.stride(1), out.stride(0), *strides,
         BLOCK_M=al.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
-        EVEN_K=f % tiles.block_k == 0, PRECISION=_precision(iq.dtype), FP8=fp8, DOTS=dots,
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+        EVEN_K=f % tiles.block_k == 0, PRECISION=_precision(iq.dtype),
+        FP8=isinstance(w2, Scaled), num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     return out
 
 
