@@ -47,7 +47,6 @@ from moe_bench import (  # noqa: E402
 from deepinfer.backends.cuda.kernels.fp8_gemm import Scaled  # noqa: E402
 from deepinfer.backends.cuda.kernels.fused_moe import MoeConfig, Tiles, fused_experts  # noqa: E402
 from deepinfer.backends.cuda.kernels.moe_gemv import takes  # noqa: E402
-from deepinfer.backends.cuda.settings import cuda_settings  # noqa: E402
 from deepinfer.models.moe.experts import fused_experts_reference  # noqa: E402
 from deepinfer.models.quant.packed import FP8Experts  # noqa: E402
 from deepinfer.models.weight_targets import SlotRows  # noqa: E402
@@ -171,8 +170,7 @@ def main() -> None:
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     result: dict = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
                     "triton": triton.__version__, "hbm_bytes_per_s": HBM_BYTES_PER_S,
-                    "fp8_flops": FP8_FLOPS, "shapes": {},
-                    "fp8_moe_pairs": cuda_settings().fp8_moe_pairs}
+                    "fp8_flops": FP8_FLOPS, "shapes": {}}
     for name in args.shapes:
         shape = SHAPES[name]
         print(f"{name} {shape}", flush=True)

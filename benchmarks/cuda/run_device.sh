@@ -86,14 +86,6 @@ wanted fp8_moe && step fp8_moe_engine python3 benchmarks/cuda/moe_engine_bench.p
     --quick --quantization fp8 --out "$out"
 wanted fp8_moe && step fp8_moe_engine_bf16 python3 benchmarks/cuda/moe_engine_bench.py \
     --skip-hf --quick --out "$out/moe_bf16"
-# The FP8 grouped GEMMs with K steps of two scale groups and of one, alternately in one lease.
-for run in ${AB_RUNS:-1 2}; do
-    for pairs in 1 0; do
-        wanted fp8_moe_pairs && step "fp8_moe_pairs$pairs-$run" env \
-            DEEPINFER_CUDA_FP8_MOE_PAIRS=$pairs python3 benchmarks/cuda/bench_moe_fp8.py \
-            --shapes ${FP8_MOE_SHAPES:-qwen3-30b-a3b} --out "$out/fp8_moe_pairs$pairs-$run.json"
-    done
-done
 # Top-1 agreement of FP8 with bf16 on a real model: FP8_AGREEMENT_MODEL, SmolLM2's GGUF.
 wanted fp8_agreement && step fp8_agreement python3 benchmarks/cuda/fp8_agreement.py \
     --model "${FP8_AGREEMENT_MODEL:?set FP8_AGREEMENT_MODEL to a .gguf or HF folder}" \

@@ -22,7 +22,6 @@ from deepinfer.backends.cuda.kernels.fused_moe import (
     fused_experts,
 )
 from deepinfer.backends.cuda.kernels.moe_gemv import GemvTiles, MoeGemvConfig, moe_gemv, takes
-from deepinfer.backends.cuda.settings import CudaSettings
 from deepinfer.models.moe.experts import fused_experts_reference, swiglu
 from deepinfer.models.quant.tensors import RowScaledFP8
 
