@@ -5,6 +5,7 @@ index table stays exact through deletions that wrap around."""
 from __future__ import annotations
 
 import errno
+import hashlib
 import os
 import random
 import signal
@@ -138,6 +139,20 @@ def test_another_model_or_layout_may_not_attach(tmp_path):
         SharedHostPagePool(SharedPoolPlace(str(tmp_path), 2, 0), other)
     with pytest.raises(ValueError, match="another layout"):
         SharedHostPagePool(SharedPoolPlace(str(tmp_path), 2, 0), PoolGeometry(16, 64, BLOCK, "a"))
+
+
+def test_a_model_whose_digest_ends_in_zero_bytes_attaches(tmp_path):
+    """The pool keeps the model's digest as raw bytes: one ending in NUL bytes (1 model in
+    256) is the same digest when read back, so its ranks attach."""
+    name = next(f"model-{i}" for i in range(10_000)
+                if hashlib.sha256(f"model-{i}".encode()).digest()[-1] == 0)
+    geometry = PoolGeometry(8, 64, BLOCK, name)
+    first, second = _pools(str(tmp_path), geometry=geometry)
+    page = _store(first, 3)
+    assert second.lookup(*_page(3)).page_id == page
+    with pytest.raises(ValueError, match="another model or layout"):
+        SharedHostPagePool(SharedPoolPlace(str(tmp_path), 2, 0),
+                           PoolGeometry(8, 64, BLOCK, name + "x"))
 
 
 def test_no_room_leaves_no_files(tmp_path, monkeypatch):

@@ -67,7 +67,7 @@ class PoolGeometry:
 def _dtypes(block_size: int, max_ranks: int) -> tuple[np.dtype, np.dtype, np.dtype]:
     header = np.dtype([("magic", "S8"), ("ready", "<i8"), ("num_pages", "<i8"),
                        ("page_bytes", "<i8"), ("block_size", "<i8"), ("max_ranks", "<i8"),
-                       ("index_slots", "<i8"), ("fingerprint", "S32"), ("clock", "<i8"),
+                       ("index_slots", "<i8"), ("fingerprint", "V32"), ("clock", "<i8"),
                        ("used", "<i8"), ("pinned", "<i8")])
     rank = np.dtype([("pid", "<i8"), ("started", "<i8")])
     page = np.dtype([("state", "u1"), ("complete", "u1"), ("hash", f"V{HASH_BYTES}"),
@@ -180,8 +180,10 @@ class SharedHostPagePool:
         if create:
             h["magic"], h["num_pages"], h["page_bytes"] = MAGIC, g.num_pages, g.page_bytes
             h["block_size"], h["max_ranks"], h["index_slots"] = g.block_size, ranks, slots
-            h["fingerprint"], h["ready"] = fingerprint, 1
-        elif (bytes(h["magic"]) != MAGIC or not h["ready"] or h["fingerprint"] != fingerprint
+            # Raw bytes (V32): an S32 field would drop a digest's trailing NUL bytes on read.
+            h["fingerprint"], h["ready"] = np.void(fingerprint), 1
+        elif (bytes(h["magic"]) != MAGIC or not h["ready"]
+              or bytes(h["fingerprint"]) != fingerprint
               or (h["num_pages"], h["page_bytes"], h["block_size"], h["max_ranks"])
               != (g.num_pages, g.page_bytes, g.block_size, ranks)):
             theirs = (int(h["num_pages"]), int(h["page_bytes"]), int(h["block_size"]),
