@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import os
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -96,6 +98,18 @@ def llama_dir(tmp_path_factory) -> str:
 @pytest.fixture(scope="session")
 def qwen3_dir(tmp_path_factory) -> str:
     return make_checkpoint(str(tmp_path_factory.mktemp("qwen3")), "qwen3")
+
+
+@pytest.fixture
+def pool_dir(tmp_path) -> Iterator[str]:
+    """A folder for a shared host pool: in shared memory where the machine has it, as the
+    server puts its pool (the nvidia backend page-locks the pool's file, which a disk file
+    system refuses), else tmp_path."""
+    if not os.access("/dev/shm", os.W_OK):
+        yield str(tmp_path)
+        return
+    with tempfile.TemporaryDirectory(dir="/dev/shm", prefix="deepinfer-test-") as folder:
+        yield folder
 
 
 @pytest.fixture(scope="session")

@@ -227,10 +227,10 @@ def test_a_restart_is_served_from_the_disk_tier(runs, v4_checkpoint, tmp_path):
     assert reader.hicache.pool.num_pinned == 0
 
 
-def test_a_peer_rank_is_served_from_the_shared_pool(runs, v4_checkpoint, tmp_path):
+def test_a_peer_rank_is_served_from_the_shared_pool(runs, v4_checkpoint, pool_dir):
     """Two ranks over the node's shared pool: the first prompt computed on one rank serves
     the other (an empty device of its own) with the hits and tokens of the host tier."""
-    ranks = [_engine(v4_checkpoint, host_pages=16, shared=SharedPoolPlace(str(tmp_path), 2, r))
+    ranks = [_engine(v4_checkpoint, host_pages=16, shared=SharedPoolPlace(pool_dir, 2, r))
              for r in range(2)]
     _generate(ranks[0], "first", runs.prompts["first"])
     for rid in ("again", "short"):
