@@ -113,11 +113,39 @@ def _cudart():
     return torch.cuda.cudart()
 
 
+# File systems whose pages the driver can page-lock for good: shared memory. A disk file
+# system's cannot be (the kernel refuses long-term pins of page-cache pages).
+LOCKABLE_FILE_SYSTEMS = ("tmpfs", "hugetlbfs")
+
+
+def file_system_of(path: str) -> str | None:
+    """The type of the file system holding path (the longest mount point above it in
+    /proc/self/mounts), or None where that cannot be read."""
+    real, best, kind = os.path.realpath(path), "", None
+    try:
+        with open("/proc/self/mounts") as f:
+            mounts = [line.split()[1:3] for line in f if len(line.split()) > 2]
+    except OSError:
+        return None
+    for point, fs_type in mounts:
+        point = point.encode().decode("unicode_escape")  # "\040" is a space
+        inside = real == point or real.startswith(point.rstrip("/") + "/")
+        if inside and len(point) >= len(best):
+            best, kind = point, fs_type
+    return kind
+
+
 def pin_shared(path: str, nbytes: int) -> torch.Tensor:
     """A file's first nbytes, mapped shared and page-locked (cudaHostRegister), as a uint8
     [nbytes] tensor; unregistered and unmapped when the tensor and its views are gone."""
     if os.path.getsize(path) < nbytes:
         raise ValueError(f"{path} holds {os.path.getsize(path)} bytes, not {nbytes}")
+    fs_type = file_system_of(path)
+    if fs_type is not None and fs_type not in LOCKABLE_FILE_SYSTEMS:
+        # Asked anyway, the driver fails, and its error stays behind as the runtime's last
+        # error, to be raised by whichever later CUDA call checks it.
+        raise RuntimeError(f"the shared host pool {path} is on {fs_type}, which cannot be "
+                           "page-locked: it must be in shared memory (tmpfs, e.g. /dev/shm)")
     fd = os.open(path, os.O_RDWR)
     try:
         mapping = PinnedMap(fd, nbytes, flags=mmap.MAP_SHARED,
@@ -127,8 +155,6 @@ def pin_shared(path: str, nbytes: int) -> torch.Tensor:
     pages = torch.frombuffer(mapping, dtype=torch.uint8)
     err = _cudart().cudaHostRegister(pages.data_ptr(), nbytes, REGISTER_FLAGS)
     if int(err) != 0:
-        # A file on a disk file system cannot be page-locked for good (the kernel refuses
-        # long-term pins of its pages); shared memory (tmpfs, /dev/shm) can.
         raise RuntimeError(f"cudaHostRegister of the shared host pool {path} ({nbytes} bytes) "
                            f"failed: CUDA error {int(err)} (is it on tmpfs, e.g. /dev/shm?)")
     mapping.address = pages.data_ptr()

@@ -612,7 +612,7 @@ def _pool_file(folder: str, nbytes: int) -> str:
     return path
 
 
-def test_a_shared_pool_is_unregistered_when_its_last_view_goes(tmp_path, monkeypatch):
+def test_a_shared_pool_is_unregistered_when_its_last_view_goes(pool_dir, monkeypatch):
     """The registration of a shared pool's mapping ends with the mapping (before the unmap),
     so a second pool over the same file in the same process registers afresh; writes go to
     the file either way."""
@@ -622,7 +622,7 @@ def test_a_shared_pool_is_unregistered_when_its_last_view_goes(tmp_path, monkeyp
 
     cudart = _FakeCudart()
     monkeypatch.setattr(host_pool, "_cudart", lambda: cudart)
-    path = _pool_file(str(tmp_path), 4096)
+    path = _pool_file(pool_dir, 4096)
     pages = host_pool.pin_shared(path, 4096).view(4, 1024)
     first = cudart.calls[0][1]
     assert cudart.calls == [("register", first)] and first == pages.data_ptr()
@@ -638,6 +638,21 @@ def test_a_shared_pool_is_unregistered_when_its_last_view_goes(tmp_path, monkeyp
     assert again[3 * 1024 + 5] == 7 and cudart.calls[-1] == ("register", again.data_ptr())
     with pytest.raises(ValueError, match="holds 4096 bytes"):
         host_pool.pin_shared(path, 8192)
+
+
+def test_a_pool_on_a_disk_file_system_is_refused_before_the_driver_is_asked(tmp_path,
+                                                                           monkeypatch):
+    """A failed cudaHostRegister would leave its error as the runtime's last error, raised
+    later by an unrelated CUDA call: a pool file outside shared memory is refused first."""
+    from deepinfer.backends.cuda import host_pool
+
+    if host_pool.file_system_of(str(tmp_path)) in host_pool.LOCKABLE_FILE_SYSTEMS:
+        pytest.skip("tmp_path is in shared memory here")
+    cudart = _FakeCudart()
+    monkeypatch.setattr(host_pool, "_cudart", lambda: cudart)
+    with pytest.raises(RuntimeError, match="cannot be page-locked"):
+        host_pool.pin_shared(_pool_file(str(tmp_path), 4096), 4096)
+    assert cudart.calls == []
 
 
 @needs_cuda
