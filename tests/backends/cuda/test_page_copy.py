@@ -622,6 +622,7 @@ def test_a_shared_pool_is_unregistered_when_its_last_view_goes(pool_dir, monkeyp
 
     cudart = _FakeCudart()
     monkeypatch.setattr(host_pool, "_cudart", lambda: cudart)
+    monkeypatch.setattr(host_pool, "file_system_of", lambda path: "tmpfs")  # any machine
     path = _pool_file(pool_dir, 4096)
     pages = host_pool.pin_shared(path, 4096).view(4, 1024)
     first = cudart.calls[0][1]
