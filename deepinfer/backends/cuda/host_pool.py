@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import re
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -116,19 +117,20 @@ def _cudart():
 # File systems whose pages the driver can page-lock for good: shared memory. A disk file
 # system's cannot be (the kernel refuses long-term pins of page-cache pages).
 LOCKABLE_FILE_SYSTEMS = ("tmpfs", "hugetlbfs")
+_OCTAL = re.compile(r"\\([0-7]{3})")  # /proc/self/mounts escapes space, tab, newline, "\\"
 
 
-def file_system_of(path: str) -> str | None:
-    """The type of the file system holding path (the longest mount point above it in
-    /proc/self/mounts), or None where that cannot be read."""
+def file_system_of(path: str, mounts_file: str = "/proc/self/mounts") -> str | None:
+    """The type of the file system holding path (the longest mount point above it in the
+    mount table), or None where that cannot be read."""
     real, best, kind = os.path.realpath(path), "", None
     try:
-        with open("/proc/self/mounts") as f:
+        with open(mounts_file) as f:
             mounts = [line.split()[1:3] for line in f if len(line.split()) > 2]
     except OSError:
         return None
     for point, fs_type in mounts:
-        point = point.encode().decode("unicode_escape")  # "\040" is a space
+        point = _OCTAL.sub(lambda m: chr(int(m.group(1), 8)), point)  # "\040" is a space
         inside = real == point or real.startswith(point.rstrip("/") + "/")
         if inside and len(point) >= len(best):
             best, kind = point, fs_type

@@ -656,6 +656,26 @@ def test_a_pool_on_a_disk_file_system_is_refused_before_the_driver_is_asked(tmp_
     assert cudart.calls == []
 
 
+def test_file_system_of_takes_the_longest_mount_point_above_the_path(tmp_path):
+    from deepinfer.backends.cuda.host_pool import file_system_of
+
+    table = tmp_path / "mounts"
+    table.write_text("/dev/vda / ext4 rw 0 0\n"
+                     "tmpfs /dev/shm tmpfs rw 0 0\n"
+                     "tmpfs /mnt/pool\\040dir tmpfs rw 0 0\n"
+                     "/dev/vdb /mnt/pool\\040dir/disk xfs rw 0 0\n"
+                     "tmpfs /dev/shmx tmpfs rw 0 0\n")
+
+    def kind(path: str) -> str | None:
+        return file_system_of(path, str(table))
+
+    assert kind("/dev/shm/deepinfer-1/pages") == "tmpfs"
+    assert kind("/mnt/pool dir/pages") == "tmpfs"  # "\040" is a space
+    assert kind("/mnt/pool dir/disk/pages") == "xfs"
+    assert kind("/dev/shmpool") == "ext4"  # a prefix of the name is no mount point above it
+    assert file_system_of("/x", str(tmp_path / "none")) is None
+
+
 @needs_cuda
 def test_pools_over_one_file_made_and_freed_in_turn_register_each_time():
     """The GPU's own registrations: pools over one /dev/shm file made one after another in a
