@@ -41,6 +41,7 @@ from deepinfer.backends.cuda.page_copy import (
     UVAPageCopier,
     pinned_empty,
 )
+from deepinfer.backends.torch.host_pool import check_pool_file
 
 
 @dataclass
@@ -140,8 +141,7 @@ def file_system_of(path: str, mounts_file: str = "/proc/self/mounts") -> str | N
 def pin_shared(path: str, nbytes: int) -> torch.Tensor:
     """A file's first nbytes, mapped shared and page-locked (cudaHostRegister), as a uint8
     [nbytes] tensor; unregistered and unmapped when the tensor and its views are gone."""
-    if os.path.getsize(path) < nbytes:
-        raise ValueError(f"{path} holds {os.path.getsize(path)} bytes, not {nbytes}")
+    check_pool_file(path, nbytes)
     fs_type = file_system_of(path)
     if fs_type is not None and fs_type not in LOCKABLE_FILE_SYSTEMS:
         # Asked anyway, the driver fails, and its error stays behind as the runtime's last

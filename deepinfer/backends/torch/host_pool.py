@@ -28,12 +28,17 @@ def host_memory(t: torch.Tensor) -> memoryview:
     return memoryview((ctypes.c_char * nbytes).from_address(t.data_ptr())).cast("B")
 
 
+def check_pool_file(path: str, nbytes: int) -> None:
+    """A shared pool's file must already hold the bytes a rank maps (its maker reserved
+    them): a mapping past the end would fault at first touch."""
+    if os.path.getsize(path) < nbytes:
+        raise ValueError(f"{path} holds {os.path.getsize(path)} bytes, not {nbytes}")
+
+
 def map_shared(path: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
     """numel elements of an existing file, mapped shared (writes reach every process that
     maps it), as a 1-D tensor."""
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
-    if os.path.getsize(path) < nbytes:
-        raise ValueError(f"{path} holds {os.path.getsize(path)} bytes, not {nbytes}")
+    check_pool_file(path, numel * torch.empty((), dtype=dtype).element_size())
     return torch.from_file(path, shared=True, size=numel, dtype=dtype)
 
 
