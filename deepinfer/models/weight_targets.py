@@ -9,10 +9,13 @@ from typing import Callable
 @dataclass(frozen=True)
 class SlotRows:
     """One expert slot of a stacked [S, ...] expert parameter, and rows [start, end) within it
-    (None: all of them)."""
+    (None: all of them). `source` (axis, start, end): only that part of the checkpoint tensor
+    loads here (a shared expert of several experts' width split over as many slots); None:
+    all of it."""
 
     slot: int
     rows: tuple[int, int] | None = None
+    source: tuple[int, int, int] | None = None
 
 
 # checkpoint name -> (parameter name, rows [start, end) of it, an expert slot's rows, or None

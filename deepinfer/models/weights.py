@@ -17,7 +17,12 @@ from safetensors import safe_open
 from torch import nn
 
 from deepinfer.models.quant.packed import PackedWeight
-from deepinfer.models.quant.tensors import QUANTIZED_TYPES, FP8BlockTensor, QuantizedTensor
+from deepinfer.models.quant.tensors import (
+    QUANTIZED_TYPES,
+    FP8BlockTensor,
+    QuantizedTensor,
+    narrow,
+)
 from deepinfer.models.weight_targets import Mapper, SlotRows
 
 
@@ -117,6 +122,8 @@ def load_mapped(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
 
 def _copy(name: str, tensor: torch.Tensor | QuantizedTensor, param: torch.Tensor | PackedWeight,
           where: tuple[int, int] | SlotRows | None) -> None:
+    if isinstance(where, SlotRows) and where.source is not None:
+        tensor = narrow(tensor, *where.source)
     if isinstance(param, PackedWeight):
         _check_shape(name, tensor.shape, param.part_shape(where))
         param.load_rows(tensor, where)

@@ -21,6 +21,7 @@ from torch import nn
 
 from deepinfer.models.decoder import GatedMLP
 from deepinfer.models.moe.routing import RouterSpec
+from deepinfer.models.moe.ops import MoEOps
 from deepinfer.models.moe.runtime import ExpertRuntime
 from deepinfer.models.ops import ModelOps
 from deepinfer.models.quant.packed import FP8Experts
@@ -82,9 +83,11 @@ class MoEBlock(Float32Params, nn.Module):
             # touches it.
             self.tid2eid = nn.Parameter(torch.zeros(dims.hash_vocab, dims.router.top_k,
                                                     dtype=torch.int64), requires_grad=False)
-        self.w13 = nn.Parameter(torch.empty(slots, 2 * f, h))
-        self.w2 = nn.Parameter(torch.empty(slots, h, f))
-        self.shared_experts = self._shared(dims, ops)
+        # Shared experts as slots past the routed ones where the ops run them so (0: apart).
+        self.shared_slots = shared_expert_slots(dims, ops, runtime)
+        self.w13 = nn.Parameter(torch.empty(slots + self.shared_slots, 2 * f, h))
+        self.w2 = nn.Parameter(torch.empty(slots + self.shared_slots, h, f))
+        self.shared_experts = None if self.shared_slots else self._shared(dims, ops)
         runtime.add_block(self)
 
     @torch.no_grad()
@@ -138,9 +141,31 @@ class MoEBlock(Float32Params, nn.Module):
         extra: dict = {} if capacity is None else {"capacity": capacity}
         if self.dims.swiglu_limit is not None:
             extra["swiglu_limit"] = self.dims.swiglu_limit
+        if self.shared_slots:
+            weights, slots = self._with_shared_routes(weights, slots)
         return self.ops.fused_experts(x, self.w13, self.w2, weights, slots, **extra)
 
+    def _with_shared_routes(self, weights: torch.Tensor, slots: torch.Tensor
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every token's routes plus one of weight 1 to each shared-expert slot."""
+        first = self.runtime.slots_per_rank
+        shared = torch.arange(first, first + self.shared_slots, dtype=slots.dtype,
+                              device=slots.device).expand(slots.shape[0], -1)
+        return (torch.cat((weights, torch.ones(shared.shape, dtype=weights.dtype,
+                                               device=weights.device)), dim=1),
+                torch.cat((slots, shared), dim=1))
+
     # ---- weights -------------------------------------------------------------------------
+    def shared_targets(self, prefix: str, proj: str) -> list[Target]:
+        """A shared-expert tensor (width shared_slots x F) -> its F-wide part in each
+        shared-expert slot: gate and up rows, down columns."""
+        name, half = EXPERT_PROJ[proj]
+        f, first = self.dims.intermediate_size, self.runtime.slots_per_rank
+        rows = None if half is None else (half * f, (half + 1) * f)
+        axis = 1 if half is None else 0
+        return [(f"{prefix}.{name}", SlotRows(first + i, rows, (axis, i * f, (i + 1) * f)))
+                for i in range(self.shared_slots)]
+
     def expert_targets(self, prefix: str, expert: int, proj: str) -> list[Target]:
         """A checkpoint tensor of one expert -> every local slot that holds it."""
         name, half = EXPERT_PROJ[proj]
@@ -157,6 +182,16 @@ class MoEBlock(Float32Params, nn.Module):
             for tensor in _slot_tensors(weight):
                 everything = runtime.gather_slots(tensor)
                 tensor.copy_(everything[sources.to(everything.device)])
+
+
+def shared_expert_slots(dims: MoEDims, ops: ModelOps, runtime: ExpertRuntime) -> int:
+    """How many expert slots a layer's shared experts take in the routed experts' stacks: their
+    width in experts, where the ops run shared experts in the fused pass (MoEOps
+    .fuses_shared_experts), every slot is on this rank (no exchange) and the width is whole
+    experts; else 0 (a dense MLP beside the experts)."""
+    f, width = dims.intermediate_size, dims.shared_intermediate
+    fuses = isinstance(ops, MoEOps) and ops.fuses_shared_experts and runtime.num_ranks == 1
+    return width // f if fuses and width and width % f == 0 else 0
 
 
 def _slot_tensors(weight: nn.Parameter | FP8Experts) -> tuple[torch.Tensor, ...]:
@@ -184,6 +219,8 @@ def moe_checkpoint_target(layers: nn.ModuleList, name: str) -> list[Target] | No
         return [(f"{prefix}.tid2eid", None)]
     if expert is not None:
         return block.expert_targets(prefix, int(expert), proj)
+    if block.shared_slots:
+        return block.shared_targets(prefix, shared)
     if shared in ("gate_proj", "up_proj"):
         rows = block.shared_experts.fused_rows(0 if shared == "gate_proj" else 1)
         return [(f"{prefix}.shared_experts.gate_up_proj.weight", rows)]

@@ -16,6 +16,11 @@ class MoEOps:
     """Routing, the experts' computation and the exchange between ranks. Mixed into a
     ModelOps subclass: swiglu calls its silu_and_mul."""
 
+    # fused_experts also runs a layer's shared experts: as slots past the routed ones that
+    # every token takes with weight 1, where all of a layer's slots are on this rank (one
+    # grouped pass instead of a dense MLP beside it; layer.shared_expert_slots).
+    fuses_shared_experts: bool = False
+
     def swiglu(self, x: torch.Tensor, limit: float | None = None) -> torch.Tensor:
         """silu_and_mul with DeepSeek-V4's clamp: x [T, 2F] -> silu(min(gate, limit)) *
         clamp(up, -limit, limit); limit None: silu_and_mul(x)."""

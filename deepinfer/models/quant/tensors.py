@@ -105,3 +105,19 @@ class RowScaledFP8:
 
 QuantizedTensor = GGUFTensor | FP8BlockTensor | RowScaledFP8
 QUANTIZED_TYPES = (GGUFTensor, FP8BlockTensor, RowScaledFP8)
+
+
+def narrow(tensor: torch.Tensor | QuantizedTensor, axis: int, start: int, end: int
+           ) -> torch.Tensor | QuantizedTensor:
+    """Part [start, end) of a 2-D checkpoint tensor along `axis`. Packed rows stay packed; FP8
+    columns too (codes and their scales as they are) where the part starts on a scale block;
+    other packed columns are dequantized first."""
+    if isinstance(tensor, torch.Tensor):
+        return tensor.narrow(axis, start, end - start)
+    if axis == 0:
+        return tensor.rows(start, end)
+    if isinstance(tensor, FP8BlockTensor) and start % tensor.block[1] == 0:
+        b = tensor.block[1]
+        return FP8BlockTensor(tensor.weight[:, start:end],
+                              tensor.scale_inv[:, start // b:-(-end // b)], tensor.block)
+    return tensor.dequantize().narrow(axis, start, end - start)
