@@ -86,6 +86,19 @@ wanted fp8_moe && step fp8_moe_engine python3 benchmarks/cuda/moe_engine_bench.p
     --quick --quantization fp8 --out "$out"
 wanted fp8_moe && step fp8_moe_engine_bf16 python3 benchmarks/cuda/moe_engine_bench.py \
     --skip-hf --quick --out "$out/moe_bf16"
+# Shared experts as slots of the fused MoE against a dense MLP beside it
+# (DEEPINFER_CUDA_FUSED_SHARED_EXPERTS=1/0; DeepSeek-V2-Lite shape: two shared experts),
+# alternately in one lease, separate processes; the MoE families' greedy check first.
+wanted shared_ab && step shared_check python3 benchmarks/cuda/check_engine.py --out "$out" \
+    --skip-conformance --families deepseek_v3_moe
+for run in ${AB_RUNS:-1 2}; do
+    for fused in 1 0; do
+        wanted shared_ab && step "shared_experts$fused-$run" env \
+            DEEPINFER_CUDA_FUSED_SHARED_EXPERTS=$fused python3 benchmarks/cuda/moe_concurrency.py \
+            --shape "${SHARED_SHAPE:-deepseek_v2_lite}" --workloads "${SHARED_WORKLOADS:-batch1,batch256}" \
+            --tag "_shared$fused-$run" --out "$out/shared_experts"
+    done
+done
 # Top-1 agreement of FP8 with bf16 on a real model: FP8_AGREEMENT_MODEL, SmolLM2's GGUF.
 wanted fp8_agreement && step fp8_agreement python3 benchmarks/cuda/fp8_agreement.py \
     --model "${FP8_AGREEMENT_MODEL:?set FP8_AGREEMENT_MODEL to a .gguf or HF folder}" \

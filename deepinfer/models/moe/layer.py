@@ -9,7 +9,9 @@ The router's scores pick k experts per token (ops.route); the runtime turns each
 physical slot and, under expert parallelism, exchanges tokens with the ranks that hold them;
 ops.fused_experts computes the routes this rank's slots serve. Checkpoints name experts one by
 one (`experts.{e}.gate_proj`, Mixtral's `w1/w3/w2`); each loads into every slot that holds a
-replica of it on this rank, and nowhere on ranks that hold none.
+replica of it on this rank, and nowhere on ranks that hold none. Where the ops fuse shared
+experts (MoEOps.fuses_shared_experts) and no exchange runs, the shared experts are slots past
+the routed ones instead of a dense MLP: every token's routes get one to each, of weight 1.
 """
 from __future__ import annotations
 
