@@ -22,8 +22,8 @@ import torch
 from torch import nn
 
 from deepinfer.models.decoder import GatedMLP
-from deepinfer.models.moe.routing import RouterSpec
 from deepinfer.models.moe.ops import MoEOps
+from deepinfer.models.moe.routing import RouterSpec
 from deepinfer.models.moe.runtime import ExpertRuntime
 from deepinfer.models.ops import ModelOps
 from deepinfer.models.quant.packed import FP8Experts
