@@ -88,9 +88,9 @@ wanted fp8_moe && step fp8_moe_engine_bf16 python3 benchmarks/cuda/moe_engine_be
     --skip-hf --quick --out "$out/moe_bf16"
 # Shared experts as slots of the fused MoE against a dense MLP beside it
 # (DEEPINFER_CUDA_FUSED_SHARED_EXPERTS=1/0; DeepSeek-V2-Lite shape: two shared experts),
-# alternately in one lease, separate processes; the MoE families' greedy check first.
-wanted shared_ab && step shared_check python3 benchmarks/cuda/check_engine.py --out "$out" \
-    --skip-conformance --families deepseek_v3_moe
+# alternately in one lease, separate processes; the greedy check with them fused first.
+wanted shared_ab && step shared_check env DEEPINFER_CUDA_FUSED_SHARED_EXPERTS=1 python3 \
+    benchmarks/cuda/check_engine.py --out "$out" --skip-conformance --families deepseek_v3_moe
 for run in ${AB_RUNS:-1 2}; do
     for fused in 1 0; do
         wanted shared_ab && step "shared_experts$fused-$run" env \

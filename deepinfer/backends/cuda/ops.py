@@ -100,8 +100,8 @@ class CUDAOps(MoEOps, MLAOps, DeepSeekV4Ops, ModelOps):
         # Called with a layer's index before the layer reads or writes its KV (set while a
         # step runs behind a layer-by-layer HiCache load: the layer waits for its pages).
         self.layer_gate: Callable[[int], None] | None = None
-        # DEEPINFER_CUDA_FUSED_SHARED_EXPERTS=0: shared experts as a dense MLP beside the
-        # fused MoE, the baseline their fused pass is measured against.
+        # DEEPINFER_CUDA_FUSED_SHARED_EXPERTS=1: shared experts as slots of the fused MoE
+        # instead of a dense MLP beside it (measured against it; off by default).
         self.fuses_shared_experts = cuda_settings().fused_shared_experts
 
     def _layer_kv(self, layer: int) -> tuple[torch.Tensor, ...]:

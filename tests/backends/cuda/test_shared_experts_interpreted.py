@@ -1,6 +1,7 @@
 """DeepSeek-V3 MoE on the CUDA backend with its kernels under Triton's interpreter: the two
-shared experts run as two slots of the fused MoE (the backend's default), in a prefill (the
-grouped GEMMs) and in one-token decode steps (the MoE GEMV), against transformers."""
+shared experts run as two slots of the fused MoE (DEEPINFER_CUDA_FUSED_SHARED_EXPERTS=1), in a
+prefill (the grouped GEMMs) and in one-token decode steps (the MoE GEMV), against
+transformers."""
 from __future__ import annotations
 
 import os
@@ -20,7 +21,11 @@ pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                 reason="runs the kernels under Triton's CPU interpreter")
 
 
-def test_shared_experts_in_the_fused_moe_equal_transformers(tmp_path):
+def test_shared_experts_in_the_fused_moe_equal_transformers(tmp_path, monkeypatch):
+    from deepinfer.backends.cuda import ops as cuda_ops
+    from deepinfer.backends.cuda.settings import CudaSettings
+
+    monkeypatch.setattr(cuda_ops, "cuda_settings", lambda: CudaSettings(fused_shared_experts=True))
     path = make_checkpoint(str(tmp_path / "m"), "deepseek_v3_moe", torch.float32,
                            n_shared_experts=2, vocab_size=128, eos_token_id=127,
                            intermediate_size=64)
