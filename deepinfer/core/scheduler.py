@@ -412,7 +412,10 @@ class Scheduler:
         n, stop = self._tokens_until_stop(req, row.token_ids)
         req.output_token_ids.extend(row.token_ids[:n])
         if n:
+            first = req.first_token_time is None
             req.took_tokens(time.monotonic())
+            if first and self.hicache is not None:
+                self.hicache.record_prefill(req)
         if req.status is not RequestStatus.RUNNING:
             # Preempted while its token was in flight: the token stands (it was computed
             # from the whole context); the recompute starts from scratch anyway.

@@ -1,13 +1,15 @@
 """HiCache's disk tier on the CPU backend: pages written back to a folder serve a restarted
 engine (greedy tokens equal to a run with no cache, for llama, a sliding-window model and MLA);
 a page that fails its checksum, a write a crash cut short and a full disk cost recomputes,
-never wrong tokens; the folder stays within its space."""
+never wrong tokens; a disk slower than recomputing is not waited for; the folder stays within
+its space."""
 from __future__ import annotations
 
 import errno
 import logging
 import os
 import random
+import time
 
 import pytest
 from checkpoints import make_checkpoint
@@ -15,6 +17,7 @@ from checkpoints import make_checkpoint
 from deepinfer.backends.cpu.accelerator import CPUAccelerator
 from deepinfer.core.config import ModelSpec
 from deepinfer.core.engine import Engine
+from deepinfer.core.hicache import cache as cache_module
 from deepinfer.core.hicache import disk as disk_module
 from deepinfer.core.hicache.disk import SUFFIX, kv_fingerprint
 from deepinfer.testing.hicache import BLOCK, GREEDY, check_disk_tier, generate, make_engine
@@ -188,3 +191,37 @@ def test_a_request_aborted_while_its_pages_come_from_disk_leaves_nothing(llama_d
     # The pages it asked for were indexed all the same: the next request hits them.
     assert generate(engine, "next", prompt).num_cached_tokens == 12 * BLOCK
     engine.shutdown()
+
+
+def test_a_disk_slower_than_recompute_is_not_waited_for(llama_dir, prompt, tmp_path,
+                                                        monkeypatch):
+    """Once the prefill's rate and the disk's are both measured and a page reads slower than
+    it is recomputed, a prompt is admitted without waiting for its pages from disk: the tokens
+    of no cache, while its reads go on into the host tier."""
+    rng = random.Random(5)
+    other, fresh = ([rng.randrange(2, VOCAB) for _ in range(PROMPT_TOKENS)] for _ in range(2))
+    disk_dir = str(tmp_path / "disk")
+    _run(llama_dir, disk_dir, prompt)
+    expected, _ = _run(llama_dir, disk_dir, other)  # both prompts' pages on disk
+    monkeypatch.setattr(cache_module, "RATE_MIN_TOKENS", 64)
+    read = disk_module._read_page
+
+    def slow_read(*args):  # 0.4 s a page: slower than this model recomputes one
+        time.sleep(0.4)
+        return read(*args)
+
+    monkeypatch.setattr(disk_module, "_read_page", slow_read)
+    engine = _engine(llama_dir, disk_dir)
+    generate(engine, "fresh", fresh)  # on no tier: the prefill's rate
+    assert engine.hicache.prefill_rate.value is not None
+    # The disk's rate is not known yet: the prompt waits for its pages (3 rounds of 4 reads).
+    assert generate(engine, "first", prompt).num_cached_tokens == 12 * BLOCK
+    assert engine.hicache.disk.read_rate.value is not None
+    second = generate(engine, "second", other)
+    assert engine.hicache.disk_stats().unawaited_prefetches == 1
+    assert second.num_cached_tokens < 12 * BLOCK
+    assert list(second.token_ids) == list(expected.token_ids)
+    engine.hicache.poll(wait=True)
+    assert engine.hicache.disk_stats().read_pages == 24  # the second's reads went on
+    engine.shutdown()
+    assert engine.hicache.pool.num_pinned == 0 and engine.kv.num_request_blocks() == 0

@@ -1,8 +1,12 @@
 """The disk tier's job queues (core/hicache/disk.py): a prompt's reads run on threads of their
-own and never wait behind write-back, however slow that is."""
+own and never wait behind write-back, however slow that is; the reads' rate, and whether a
+prompt waits for them."""
 from __future__ import annotations
 
+import time
+
 from deepinfer.core.hicache.disk import DiskTier
+from deepinfer.core.hicache.rate import Rate
 from deepinfer.core.kv.hashing import hash_block
 
 PAGE = 8 << 10
@@ -35,3 +39,40 @@ def test_a_read_does_not_queue_behind_write_back(tmp_path):
     assert tier.stats().write_queue > 0, "the read waited for write-back to finish"
     tier.close()
     assert tier.stats().written_pages == 4
+
+
+def test_the_read_rate_spans_reads_in_flight_and_decides_waiting(tmp_path):
+    """The read rate is bytes over the span with reads in flight (here 4 pages, read by 4
+    threads at once); a prompt waits for its pages while either rate is unknown or a page
+    reads faster than it is recomputed, and not otherwise (counted)."""
+    memory = memoryview(bytearray(PAGE * 8))
+    tier = DiskTier(str(tmp_path), 1 << 30, memory, PAGE, "fp")
+    for i in range(4):
+        assert tier.write(*_page(i), True, i)
+    tier.poll(wait=True)
+    assert tier.read_rate.value is None and tier.worth_waiting(1e-3)  # not measured yet
+    t0 = time.perf_counter()
+    for i in range(4):
+        tier.read(*_page(i), 4 + i)
+    while tier.poll() or any(j.is_read for j in tier._jobs):
+        pass
+    span = time.perf_counter() - t0
+    assert tier.read_rate.value is not None and tier.read_rate.value >= 4 * PAGE / span
+    read_s = PAGE / tier.read_rate.value
+    assert tier.worth_waiting(None)  # the prefill's rate unknown
+    assert tier.worth_waiting(2 * read_s)
+    assert not tier.worth_waiting(read_s / 2)
+    assert tier.stats().unawaited_prefetches == 1
+    tier.close()
+
+
+def test_a_rate_weighs_new_samples_against_the_old():
+    rate = Rate()
+    assert rate.seconds_for(10) is None
+    rate.add(100, 1.0)
+    assert rate.value == 100 and rate.seconds_for(50) == 0.5
+    rate.add(200, 1.0)
+    assert 100 < rate.value < 200
+    rate.add(0, 1.0)  # no sample
+    rate.add(5, 0.0)
+    assert 100 < rate.value < 200

@@ -28,6 +28,7 @@ from deepinfer.core.accelerator import Accelerator, CopyHandle, HostPoolLayout
 from deepinfer.core.config import CacheConfig
 from deepinfer.core.hicache.disk import DiskStats, DiskTier
 from deepinfer.core.hicache.pool import HostPagePool, Page, PagePool
+from deepinfer.core.hicache.rate import Rate
 from deepinfer.core.hicache.shared_pool import (
     PoolGeometry,
     SharedHostPagePool,
@@ -43,8 +44,12 @@ log = logging.getLogger(__name__)
 
 GIB = 1 << 30
 # How long a waiting request's admission waits for its pages to come from disk: past it, it
-# runs with what has landed (a slow disk costs a recompute, not a stall).
+# runs with what has landed (a slow disk costs a recompute, not a stall). Where the disk reads
+# a page slower than the engine recomputes it, it does not wait at all (DiskTier.worth_waiting).
 PREFETCH_WAIT_S = 2.0
+# Prompts that compute fewer tokens say more about a step's fixed costs than about the rate
+# a long prefill runs at.
+RATE_MIN_TOKENS = 256
 
 
 @dataclass
@@ -146,6 +151,9 @@ class HiCache:
         self.disk = disk
         self._disk_pages: dict[int, Page] = {}  # page id -> the host page a job reads/writes
         self._prefetching: dict[str, tuple[list[int], float]] = {}  # request -> pages, deadline
+        # Prompt tokens a second the engine computes (record_prefill): against the disk's
+        # reads, whether a prompt waits for its pages from disk or recomputes them.
+        self.prefill_rate = Rate()
 
     @classmethod
     def create(cls, accelerator: Accelerator, cache: CacheConfig,
@@ -305,8 +313,19 @@ class HiCache:
             self._disk_pages[page.page_id] = page
             self.disk.read(req.block_hashes[i], req.token_slice(i * bs, (i + 1) * bs),
                            page.page_id)
-        self._prefetching[req.request_id] = ([p.page_id for p in fresh],
-                                             time.monotonic() + PREFETCH_WAIT_S)
+        recompute_page_s = self.prefill_rate.seconds_for(bs)
+        wait = PREFETCH_WAIT_S if self.disk.worth_waiting(recompute_page_s) else 0.0
+        self._prefetching[req.request_id] = ([p.page_id for p in fresh], time.monotonic() + wait)
+
+    def record_prefill(self, req: Request) -> None:
+        """The request's first token is back: its prefill's rate, from its first schedule
+        (with the disk tier only, from prompts of at least RATE_MIN_TOKENS computed tokens, the
+        ones a disk read would replace)."""
+        computed = req.num_prompt_tokens - max(0, req.num_cached_tokens)
+        if self.disk is None or computed < RATE_MIN_TOKENS or req.first_scheduled_time is None \
+                or req.first_token_time is None:
+            return
+        self.prefill_rate.add(computed, req.first_token_time - req.first_scheduled_time)
 
     def prefetching(self, req: Request) -> bool:
         """Whether the request's pages are still coming from disk (within PREFETCH_WAIT_S)."""

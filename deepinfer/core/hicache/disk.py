@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 from deepinfer.core.config import ModelSpec
+from deepinfer.core.hicache.rate import Rate
 from deepinfer.core.kv.hashing import BlockHash
 
 log = logging.getLogger(__name__)
@@ -65,6 +66,9 @@ class DiskStats:
     read_seconds: float = 0.0
     corrupt_pages: int = 0  # failed their checksum (or header): deleted, never served
     evicted_pages: int = 0
+    # prompts admitted without waiting for their pages: the disk reads a page slower than
+    # the engine recomputes it (worth_waiting)
+    unawaited_prefetches: int = 0
 
 
 @dataclass(frozen=True)
@@ -93,6 +97,15 @@ class _Job:
     page_id: int
     future: Future
     started: float
+
+
+@dataclass
+class _ReadSpan:
+    """Reads in flight without a break: from the first one's submission to the last's end."""
+
+    start: float
+    bytes: int = 0
+    end: float = 0.0
 
 
 def kv_fingerprint(model: ModelSpec, seed: int, backend: str, page_bytes: int,
@@ -135,6 +148,11 @@ class DiskTier:
         self._writers = ThreadPoolExecutor(write_workers,
                                            thread_name_prefix="hicache-disk-write")
         self._throttle = _Throttle(write_bytes_per_s) if write_bytes_per_s > 0 else None
+        # Bytes a second the reads move, measured over spans with reads in flight (from a read
+        # submitted with none in flight to the last of them done): whether a prompt should wait
+        # for its pages or recompute them (worth_waiting).
+        self.read_rate = Rate()
+        self._span: _ReadSpan | None = None
         self._scan()
 
     # ---- the folder ----------------------------------------------------------------------
@@ -177,7 +195,9 @@ class DiskTier:
         if block_hash in self._index:
             self._index.move_to_end(block_hash)
         view = self._page(page_id)
-        future = self._readers.submit(_read_page, self.path(block_hash), view, tuple(tokens))
+        if self._span is None:
+            self._span = _ReadSpan(time.perf_counter())
+        future = self._readers.submit(_timed_read, self.path(block_hash), view, tuple(tokens))
         self._jobs.append(_Job(True, block_hash, page_id, future, time.perf_counter()))
 
     # ---- write-back ----------------------------------------------------------------------
@@ -209,7 +229,21 @@ class DiskTier:
             else:
                 still.append(job)
         self._jobs = still
+        if self._span is not None and not any(j.is_read for j in still):
+            self.read_rate.add(self._span.bytes, self._span.end - self._span.start)
+            self._span = None
         return done
+
+    def worth_waiting(self, recompute_page_s: float | None) -> bool:
+        """Whether a prompt should wait for its pages from this disk: one page reads faster
+        than it is recomputed (`recompute_page_s`), at the rates measured so far; yes while
+        either is unknown. A no is counted (unawaited_prefetches): its reads go on, for the
+        host tier, while the prompt recomputes."""
+        read_s = self.read_rate.seconds_for(self.page_bytes)
+        if read_s is None or recompute_page_s is None or read_s < recompute_page_s:
+            return True
+        self._stats.unawaited_prefetches += 1
+        return False
 
     def reading(self, page_ids: Iterable[int]) -> bool:
         wanted = set(page_ids)
@@ -219,10 +253,12 @@ class DiskTier:
         elapsed = time.perf_counter() - job.started
         s = self._stats
         try:
-            entry, corrupt = job.future.result()
+            result = job.future.result()
         except OSError as exc:
             return self._failed(job, exc)
         if job.is_read:
+            entry, corrupt, ended = result
+            self._span_read(ended)
             s.read_seconds += elapsed
             if corrupt:
                 s.corrupt_pages += 1
@@ -234,6 +270,7 @@ class DiskTier:
                     self._add(job.block_hash, entry)
                     self._evict_over_capacity()
             return DiskDone(True, job.block_hash, job.page_id, entry, corrupt)
+        entry, _ = result
         self._writing.discard(job.block_hash)
         s.written_pages += 1
         s.write_bytes += entry.file_bytes
@@ -241,6 +278,12 @@ class DiskTier:
         self._add(job.block_hash, entry)
         self._evict_over_capacity()
         return DiskDone(False, job.block_hash, job.page_id, entry)
+
+    def _span_read(self, ended: float) -> None:
+        """A read of the open span ended (every read in flight belongs to it)."""
+        assert self._span is not None
+        self._span.bytes += self.page_bytes
+        self._span.end = max(self._span.end, ended)
 
     def _failed(self, job: _Job, exc: OSError) -> DiskDone:
         if job.is_read:  # unreadable now (removed by another rank's eviction): a miss
@@ -345,6 +388,13 @@ def _write_page(path: str, block_hash: BlockHash, tokens: tuple[int, ...], compl
         raise
     size = len(header) + len(token_bytes) + len(payload)
     return DiskEntry(tokens, complete, size), False
+
+
+def _timed_read(path: str, payload: memoryview, tokens: tuple[int, ...]
+                ) -> tuple[DiskEntry | None, bool, float]:
+    """_read_page, and the moment it ended (the read rate's span)."""
+    entry, corrupt = _read_page(path, payload, tokens)
+    return entry, corrupt, time.perf_counter()
 
 
 def _read_page(path: str, payload: memoryview, tokens: tuple[int, ...]

@@ -152,6 +152,7 @@ class EngineStats:
     hicache_disk_read_seconds: float = 0.0
     hicache_disk_corrupt_pages: int = 0
     hicache_disk_evicted_pages: int = 0
+    hicache_disk_unawaited_prefetches: int = 0
     # Speculative decoding (core/speculative.py SpecDecodeStats): k (0: off), then totals.
     spec_tokens: int = 0
     spec_drafts: int = 0
