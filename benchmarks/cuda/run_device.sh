@@ -147,7 +147,10 @@ fi
 # then DeepSeek-V4's HiCache tests on the nvidia backend.
 wanted hicache_checks && step hicache_check python3 benchmarks/cuda/check_engine.py \
     --skip-conformance --hicache-only --out "$out"
-wanted hicache_checks && step v4_hicache env DEEPINFER_ACCELERATOR=nvidia python3 -m pytest -q \
+# USE_HUB_KERNELS=0: transformers >= 5.23 would otherwise ask for the `kernels` package
+# (hub kernels, fetched over the network) as it loads the reference model.
+wanted hicache_checks && step v4_hicache env DEEPINFER_ACCELERATOR=nvidia USE_HUB_KERNELS=0 \
+    python3 -m pytest -q \
     -rs -p no:cacheprovider tests/models/test_deepseek_v4_hicache.py
 # The 32K prompt's disk-tier hit (its files dropped from the page cache first), with a host
 # tier large enough that write-back keeps every page of the prompt, and the disk tier's reads
