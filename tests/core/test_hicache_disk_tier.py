@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import time
 
-from deepinfer.core.hicache.disk import DiskTier
+from deepinfer.core.hicache import disk as disk_module
+from deepinfer.core.hicache.disk import SPAN_MIN_READS, DiskTier
 from deepinfer.core.hicache.rate import Rate
 from deepinfer.core.kv.hashing import hash_block
 
@@ -76,3 +77,31 @@ def test_a_rate_weighs_new_samples_against_the_old():
     rate.add(0, 1.0)  # no sample
     rate.add(5, 0.0)
     assert 100 < rate.value < 200
+
+
+def test_the_reads_in_flight_give_the_rate_before_their_span_ends(tmp_path, monkeypatch):
+    """Once SPAN_MIN_READS reads of the open span are done, their own rate is the one a prompt
+    goes by (the first prompt after a start has no span before it)."""
+    memory = memoryview(bytearray(PAGE * 32))
+    tier = DiskTier(str(tmp_path), 1 << 30, memory, PAGE, "fp")
+    pages = SPAN_MIN_READS + 4
+    for i in range(pages):
+        assert tier.write(*_page(i), True, i)
+    tier.poll(wait=True)
+    read = disk_module._read_page
+
+    def slow_read(*args):
+        time.sleep(0.2)
+        return read(*args)
+
+    monkeypatch.setattr(disk_module, "_read_page", slow_read)
+    for i in range(pages):
+        tier.read(*_page(i), pages + i)
+    while tier.page_read_s() is None:
+        tier.poll()
+    assert tier.read_rate.value is None  # the span is still open: its reads are the measure
+    assert any(j.is_read for j in tier._jobs)
+    # 4 readers, 0.2 s a page: ~0.05 s a page (thread start-up and polling add some).
+    assert 0.02 < tier.page_read_s() < 0.2
+    assert not tier.worth_waiting(0.005) and tier.worth_waiting(1.0)
+    tier.close()

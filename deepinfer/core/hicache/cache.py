@@ -45,7 +45,8 @@ log = logging.getLogger(__name__)
 GIB = 1 << 30
 # How long a waiting request's admission waits for its pages to come from disk: past it, it
 # runs with what has landed (a slow disk costs a recompute, not a stall). Where the disk reads
-# a page slower than the engine recomputes it, it does not wait at all (DiskTier.worth_waiting).
+# a page slower than the engine recomputes it, it does not wait, or stops waiting as soon as
+# its reads in flight show it (DiskTier.worth_waiting).
 PREFETCH_WAIT_S = 2.0
 # Prompts that compute fewer tokens say more about a step's fixed costs than about the rate
 # a long prefill runs at.
@@ -313,9 +314,12 @@ class HiCache:
             self._disk_pages[page.page_id] = page
             self.disk.read(req.block_hashes[i], req.token_slice(i * bs, (i + 1) * bs),
                            page.page_id)
-        recompute_page_s = self.prefill_rate.seconds_for(bs)
-        wait = PREFETCH_WAIT_S if self.disk.worth_waiting(recompute_page_s) else 0.0
+        wait = PREFETCH_WAIT_S if self._disk_worth_waiting() else 0.0
         self._prefetching[req.request_id] = ([p.page_id for p in fresh], time.monotonic() + wait)
+
+    def _disk_worth_waiting(self) -> bool:
+        assert self.disk is not None
+        return self.disk.worth_waiting(self.prefill_rate.seconds_for(self.block_size))
 
     def record_prefill(self, req: Request) -> None:
         """The request's first token is back: its prefill's rate, from its first schedule
@@ -328,12 +332,14 @@ class HiCache:
         self.prefill_rate.add(computed, req.first_token_time - req.first_scheduled_time)
 
     def prefetching(self, req: Request) -> bool:
-        """Whether the request's pages are still coming from disk (within PREFETCH_WAIT_S)."""
+        """Whether the request's pages are still coming from disk (within PREFETCH_WAIT_S, and
+        while the disk reads a page faster than the engine recomputes it)."""
         entry = self._prefetching.get(req.request_id)
         if entry is None or self.disk is None:
             return False
         pages, deadline = entry
-        if time.monotonic() < deadline and self.disk.reading(pages):
+        if time.monotonic() < deadline and self.disk.reading(pages) \
+                and self._disk_worth_waiting():
             return True
         del self._prefetching[req.request_id]
         return False

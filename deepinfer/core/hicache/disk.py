@@ -66,8 +66,8 @@ class DiskStats:
     read_seconds: float = 0.0
     corrupt_pages: int = 0  # failed their checksum (or header): deleted, never served
     evicted_pages: int = 0
-    # prompts admitted without waiting for their pages: the disk reads a page slower than
-    # the engine recomputes it (worth_waiting)
+    # prompts admitted before their pages from disk were all read: the disk reads a page
+    # slower than the engine recomputes it (worth_waiting)
     unawaited_prefetches: int = 0
 
 
@@ -129,6 +129,9 @@ def kv_fingerprint(model: ModelSpec, seed: int, backend: str, page_bytes: int,
 # (benchmarks/disk_tier.py, docs/benchmarks.md).
 READ_WORKERS = 4
 WRITE_WORKERS = 2
+# Reads done in the open span that make its own rate the one to go by (fewer: the readers'
+# first pages, which end about together, would understate it).
+SPAN_MIN_READS = 2 * READ_WORKERS
 
 
 class DiskTier:
@@ -234,12 +237,22 @@ class DiskTier:
             self._span = None
         return done
 
+    def page_read_s(self) -> float | None:
+        """Seconds a page takes to read: by the reads in flight now once SPAN_MIN_READS of
+        them are done (the first prompt after a start, a disk that turned slow), else by the
+        spans before; None before any."""
+        span = self._span
+        if span is not None and span.bytes >= SPAN_MIN_READS * self.page_bytes \
+                and span.end > span.start:
+            return self.page_bytes * (span.end - span.start) / span.bytes
+        return self.read_rate.seconds_for(self.page_bytes)
+
     def worth_waiting(self, recompute_page_s: float | None) -> bool:
-        """Whether a prompt should wait for its pages from this disk: one page reads faster
-        than it is recomputed (`recompute_page_s`), at the rates measured so far; yes while
-        either is unknown. A no is counted (unawaited_prefetches): its reads go on, for the
-        host tier, while the prompt recomputes."""
-        read_s = self.read_rate.seconds_for(self.page_bytes)
+        """Whether a prompt should wait (on) for its pages from this disk: one page reads
+        faster than it is recomputed (`recompute_page_s`); yes while either is unknown. A no
+        is counted (unawaited_prefetches): its reads go on, for the host tier, while the
+        prompt recomputes what has not landed."""
+        read_s = self.page_read_s()
         if read_s is None or recompute_page_s is None or read_s < recompute_page_s:
             return True
         self._stats.unawaited_prefetches += 1

@@ -55,8 +55,8 @@ _DISK_TOTALS = (
     ("read_seconds", "Seconds of disk reads (worker threads)"),
     ("corrupt_pages", "KV pages on disk that failed their checksum: deleted, not served"),
     ("evicted_pages", "KV pages deleted from disk (LRU) to stay within the space"),
-    ("unawaited_prefetches", "Prompts admitted without waiting for their KV pages from disk: "
-     "the disk reads a page slower than the engine recomputes it"),
+    ("unawaited_prefetches", "Prompts admitted before their KV pages from disk were all "
+     "read: the disk reads a page slower than the engine recomputes it"),
 )
 # The finish reasons a recorded generation can have (serve/api/generation.py: "abort" for one the
 # client left or the server aborted before its end); failed requests are not recorded.
