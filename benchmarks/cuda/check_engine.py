@@ -60,11 +60,12 @@ SHAPES = {
     "mixtral": dict(hidden_size=256, intermediate_size=128, num_hidden_layers=3,
                     num_attention_heads=8, num_key_value_heads=2, vocab_size=1024,
                     max_position_embeddings=1024, initializer_range=0.05),
+    # Two shared experts: with DEEPINFER_CUDA_FUSED_SHARED_EXPERTS=1, two slots of the fused MoE.
     "deepseek_v3_moe": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=3,
                             num_attention_heads=4, vocab_size=1024, max_position_embeddings=1024,
                             initializer_range=0.05, moe_intermediate_size=128,
                             n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2,
-                            n_shared_experts=2),  # fused (DEEPINFER_CUDA_FUSED_SHARED_EXPERTS=1): two slots
+                            n_shared_experts=2),
 }
 MOE_FAMILIES = ("qwen3_moe", "mixtral", "deepseek_v3_moe")
 PROMPT_LENS = (5, 23, 41, 100, 300)
