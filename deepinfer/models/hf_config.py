@@ -7,6 +7,7 @@ import os
 from typing import Any
 
 from transformers import AutoConfig, PretrainedConfig
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 
 def load_config(path: str) -> PretrainedConfig:
@@ -16,7 +17,17 @@ def load_config(path: str) -> PretrainedConfig:
 
 
 def architecture(config: PretrainedConfig) -> str:
-    return (getattr(config, "architectures", None) or ["LlamaForCausalLM"])[0]
+    """config.json's "architectures"[0]; a config without it (one written by a config class's
+    save_pretrained) names its model_type, whose causal-LM class transformers knows."""
+    named = getattr(config, "architectures", None)
+    if named:
+        return named[0]
+    model_type = getattr(config, "model_type", "")
+    causal_lm = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
+    if causal_lm is None:
+        raise ValueError(f"config.json names no architecture and its model_type {model_type!r} "
+                         "has no causal-LM class; add \"architectures\" to it")
+    return causal_lm
 
 
 def eos_token_ids(config: PretrainedConfig, path: str) -> tuple[int, ...]:
