@@ -1,10 +1,12 @@
-"""DeepSeek V3 (and V2) with Multi-head Latent Attention, weight-absorbed, over backend ops.
+"""DeepSeek V3 (and V2) with Multi-head Latent Attention over backend ops.
 
 Each layer caches one latent per token: [rms-normed c_kv (kv_lora_rank), roped k_pe
-(qk_rope_head_dim)], shared by every head. kv_b_proj never runs on cached tokens: its key half
-W_UK is folded into the query (q_nope @ W_UK gives a query in latent space) and its value half
-W_UV is applied after attention (the attention output is a mix of latents), as DeepSeek, vLLM
-and SGLang serve it. The split happens at load time.
+(qk_rope_head_dim)], shared by every head. kv_b_proj is split at load time into its key half
+W_UK and value half W_UV, which the layer hands to MLAOps.mla_attention with the query's parts.
+Decode runs the weight-absorbed form: W_UK folded into the query (q_nope @ W_UK gives a query in
+latent space), W_UV applied after attention (its output is a mix of latents), as DeepSeek, vLLM
+and SGLang serve it. A backend may expand a long prefill into per-head keys and values instead
+(the CUDA backend's kernels/mla_prefill.py), fewer FLOPs per attended pair.
 
 DeepSeek's rope rotates interleaved pairs (x0, x1), (x2, x3), ...; the backends rotate NeoX
 halves. The rope rows of the query and k_pe projections are permuted at load time (evens
@@ -161,10 +163,8 @@ class MLAttention(nn.Module):
         q_pe, k_pe = ops.rotary(q_pe, k_pe.unsqueeze(1), positions, cos, sin)
         c_kv = ops.rms_norm(c_kv.contiguous(), self.kv_a_layernorm, d.rms_norm_eps)
         latent = torch.cat((c_kv, k_pe.squeeze(1)), dim=-1)
-        q_latent = torch.einsum("thn,hnl->thl", q_nope, self.w_uk)
-        query = torch.cat((q_latent, q_pe), dim=-1)
-        out = ops.latent_attention(query, latent, self.layer, meta, d.kv_lora_rank, self.scale)
-        values = torch.einsum("thl,hlv->thv", out, self.w_uv)
+        values = ops.mla_attention(q_nope, q_pe, latent, self.w_uk, self.w_uv, self.layer, meta,
+                                   self.scale)
         return ops.linear(values.reshape(tokens, d.num_heads * d.v_head_dim),
                           self.o_proj.weight, self.o_proj.bias)
 

@@ -36,9 +36,15 @@ from deepinfer.backends.cuda.kernels.fused_moe import fused_experts
 from deepinfer.backends.cuda.kernels.gemv import gemv
 from deepinfer.backends.cuda.kernels.kv_write import store_kv
 from deepinfer.backends.cuda.kernels.mla_attention import (
+    choose_mla_num_splits,
     paged_mla_decode,
     paged_mla_prefill,
     store_latent,
+)
+from deepinfer.backends.cuda.kernels.mla_prefill import (
+    expanded_dims_ok,
+    expanded_prefill_pays,
+    mla_expanded_prefill,
 )
 from deepinfer.backends.cuda.kernels.moe_router import softmax_topk
 from deepinfer.backends.cuda.kernels.norm import add_rms_norm, rms_norm
@@ -103,6 +109,8 @@ class CUDAOps(MoEOps, MLAOps, DeepSeekV4Ops, ModelOps):
         # DEEPINFER_CUDA_FUSED_SHARED_EXPERTS=1: shared experts as slots of the fused MoE
         # instead of a dense MLP beside it (measured against it; off by default).
         self.fuses_shared_experts = cuda_settings().fused_shared_experts
+        # DEEPINFER_CUDA_MLA_EXPANDED_PREFILL=0: every MLA prefill in the absorbed form.
+        self.mla_expanded_prefill = cuda_settings().mla_expanded_prefill
 
     def _layer_kv(self, layer: int) -> tuple[torch.Tensor, ...]:
         if self.layer_gate is not None:
@@ -144,6 +152,44 @@ class CUDAOps(MoEOps, MLAOps, DeepSeekV4Ops, ModelOps):
                                     meta.num_splits, value_dim)
         return paged_mla_prefill(q, cache, meta.block_tables, meta.query_starts, meta.seq_lens,
                                  meta.max_query_len, bs, scale, value_dim)
+
+    def mla_attention(self, q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor,
+                      w_uk: torch.Tensor, w_uv: torch.Tensor, layer: int, meta: AttentionMeta,
+                      scale: float) -> torch.Tensor:
+        """A prefill whose attended pairs repay decompressing its context runs expanded
+        (kernels/mla_prefill.py); a mixed step's leading decodes stay absorbed. Everything else
+        in the absorbed form (MLAOps)."""
+        if not self._expands(q_nope, q_pe, w_uv, meta):
+            return super().mla_attention(q_nope, q_pe, latent, w_uk, w_uv, layer, meta, scale)
+        (cache,) = self._layer_kv(layer)
+        store_latent(latent, cache, meta.slot_mapping)
+        bs, n = self.cache.block_size, meta.num_decodes
+        out = torch.empty(q_nope.shape[:2] + (w_uv.shape[-1],), dtype=q_nope.dtype,
+                          device=q_nope.device)
+        if n:
+            query = torch.cat((torch.einsum("thn,hnl->thl", q_nope[:n], w_uk), q_pe[:n]), -1)
+            splits = choose_mla_num_splits(n, q_nope.shape[1], meta.max_seq_len, self.num_sms)
+            latent_out = paged_mla_decode(query, cache, meta.block_tables[:n], meta.seq_lens[:n],
+                                          bs, scale, splits, w_uk.shape[-1])
+            out[:n] = torch.einsum("thl,hlv->thv", latent_out, w_uv)
+        mla_expanded_prefill(q_nope[n:], q_pe[n:], cache, w_uk, w_uv, meta.block_tables[n:],
+                             meta.query_starts[n:], meta.seq_lens[n:], meta.prefill_context,
+                             meta.max_query_len, bs, scale, out=out[n:])
+        return out
+
+    def _expands(self, q_nope: torch.Tensor, q_pe: torch.Tensor, w_uv: torch.Tensor,
+                 meta: AttentionMeta) -> bool:
+        """An eager prefill step (its host sizes known), in the kernel's dims, where expanding
+        saves FLOPs (under the interpreter, in CI: whenever it can run, so that the path meets
+        transformers in the engine tests)."""
+        if not (self.mla_expanded_prefill and isinstance(meta, AttentionMeta) and not meta.decode
+                and meta.prefill_context > 0):
+            return False
+        nope, rope, value, lora = q_nope.shape[-1], q_pe.shape[-1], w_uv.shape[-1], w_uv.shape[1]
+        if not expanded_dims_ok(nope, rope, value):
+            return False
+        return interpreted() or expanded_prefill_pays(meta.prefill_pairs, meta.prefill_context,
+                                                      lora, nope, rope, value)
 
     def rotary_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

@@ -30,6 +30,9 @@ class CudaSettings:
     # HiCache loads layer by layer on a stream of their own, each layer of the next step
     # waiting for its own pages (off: the whole load on the engine's stream, then the step).
     layer_loads: bool = setting(True, "DEEPINFER_CUDA_LAYER_LOADS", flag)
+    # MLA prefill expanded into per-head keys and values where it saves FLOPs (off: the
+    # weight-absorbed kernel for every prefill).
+    mla_expanded_prefill: bool = setting(True, "DEEPINFER_CUDA_MLA_EXPANDED_PREFILL", flag)
     # MoE layers' shared experts as slots of the fused MoE, on: slower at 256 decode rows than
     # the dense MLP beside it, the default (docs/benchmarks.md, "Shared experts").
     fused_shared_experts: bool = setting(False, "DEEPINFER_CUDA_FUSED_SHARED_EXPERTS", flag)

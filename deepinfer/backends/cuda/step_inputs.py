@@ -37,6 +37,10 @@ class AttentionMeta:
     # A mixed step's leading sequences with one new token each (decodes, scheduled first):
     # the decode kernel serves them, the prefill kernel the rest.
     num_decodes: int = 0
+    # Host sums over the sequences past those decodes (eager steps only; 0 in graphs): their
+    # context tokens and causal (query, key) pairs, which size and choose MLA's expanded prefill.
+    prefill_context: int = 0
+    prefill_pairs: int = 0
 
 
 @dataclass
@@ -172,9 +176,18 @@ def unpack_batch(flat: torch.Tensor, batch: ModelBatch, width: int,
     logits_index = flat[o:o + s]
     tables = flat[o + s:].view(n, width).to(torch.int32)
     decode = batch.is_decode_only
+    decodes = 0 if decode else leading_decodes(batch.query_lens)
+    context, pairs = (0, 0) if decode else prefill_sizes(batch, decodes)
     meta = AttentionMeta(
         slot_mapping=flat[2 * t:3 * t], block_tables=tables, seq_lens=seq_lens,
         query_starts=None if decode else starts, max_query_len=max(batch.query_lens),
         decode=decode, num_splits=num_splits, max_seq_len=max(batch.seq_lens),
-        num_decodes=0 if decode else leading_decodes(batch.query_lens))
+        num_decodes=decodes, prefill_context=context, prefill_pairs=pairs)
     return StepInputs(flat[:t], flat[t:2 * t], meta, logits_index)
+
+
+def prefill_sizes(batch: ModelBatch, skip: int) -> tuple[int, int]:
+    """(context tokens, causal pairs) of the batch's sequences from index `skip` on: a
+    sequence of s tokens, q of them new, attends q * (s - q) + q * (q + 1) / 2 pairs."""
+    lens = zip(batch.seq_lens[skip:], batch.query_lens[skip:])
+    return sum(batch.seq_lens[skip:]), sum(q * (s - q) + q * (q + 1) // 2 for s, q in lens)

@@ -46,6 +46,21 @@ class TestConformance(AcceleratorConformance):
         super().setup_class()
 
 
+def _count_expanded_prefills(monkeypatch) -> list[int]:
+    """A list that grows by one at each expanded MLA prefill the CUDA ops run."""
+    from deepinfer.backends.cuda import ops as cuda_ops
+
+    calls: list[int] = []
+    real = cuda_ops.mla_expanded_prefill
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(cuda_ops, "mla_expanded_prefill", counted)
+    return calls
+
+
 def _greedy_round(engine: Engine, prompts: list[list[int]], params: SamplingParams,
                   round_: int) -> list[list[int]]:
     """The prompts submitted together, stepped to the end: each one's tokens, in order."""
@@ -59,8 +74,8 @@ def _greedy_round(engine: Engine, prompts: list[list[int]], params: SamplingPara
     return [got[f"{round_}-{i}"] for i in range(len(prompts))]
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen3_windowed"])
-def test_engine_greedy_equals_transformers(tmp_path, family):
+@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen3_windowed", "deepseek_v3"])
+def test_engine_greedy_equals_transformers(tmp_path, monkeypatch, family):
     """Chunked prefill (16-token budget over a 16-token block size), mixed prefill + decode
     steps (their decodes through the decode kernel), then a second round that hits the prefix
     cache (the 75-token prompt's last chunk over its cached 64 runs split-K): every greedy
@@ -68,7 +83,9 @@ def test_engine_greedy_equals_transformers(tmp_path, family):
     every family (and round 1's later chunks already attend over cached pages), so qwen3
     runs round 1 only. qwen3_windowed: a full layer and a 24-token sliding layer, two KV
     groups (the sliding group frees the pages that leave its window), each layer reading its
-    group's tables (LayerGroupMeta); it runs the prefix-hit round too. The vocabulary and MLP
+    group's tables (LayerGroupMeta); it runs the prefix-hit round too. deepseek_v3 (MLA): its
+    prefill chunks run expanded (kernels/mla_prefill.py), a mixed step's decodes absorbed, over
+    cached prefixes in both rounds. The vocabulary and MLP
     are narrower than make_checkpoint's and the answers short: the interpreter runs a one-row
     projection (the GEMV, test_one_token_steps_run_the_gemv) as one program per few output
     rows."""
@@ -94,9 +111,11 @@ def test_engine_greedy_equals_transformers(tmp_path, family):
                           scheduler=SchedulerConfig(max_num_batched_tokens=16, max_num_seqs=4))
     engine = Engine(config, accelerator=_interpreted_cls()(), load_tokenizer=False)
     assert len(engine.kv.groups) == (2 if windowed else 1)
+    expanded = _count_expanded_prefills(monkeypatch)
     params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
     for round_ in range(1 if family == "qwen3" else 2):
         assert _greedy_round(engine, prompts, params, round_) == expected, f"round {round_}"
+    assert (len(expanded) > 0) == (family == "deepseek_v3")
     assert engine.kv.pool.num_free == engine.kv.pool.num_usable
     engine.shutdown()
 

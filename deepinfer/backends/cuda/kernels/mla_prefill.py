@@ -1,0 +1,208 @@
+"""MLA prefill in the expanded ("MHA") form: each sequence's cached latents are decompressed into
+per-head keys and values for the step, and the new tokens attend them as ordinary multi-head
+attention, as DeepSeek, vLLM and SGLang run MLA prefill.
+
+The absorbed form (mla_attention.paged_mla_prefill) scores and mixes all L + R = 576 latent
+dims per head and pair: 2 x (576 + 512) FLOPs a head and pair. Expanded, a pair costs
+2 x (128 + 64 + 128) = 640, 3.4x fewer, for a decompression GEMM of 2 x L x H x (nope + v)
+FLOPs per context token. A prompt of a few hundred tokens or more repays it; a short chunk over
+a long cached prefix does not, and keeps the absorbed kernel (expanded_prefill_pays).
+
+    mla_expanded_prefill(q_nope [T, H, N], q_pe [T, H, R], latent_cache [slots, L + R],
+                         w_uk [H, N, L], w_uv [H, L, V], ...) -> [T, H, V]
+
+1. gather_context: every prefilling sequence's context rows (cached prefix and new tokens, all
+   already in the cache) from the paged cache into one contiguous [C, L + R] tensor, sequence
+   after sequence, with their starts [N + 1].
+2. two GEMMs: k_nope = c @ W_UK^T [C, H, N] and v = c @ W_UV [C, H, V]; the rotary key k_pe is
+   the rows' last R dims, one per token, shared by every head.
+3. _expanded_prefill_kernel: flash-attention-2 forward, one program per (head, sequence,
+   BLOCK_M new tokens), the score of a pair cut into its N and R parts; causal over the
+   sequence's context, whose rows are contiguous.
+
+The step sizes the context buffer on the host (AttentionMeta.prefill_context): eager steps only,
+never inside a CUDA graph.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from deepinfer.backends.cuda.kernels.prefill_attention import PrefillConfig
+from deepinfer.backends.cuda.settings import interpreted
+
+_LOG2E = 1.0 / math.log(2.0)
+_MIN_DOT = 16  # tl.dot needs every dimension >= 16
+# Decompressing a context token costs 2 x L x (N + V) FLOPs a head; each causal pair the
+# expanded form attends saves 2 x (L + R + L) - 2 x (N + R + V). Both per head, so the rule
+# is independent of H.
+
+
+@triton.jit
+def _expanded_prefill_kernel(
+    QNope, QPe, KNope, KPe, V, CtxStarts, QueryStarts, SeqLens, Out,
+    stride_qt, stride_qh, stride_pt, stride_ph, stride_kt, stride_kh, stride_et,
+    stride_vt, stride_vh, stride_ot, stride_oh,
+    qk_scale,  # softmax scale * log2(e): the kernel works in base 2
+    NOPE: tl.constexpr, ROPE: tl.constexpr, VDIM: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+):
+    head = tl.program_id(0)
+    seq = tl.program_id(1)
+    # The last query tiles see the most keys: start them first so the grid's tail is short.
+    m_block = tl.num_programs(2) - 1 - tl.program_id(2)
+    q_start = tl.load(QueryStarts + seq) - tl.load(QueryStarts)  # q and out start at row 0
+    q_len = tl.load(QueryStarts + seq + 1) - tl.load(QueryStarts + seq)
+    if m_block * BLOCK_M >= q_len:
+        return
+    seq_len = tl.load(SeqLens + seq)
+    ctx = tl.load(CtxStarts + seq).to(tl.int64)  # the sequence's row 0 in the context buffers
+    first_pos = seq_len - q_len + m_block * BLOCK_M  # absolute position of the tile's row 0
+    offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = offs_m < q_len
+    pos = first_pos + tl.arange(0, BLOCK_M)
+    rows = (q_start + offs_m).to(tl.int64)
+    offs_n = tl.arange(0, NOPE)
+    offs_r = tl.arange(0, ROPE)
+    q_n = tl.load(QNope + rows[:, None] * stride_qt + head * stride_qh + offs_n[None, :],
+                  mask=row_ok[:, None], other=0.0)
+    q_r = tl.load(QPe + rows[:, None] * stride_pt + head * stride_ph + offs_r[None, :],
+                  mask=row_ok[:, None], other=0.0)
+    keys = (KNope + ctx * stride_kt + head * stride_kh, KPe + ctx * stride_et,
+            V + ctx * stride_vt + head * stride_vh, stride_kt, stride_et, stride_vt)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, VDIM], tl.float32)
+    # Keys below full_hi are visible to every row of the tile and all lie inside seq_len.
+    full_hi = (first_pos + 1) // BLOCK_N * BLOCK_N
+    hi = tl.minimum(first_pos + BLOCK_M, seq_len)
+    acc, l_i, m_i = _attend(acc, l_i, m_i, q_n, q_r, keys, pos, seq_len, 0, full_hi, qk_scale,
+                            False, NOPE, ROPE, VDIM, BLOCK_N, PRECISION)
+    acc, l_i, m_i = _attend(acc, l_i, m_i, q_n, q_r, keys, pos, seq_len, full_hi, hi, qk_scale,
+                            True, NOPE, ROPE, VDIM, BLOCK_N, PRECISION)
+    acc = acc / l_i[:, None]
+    offs_v = tl.arange(0, VDIM)
+    tl.store(Out + rows[:, None] * stride_ot + head * stride_oh + offs_v[None, :],
+             acc.to(Out.dtype.element_ty), mask=row_ok[:, None])
+
+
+@triton.jit
+def _attend(acc, l_i, m_i, q_n, q_r, keys, pos, seq_len, lo, hi, qk_scale,
+            MASKED: tl.constexpr, NOPE: tl.constexpr, ROPE: tl.constexpr, VDIM: tl.constexpr,
+            BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+    """Online softmax of the query rows (at positions pos) over key tiles [lo, hi); MASKED
+    applies the causal and length masks."""
+    k_nope, k_pe, v, stride_kt, stride_et, stride_vt = keys
+    offs_n = tl.arange(0, NOPE)
+    offs_r = tl.arange(0, ROPE)
+    offs_v = tl.arange(0, VDIM)
+    for start in range(lo, hi, BLOCK_N):
+        key = start + tl.arange(0, BLOCK_N)
+        key_ok = key < seq_len
+        k64 = key.to(tl.int64)
+        if MASKED:
+            k = tl.load(k_nope + k64[:, None] * stride_kt + offs_n[None, :],
+                        mask=key_ok[:, None], other=0.0)
+            kr = tl.load(k_pe + k64[:, None] * stride_et + offs_r[None, :],
+                         mask=key_ok[:, None], other=0.0)
+            vt = tl.load(v + k64[:, None] * stride_vt + offs_v[None, :],
+                         mask=key_ok[:, None], other=0.0)
+        else:
+            k = tl.load(k_nope + k64[:, None] * stride_kt + offs_n[None, :])
+            kr = tl.load(k_pe + k64[:, None] * stride_et + offs_r[None, :])
+            vt = tl.load(v + k64[:, None] * stride_vt + offs_v[None, :])
+        s = tl.dot(q_n, tl.trans(k), input_precision=PRECISION)
+        s = tl.dot(q_r, tl.trans(kr), s, input_precision=PRECISION)
+        if MASKED:
+            s = tl.where(key[None, :] <= pos[:, None], s * qk_scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            s = s - m_new[:, None]
+        else:
+            m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+            s = s * qk_scale - m_new[:, None]
+        p = tl.math.exp2(s)
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = tl.dot(p.to(vt.dtype), vt, acc * alpha[:, None], input_precision=PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+def expanded_dims_ok(nope: int, rope: int, value: int) -> bool:
+    """The kernel's dims: powers of two of at least 16 (tl.arange and tl.dot)."""
+    return all(d >= _MIN_DOT and d & (d - 1) == 0 for d in (nope, rope, value))
+
+
+def expanded_prefill_pays(pairs: int, context: int, kv_lora_rank: int, nope: int, rope: int,
+                          value: int) -> bool:
+    """Whether expanding beats the absorbed kernel in FLOPs: `pairs` causal (query, key) pairs
+    over `context` decompressed rows (both summed over the step's prefilling sequences)."""
+    saved = 2 * (2 * kv_lora_rank + rope) - 2 * (nope + rope + value)
+    return pairs * saved > context * 2 * kv_lora_rank * (nope + value)
+
+
+def gather_context(latent_cache: torch.Tensor, block_tables: torch.Tensor,
+                   seq_lens: torch.Tensor, total: int, block_size: int
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each sequence's latent rows 0..seq_len-1, sequence after sequence: ([total, L + R],
+    int32 starts [N + 1]). total = sum(seq_lens), known on the host (no sync)."""
+    starts = torch.zeros(seq_lens.shape[0] + 1, dtype=torch.int32, device=seq_lens.device)
+    torch.cumsum(seq_lens, 0, out=starts[1:])
+    row = torch.arange(total, dtype=torch.int32, device=seq_lens.device)
+    seq = torch.searchsorted(starts[1:], row, right=True)
+    pos = (row - starts[seq]).long()
+    slots = block_tables[seq, pos // block_size].long() * block_size + pos % block_size
+    return latent_cache[slots], starts
+
+
+def mla_expanded_prefill(q_nope: torch.Tensor, q_pe: torch.Tensor, latent_cache: torch.Tensor,
+                         w_uk: torch.Tensor, w_uv: torch.Tensor, block_tables: torch.Tensor,
+                         query_starts: torch.Tensor, seq_lens: torch.Tensor, context: int,
+                         max_query_len: int, block_size: int, scale: float,
+                         out: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal MLA of packed new tokens over their sequences' paged latents, expanded.
+
+    q_nope [T, H, N] and q_pe [T, H, R] (rotated; last dims contiguous, rows may be strided);
+    latent_cache [num_slots, L + R] already holds every token's row, new ones included;
+    w_uk [H, N, L], w_uv [H, L, V] (kv_b_proj's halves); block_tables int32 [S, max_blocks];
+    query_starts int32 [S + 1] cumulative, its first entry q's row 0; seq_lens int32 [S];
+    context = sum(seq_lens), a host int. Returns [T, H, V].
+    """
+    tokens, heads, nope = q_nope.shape
+    lora, value = w_uv.shape[1], w_uv.shape[2]
+    rope = q_pe.shape[-1]
+    if out is None:
+        out = torch.empty((tokens, heads, value), dtype=q_nope.dtype, device=q_nope.device)
+    if tokens == 0 or seq_lens.shape[0] == 0:
+        return out
+    rows, starts = gather_context(latent_cache, block_tables, seq_lens, context, block_size)
+    c_kv, k_pe = rows[:, :lora], rows[:, lora:]
+    k_nope = (c_kv @ w_uk.reshape(heads * nope, lora).t()).view(context, heads, nope)
+    v = (c_kv @ w_uv.transpose(0, 1).reshape(lora, heads * value)).view(context, heads, value)
+    cfg = _config(nope + rope, value)
+    grid = (heads, seq_lens.shape[0], triton.cdiv(max_query_len, cfg.block_m))
+    _expanded_prefill_kernel[grid](
+        q_nope, q_pe, k_nope, k_pe, v, starts, query_starts, seq_lens, out,
+        q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1),
+        k_nope.stride(0), k_nope.stride(1), k_pe.stride(0), v.stride(0), v.stride(1),
+        out.stride(0), out.stride(1), scale * _LOG2E,
+        NOPE=nope, ROPE=rope, VDIM=value, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        # Exact fp32 products for fp32 inputs (the default would round them to tf32).
+        PRECISION="ieee" if q_nope.dtype == torch.float32 else "tf32",
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out
+
+
+def _config(qk_dim: int, value: int) -> PrefillConfig:
+    """Small tiles under the interpreter (tests meet many tile edges). On the GPU the query
+    rows (qk_dim wide) and the [BLOCK_M, V] fp32 accumulator stay in registers: 8 warps for
+    128 rows at DeepSeek's 192 / 128."""
+    if interpreted():
+        return PrefillConfig(16, 16, 4, 1)
+    if qk_dim + value > 256:
+        return PrefillConfig(128, 64, 8, 2)
+    return PrefillConfig(128, 64, 4, 2)
