@@ -159,7 +159,8 @@ class CUDAAccelerator(Accelerator):
         # GEMV kernel is measured against (benchmarks/cuda/profile_steps.py).
         use_gemv = cuda_settings().gemv
         self.runner = TorchRunner(self.device, self.capabilities,
-                                  lambda cache: CUDAOps(cache, use_gemv, self.num_sms), self.seed,
+                                  lambda cache: CUDAOps(cache, use_gemv, self.num_sms,
+                                                        self.max_num_batched_tokens), self.seed,
                                   backend=self.name)
         self.runner.ops.parallel = self.parallel
         self.runner.num_speculative_tokens = self.num_speculative_tokens

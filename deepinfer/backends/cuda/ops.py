@@ -89,7 +89,8 @@ class CUDAOps(MoEOps, MLAOps, DeepSeekV4Ops, ModelOps):
 
     packed_kinds = ("fp8",)
 
-    def __init__(self, cache: PagedCache, use_gemv: bool = True, num_sms: int = 8) -> None:
+    def __init__(self, cache: PagedCache, use_gemv: bool = True, num_sms: int = 8,
+                 expanded_context_limit: int | None = None) -> None:
         self.cache = cache
         self.num_sms = num_sms  # sizes split-K where a step has too few programs for the GPU
         self.use_gemv = use_gemv  # off: every projection goes to cuBLAS (for comparison)
@@ -111,6 +112,10 @@ class CUDAOps(MoEOps, MLAOps, DeepSeekV4Ops, ModelOps):
         self.fuses_shared_experts = cuda_settings().fused_shared_experts
         # DEEPINFER_CUDA_MLA_EXPANDED_PREFILL=0: every MLA prefill in the absorbed form.
         self.mla_expanded_prefill = cuda_settings().mla_expanded_prefill
+        # The most context tokens an expanded prefill decompresses: the step's token budget,
+        # whose fresh prompt the KV pool's sizing step runs, so its buffers are in the measured
+        # peak (None: no limit). A chunk over a longer cached prefix stays absorbed.
+        self.expanded_context_limit = expanded_context_limit
 
     def _layer_kv(self, layer: int) -> tuple[torch.Tensor, ...]:
         if self.layer_gate is not None:
@@ -184,6 +189,9 @@ class CUDAOps(MoEOps, MLAOps, DeepSeekV4Ops, ModelOps):
         transformers in the engine tests)."""
         if not (self.mla_expanded_prefill and isinstance(meta, AttentionMeta) and not meta.decode
                 and meta.prefill_context > 0):
+            return False
+        limit = self.expanded_context_limit
+        if limit is not None and meta.prefill_context > limit:
             return False
         nope, rope, value, lora = q_nope.shape[-1], q_pe.shape[-1], w_uv.shape[-1], w_uv.shape[1]
         if not expanded_dims_ok(nope, rope, value):

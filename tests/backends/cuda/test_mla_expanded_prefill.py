@@ -111,6 +111,10 @@ def test_a_mixed_step_through_the_ops_equals_the_absorbed_form():
     got = ops.mla_attention(q_nope, q_pe, latent, w_uk, w_uv, 0, meta, 0.2)
     ref = MLAOps.mla_attention(ops, q_nope, q_pe, latent, w_uk, w_uv, 0, meta, 0.2)
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    ops.expanded_context_limit = 49  # more context than the step's token budget: absorbed
+    assert not ops._expands(q_nope, q_pe, w_uv, meta)
+    ops.expanded_context_limit = 50
+    assert ops._expands(q_nope, q_pe, w_uv, meta)
     ops.mla_expanded_prefill = False  # DEEPINFER_CUDA_MLA_EXPANDED_PREFILL=0
     assert not ops._expands(q_nope, q_pe, w_uv, meta)
 
