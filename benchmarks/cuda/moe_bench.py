@@ -256,8 +256,8 @@ def shape_panels(result: dict):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(result["shapes"]), figsize=(13, 4.5))
-    return fig, list(zip(axes, result["shapes"].items()))
+    fig, axes = plt.subplots(1, len(result["shapes"]), figsize=(13, 4.5), squeeze=False)
+    return fig, list(zip(axes[0], result["shapes"].items()))
 
 
 def label_axes(ax, name: str, shape: dict) -> None:

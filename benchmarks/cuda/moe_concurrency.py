@@ -474,31 +474,39 @@ def offline(args: argparse.Namespace, path: str, values: dict, device: dict) -> 
 
 
 def plot(folder: str) -> None:
+    """Each run's share of its bound by workload: offline, and through the server where run."""
     results = [r for r in (json.load(open(f))
                            for f in sorted(glob.glob(os.path.join(folder, "*.json"))))
                if r.get("workloads")]
     plt = pyplot()
+    fig, axes = plt.subplots(2, 1, figsize=(11, 8), sharey=True)
+    for ax, key, where in ((axes[0], "workloads", "offline (Engine.step)"),
+                           (axes[1], "server", "through deepinfer-serve, streamed")):
+        _bars(ax, [r for r in results if r.get(key)], key)
+        ax.set_ylabel("% of the lease's bound")
+        ax.set_title(f"{where} (labels: output tok/s)", fontsize=9)
+    gpu = results[0]["device"]["gpu"] if results else ""
+    fig.suptitle(f"MoE at concurrency, {gpu}")
+    fig.tight_layout()
+    fig.savefig(os.path.join(folder, "moe_concurrency.png"), dpi=120)
+
+
+def _bars(ax, results: list[dict], key: str) -> None:
     workloads = ["batch1", "batch32", "batch256", "mixed"]
-    fig, ax = plt.subplots(figsize=(10, 4.5))
     width = 0.8 / max(1, len(results))
     for i, r in enumerate(results):
-        shares = [r["workloads"].get(w, {}).get("share_of_bound", 0) * 100 for w in workloads]
-        label = f"{r['shape']}{' fp8' if r['quantization'] == 'fp8' else ''} " \
-                f"(seqs {r['max_num_seqs']})"
+        runs = r[key]
+        shares = [runs.get(w, {}).get("share_of_bound", 0) * 100 for w in workloads]
+        label = f"{r['shape']}{' fp8' if r['quantization'] == 'fp8' else ''}, " \
+                f"{r['config']['num_hidden_layers']} layers, seqs {r['max_num_seqs']}"
         bars = ax.bar([x + i * width for x in range(len(workloads))], shares, width, label=label)
         for bar, w in zip(bars, workloads):
-            tok_s = r["workloads"].get(w, {}).get("output_tok_s")
+            tok_s = runs.get(w, {}).get("output_tok_s")
             if tok_s:
                 ax.annotate(f"{tok_s:,.0f}", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
                             ha="center", va="bottom", fontsize=6, rotation=90)
     ax.set_xticks([x + width * (len(results) - 1) / 2 for x in range(len(workloads))], workloads)
-    ax.set_ylabel("% of the lease's bound (labels: output tok/s)")
-    gpu = results[0]["device"]["gpu"] if results else ""
-    ax.set_title(f"MoE at concurrency, {gpu}")
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(os.path.join(folder, "moe_concurrency.png"), dpi=120)
-
 
 if __name__ == "__main__":
     main()

@@ -99,6 +99,22 @@ for run in ${AB_RUNS:-1 2}; do
             --tag "_shared$fused-$run" --out "$out/shared_experts"
     done
 done
+# MLA prefill expanded (kernels/mla_prefill.py) against the absorbed kernel: its tests on the GPU,
+# then the DeepSeek-V3 shape in FP8 with DEEPINFER_CUDA_MLA_EXPANDED_PREFILL=1/0, separate
+# processes in one lease: the kernel breakdown (a mixed step with a 7,936-token chunk), then the
+# workloads.
+wanted mla_prefill_ab && step mla_prefill_tests python3 -m pytest -q -p no:cacheprovider \
+    tests/backends/cuda/test_mla_expanded_prefill.py tests/backends/cuda/test_mla_kernels.py
+for expanded in 1 0; do
+    wanted mla_prefill_ab && step "mla_prefill_profile$expanded" env \
+        DEEPINFER_CUDA_MLA_EXPANDED_PREFILL=$expanded python3 benchmarks/cuda/moe_concurrency.py \
+        --shape deepseek_v3 --quantization fp8 --profile --tag "_expanded$expanded" \
+        --out "$out/mla_prefill"
+    wanted mla_prefill_ab && step "mla_prefill_workloads$expanded" env \
+        DEEPINFER_CUDA_MLA_EXPANDED_PREFILL=$expanded python3 benchmarks/cuda/moe_concurrency.py \
+        --shape deepseek_v3 --quantization fp8 --workloads ${MLA_WORKLOADS:-batch1,batch256,mixed} \
+        --tag "_expanded$expanded" --out "$out/mla_prefill"
+done
 # Top-1 agreement of FP8 with bf16 on a real model: FP8_AGREEMENT_MODEL, SmolLM2's GGUF.
 wanted fp8_agreement && step fp8_agreement python3 benchmarks/cuda/fp8_agreement.py \
     --model "${FP8_AGREEMENT_MODEL:?set FP8_AGREEMENT_MODEL to a .gguf or HF folder}" \

@@ -33,8 +33,8 @@ class CudaSettings:
     # MLA prefill expanded into per-head keys and values where it saves FLOPs (off: the
     # weight-absorbed kernel for every prefill).
     mla_expanded_prefill: bool = setting(True, "DEEPINFER_CUDA_MLA_EXPANDED_PREFILL", flag)
-    # MoE layers' shared experts as slots of the fused MoE, on: slower at 256 decode rows than
-    # the dense MLP beside it, the default (docs/benchmarks.md, "Shared experts").
+    # MoE layers' shared experts as slots of the fused MoE, on: no faster than the dense MLP
+    # beside it, the default (docs/benchmarks.md, "Shared experts").
     fused_shared_experts: bool = setting(False, "DEEPINFER_CUDA_FUSED_SHARED_EXPERTS", flag)
 
 

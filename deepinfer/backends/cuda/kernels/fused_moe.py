@@ -80,11 +80,13 @@ class MoeConfig:
 # tuned H200 tables for these two shapes switch BLOCK_M at the same M per expert too).
 # From the H200 sweep of moe_bench.py --sweep (results/cuda/fused_moe_sweep.json); each row is
 # within a few percent of the sweep's best at every T measured (docs/benchmarks.md, "Tuned
-# constants", has the table's time per layer against the roofline).
+# constants", has the table's time per layer against the roofline). The last row's down GEMM
+# pipelines 4 stages: the H100 sweep at mixed-step sizes (fused_moe_sweep_mixed.json, T = 1K-8K)
+# had it fastest at every T.
 MOE_CONFIGS: tuple[tuple[float, MoeConfig], ...] = (
     (16, MoeConfig(16, Tiles(64, 128, 4, 4), Tiles(32, 256, 4, 3))),
     (64, MoeConfig(64, Tiles(64, 64, 4, 3), Tiles(128, 64, 8, 3))),
-    (float("inf"), MoeConfig(128, Tiles(128, 64, 8, 4), Tiles(256, 64, 8, 3))),
+    (float("inf"), MoeConfig(128, Tiles(128, 64, 8, 4), Tiles(256, 64, 8, 4))),
 )
 
 
