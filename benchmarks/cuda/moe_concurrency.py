@@ -17,6 +17,8 @@ Workloads, greedy with EOS ignored, every request submitted through Engine.add_r
   batchN   N x (512 prompt + 128 output) submitted at once (batch1: one request).
   mixed    1,024 requests, log-normal prompt lengths (median 600) and output lengths (median
            180), 256 closed-loop clients: a finished request's client submits the next.
+Through the server (--server) the same requests are streamed by 256 closed-loop clients spread
+over CLIENT_PROCESSES processes.
 
 The bound of a run is its prefill FLOPs (2 x active parameters x prompt tokens, plus causal
 attention) at the measured GEMM rate (FP8 weights: the FP8 rate) plus, for each decode step it
@@ -29,7 +31,6 @@ once, and the preemptions.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import dataclasses
 import gc
 import glob
@@ -60,6 +61,7 @@ from common import (  # noqa: E402
 from engine_bench import LLAMA3_8B, _time_cuda, ceilings, random_prompts  # noqa: E402
 from moe_engine_bench import QWEN3_30B_A3B  # noqa: E402
 from profile_v4 import device_profile  # noqa: E402
+from stream_clients import closed_loop  # noqa: E402
 
 from deepinfer.core.config import CacheConfig, EngineConfig, ModelSpec, SchedulerConfig  # noqa: E402
 from deepinfer.core.engine import Engine  # noqa: E402
@@ -88,6 +90,7 @@ SHAPES = {"llama3_8b": ("LlamaConfig", LLAMA3_8B),
 PROMPT, OUTPUT, CLIENTS, MIXED_REQUESTS = 512, 128, 256, 1024
 MIXED_PROMPT, MIXED_OUTPUT = 600, 180  # medians of the mixed workload's log-normal lengths
 MAX_MODEL_LEN = 16384
+CLIENT_PROCESSES = 8  # the server's clients: 32 streams a process at 256
 
 
 @dataclasses.dataclass(frozen=True)
@@ -288,12 +291,12 @@ def serve_workloads(args: argparse.Namespace, path: str, values: dict, names: li
     try:
         base = f"http://127.0.0.1:{port}"
         started = wait_healthy(server, base, log_path, timeout_s=900)
-        asyncio.run(_clients(base, [[PROMPT] * 8, [OUTPUT] * 8], 8, vocab))  # warm-up
+        _clients(base, [[PROMPT] * 8, [OUTPUT] * 8], 8, vocab)  # warm-up
         runs = {}
         for name in names:
             lengths = _mixed_lengths(random.Random(1)) if name == "mixed" else \
                 ([PROMPT] * int(name[5:]), [OUTPUT] * int(name[5:]))
-            run = asyncio.run(_clients(base, lengths, CLIENTS, vocab))
+            run = _clients(base, lengths, CLIENTS, vocab)
             runs[name] = run
             print(f"server {name}: {sum(run.outputs) / run.seconds:,.0f} out tok/s", flush=True)
         return runs, {"start_s": started}
@@ -301,35 +304,14 @@ def serve_workloads(args: argparse.Namespace, path: str, values: dict, names: li
         stop_server(server)
 
 
-async def _clients(base: str, lengths: list[list[int]], clients: int, vocab: int) -> Run:
-    """Every request (prompt length, output length) streamed, `clients` at a time; a client
-    sends its next request as soon as its last one ends."""
-    import httpx
-
+def _clients(base: str, lengths: list[list[int]], clients: int, vocab: int) -> Run:
+    """Every request (prompt length, output length) streamed, `clients` at a time from
+    CLIENT_PROCESSES processes (stream_clients.py: one process would time itself)."""
     prompts, outputs = lengths
-    queue = list(range(len(prompts)))[::-1]
     rng = random.Random(2)
-    got: list[int] = []
-
-    async def client(http: httpx.AsyncClient) -> None:
-        while queue:
-            i = queue.pop()
-            body = {"model": "m", "prompt": [rng.randrange(vocab // 8, vocab - vocab // 8)
-                                             for _ in range(prompts[i])],
-                    "max_tokens": outputs[i], "ignore_eos": True, "temperature": 0.0,
-                    "stream": True, "stream_options": {"include_usage": True}}
-            async with http.stream("POST", f"{base}/v1/completions", json=body) as response:
-                response.raise_for_status()
-                async for line in response.aiter_lines():
-                    if line.startswith("data: {") and "completion_tokens" in line:
-                        got.append(json.loads(line[6:])["usage"]["completion_tokens"])
-
-    limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as http:
-        start = time.perf_counter()
-        await asyncio.gather(*(client(http) for _ in range(min(clients, len(prompts)))))
-        seconds = time.perf_counter() - start
-    if sorted(got) != sorted(outputs):
+    ids = [[rng.randrange(vocab // 8, vocab - vocab // 8) for _ in range(n)] for n in prompts]
+    seconds, got = closed_loop(base, "m", ids, list(outputs), clients, CLIENT_PROCESSES)
+    if got != list(outputs):
         raise RuntimeError(f"the server gave {sum(got)} tokens, {sum(outputs)} were asked for")
     return Run(list(prompts), list(outputs), seconds)
 
