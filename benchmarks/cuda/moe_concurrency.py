@@ -8,6 +8,7 @@ own GEMM and copy rates (random weights made on the device, `load_format="dummy"
     python benchmarks/cuda/moe_concurrency.py --shape S --profile   (time by kernel of one
         256-row decode step and one mixed step: 256 decode rows + a prefill chunk)
     python benchmarks/cuda/moe_concurrency.py --plot DIR   (moe_concurrency.png from the JSONs)
+    python benchmarks/cuda/moe_concurrency.py --rebound DIR   (their bounds again, then the plot)
 
 Shapes: llama3_8b (the dense reference), qwen3_30b_a3b (128 experts top-8), deepseek_v2_lite
 (MLA, 64 routed + 2 shared top-6), deepseek_v3 (V3's widths, MLA, 256 routed top-8 + 1 shared;
@@ -24,9 +25,11 @@ The bound of a run is its prefill FLOPs (2 x active parameters x prompt tokens, 
 attention) at the measured GEMM rate (FP8 weights: the FP8 rate) plus, for each decode step it
 needs, the bytes that step must read (the dense weights, each MoE layer's experts that the
 step's rows hit in expectation under uniform routing, the KV of every row's context) at the
-measured copy rate. A run at capacity needs ceil(outputs / 256) such steps at 256 rows. The JSON
-also records what bounds the engine itself: its KV pool in tokens, the most requests it ran at
-once, and the preemptions.
+measured copy rate; with --quantization fp8 the decoder layers' weights count one byte each,
+the lm_head and MLA's kv_b_proj halves two (they stay bf16, as in DeepSeek's checkpoints). A
+run at capacity needs ceil(outputs / 256) such steps at 256 rows. The JSON also records what
+bounds the engine itself: its KV pool in tokens, the most requests it ran at once, and the
+preemptions.
 """
 from __future__ import annotations
 
@@ -104,6 +107,9 @@ class Shape:
     lm_head: float
     kv_values: float  # cached values per token, all layers
     attn_dims: float  # layers x heads x (q.k dim + v dim): causal attention FLOPs per pair
+    # Of `dense`, the parameters --quantization fp8 keeps in bf16 (MLA's kv_b_proj halves, as
+    # DeepSeek's FP8 checkpoints do); the lm_head stays bf16 as well.
+    float_dense: float = 0.0
 
     def active(self) -> float:
         """Parameters one token multiplies (the embedding row is a lookup, left out)."""
@@ -113,6 +119,12 @@ class Shape:
         """Parameters a decode step of `rows` rows reads: the experts hit in expectation."""
         hit = self.experts * (1 - (1 - self.top_k / self.experts) ** rows) if self.experts else 0
         return self.dense + self.lm_head + self.moe_layers * hit * self.expert
+
+    def step_bytes(self, rows: int, weight_bytes: float) -> float:
+        """Bytes of the weights a decode step of `rows` rows reads; weight_bytes 1 (FP8) for
+        the quantized ones, 2 for what stays bf16."""
+        kept = self.lm_head + self.float_dense
+        return (self.step_params(rows) - kept) * weight_bytes + kept * 2
 
 
 def shape_of(c: dict) -> Shape:
@@ -126,6 +138,8 @@ def shape_of(c: dict) -> Shape:
             c["qk_nope_head_dim"] + c["v_head_dim"])
         attention = q + kv + heads * c["v_head_dim"] * h
         kv_values = layers * (c["kv_lora_rank"] + c["qk_rope_head_dim"])
+        float_dense = layers * c["kv_lora_rank"] * heads * (c["qk_nope_head_dim"] +
+                                                            c["v_head_dim"])
         attn_dims = layers * heads * (c["kv_lora_rank"] * 2 + c["qk_rope_head_dim"])
         dense_layers = c["first_k_dense_replace"]
         experts, top_k = c["n_routed_experts"], c["num_experts_per_tok"]
@@ -139,12 +153,13 @@ def shape_of(c: dict) -> Shape:
         experts, top_k = c.get("num_experts", 0), c.get("num_experts_per_tok", 0)
         dense_layers = 0 if experts else layers
         shared, router = 0, experts * h
+        float_dense = 0
     moe_layers = layers - dense_layers
     expert = 3 * h * c.get("moe_intermediate_size", 0)
     dense = layers * attention + dense_layers * 3 * h * c["intermediate_size"] + \
         moe_layers * (shared + router)
     return Shape(dense, expert, experts, top_k, moe_layers, c["vocab_size"] * h, kv_values,
-                 attn_dims)
+                 attn_dims, float_dense)
 
 
 def gemm_rates() -> dict:
@@ -196,6 +211,13 @@ def mixed(engine: Engine, vocab: int, seed: int) -> Run:
     return run
 
 
+def workload_lengths(name: str) -> tuple[list[int], list[int]]:
+    """A workload's (prompt lengths, output lengths), as its runs submit them."""
+    if name == "mixed":
+        return _mixed_lengths(random.Random(1))
+    return [PROMPT] * int(name[5:]), [OUTPUT] * int(name[5:])
+
+
 def _mixed_lengths(rng: random.Random) -> tuple[list[int], list[int]]:
     """MIXED_REQUESTS (prompt, output) lengths, each log-normal around its median."""
     prompts = [min(8192, max(16, round(rng.lognormvariate(math.log(MIXED_PROMPT), 0.7))))
@@ -238,27 +260,33 @@ def bound_seconds(run: Run, shape: Shape, device: dict, weight_bytes: float,
     steps = math.ceil(sum(o - 1 for o in run.outputs) / rows)
     kv_bytes = 2 * shape.kv_values * sum(o * p + o * o / 2 for p, o in zip(run.prompts,
                                                                             run.outputs))
-    decode = (steps * shape.step_params(rows) * weight_bytes + kv_bytes) / \
+    decode = (steps * shape.step_bytes(rows, weight_bytes) + kv_bytes) / \
         device["copy_bytes_per_s"]
     return {"prefill_s": prefill, "decode_s": decode, "seconds": prefill + decode,
             "decode_steps": steps, "rows": rows}
 
 
-def report(name: str, run: Run, shape: Shape, device: dict, weight_bytes: float,
-           kv_tokens: int) -> dict:
+def bounds(run: Run, shape: Shape, device: dict, weight_bytes: float, kv_tokens: int) -> dict:
+    """The run's bound and its share, and the same at the rows the KV pool holds at once."""
     bound = bound_seconds(run, shape, device, weight_bytes)
     # Where the KV pool cannot hold CLIENTS requests' whole contexts, no engine runs that many.
     context = statistics.mean(p + o for p, o in zip(run.prompts, run.outputs))
     capacity = bound_seconds(run, shape, device, weight_bytes, int(kv_tokens // context))
+    return {"bound": bound, "bound_output_tok_s": sum(run.outputs) / bound["seconds"],
+            "share_of_bound": bound["seconds"] / run.seconds,
+            "bound_at_kv_capacity": capacity,
+            "share_of_bound_at_kv_capacity": capacity["seconds"] / run.seconds}
+
+
+def report(name: str, run: Run, shape: Shape, device: dict, weight_bytes: float,
+           kv_tokens: int) -> dict:
     outputs = sum(run.outputs)
     out = {"requests": len(run.outputs), "prompt_tokens": sum(run.prompts),
            "output_tokens": outputs, "seconds": run.seconds,
            "output_tok_s": outputs / run.seconds, "steps": run.steps,
-           "most_running": run.most_running, "bound": bound,
-           "bound_output_tok_s": outputs / bound["seconds"],
-           "share_of_bound": bound["seconds"] / run.seconds,
-           "bound_at_kv_capacity": capacity,
-           "share_of_bound_at_kv_capacity": capacity["seconds"] / run.seconds}
+           "most_running": run.most_running,
+           **bounds(run, shape, device, weight_bytes, kv_tokens)}
+    capacity = out["bound_at_kv_capacity"]
     if run.decode_steps:
         out["median_decode_step_s"] = statistics.median(run.decode_steps)
         out["decode_steps"] = len(run.decode_steps)
@@ -294,9 +322,7 @@ def serve_workloads(args: argparse.Namespace, path: str, values: dict, names: li
         _clients(base, [[PROMPT] * 8, [OUTPUT] * 8], 8, vocab)  # warm-up
         runs = {}
         for name in names:
-            lengths = _mixed_lengths(random.Random(1)) if name == "mixed" else \
-                ([PROMPT] * int(name[5:]), [OUTPUT] * int(name[5:]))
-            run = _clients(base, lengths, CLIENTS, vocab)
+            run = _clients(base, workload_lengths(name), CLIENTS, vocab)
             runs[name] = run
             print(f"server {name}: {sum(run.outputs) / run.seconds:,.0f} out tok/s", flush=True)
         return runs, {"start_s": started}
@@ -399,7 +425,12 @@ def main() -> None:
                    help="also run the workloads through deepinfer-serve (streamed, closed loop)")
     p.add_argument("--accelerator", default="nvidia", help=argparse.SUPPRESS)
     p.add_argument("--plot", metavar="DIR", help="only plot the JSONs in DIR")
+    p.add_argument("--rebound", metavar="DIR",
+                   help="only compute the bounds of the JSONs in DIR again, then plot them")
     args = p.parse_args()
+    if args.rebound:
+        rebound(args.rebound)
+        return plot(args.rebound)
     if args.plot:
         return plot(args.plot)
     if not args.shape:
@@ -453,6 +484,23 @@ def offline(args: argparse.Namespace, path: str, values: dict, device: dict) -> 
     gc.collect()
     torch.cuda.empty_cache()
     return result
+
+
+def rebound(folder: str) -> None:
+    """Each JSON's bounds again, from its config, its lease's rates and its workloads' lengths
+    (after a change to how a bound counts); the measured values stay as they were."""
+    for path in sorted(glob.glob(os.path.join(folder, "*.json"))):
+        with open(path) as f:
+            result = json.load(f)
+        shape = shape_of(result["config"])
+        weight_bytes = 1.0 if result["quantization"] == "fp8" else 2.0
+        for key in ("workloads", "server"):
+            for name, out in result.get(key, {}).items():
+                prompts, outputs = workload_lengths(name)
+                run = Run(prompts, outputs, out["seconds"])
+                out.update(bounds(run, shape, result["device"], weight_bytes,
+                                  result["kv_pool_tokens"]))
+        write_json(path, result)
 
 
 def plot(folder: str) -> None:
