@@ -100,11 +100,13 @@ for run in ${AB_RUNS:-1 2}; do
     done
 done
 # MLA prefill expanded (kernels/mla_prefill.py) against the absorbed kernel: its tests on the GPU,
-# then the DeepSeek-V3 shape in FP8 with DEEPINFER_CUDA_MLA_EXPANDED_PREFILL=1/0, separate
+# both kernels timed alone with the expanded one's tile sweep, then the DeepSeek-V3 shape in FP8 with DEEPINFER_CUDA_MLA_EXPANDED_PREFILL=1/0, separate
 # processes in one lease: the kernel breakdown (a mixed step with a 7,936-token chunk), then the
 # workloads.
 wanted mla_prefill_ab && step mla_prefill_tests python3 -m pytest -q -p no:cacheprovider \
     tests/backends/cuda/test_mla_expanded_prefill.py tests/backends/cuda/test_mla_kernels.py
+wanted mla_prefill_ab && step mla_prefill_bench python3 benchmarks/cuda/bench_mla_prefill.py \
+    --sweep --out "$out/mla_prefill"
 for expanded in 1 0; do
     wanted mla_prefill_ab && step "mla_prefill_profile$expanded" env \
         DEEPINFER_CUDA_MLA_EXPANDED_PREFILL=$expanded python3 benchmarks/cuda/moe_concurrency.py \

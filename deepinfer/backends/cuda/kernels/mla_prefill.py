@@ -162,14 +162,16 @@ def mla_expanded_prefill(q_nope: torch.Tensor, q_pe: torch.Tensor, latent_cache:
                          w_uk: torch.Tensor, w_uv: torch.Tensor, block_tables: torch.Tensor,
                          query_starts: torch.Tensor, seq_lens: torch.Tensor, context: int,
                          max_query_len: int, block_size: int, scale: float,
-                         out: torch.Tensor | None = None) -> torch.Tensor:
+                         out: torch.Tensor | None = None,
+                         cfg: PrefillConfig | None = None) -> torch.Tensor:
     """Causal MLA of packed new tokens over their sequences' paged latents, expanded.
 
     q_nope [T, H, N] and q_pe [T, H, R] (rotated; last dims contiguous, rows may be strided);
     latent_cache [num_slots, L + R] already holds every token's row, new ones included;
     w_uk [H, N, L], w_uv [H, L, V] (kv_b_proj's halves); block_tables int32 [S, max_blocks];
     query_starts int32 [S + 1] cumulative, its first entry q's row 0; seq_lens int32 [S];
-    context = sum(seq_lens), a host int. Returns [T, H, V].
+    context = sum(seq_lens), a host int; cfg: the attention's tiles (default: _config's).
+    Returns [T, H, V].
     """
     tokens, heads, nope = q_nope.shape
     lora, value = w_uv.shape[1], w_uv.shape[2]
@@ -182,7 +184,7 @@ def mla_expanded_prefill(q_nope: torch.Tensor, q_pe: torch.Tensor, latent_cache:
     c_kv, k_pe = rows[:, :lora], rows[:, lora:]
     k_nope = (c_kv @ w_uk.reshape(heads * nope, lora).t()).view(context, heads, nope)
     v = (c_kv @ w_uv.transpose(0, 1).reshape(lora, heads * value)).view(context, heads, value)
-    cfg = _config(nope + rope, value)
+    cfg = cfg or _config(nope + rope, value)
     grid = (heads, seq_lens.shape[0], triton.cdiv(max_query_len, cfg.block_m))
     _expanded_prefill_kernel[grid](
         q_nope, q_pe, k_nope, k_pe, v, starts, query_starts, seq_lens, out,
