@@ -85,10 +85,10 @@ def test_engine_greedy_equals_transformers(tmp_path, monkeypatch, family):
     groups (the sliding group frees the pages that leave its window), each layer reading its
     group's tables (LayerGroupMeta); it runs the prefix-hit round too. deepseek_v3 (MLA): a
     prompt's first chunk runs expanded (kernels/mla_prefill.py), its later chunks (more context
-    than the 16-token budget) and the decodes absorbed, both forms over one sequence's cache. The vocabulary and MLP
-    are narrower than make_checkpoint's and the answers short: the interpreter runs a one-row
-    projection (the GEMV, test_one_token_steps_run_the_gemv) as one program per few output
-    rows."""
+    than the 16-token budget) and the decodes absorbed, both forms over one sequence's cache.
+    The vocabulary and MLP are narrower than make_checkpoint's and the answers short: the
+    interpreter runs a one-row projection (the GEMV, test_one_token_steps_run_the_gemv) as one
+    program per few output rows."""
     import transformers
 
     from tests.checkpoints import make_checkpoint
