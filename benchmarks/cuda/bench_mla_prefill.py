@@ -11,8 +11,9 @@ visible (query, key) pair: the attention's own work), beside the lease's bf16 GE
 case checks the two outputs against each other first (relative error, bf16).
 
 Cases: DeepSeek-V3's MLA (128 heads) and V2-Lite's (16 heads), fresh prompts of 512-8192
-tokens and a 2,048-token chunk over 6,144 cached ones. --sweep times the expanded kernel's
-tiles at each case. Writes mla_prefill.json and mla_prefill.png.
+tokens, a 2,048-token chunk over 6,144 cached ones and a 4,096-token one over 28,672 (the
+expanded form in 8,192-row pieces, as the nvidia backend runs it). --sweep times the
+expanded kernel's tiles at each case. Writes mla_prefill.json and mla_prefill.png.
 """
 from __future__ import annotations
 
@@ -36,10 +37,12 @@ from deepinfer.backends.cuda.timing import cuda_times_ms  # noqa: E402
 
 LORA, ROPE, NOPE, VALUE, BLOCK_SIZE = 512, 64, 128, 128, 128
 DEVICE = "cuda"
+PIECE_TOKENS = 8192  # the nvidia backend's step budget: longer contexts go piece by piece
 HEADS = {"deepseek_v3": 128, "v2_lite": 16}
 # (name, [(cached prefix, new tokens)])
 CASES = [("1x512", [(0, 512)]), ("16x512", [(0, 512)] * 16), ("1x2048", [(0, 2048)]),
-         ("1x8192", [(0, 8192)]), ("2048 over 6144", [(6144, 2048)])]
+         ("1x8192", [(0, 8192)]), ("2048 over 6144", [(6144, 2048)]),
+         ("4096 over 28672", [(28672, 4096)])]
 SWEEP = [PrefillConfig(m, n, w, st) for m, n, w, st in itertools.product(
     (64, 128), (32, 64, 128), (4, 8), (2, 3)) if not (m == 128 and n == 128 and w == 4)]
 
@@ -59,11 +62,12 @@ class Case:
             self.tables[i, :nb] = torch.arange(first, first + nb, dtype=torch.int32)
             first += nb
         self.seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+        self.host_lens = lens
         starts = [0]
         for _, n in chunks:
             starts.append(starts[-1] + n)
         self.starts = torch.tensor(starts, dtype=torch.int32, device=DEVICE)
-        self.max_query, self.context = max(n for _, n in chunks), sum(lens)
+        self.max_query = max(n for _, n in chunks)
         q = torch.randn((starts[-1], heads, NOPE + ROPE), device=DEVICE, generator=g,
                         dtype=torch.bfloat16)
         self.q_nope, self.q_pe = q[..., :NOPE], q[..., NOPE:]
@@ -82,8 +86,9 @@ class Case:
 
     def expanded(self, cfg: PrefillConfig | None = None) -> torch.Tensor:
         return mla_expanded_prefill(self.q_nope, self.q_pe, self.cache, self.w_uk, self.w_uv,
-                                    self.tables, self.starts, self.seq_lens, self.context,
-                                    self.max_query, BLOCK_SIZE, 0.1, cfg=cfg)
+                                    self.tables, self.starts, self.seq_lens, self.host_lens,
+                                    self.max_query, BLOCK_SIZE, 0.1, cfg=cfg,
+                                    piece_tokens=PIECE_TOKENS)
 
 
 def _ms(fn) -> float:

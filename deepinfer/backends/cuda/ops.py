@@ -112,9 +112,9 @@ class CUDAOps(MoEOps, MLAOps, DeepSeekV4Ops, ModelOps):
         self.fuses_shared_experts = cuda_settings().fused_shared_experts
         # DEEPINFER_CUDA_MLA_EXPANDED_PREFILL=0: every MLA prefill in the absorbed form.
         self.mla_expanded_prefill = cuda_settings().mla_expanded_prefill
-        # The most context tokens an expanded prefill decompresses: the step's token budget,
-        # whose fresh prompt the KV pool's sizing step runs, so its buffers are in the measured
-        # peak (None: no limit). A chunk over a longer cached prefix stays absorbed.
+        # The most context rows an expanded prefill decompresses at once: the step's token
+        # budget, whose fresh prompt the KV pool's sizing step runs, so those buffers are in
+        # the measured peak (None: the whole context). Longer contexts go piece by piece.
         self.expanded_context_limit = expanded_context_limit
 
     def _layer_kv(self, layer: int) -> tuple[torch.Tensor, ...]:
@@ -178,8 +178,9 @@ class CUDAOps(MoEOps, MLAOps, DeepSeekV4Ops, ModelOps):
                                           bs, scale, splits, w_uk.shape[-1])
             out[:n] = torch.einsum("thl,hlv->thv", latent_out, w_uv)
         mla_expanded_prefill(q_nope[n:], q_pe[n:], cache, w_uk, w_uv, meta.block_tables[n:],
-                             meta.query_starts[n:], meta.seq_lens[n:], meta.prefill_context,
-                             meta.max_query_len, bs, scale, out=out[n:])
+                             meta.query_starts[n:], meta.seq_lens[n:], meta.prefill_seq_lens,
+                             meta.max_query_len, bs, scale, out=out[n:],
+                             piece_tokens=self.expanded_context_limit)
         return out
 
     def _expands(self, q_nope: torch.Tensor, q_pe: torch.Tensor, w_uv: torch.Tensor,
@@ -188,16 +189,14 @@ class CUDAOps(MoEOps, MLAOps, DeepSeekV4Ops, ModelOps):
         saves FLOPs (under the interpreter, in CI: whenever it can run, so that the path meets
         transformers in the engine tests)."""
         if not (self.mla_expanded_prefill and isinstance(meta, AttentionMeta) and not meta.decode
-                and meta.prefill_context > 0):
-            return False
-        limit = self.expanded_context_limit
-        if limit is not None and meta.prefill_context > limit:
+                and meta.prefill_seq_lens):
             return False
         nope, rope, value, lora = q_nope.shape[-1], q_pe.shape[-1], w_uv.shape[-1], w_uv.shape[1]
         if not expanded_dims_ok(nope, rope, value):
             return False
-        return interpreted() or expanded_prefill_pays(meta.prefill_pairs, meta.prefill_context,
-                                                      lora, nope, rope, value)
+        return interpreted() or expanded_prefill_pays(meta.prefill_pairs,
+                                                      sum(meta.prefill_seq_lens), lora, nope,
+                                                      rope, value)
 
     def rotary_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

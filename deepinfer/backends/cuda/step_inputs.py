@@ -37,9 +37,9 @@ class AttentionMeta:
     # A mixed step's leading sequences with one new token each (decodes, scheduled first):
     # the decode kernel serves them, the prefill kernel the rest.
     num_decodes: int = 0
-    # Host sums over the sequences past those decodes (eager steps only; 0 in graphs): their
-    # context tokens and causal (query, key) pairs, which size and choose MLA's expanded prefill.
-    prefill_context: int = 0
+    # The sequences past those decodes, on the host (eager steps only; empty in graphs): their
+    # lengths and their causal (query, key) pairs, which size and choose MLA's expanded prefill.
+    prefill_seq_lens: tuple[int, ...] = ()
     prefill_pairs: int = 0
 
 
@@ -177,17 +177,17 @@ def unpack_batch(flat: torch.Tensor, batch: ModelBatch, width: int,
     tables = flat[o + s:].view(n, width).to(torch.int32)
     decode = batch.is_decode_only
     decodes = 0 if decode else leading_decodes(batch.query_lens)
-    context, pairs = (0, 0) if decode else prefill_sizes(batch, decodes)
+    lens, pairs = ((), 0) if decode else prefill_sizes(batch, decodes)
     meta = AttentionMeta(
         slot_mapping=flat[2 * t:3 * t], block_tables=tables, seq_lens=seq_lens,
         query_starts=None if decode else starts, max_query_len=max(batch.query_lens),
         decode=decode, num_splits=num_splits, max_seq_len=max(batch.seq_lens),
-        num_decodes=decodes, prefill_context=context, prefill_pairs=pairs)
+        num_decodes=decodes, prefill_seq_lens=lens, prefill_pairs=pairs)
     return StepInputs(flat[:t], flat[t:2 * t], meta, logits_index)
 
 
-def prefill_sizes(batch: ModelBatch, skip: int) -> tuple[int, int]:
-    """(context tokens, causal pairs) of the batch's sequences from index `skip` on: a
-    sequence of s tokens, q of them new, attends q * (s - q) + q * (q + 1) / 2 pairs."""
+def prefill_sizes(batch: ModelBatch, skip: int) -> tuple[tuple[int, ...], int]:
+    """(lengths, causal pairs) of the batch's sequences from index `skip` on: a sequence of
+    s tokens, q of them new, attends q * (s - q) + q * (q + 1) / 2 pairs."""
     lens = zip(batch.seq_lens[skip:], batch.query_lens[skip:])
-    return sum(batch.seq_lens[skip:]), sum(q * (s - q) + q * (q + 1) // 2 for s, q in lens)
+    return tuple(batch.seq_lens[skip:]), sum(q * (s - q) + q * (q + 1) // 2 for s, q in lens)

@@ -83,9 +83,9 @@ def test_engine_greedy_equals_transformers(tmp_path, monkeypatch, family):
     every family (and round 1's later chunks already attend over cached pages), so qwen3
     runs round 1 only. qwen3_windowed: a full layer and a 24-token sliding layer, two KV
     groups (the sliding group frees the pages that leave its window), each layer reading its
-    group's tables (LayerGroupMeta); it runs the prefix-hit round too. deepseek_v3 (MLA): a
-    prompt's first chunk runs expanded (kernels/mla_prefill.py), its later chunks (more context
-    than the 16-token budget) and the decodes absorbed, both forms over one sequence's cache.
+    group's tables (LayerGroupMeta); it runs the prefix-hit round too. deepseek_v3 (MLA): the
+    prompts' chunks run expanded (kernels/mla_prefill.py), a context longer than the 16-token
+    budget decompressed in pieces of at most 16 rows, the decodes absorbed.
     The vocabulary and MLP are narrower than make_checkpoint's and the answers short: the
     interpreter runs a one-row projection (the GEMV, test_one_token_steps_run_the_gemv) as one
     program per few output rows."""

@@ -15,9 +15,11 @@ import torch
 from test_mla_kernels import DEVICE, _assert_close, _paged_latent, _slots
 
 from deepinfer.backends.cuda.kernels.mla_prefill import (
+    Piece,
     expanded_dims_ok,
     expanded_prefill_pays,
     mla_expanded_prefill,
+    pieces_of,
 )
 from deepinfer.backends.cuda.step_inputs import AttentionMeta
 
@@ -62,9 +64,12 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("pieces", [None, 24], ids=["whole", "pieces"])
 @pytest.mark.parametrize("heads,nope,rope,lora,value,block_size,dtype,chunks", CASES)
 def test_expanded_prefill_matches_reference(heads, nope, rope, lora, value, block_size, dtype,
-                                            chunks):
+                                            chunks, pieces):
+    """Whole contexts, and contexts decompressed at most 24 rows at a time (pieces of 24 //
+    sequences positions, merged by their log-sum-exps)."""
     gen = torch.Generator().manual_seed(heads * 1000 + lora * 10 + block_size)
     kv = _paged_latent([p + n for p, n in chunks], lora + rope, block_size, dtype, gen)
     starts = [0]
@@ -75,8 +80,9 @@ def test_expanded_prefill_matches_reference(heads, nope, rope, lora, value, bloc
     out = torch.full((starts[-1], heads, value), float("nan"), dtype=dtype, device=DEVICE)
     query_starts = torch.tensor(starts, dtype=torch.int32, device=DEVICE)
     got = mla_expanded_prefill(q_nope, q_pe, kv.cache, w_uk, w_uv, kv.block_tables,
-                               query_starts, kv.seq_lens, int(kv.seq_lens.sum()),
-                               max(n for _, n in chunks), block_size, 0.2, out=out)
+                               query_starts, kv.seq_lens, [p + n for p, n in chunks],
+                               max(n for _, n in chunks), block_size, 0.2, out=out,
+                               piece_tokens=pieces)
     assert got is out
     ref = torch.cat([_reference(q_nope[starts[i]:starts[i + 1]], q_pe[starts[i]:starts[i + 1]],
                                 kv, w_uk, w_uv, i, 0.2) for i in range(len(chunks))])
@@ -104,19 +110,28 @@ def test_a_mixed_step_through_the_ops_equals_the_absorbed_form():
     w_uk, w_uv = _weights(heads, nope, lora, value, torch.float32, gen)
     meta = AttentionMeta(slot_mapping=slots, block_tables=tables, seq_lens=lens,
                          query_starts=starts, max_query_len=21, decode=False, max_seq_len=39,
-                         num_decodes=2, prefill_context=21 + 29,
+                         num_decodes=2, prefill_seq_lens=(21, 29),
                          prefill_pairs=21 * 22 // 2 + 17 * 12 + 17 * 18 // 2)
     ops = CUDAOps(cache=SimpleNamespace(layer=lambda layer: (kv.cache,), block_size=bs))
     assert ops._expands(q_nope, q_pe, w_uv, meta)
     got = ops.mla_attention(q_nope, q_pe, latent, w_uk, w_uv, 0, meta, 0.2)
     ref = MLAOps.mla_attention(ops, q_nope, q_pe, latent, w_uk, w_uv, 0, meta, 0.2)
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
-    ops.expanded_context_limit = 49  # more context than the step's token budget: absorbed
-    assert not ops._expands(q_nope, q_pe, w_uv, meta)
-    ops.expanded_context_limit = 50
-    assert ops._expands(q_nope, q_pe, w_uv, meta)
+    ops.expanded_context_limit = 20  # more context than the step's token budget: in pieces
+    pieced = ops.mla_attention(q_nope, q_pe, latent, w_uk, w_uv, 0, meta, 0.2)
+    torch.testing.assert_close(pieced, ref, rtol=1e-5, atol=1e-5)
     ops.mla_expanded_prefill = False  # DEEPINFER_CUDA_MLA_EXPANDED_PREFILL=0
     assert not ops._expands(q_nope, q_pe, w_uv, meta)
+
+
+def test_pieces_hold_at_most_their_rows_and_cover_every_key():
+    lens = [5, 40, 17]
+    assert pieces_of(lens, None) == [Piece(0, 40, (5, 40, 17))]
+    assert pieces_of(lens, 62) == [Piece(0, 40, (5, 40, 17))]  # the whole context fits
+    pieces = pieces_of(lens, 24)  # 8 positions a piece for 3 sequences
+    assert all(sum(p.rows) <= 24 for p in pieces)
+    assert [sum(p.rows[i] for p in pieces) for i in range(3)] == lens
+    assert pieces[0] == Piece(0, 8, (5, 8, 8)) and pieces[-1] == Piece(32, 40, (0, 8, 0))
 
 
 def test_expanding_pays_for_long_prompts_not_short_chunks_over_long_prefixes():
