@@ -64,12 +64,13 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("pieces", [None, 24], ids=["whole", "pieces"])
+@pytest.mark.parametrize("pieces", [False, True], ids=["whole", "pieces"])
 @pytest.mark.parametrize("heads,nope,rope,lora,value,block_size,dtype,chunks", CASES)
 def test_expanded_prefill_matches_reference(heads, nope, rope, lora, value, block_size, dtype,
                                             chunks, pieces):
-    """Whole contexts, and contexts decompressed at most 24 rows at a time (pieces of 24 //
-    sequences positions, merged by their log-sum-exps)."""
+    """Whole contexts, and contexts decompressed in pieces merged by their log-sum-exps: in
+    float32 at most 12 rows at a time (many merges), in bf16 a few pieces, as serving makes
+    them (each merge rounds the running output to bf16)."""
     gen = torch.Generator().manual_seed(heads * 1000 + lora * 10 + block_size)
     kv = _paged_latent([p + n for p, n in chunks], lora + rope, block_size, dtype, gen)
     starts = [0]
@@ -79,10 +80,11 @@ def test_expanded_prefill_matches_reference(heads, nope, rope, lora, value, bloc
     w_uk, w_uv = _weights(heads, nope, lora, value, dtype, gen)
     out = torch.full((starts[-1], heads, value), float("nan"), dtype=dtype, device=DEVICE)
     query_starts = torch.tensor(starts, dtype=torch.int32, device=DEVICE)
+    lens = [p + n for p, n in chunks]
+    piece_tokens = (24 if dtype == torch.float32 else sum(lens) - 1) if pieces else None
     got = mla_expanded_prefill(q_nope, q_pe, kv.cache, w_uk, w_uv, kv.block_tables,
-                               query_starts, kv.seq_lens, [p + n for p, n in chunks],
-                               max(n for _, n in chunks), block_size, 0.2, out=out,
-                               piece_tokens=pieces)
+                               query_starts, kv.seq_lens, lens, max(n for _, n in chunks),
+                               block_size, 0.2, out=out, piece_tokens=piece_tokens)
     assert got is out
     ref = torch.cat([_reference(q_nope[starts[i]:starts[i + 1]], q_pe[starts[i]:starts[i + 1]],
                                 kv, w_uk, w_uv, i, 0.2) for i in range(len(chunks))])

@@ -24,8 +24,9 @@ A context of more than `piece_tokens` rows (a chunk over a long cached prefix) i
 piece by piece: piece j holds every sequence's key positions [j P, (j + 1) P), the kernel
 attends the new tokens over one piece at a time and leaves each row's log-sum-exp, and each
 piece's output is merged into the running one by those (as split-K attention merges; vLLM's
-MLA prefill does the same over its cached context). The buffers then never hold more than
-piece_tokens rows, so their peak is that of a fresh prompt of that many tokens.
+MLA prefill does the same over its cached context). A piece then holds at most
+piece_tokens / 2 rows, which with the second output buffer keeps the peak within that of a
+fresh prompt of piece_tokens tokens.
 
 The step gives the sequences' lengths on the host (AttentionMeta.prefill_seq_lens): eager steps
 only, never inside a CUDA graph.
@@ -231,6 +232,11 @@ def mla_expanded_prefill(q_nope: torch.Tensor, q_pe: torch.Tensor, latent_cache:
     if tokens == 0 or len(host_seq_lens) == 0:
         return out
     pieces = pieces_of(host_seq_lens, piece_tokens)
+    if len(pieces) > 1 and piece_tokens is not None:
+        # The second output buffer (at most piece_tokens new rows of H x V) takes what half a
+        # piece's keys and values would (H x (N + V) a row, N = V in DeepSeek): halve the
+        # pieces, so the whole stays within a fresh prompt's buffers.
+        pieces = pieces_of(host_seq_lens, max(1, piece_tokens // 2))
     args = (q_nope, q_pe, latent_cache, w_uk, w_uv, block_tables, query_starts, seq_lens,
             max_query_len, block_size, scale, cfg)
     if len(pieces) == 1:
