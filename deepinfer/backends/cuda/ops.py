@@ -112,9 +112,9 @@ class CUDAOps(MoEOps, MLAOps, DeepSeekV4Ops, ModelOps):
         self.fuses_shared_experts = cuda_settings().fused_shared_experts
         # DEEPINFER_CUDA_MLA_EXPANDED_PREFILL=0: every MLA prefill in the absorbed form.
         self.mla_expanded_prefill = cuda_settings().mla_expanded_prefill
-        # The most context rows an expanded prefill decompresses at once: the step's token
-        # budget, whose fresh prompt the KV pool's sizing step runs, so those buffers are in
-        # the measured peak (None: the whole context). Longer contexts go piece by piece.
+        # What an expanded prefill decompresses at once: the step's token budget, whose fresh
+        # prompt the KV pool's sizing step runs, so those buffers are in the measured peak
+        # (None: the whole context). A longer context goes in pieces of half as many rows.
         self.expanded_context_limit = expanded_context_limit
 
     def _layer_kv(self, layer: int) -> tuple[torch.Tensor, ...]:
