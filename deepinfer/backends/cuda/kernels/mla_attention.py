@@ -36,6 +36,7 @@ from deepinfer.backends.cuda.kernels.decode_attention import (
     split_tiles,
     tile_slots,
 )
+from deepinfer.backends.cuda.kernels.online_softmax import softmax_tile
 from deepinfer.backends.cuda.kernels.pdl import launch_kwargs
 from deepinfer.backends.cuda.kernels.prefill_attention import PrefillConfig
 from deepinfer.backends.cuda.settings import interpreted
@@ -170,18 +171,9 @@ def _attend_latent(acc, l_i, m_i, q_l, q_r, Cache, stride_ct, table, pos, seq_le
             k_pe = tl.load(rows + LORA + offs_r[None, :], mask=r_ok, other=0.0)
         s = tl.dot(q_l, tl.trans(c), input_precision=PRECISION)
         s = tl.dot(q_r, tl.trans(k_pe), s, input_precision=PRECISION)
-        if MASKED:
-            s = tl.where(offs_n[None, :] <= pos[:, None], s * qk_scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            s = s - m_new[:, None]
-        else:
-            m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
-            s = s * qk_scale - m_new[:, None]
-        p = tl.math.exp2(s)
-        alpha = tl.math.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
+        seen = offs_n[None, :] <= pos[:, None]
+        p, alpha, m_i, l_i = softmax_tile(s, seen, m_i, l_i, qk_scale, MASKED, False)
         acc = tl.dot(p.to(c.dtype), c, acc * alpha[:, None], input_precision=PRECISION)
-        m_i = m_new
     return acc, l_i, m_i
 
 

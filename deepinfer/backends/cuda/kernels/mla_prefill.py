@@ -41,6 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer.backends.cuda.kernels.online_softmax import softmax_tile
 from deepinfer.backends.cuda.kernels.prefill_attention import PrefillConfig
 from deepinfer.backends.cuda.settings import interpreted
 
@@ -137,25 +138,11 @@ def _attend(acc, l_i, m_i, q_n, q_r, keys, pos, seq_end, lo, hi, qk_scale,
             vt = tl.load(v + k64[:, None] * stride_vt + offs_v[None, :])
         s = tl.dot(q_n, tl.trans(k), input_precision=PRECISION)
         s = tl.dot(q_r, tl.trans(kr), s, input_precision=PRECISION)
-        if MASKED:
-            # Past the piece's end lie keys a row would see: the causal mask alone keeps out
-            # only those past the sequence.
-            seen = (key[None, :] <= pos[:, None]) & key_ok[None, :]
-            s = tl.where(seen, s * qk_scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_ref = m_new
-            if EMPTY_ROWS:  # subtract 0 rather than -inf, so that exp2 gives 0, not NaN
-                m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-            s = s - m_ref[:, None]
-        else:
-            m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
-            m_ref = m_new
-            s = s * qk_scale - m_new[:, None]
-        p = tl.math.exp2(s)
-        alpha = tl.math.exp2(m_i - m_ref)
-        l_i = l_i * alpha + tl.sum(p, 1)
+        # Past the piece's end lie keys a row would see: the causal mask alone keeps out only
+        # those past the sequence.
+        seen = (key[None, :] <= pos[:, None]) & key_ok[None, :]
+        p, alpha, m_i, l_i = softmax_tile(s, seen, m_i, l_i, qk_scale, MASKED, EMPTY_ROWS)
         acc = tl.dot(p.to(vt.dtype), vt, acc * alpha[:, None], input_precision=PRECISION)
-        m_i = m_new
     return acc, l_i, m_i
 
 

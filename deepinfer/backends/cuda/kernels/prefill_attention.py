@@ -35,6 +35,7 @@ from deepinfer.backends.cuda.kernels.decode_attention import (
     merge_splits,
     tile_slots,
 )
+from deepinfer.backends.cuda.kernels.online_softmax import softmax_tile
 from deepinfer.backends.cuda.settings import interpreted
 
 _LN2 = math.log(2.0)
@@ -164,29 +165,14 @@ def _attend(acc, l_i, m_i, q, kv, table, band, lo, hi, qk_scale, offs_d,
         k = _kv_tile(k_base, k_desc, table, start, offs_n, kv_ok, col, stride_kt, offs_d,
                      MASKED, BLOCK_N, BLOCK_SIZE, USE_TMA)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
-        if MASKED:
-            seen = offs_n[None, :] <= pos[:, None]
-            if SLIDING:
-                seen = seen & (offs_n[None, :] > pos[:, None] - window)
-            s = tl.where(seen, s * qk_scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_ref = m_new
-            if EMPTY_ROWS:
-                # A row may have seen no key yet (its band or split starts further on):
-                # subtract 0 rather than -inf, so that exp2 gives 0, not NaN.
-                m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-            s = s - m_ref[:, None]
-        else:
-            m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
-            m_ref = m_new
-            s = s * qk_scale - m_new[:, None]
-        p = tl.math.exp2(s)
-        alpha = tl.math.exp2(m_i - m_ref)
-        l_i = l_i * alpha + tl.sum(p, 1)
+        seen = offs_n[None, :] <= pos[:, None]
+        if SLIDING:
+            seen = seen & (offs_n[None, :] > pos[:, None] - window)
+        # EMPTY_ROWS: a row may have seen no key yet (its band or split starts further on).
+        p, alpha, m_i, l_i = softmax_tile(s, seen, m_i, l_i, qk_scale, MASKED, EMPTY_ROWS)
         v = _kv_tile(v_base, v_desc, table, start, offs_n, kv_ok, col, stride_vt, offs_d,
                      MASKED, BLOCK_N, BLOCK_SIZE, USE_TMA)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
-        m_i = m_new
     return acc, l_i, m_i
 
 
