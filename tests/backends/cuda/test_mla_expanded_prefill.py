@@ -69,8 +69,8 @@ CASES = [
 def test_expanded_prefill_matches_reference(heads, nope, rope, lora, value, block_size, dtype,
                                             chunks, pieces):
     """Whole contexts, and contexts decompressed in pieces merged by their log-sum-exps: in
-    float32 at most 12 rows at a time (many merges), in bf16 a few pieces, as serving makes
-    them (each merge rounds the running output to bf16)."""
+    float32 at most a quarter of the context at a time (8-11 pieces), in bf16 at most half (a
+    few pieces, as serving makes them: each merge rounds the running output to bf16)."""
     gen = torch.Generator().manual_seed(heads * 1000 + lora * 10 + block_size)
     kv = _paged_latent([p + n for p, n in chunks], lora + rope, block_size, dtype, gen)
     starts = [0]
@@ -81,7 +81,8 @@ def test_expanded_prefill_matches_reference(heads, nope, rope, lora, value, bloc
     out = torch.full((starts[-1], heads, value), float("nan"), dtype=dtype, device=DEVICE)
     query_starts = torch.tensor(starts, dtype=torch.int32, device=DEVICE)
     lens = [p + n for p, n in chunks]
-    piece_tokens = (24 if dtype == torch.float32 else sum(lens) - 1) if pieces else None
+    piece_tokens = (sum(lens) // 2 if dtype == torch.float32 else sum(lens) - 1) \
+        if pieces else None
     got = mla_expanded_prefill(q_nope, q_pe, kv.cache, w_uk, w_uv, kv.block_tables,
                                query_starts, kv.seq_lens, lens, max(n for _, n in chunks),
                                block_size, 0.2, out=out, piece_tokens=piece_tokens)
