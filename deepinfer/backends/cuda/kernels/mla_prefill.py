@@ -47,9 +47,6 @@ from deepinfer.backends.cuda.settings import interpreted
 
 _LOG2E = 1.0 / math.log(2.0)
 _MIN_DOT = 16  # tl.dot needs every dimension >= 16
-# Decompressing a context token costs 2 x L x (N + V) FLOPs a head; each causal pair the
-# expanded form attends saves 2 x (L + R + L) - 2 x (N + R + V). Both per head, so the rule
-# is independent of H.
 
 
 @triton.jit
@@ -154,7 +151,9 @@ def expanded_dims_ok(nope: int, rope: int, value: int) -> bool:
 def expanded_prefill_pays(pairs: int, context: int, kv_lora_rank: int, nope: int, rope: int,
                           value: int) -> bool:
     """Whether expanding beats the absorbed kernel in FLOPs: `pairs` causal (query, key) pairs
-    over `context` decompressed rows (both summed over the step's prefilling sequences)."""
+    over `context` decompressed rows (both summed over the step's prefilling sequences).
+    Decompressing a row costs 2 x L x (N + V) FLOPs a head; each pair saves
+    2 x (L + R + L) - 2 x (N + R + V). Both are per head, so the rule is independent of H."""
     saved = 2 * (2 * kv_lora_rank + rope) - 2 * (nope + rope + value)
     return pairs * saved > context * 2 * kv_lora_rank * (nope + value)
 
