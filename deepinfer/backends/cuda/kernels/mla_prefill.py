@@ -217,12 +217,12 @@ def mla_expanded_prefill(q_nope: torch.Tensor, q_pe: torch.Tensor, latent_cache:
         out = torch.empty((tokens, heads, value), dtype=q_nope.dtype, device=q_nope.device)
     if tokens == 0 or len(host_seq_lens) == 0:
         return out
+    if piece_tokens is not None and sum(host_seq_lens) > piece_tokens:
+        # In pieces, the second output buffer (at most piece_tokens new rows of H x V) takes
+        # what half a piece's keys and values would (H x (N + V) a row, N = V in DeepSeek):
+        # half as many rows a piece keeps the whole within a fresh prompt's buffers.
+        piece_tokens = max(1, piece_tokens // 2)
     pieces = pieces_of(host_seq_lens, piece_tokens)
-    if len(pieces) > 1 and piece_tokens is not None:
-        # The second output buffer (at most piece_tokens new rows of H x V) takes what half a
-        # piece's keys and values would (H x (N + V) a row, N = V in DeepSeek): halve the
-        # pieces, so the whole stays within a fresh prompt's buffers.
-        pieces = pieces_of(host_seq_lens, max(1, piece_tokens // 2))
     args = (q_nope, q_pe, latent_cache, w_uk, w_uv, block_tables, query_starts, seq_lens,
             max_query_len, block_size, scale, cfg)
     if len(pieces) == 1:
