@@ -145,6 +145,16 @@ for run in ${AB_RUNS:-1 2}; do
     wanted moe_ab && step "moe_engine_new$run" python3 benchmarks/cuda/moe_engine_bench.py \
         --skip-hf --quick --out "$out/new$run"
 done
+# DeepSeek's decode launches before (AB_BASELINE, an older tree) and after, alternately in one
+# lease: DeepSeek-V2-Lite at batch 1 and 256 streams (LAUNCH_WORKLOADS), then its breakdown.
+for run in ${AB_RUNS:-1 2}; do
+    wanted launch_ab && step "launch_base$run" baseline python3 benchmarks/cuda/moe_concurrency.py \
+        --shape deepseek_v2_lite --workloads ${LAUNCH_WORKLOADS:-batch1,batch256} \
+        --tag "_base$run" --out "$out/launch_ab"
+    wanted launch_ab && step "launch_new$run" python3 benchmarks/cuda/moe_concurrency.py \
+        --shape deepseek_v2_lite --workloads ${LAUNCH_WORKLOADS:-batch1,batch256} \
+        --tag "_new$run" --out "$out/launch_ab"
+done
 # A 32K-token prompt through the server on the Llama-3-8B shape: cold, device hit and host-tier
 # hit TTFT, then device hits under py-spy (server and ranks).
 if wanted hit_ttft; then

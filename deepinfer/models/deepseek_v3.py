@@ -158,11 +158,9 @@ class MLAttention(nn.Module):
         q = self._query(hidden).view(tokens, d.num_heads, d.qk_head_dim)
         q_nope, q_pe = q.split([d.qk_nope_head_dim, d.qk_rope_head_dim], dim=-1)
         kv = ops.linear(hidden, self.kv_a_proj_with_mqa.weight, self.kv_a_proj_with_mqa.bias)
-        c_kv, k_pe = kv.split([d.kv_lora_rank, d.qk_rope_head_dim], dim=-1)
         # One shared rope key: a single "kv head". A backend may rotate in place.
-        q_pe, k_pe = ops.rotary(q_pe, k_pe.unsqueeze(1), positions, cos, sin)
-        c_kv = ops.rms_norm(c_kv.contiguous(), self.kv_a_layernorm, d.rms_norm_eps)
-        latent = torch.cat((c_kv, k_pe.squeeze(1)), dim=-1)
+        q_pe, k_pe = ops.rotary(q_pe, kv[:, d.kv_lora_rank:].unsqueeze(1), positions, cos, sin)
+        latent = ops.mla_latent(kv, k_pe.squeeze(1), self.kv_a_layernorm, d.rms_norm_eps)
         values = ops.mla_attention(q_nope, q_pe, latent, self.w_uk, self.w_uv, self.layer, meta,
                                    self.scale)
         return ops.linear(values.reshape(tokens, d.num_heads * d.v_head_dim),

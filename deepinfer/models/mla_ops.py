@@ -17,6 +17,14 @@ class MLAOps(ABC):
         q [T, H, L] attends the shared latents causally (scores over all L dims, values their
         first value_dim dims). Returns [T, H, value_dim]."""
 
+    def mla_latent(self, kv: torch.Tensor, k_pe: torch.Tensor, weight: torch.Tensor,
+                   eps: float) -> torch.Tensor:
+        """The step's latent cache rows [T, L + R] from kv_a_proj's output kv [T, L + R]: its
+        c_kv [T, L] RMS-normalized by weight, then the rotated rope key k_pe [T, R] (a backend
+        whose rotary rotates in place may normalize c_kv where it lies and return kv)."""
+        lora = kv.shape[-1] - k_pe.shape[-1]
+        return torch.cat((self.rms_norm(kv[:, :lora].contiguous(), weight, eps), k_pe), dim=-1)
+
     def mla_attention(self, q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor,
                       w_uk: torch.Tensor, w_uv: torch.Tensor, layer: int, meta: Any,
                       scale: float) -> torch.Tensor:

@@ -18,6 +18,7 @@ from typing import Callable
 
 import torch
 
+from deepinfer.backends.cuda.kernels import moe_router
 from deepinfer.backends.cuda.kernels.activation import silu_and_mul
 from deepinfer.backends.cuda.kernels.decode_attention import (
     choose_num_splits,
@@ -46,7 +47,6 @@ from deepinfer.backends.cuda.kernels.mla_prefill import (
     expanded_prefill_pays,
     mla_expanded_prefill,
 )
-from deepinfer.backends.cuda.kernels.moe_router import softmax_topk
 from deepinfer.backends.cuda.kernels.norm import add_rms_norm, rms_norm
 from deepinfer.backends.cuda.kernels.prefill_attention import (
     choose_prefill_splits,
@@ -158,30 +158,56 @@ class CUDAOps(MoEOps, MLAOps, DeepSeekV4Ops, ModelOps):
         return paged_mla_prefill(q, cache, meta.block_tables, meta.query_starts, meta.seq_lens,
                                  meta.max_query_len, bs, scale, value_dim)
 
+    def mla_latent(self, kv: torch.Tensor, k_pe: torch.Tensor, weight: torch.Tensor,
+                   eps: float) -> torch.Tensor:
+        """kv itself, c_kv normalized where it lies, when k_pe is kv's rotary columns (rotary()
+        rotates in place): no copy of c_kv and no joined copy of the row."""
+        lora = kv.shape[-1] - k_pe.shape[-1]
+        if k_pe.data_ptr() != kv[:, lora:].data_ptr() or k_pe.stride() != kv.stride():
+            return super().mla_latent(kv, k_pe, weight, eps)
+        rms_norm(kv[:, :lora], weight, eps, out=kv[:, :lora])
+        return kv
+
     def mla_attention(self, q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor,
                       w_uk: torch.Tensor, w_uv: torch.Tensor, layer: int, meta: AttentionMeta,
                       scale: float) -> torch.Tensor:
-        """A prefill whose attended pairs repay decompressing its context runs expanded
-        (kernels/mla_prefill.py); a mixed step's leading decodes stay absorbed. Everything else
-        in the absorbed form (MLAOps)."""
-        if not self._expands(q_nope, q_pe, w_uv, meta):
-            return super().mla_attention(q_nope, q_pe, latent, w_uk, w_uv, layer, meta, scale)
+        """The absorbed form with the query's two parts read where they are (no joined copy);
+        a prefill whose attended pairs repay decompressing its context runs expanded
+        (kernels/mla_prefill.py), a mixed step's leading decodes staying absorbed."""
         (cache,) = self._layer_kv(layer)
         store_latent(latent, cache, meta.slot_mapping)
-        bs, n = self.cache.block_size, meta.num_decodes
+        bs, lora = self.cache.block_size, w_uk.shape[-1]
+        if meta.decode:
+            return self._absorbed(q_nope, q_pe, w_uk, w_uv, lambda q_latent: paged_mla_decode(
+                q_latent, cache, meta.block_tables, meta.seq_lens, bs, scale, meta.num_splits,
+                lora, q_pe=q_pe))
+        if not self._expands(q_nope, q_pe, w_uv, meta):
+            return self._absorbed(q_nope, q_pe, w_uk, w_uv, lambda q_latent: paged_mla_prefill(
+                q_latent, cache, meta.block_tables, meta.query_starts, meta.seq_lens,
+                meta.max_query_len, bs, scale, lora, q_pe=q_pe))
+        n = meta.num_decodes
         out = torch.empty(q_nope.shape[:2] + (w_uv.shape[-1],), dtype=q_nope.dtype,
                           device=q_nope.device)
         if n:
-            query = torch.cat((torch.einsum("thn,hnl->thl", q_nope[:n], w_uk), q_pe[:n]), -1)
             splits = choose_mla_num_splits(n, q_nope.shape[1], meta.max_seq_len, self.num_sms)
-            latent_out = paged_mla_decode(query, cache, meta.block_tables[:n], meta.seq_lens[:n],
-                                          bs, scale, splits, w_uk.shape[-1])
-            out[:n] = torch.einsum("thl,hlv->thv", latent_out, w_uv)
+            out[:n] = self._absorbed(q_nope[:n], q_pe[:n], w_uk, w_uv, lambda q_latent:
+                                     paged_mla_decode(q_latent, cache, meta.block_tables[:n],
+                                                      meta.seq_lens[:n], bs, scale, splits,
+                                                      lora, q_pe=q_pe[:n]))
         mla_expanded_prefill(q_nope[n:], q_pe[n:], cache, w_uk, w_uv, meta.block_tables[n:],
                              meta.query_starts[n:], meta.seq_lens[n:], meta.prefill_seq_lens,
                              meta.max_query_len, bs, scale, out=out[n:],
                              piece_tokens=self.expanded_context_limit)
         return out
+
+    @staticmethod
+    def _absorbed(q_nope: torch.Tensor, q_pe: torch.Tensor, w_uk: torch.Tensor,
+                  w_uv: torch.Tensor, attend: Callable[[torch.Tensor], torch.Tensor]
+                  ) -> torch.Tensor:
+        """W_UK into the query's latent part, attend (the rotary part read from q_pe), W_UV
+        out of the latent values."""
+        return torch.einsum("thl,hlv->thv", attend(torch.einsum("thn,hnl->thl", q_nope, w_uk)),
+                            w_uv)
 
     def _expands(self, q_nope: torch.Tensor, q_pe: torch.Tensor, w_uv: torch.Tensor,
                  meta: AttentionMeta) -> bool:
@@ -271,10 +297,11 @@ class CUDAOps(MoEOps, MLAOps, DeepSeekV4Ops, ModelOps):
     def route(self, logits: torch.Tensor, spec: RouterSpec, bias: torch.Tensor | None = None,
               counts: RouteCounts | None = None, fixed_ids: torch.Tensor | None = None
               ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Softmax routers (and their counting) in one kernel (moe_router.py) instead of ~7;
-        others (and hash routing): the reference."""
-        if spec.scoring == "softmax" and fixed_ids is None and self._on_triton(logits):
-            return softmax_topk(logits, spec.top_k, spec.renormalize, spec.scaling, counts)
+        """Softmax and sigmoid routers, groups, bias and counting in one kernel (moe_router.py)
+        instead of 6-12; sqrtsoftplus and hash routing: the reference."""
+        if fixed_ids is None and moe_router.takes(spec, logits.shape[-1]) \
+                and self._on_triton(logits):
+            return moe_router.route_topk(logits, spec, bias, counts)
         return super().route(logits, spec, bias, counts, fixed_ids)
 
     @staticmethod

@@ -51,8 +51,9 @@ _MAX_BLOCK_H = 32
 
 @triton.jit
 def _mla_decode_split_kernel(
-    Q, Cache, BlockTables, SeqLens, Out, Lse,
-    stride_qb, stride_qh, stride_ct, stride_bt, stride_ob, stride_oh, stride_os,
+    Q, QR, Cache, BlockTables, SeqLens, Out, Lse,
+    stride_qb, stride_qh, stride_rb, stride_rh, stride_ct, stride_bt, stride_ob, stride_oh,
+    stride_os,
     stride_lb, stride_lh,
     qk_scale,  # softmax scale * log2(e): the kernel works in base 2
     HEADS: tl.constexpr, BLOCK_H: tl.constexpr, LORA: tl.constexpr, ROPE: tl.constexpr,
@@ -69,7 +70,8 @@ def _mla_decode_split_kernel(
     seq_len = tl.load(SeqLens + b)
     tile_lo, tile_hi, _ = split_tiles(seq_len, tl.cdiv(seq_len, BLOCK_N), split, 0, BLOCK_N,
                                       NUM_SPLITS, False)
-    q_l, q_r = _load_q(Q + b * stride_qb + heads * stride_qh, head_ok, LORA, ROPE, BLOCK_R)
+    q_l, q_r = _load_q(Q + b * stride_qb + heads * stride_qh,
+                       QR + b * stride_rb + heads * stride_rh, head_ok, LORA, ROPE, BLOCK_R)
     # Every head's query sits at the sequence's last position: the causal mask is the length.
     pos = tl.full([BLOCK_H], 0, tl.int32) + seq_len - 1
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
@@ -94,8 +96,8 @@ def _mla_decode_split_kernel(
 
 @triton.jit
 def _mla_prefill_kernel(
-    Q, Cache, BlockTables, QueryStarts, SeqLens, Out,
-    stride_qt, stride_qh, stride_ct, stride_bt, stride_ot, stride_oh,
+    Q, QR, Cache, BlockTables, QueryStarts, SeqLens, Out,
+    stride_qt, stride_qh, stride_rt, stride_rh, stride_ct, stride_bt, stride_ot, stride_oh,
     qk_scale,  # softmax scale * log2(e): the kernel works in base 2
     LORA: tl.constexpr, ROPE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, PRECISION: tl.constexpr,
@@ -114,7 +116,8 @@ def _mla_prefill_kernel(
     row_ok = offs_m < q_len
     pos = first_pos + tl.arange(0, BLOCK_M)
     rows = (q_start + offs_m).to(tl.int64)
-    q_l, q_r = _load_q(Q + rows * stride_qt + head * stride_qh, row_ok, LORA, ROPE, BLOCK_R)
+    q_l, q_r = _load_q(Q + rows * stride_qt + head * stride_qh,
+                       QR + rows * stride_rt + head * stride_rh, row_ok, LORA, ROPE, BLOCK_R)
     table = BlockTables + seq.to(tl.int64) * stride_bt
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -135,12 +138,14 @@ def _mla_prefill_kernel(
 
 
 @triton.jit
-def _load_q(row_ptrs, row_ok, LORA: tl.constexpr, ROPE: tl.constexpr, BLOCK_R: tl.constexpr):
-    """The query rows cut into their latent part [ROWS, L] and rotary part [ROWS, BLOCK_R]."""
+def _load_q(row_ptrs, rope_ptrs, row_ok, LORA: tl.constexpr, ROPE: tl.constexpr,
+            BLOCK_R: tl.constexpr):
+    """The query rows' latent part [ROWS, L] and rotary part [ROWS, BLOCK_R] (two tensors, or
+    two column ranges of one)."""
     offs_l = tl.arange(0, LORA)
     offs_r = tl.arange(0, BLOCK_R)
     q_l = tl.load(row_ptrs[:, None] + offs_l[None, :], mask=row_ok[:, None], other=0.0)
-    q_r = tl.load(row_ptrs[:, None] + LORA + offs_r[None, :],
+    q_r = tl.load(rope_ptrs[:, None] + offs_r[None, :],
                   mask=row_ok[:, None] & (offs_r[None, :] < ROPE), other=0.0)
     return q_l, q_r
 
@@ -228,25 +233,28 @@ def _prefill_config(kv_lora_rank: int) -> PrefillConfig:
 
 def paged_mla_decode(q: torch.Tensor, latent_cache: torch.Tensor, block_tables: torch.Tensor,
                      seq_lens: torch.Tensor, block_size: int, scale: float, num_splits: int,
-                     kv_lora_rank: int, out: torch.Tensor | None = None) -> torch.Tensor:
+                     kv_lora_rank: int, out: torch.Tensor | None = None,
+                     q_pe: torch.Tensor | None = None) -> torch.Tensor:
     """MLA of one (absorbed) query token per sequence over its paged latent context.
 
-    q [B, H, L + R] (last dim contiguous), latent_cache [num_slots, L + R], block_tables int32
+    q [B, H, L + R], or q [B, H, L] and its rotary part q_pe [B, H, R] apart (no copy to join
+    them; last dims contiguous), latent_cache [num_slots, L + R], block_tables int32
     [B, max_blocks], seq_lens int32 [B] (>= 1), num_splits a power of two (from
     choose_mla_num_splits). Returns out [B, H, L] in q's dtype.
     """
     return launch_mla_decode(q, latent_cache, block_tables, seq_lens, block_size, scale,
-                             num_splits, kv_lora_rank, out, _decode_config(kv_lora_rank))
+                             num_splits, kv_lora_rank, out, _decode_config(kv_lora_rank), q_pe)
 
 
 def launch_mla_decode(q: torch.Tensor, latent_cache: torch.Tensor, block_tables: torch.Tensor,
                       seq_lens: torch.Tensor, block_size: int, scale: float, num_splits: int,
-                      kv_lora_rank: int, out: torch.Tensor | None,
-                      cfg: DecodeConfig) -> torch.Tensor:
+                      kv_lora_rank: int, out: torch.Tensor | None, cfg: DecodeConfig,
+                      q_pe: torch.Tensor | None = None) -> torch.Tensor:
     """paged_mla_decode with an explicit tile config (for tuning)."""
     if num_splits < 1 or num_splits & (num_splits - 1):
         raise ValueError(f"num_splits must be a power of two, got {num_splits}")
-    rope = _check(q, latent_cache, block_tables, kv_lora_rank, out)
+    q_l, q_r = _query_parts(q, q_pe, kv_lora_rank)
+    rope = _check(q_l, q_r, latent_cache, block_tables, kv_lora_rank, out)
     batch, heads, _ = q.shape
     if out is None:
         out = torch.empty((batch, heads, kv_lora_rank), dtype=q.dtype, device=q.device)
@@ -264,9 +272,9 @@ def launch_mla_decode(q: torch.Tensor, latent_cache: torch.Tensor, block_tables:
         lse_strides = (lse.stride(0), lse.stride(1))
     block_h = min(_MAX_BLOCK_H, max(_MIN_DOT, triton.next_power_of_2(heads)))
     _mla_decode_split_kernel[(batch, triton.cdiv(heads, block_h), num_splits)](
-        q, latent_cache, block_tables, seq_lens, partial, lse,
-        q.stride(0), q.stride(1), latent_cache.stride(0), block_tables.stride(0),
-        *part_strides, *lse_strides, scale * _LOG2E,
+        q_l, q_r, latent_cache, block_tables, seq_lens, partial, lse,
+        q_l.stride(0), q_l.stride(1), q_r.stride(0), q_r.stride(1), latent_cache.stride(0),
+        block_tables.stride(0), *part_strides, *lse_strides, scale * _LOG2E,
         HEADS=heads, BLOCK_H=block_h, LORA=kv_lora_rank, ROPE=rope,
         BLOCK_R=max(_MIN_DOT, rope), BLOCK_N=cfg.block_n, BLOCK_SIZE=block_size,
         NUM_SPLITS=num_splits, PRECISION=_precision(q),
@@ -280,25 +288,29 @@ def launch_mla_decode(q: torch.Tensor, latent_cache: torch.Tensor, block_tables:
 def paged_mla_prefill(q: torch.Tensor, latent_cache: torch.Tensor, block_tables: torch.Tensor,
                       query_starts: torch.Tensor, seq_lens: torch.Tensor, max_query_len: int,
                       block_size: int, scale: float, kv_lora_rank: int,
-                      out: torch.Tensor | None = None) -> torch.Tensor:
+                      out: torch.Tensor | None = None,
+                      q_pe: torch.Tensor | None = None) -> torch.Tensor:
     """Causal MLA of packed (absorbed) new tokens over their sequences' paged latents.
 
-    q [T, H, L + R] (last dim contiguous); latent_cache [num_slots, L + R] already holds every
-    token's row, new ones included; block_tables int32 [N, max_blocks]; query_starts int32
-    [N + 1] cumulative; seq_lens int32 [N] (cached prefix + new tokens). Query token j of
-    sequence i sits at position seq_lens[i] - query_len_i + j. Returns [T, H, L].
+    q [T, H, L + R], or q [T, H, L] and q_pe [T, H, R] apart (last dims contiguous);
+    latent_cache [num_slots, L + R] already holds every token's row, new ones included;
+    block_tables int32 [N, max_blocks]; query_starts int32 [N + 1] cumulative; seq_lens int32
+    [N] (cached prefix + new tokens). Query token j of sequence i sits at position seq_lens[i] -
+    query_len_i + j. Returns [T, H, L].
     """
     return launch_mla_prefill(q, latent_cache, block_tables, query_starts, seq_lens,
                               max_query_len, block_size, scale, kv_lora_rank, out,
-                              _prefill_config(kv_lora_rank))
+                              _prefill_config(kv_lora_rank), q_pe)
 
 
 def launch_mla_prefill(q: torch.Tensor, latent_cache: torch.Tensor, block_tables: torch.Tensor,
                        query_starts: torch.Tensor, seq_lens: torch.Tensor, max_query_len: int,
                        block_size: int, scale: float, kv_lora_rank: int,
-                       out: torch.Tensor | None, cfg: PrefillConfig) -> torch.Tensor:
+                       out: torch.Tensor | None, cfg: PrefillConfig,
+                       q_pe: torch.Tensor | None = None) -> torch.Tensor:
     """paged_mla_prefill with an explicit tile config (for tuning)."""
-    rope = _check(q, latent_cache, block_tables, kv_lora_rank, out)
+    q_l, q_r = _query_parts(q, q_pe, kv_lora_rank)
+    rope = _check(q_l, q_r, latent_cache, block_tables, kv_lora_rank, out)
     tokens, heads, _ = q.shape
     if out is None:
         out = torch.empty((tokens, heads, kv_lora_rank), dtype=q.dtype, device=q.device)
@@ -307,9 +319,9 @@ def launch_mla_prefill(q: torch.Tensor, latent_cache: torch.Tensor, block_tables
         return out
     grid = (heads, num_seqs, triton.cdiv(max_query_len, cfg.block_m))
     _mla_prefill_kernel[grid](
-        q, latent_cache, block_tables, query_starts, seq_lens, out,
-        q.stride(0), q.stride(1), latent_cache.stride(0), block_tables.stride(0),
-        out.stride(0), out.stride(1), scale * _LOG2E,
+        q_l, q_r, latent_cache, block_tables, query_starts, seq_lens, out,
+        q_l.stride(0), q_l.stride(1), q_r.stride(0), q_r.stride(1), latent_cache.stride(0),
+        block_tables.stride(0), out.stride(0), out.stride(1), scale * _LOG2E,
         LORA=kv_lora_rank, ROPE=rope, BLOCK_R=max(_MIN_DOT, rope), BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n, BLOCK_SIZE=block_size, PRECISION=_precision(q),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -344,25 +356,37 @@ def _precision(q: torch.Tensor) -> str:
     return "ieee" if q.dtype == torch.float32 else "tf32"
 
 
-def _check(q: torch.Tensor, latent_cache: torch.Tensor, block_tables: torch.Tensor,
-           kv_lora_rank: int, out: torch.Tensor | None) -> int:
+def _query_parts(q: torch.Tensor, q_pe: torch.Tensor | None, kv_lora_rank: int
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(latent part, rotary part) of the query: q and q_pe as given, or q's two column ranges."""
+    if q_pe is not None:
+        return q, q_pe
+    return q[..., :kv_lora_rank], q[..., kv_lora_rank:]
+
+
+def _check(q_l: torch.Tensor, q_r: torch.Tensor, latent_cache: torch.Tensor,
+           block_tables: torch.Tensor, kv_lora_rank: int, out: torch.Tensor | None) -> int:
     """Shape and layout checks of both MLA launchers; returns the rotary width R. Nothing here
     may read tensor values: that would sync with the device and break graph capture."""
-    lora, rope = kv_lora_rank, q.shape[-1] - kv_lora_rank
+    lora, rope = kv_lora_rank, q_r.shape[-1]
     if lora < _MIN_DOT or lora & (lora - 1):
         raise ValueError(f"kv_lora_rank must be a power of two >= 16, got {lora}")
     if rope < 1 or rope & (rope - 1):
         raise ValueError(f"the rotary width q.shape[-1] - kv_lora_rank must be a power of two, "
                          f"got {rope}")
-    if q.dim() != 3 or q.stride(-1) != 1:
-        raise ValueError("q must be [tokens, heads, L + R] with a contiguous last dim")
-    if latent_cache.dim() != 2 or latent_cache.shape[1] != q.shape[-1] \
+    if q_l.dim() != 3 or q_l.shape[-1] != lora or q_l.stride(-1) != 1 or q_r.stride(-1) != 1:
+        raise ValueError(f"q must be [tokens, heads, {lora} + R] (or [tokens, heads, {lora}] "
+                         f"with q_pe [tokens, heads, R]) with contiguous last dims")
+    if q_r.shape[:2] != q_l.shape[:2] or q_r.dtype != q_l.dtype:
+        raise ValueError(f"q_pe {tuple(q_r.shape)} {q_r.dtype} does not match q "
+                         f"{tuple(q_l.shape)} {q_l.dtype}")
+    if latent_cache.dim() != 2 or latent_cache.shape[1] != lora + rope \
             or not latent_cache.is_contiguous():
-        raise ValueError(f"latent_cache must be a contiguous [num_slots, {q.shape[-1]}] tensor")
-    if latent_cache.dtype != q.dtype:
-        raise ValueError(f"q is {q.dtype} but latent_cache is {latent_cache.dtype}")
-    if out is not None and (tuple(out.shape) != (*q.shape[:2], lora) or out.stride(-1) != 1):
-        raise ValueError(f"out must be {[*q.shape[:2], lora]} with a contiguous last dim")
+        raise ValueError(f"latent_cache must be a contiguous [num_slots, {lora + rope}] tensor")
+    if latent_cache.dtype != q_l.dtype:
+        raise ValueError(f"q is {q_l.dtype} but latent_cache is {latent_cache.dtype}")
+    if out is not None and (tuple(out.shape) != (*q_l.shape[:2], lora) or out.stride(-1) != 1):
+        raise ValueError(f"out must be {[*q_l.shape[:2], lora]} with a contiguous last dim")
     if block_tables.dtype != torch.int32:
         raise ValueError("block_tables must be int32")
     return rope
