@@ -117,6 +117,10 @@ for expanded in 1 0; do
         --shape deepseek_v3 --quantization fp8 --workloads ${MLA_WORKLOADS:-batch1,batch256,mixed} \
         --tag "_expanded$expanded" --out "$out/mla_prefill"
 done
+# MLA decode alone at serving batch sizes, DeepSeek-V3's 128 heads and V2-Lite's 16, with its
+# tile sweep (heads a program among them).
+wanted mla_decode_tiles && step mla_decode_tiles python3 benchmarks/cuda/bench_mla_decode.py \
+    --sweep --out "$out/mla_decode"
 # Top-1 agreement of FP8 with bf16 on a real model: FP8_AGREEMENT_MODEL, SmolLM2's GGUF.
 wanted fp8_agreement && step fp8_agreement python3 benchmarks/cuda/fp8_agreement.py \
     --model "${FP8_AGREEMENT_MODEL:?set FP8_AGREEMENT_MODEL to a .gguf or HF folder}" \

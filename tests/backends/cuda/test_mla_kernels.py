@@ -15,7 +15,9 @@ import torch
 
 from deepinfer.backends.cuda.kernels import decode_attention, mla_attention
 from deepinfer.backends.cuda.kernels.mla_attention import (
+    _decode_config,
     choose_mla_num_splits,
+    launch_mla_decode,
     paged_mla_decode,
     paged_mla_prefill,
     store_latent,
@@ -152,6 +154,35 @@ def test_mla_prefill_then_decode_agree():
     pre = paged_mla_prefill(q, kv.cache, kv.block_tables, starts, kv.seq_lens, 21, 8, 0.3, 16)
     dec = paged_mla_decode(q[-1:], kv.cache, kv.block_tables, kv.seq_lens, 8, 0.3, 2, 16)
     torch.testing.assert_close(dec[0], pre[-1], rtol=1e-5, atol=1e-5)
+
+
+def test_the_query_parts_apart_equal_the_joined_query():
+    """q [T, H, L] and q_pe [T, H, R] as two tensors (the nvidia backend's einsum output and the
+    rotated view of q_proj's output, no joined copy) give the joined query's result, in both
+    kernels; 64 heads a decode program (a tuning option) too."""
+    gen = torch.Generator().manual_seed(4)
+    kv = _paged_latent([21, 9], 24, 8, torch.float32, gen)
+    q = _strided_q(21, 64, 24, torch.float32, gen)
+    q_pe = torch.randn(21, 64, 40, generator=gen).to(DEVICE)[:, :, 3:11]  # strided rows
+    joined = torch.cat((q[..., :16], q_pe), dim=-1)
+    starts = torch.tensor([0, 12, 21], dtype=torch.int32, device=DEVICE)
+    lens = kv.seq_lens
+    args = (kv.cache, kv.block_tables, starts, lens, 12, 8, 0.3, 16)
+    torch.testing.assert_close(paged_mla_prefill(q[..., :16], *args, q_pe=q_pe),
+                               paged_mla_prefill(joined, *args), rtol=0, atol=0)
+    dec_q, dec_pe, dec_joined = q[:2, :, :16], q_pe[:2], joined[:2]
+    want = paged_mla_decode(dec_joined, kv.cache, kv.block_tables, lens, 8, 0.3, 2, 16)
+    torch.testing.assert_close(
+        paged_mla_decode(dec_q, kv.cache, kv.block_tables, lens, 8, 0.3, 2, 16, q_pe=dec_pe),
+        want, rtol=0, atol=0)
+    wide = launch_mla_decode(dec_q, kv.cache, kv.block_tables, lens, 8, 0.3, 2, 16, None,
+                             _decode_config(16), q_pe=dec_pe, max_block_h=64)
+    torch.testing.assert_close(wide, want, rtol=1e-5, atol=1e-5)
+    ref = torch.stack([_reference(dec_joined[b:b + 1], kv, b, 0.3, 16)[0] for b in range(2)])
+    _assert_close(want, ref, torch.float32)
+    with pytest.raises(ValueError, match="q_pe"):
+        paged_mla_decode(dec_q, kv.cache, kv.block_tables, lens, 8, 0.3, 2, 16,
+                         q_pe=dec_pe[:1])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -249,8 +249,9 @@ def paged_mla_decode(q: torch.Tensor, latent_cache: torch.Tensor, block_tables: 
 def launch_mla_decode(q: torch.Tensor, latent_cache: torch.Tensor, block_tables: torch.Tensor,
                       seq_lens: torch.Tensor, block_size: int, scale: float, num_splits: int,
                       kv_lora_rank: int, out: torch.Tensor | None, cfg: DecodeConfig,
-                      q_pe: torch.Tensor | None = None) -> torch.Tensor:
-    """paged_mla_decode with an explicit tile config (for tuning)."""
+                      q_pe: torch.Tensor | None = None,
+                      max_block_h: int = _MAX_BLOCK_H) -> torch.Tensor:
+    """paged_mla_decode with an explicit tile config and most heads a program (for tuning)."""
     if num_splits < 1 or num_splits & (num_splits - 1):
         raise ValueError(f"num_splits must be a power of two, got {num_splits}")
     q_l, q_r = _query_parts(q, q_pe, kv_lora_rank)
@@ -270,7 +271,7 @@ def launch_mla_decode(q: torch.Tensor, latent_cache: torch.Tensor, block_tables:
         lse = torch.empty((batch, heads, num_splits), dtype=torch.float32, device=q.device)
         part_strides = (partial.stride(0), partial.stride(1), partial.stride(2))
         lse_strides = (lse.stride(0), lse.stride(1))
-    block_h = min(_MAX_BLOCK_H, max(_MIN_DOT, triton.next_power_of_2(heads)))
+    block_h = min(max_block_h, max(_MIN_DOT, triton.next_power_of_2(heads)))
     _mla_decode_split_kernel[(batch, triton.cdiv(heads, block_h), num_splits)](
         q_l, q_r, latent_cache, block_tables, seq_lens, partial, lse,
         q_l.stride(0), q_l.stride(1), q_r.stride(0), q_r.stride(1), latent_cache.stride(0),
