@@ -220,9 +220,9 @@ class CUDAOps(MoEOps, MLAOps, DeepSeekV4Ops, ModelOps):
         nope, rope, value, lora = q_nope.shape[-1], q_pe.shape[-1], w_uv.shape[-1], w_uv.shape[1]
         if not expanded_dims_ok(nope, rope, value):
             return False
-        return interpreted() or expanded_prefill_pays(meta.prefill_pairs,
-                                                      sum(meta.prefill_seq_lens), lora, nope,
-                                                      rope, value)
+        return interpreted() or expanded_prefill_pays(
+            meta.prefill_pairs, sum(meta.prefill_seq_lens), q_nope.shape[1], lora, nope, rope,
+            value)
 
     def rotary_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

@@ -138,8 +138,13 @@ def test_pieces_hold_at_most_their_rows_and_cover_every_key():
 
 
 def test_expanding_pays_for_long_prompts_not_short_chunks_over_long_prefixes():
-    v3 = dict(kv_lora_rank=512, nope=128, rope=64, value=128)
-    assert expanded_prefill_pays(512 * 513 // 2, 512, **v3)  # a fresh 512-token prompt
+    v3 = dict(heads=128, kv_lora_rank=512, nope=128, rope=64, value=128)
+    assert expanded_prefill_pays(16 * 512 * 513 // 2, 16 * 512, **v3)  # 16 fresh prompts
+    assert expanded_prefill_pays(2048 * 2049 // 2, 2048, **v3)
+    # One 512-token prompt repays the FLOPs but not the fixed costs; 16 heads need more pairs.
+    assert not expanded_prefill_pays(512 * 513 // 2, 512, **v3)
+    assert not expanded_prefill_pays(2048 * 2049 // 2, 2048, **{**v3, "heads": 16})
+    assert expanded_prefill_pays(8192 * 8193 // 2, 8192, **{**v3, "heads": 16})
     assert not expanded_prefill_pays(256 * 257 // 2, 256, **v3)
     pairs = 128 * 32640 + 128 * 129 // 2  # 128 new tokens over a 32K prefix
     assert not expanded_prefill_pays(pairs, 32768, **v3)

@@ -6,7 +6,8 @@ The absorbed form (mla_attention.paged_mla_prefill) scores and mixes all L + R =
 dims per head and pair: 2 x (576 + 512) FLOPs a head and pair. Expanded, a pair costs
 2 x (128 + 64 + 128) = 640, 3.4x fewer, for a decompression GEMM of 2 x L x H x (nope + v)
 FLOPs per context token. A prompt of a few hundred tokens or more repays it; a short chunk over
-a long cached prefix does not, and keeps the absorbed kernel (expanded_prefill_pays).
+a long cached prefix does not, nor does a step too small to repay the fixed costs: those keep
+the absorbed kernel (expanded_prefill_pays).
 
     mla_expanded_prefill(q_nope [T, H, N], q_pe [T, H, R], latent_cache [slots, L + R],
                          w_uk [H, N, L], w_uv [H, L, V], ...) -> [T, H, V]
@@ -148,14 +149,23 @@ def expanded_dims_ok(nope: int, rope: int, value: int) -> bool:
     return all(d >= _MIN_DOT and d & (d - 1) == 0 for d in (nope, rope, value))
 
 
-def expanded_prefill_pays(pairs: int, context: int, kv_lora_rank: int, nope: int, rope: int,
-                          value: int) -> bool:
-    """Whether expanding beats the absorbed kernel in FLOPs: `pairs` causal (query, key) pairs
-    over `context` decompressed rows (both summed over the step's prefilling sequences).
-    Decompressing a row costs 2 x L x (N + V) FLOPs a head; each pair saves
-    2 x (L + R + L) - 2 x (N + R + V). Both are per head, so the rule is independent of H."""
+# The fewest (head, pair)s a step expands: below it the gather, the two GEMMs and the extra
+# launches cost more than the FLOPs save (H200, bench_mla_prefill.py: V3's 128 heads over one
+# 512-token prompt, 17M, ran 0.9x of the absorbed kernel, 16 such prompts, 269M, 3.2x; V2-Lite's
+# 16 heads over one 2,048-token prompt, 34M, 0.7x, over one of 8,192, 537M, 2.6x).
+MIN_EXPANDED_HEAD_PAIRS = 1 << 26
+
+
+def expanded_prefill_pays(pairs: int, context: int, heads: int, kv_lora_rank: int, nope: int,
+                          rope: int, value: int) -> bool:
+    """Whether expanding beats the absorbed kernel: `pairs` causal (query, key) pairs over
+    `context` decompressed rows (both summed over the step's prefilling sequences) of `heads`
+    heads. In FLOPs, decompressing a row costs 2 x L x (N + V) a head and each pair saves
+    2 x (L + R + L) - 2 x (N + R + V) a head; and the step must be big enough to repay its
+    fixed costs (MIN_EXPANDED_HEAD_PAIRS)."""
     saved = 2 * (2 * kv_lora_rank + rope) - 2 * (nope + rope + value)
-    return pairs * saved > context * 2 * kv_lora_rank * (nope + value)
+    return pairs * heads >= MIN_EXPANDED_HEAD_PAIRS and \
+        pairs * saved > context * 2 * kv_lora_rank * (nope + value)
 
 
 @dataclass(frozen=True)
@@ -178,16 +188,16 @@ def pieces_of(seq_lens: Sequence[int], piece_tokens: int | None) -> list[Piece]:
             for lo in range(0, longest, span)]
 
 
-def gather_context(latent_cache: torch.Tensor, block_tables: torch.Tensor, piece: Piece,
-                   block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+def gather_context(latent_cache: torch.Tensor, block_tables: torch.Tensor,
+                   seq_lens: torch.Tensor, piece: Piece, block_size: int
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """Each sequence's latent rows at positions piece.lo .. piece.lo + rows - 1, sequence after
-    sequence: ([sum(rows), L + R], int32 starts [N + 1])."""
-    device = latent_cache.device
-    bounds = [0]
-    for n in piece.rows:
-        bounds.append(bounds[-1] + n)
-    starts = torch.tensor(bounds, dtype=torch.int32, device=device)
-    row = torch.arange(bounds[-1], dtype=torch.int32, device=device)
+    sequence: ([sum(rows), L + R], int32 starts [N + 1]). The starts are computed on the
+    device from seq_lens (a copy from the host would wait for the stream), the row count
+    from the host's piece."""
+    rows = (seq_lens.clamp(max=piece.hi) - piece.lo).clamp(min=0)
+    starts = torch.nn.functional.pad(rows.cumsum(0), (1, 0)).to(torch.int32)
+    row = torch.arange(sum(piece.rows), dtype=torch.int32, device=latent_cache.device)
     seq = torch.searchsorted(starts[1:], row, right=True)
     pos = (row - starts[seq]).long() + piece.lo
     slots = block_tables[seq, pos // block_size].long() * block_size + pos % block_size
@@ -247,7 +257,7 @@ def _attend_piece(q_nope: torch.Tensor, q_pe: torch.Tensor, latent_cache: torch.
     where given)."""
     heads, nope, lora = w_uk.shape
     value, rope = w_uv.shape[2], q_pe.shape[-1]
-    rows, starts = gather_context(latent_cache, block_tables, piece, block_size)
+    rows, starts = gather_context(latent_cache, block_tables, seq_lens, piece, block_size)
     context = rows.shape[0]
     c_kv, k_pe = rows[:, :lora], rows[:, lora:]
     k_nope = (c_kv @ w_uk.reshape(heads * nope, lora).t()).view(context, heads, nope)
@@ -312,5 +322,7 @@ def _config(qk_dim: int, value: int) -> PrefillConfig:
     if interpreted():
         return PrefillConfig(16, 16, 4, 1)
     if qk_dim + value > 256:
-        return PrefillConfig(128, 64, 8, 2)
+        # H200, bench_mla_prefill.py --sweep: the best of 22 tile sets from 1 x 2,048 to 4,096
+        # over 28,672 tokens at 128 and 16 heads, 17-21% ahead of 2 stages at 8K and more.
+        return PrefillConfig(128, 64, 8, 3)
     return PrefillConfig(128, 64, 4, 2)
