@@ -37,7 +37,6 @@ from deepinfer.backends.cuda.kernels.fused_moe import fused_experts
 from deepinfer.backends.cuda.kernels.gemv import gemv
 from deepinfer.backends.cuda.kernels.kv_write import store_kv
 from deepinfer.backends.cuda.kernels.mla_attention import (
-    choose_mla_num_splits,
     paged_mla_decode,
     paged_mla_prefill,
     store_latent,
@@ -188,12 +187,12 @@ class CUDAOps(MoEOps, MLAOps, DeepSeekV4Ops, ModelOps):
         n = meta.num_decodes
         out = torch.empty(q_nope.shape[:2] + (w_uv.shape[-1],), dtype=q_nope.dtype,
                           device=q_nope.device)
-        if n:
-            splits = choose_mla_num_splits(n, q_nope.shape[1], meta.max_seq_len, self.num_sms)
+        if n:  # unsplit, as the absorbed prefill kernel takes them: one kernel variant for
+            # any number of decodes (a split count per count compiles new ones mid-serving)
             out[:n] = self._absorbed(q_nope[:n], q_pe[:n], w_uk, w_uv, lambda q_latent:
                                      paged_mla_decode(q_latent, cache, meta.block_tables[:n],
-                                                      meta.seq_lens[:n], bs, scale, splits,
-                                                      lora, q_pe=q_pe[:n]))
+                                                      meta.seq_lens[:n], bs, scale, 1, lora,
+                                                      q_pe=q_pe[:n]))
         mla_expanded_prefill(q_nope[n:], q_pe[n:], cache, w_uk, w_uv, meta.block_tables[n:],
                              meta.query_starts[n:], meta.seq_lens[n:], meta.prefill_seq_lens,
                              meta.max_query_len, bs, scale, out=out[n:],
