@@ -207,6 +207,16 @@ def peer_bars(path: str, result: dict, keys: list[str], labels: list[str], ylabe
     fig.savefig(path, dpi=120)
 
 
+def side_by_side(ax, labels: list[str], series: dict[str, list[float]]) -> None:
+    """Bars of each series side by side at every label, with a legend."""
+    width = 0.8 / len(series)
+    for k, (name, values) in enumerate(series.items()):
+        offset = (k - (len(series) - 1) / 2) * width
+        ax.bar([i + offset for i in range(len(labels))], values, width, label=name)
+    ax.set_xticks(range(len(labels)), labels, rotation=20, fontsize=8)
+    ax.legend(fontsize=8)
+
+
 def replot(json_path: str, plot: Callable[[dict, str], None]) -> int:
     """Redraw a result's PNG beside its JSON (for --replot); the exit status."""
     with open(json_path) as f:

@@ -24,7 +24,7 @@ import triton
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from common import pyplot, write_json  # noqa: E402
+from common import pyplot, side_by_side, write_json  # noqa: E402
 
 from deepinfer.backends.cuda.kernels.decode_attention import (  # noqa: E402
     DecodeConfig,
@@ -129,14 +129,11 @@ def plot(result: dict, path: str) -> None:
     fig, axes = plt.subplots(1, len(HEADS), figsize=(12, 4.5), squeeze=False)
     for ax, model in zip(axes[0], HEADS):
         rows = [r for r in result["rows"] if r["model"] == model]
-        x = range(len(rows))
-        ax.bar([i - 0.2 for i in x], [r["default_share"] for r in rows], 0.4, label="default")
+        series = {"default": [r["default_share"] for r in rows]}
         if all("best_share" in r for r in rows):
-            ax.bar([i + 0.2 for i in x], [r["best_share"] for r in rows], 0.4,
-                   label="best of sweep")
-        ax.set_xticks(list(x), [f"{r['batch']}x{r['context']}" for r in rows], fontsize=8)
+            series["best of sweep"] = [r["best_share"] for r in rows]
+        side_by_side(ax, [f"{r['batch']}x{r['context']}" for r in rows], series)
         ax.set(title=f"{model}: {HEADS[model]} heads", ylabel="share of bound")
-        ax.legend(fontsize=8)
     fig.suptitle(f"MLA decode, {result['gpu']}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -28,7 +28,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from common import pyplot, write_json  # noqa: E402
+from common import pyplot, side_by_side, write_json  # noqa: E402
 
 from deepinfer.backends.cuda.kernels.mla_attention import paged_mla_prefill  # noqa: E402
 from deepinfer.backends.cuda.kernels.mla_prefill import mla_expanded_prefill  # noqa: E402
@@ -135,14 +135,12 @@ def plot(result: dict, path: str) -> None:
     fig, axes = plt.subplots(1, len(HEADS), figsize=(12, 4.5), squeeze=False)
     for ax, model in zip(axes[0], HEADS):
         rows = [r for r in result["rows"] if r["model"] == model]
-        x = range(len(rows))
-        ax.bar([i - 0.2 for i in x], [r["absorbed_tflops"] for r in rows], 0.4, label="absorbed")
-        ax.bar([i + 0.2 for i in x], [r["expanded_tflops"] for r in rows], 0.4, label="expanded")
         ax.axhline(result["bf16_gemm_flops"] / 1e12, color="tab:red", ls="--",
                    label="bf16 GEMM rate")
-        ax.set_xticks(list(x), [r["case"] for r in rows], rotation=20, fontsize=8)
+        side_by_side(ax, [r["case"] for r in rows],
+                     {form: [r[f"{form}_tflops"] for r in rows]
+                      for form in ("absorbed", "expanded")})
         ax.set(title=f"{model}: {HEADS[model]} heads", ylabel="TFLOP/s (expanded form's FLOPs)")
-        ax.legend(fontsize=8)
     fig.suptitle(f"MLA prefill, {result['gpu']}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
