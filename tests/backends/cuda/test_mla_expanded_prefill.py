@@ -150,3 +150,25 @@ def test_expanding_pays_for_long_prompts_not_short_chunks_over_long_prefixes():
     assert not expanded_prefill_pays(pairs, 32768, **v3)
     assert expanded_dims_ok(128, 64, 128) and not expanded_dims_ok(128, 48, 128)
     assert not expanded_dims_ok(8, 16, 16)
+
+
+def test_the_latent_rows_are_made_in_place_when_the_rope_key_is_a_view():
+    """CUDAOps.mla_latent returns kv_a_proj's output itself, c_kv normalized where it lies,
+    when k_pe is that output's rotated rope columns (as the model hands them after the rotary
+    kernel rotated them in place), and equals the reference (MLAOps: normalize, then join);
+    a k_pe of its own takes the reference."""
+    from deepinfer.backends.cuda.ops import CUDAOps
+    from deepinfer.models.mla_ops import MLAOps
+
+    g = torch.Generator().manual_seed(8)
+    kv = torch.randn(5, 32 + 16, generator=g).to(DEVICE)
+    weight = (1 + torch.rand(32, generator=g)).to(DEVICE)
+    ops = CUDAOps(cache=None)
+    ref = MLAOps.mla_latent(ops, kv.clone(), kv[:, 32:].clone(), weight, 1e-6)
+    assert not torch.equal(ref[:, :32], kv[:, :32])  # the norm changed c_kv
+    latent = ops.mla_latent(kv, kv[:, 32:], weight, 1e-6)
+    assert latent.data_ptr() == kv.data_ptr()
+    torch.testing.assert_close(latent, ref, rtol=1e-5, atol=1e-5)
+    apart = kv[:, 32:].clone()
+    joined = ops.mla_latent(torch.randn(5, 48, generator=g).to(DEVICE), apart, weight, 1e-6)
+    assert joined.data_ptr() != apart.data_ptr() and torch.equal(joined[:, 32:], apart)
