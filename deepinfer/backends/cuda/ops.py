@@ -150,12 +150,18 @@ class CUDAOps(MoEOps, MLAOps, DeepSeekV4Ops, ModelOps):
                          meta: AttentionMeta, value_dim: int, scale: float) -> torch.Tensor:
         (cache,) = self._layer_kv(layer)
         store_latent(latent, cache, meta.slot_mapping)
+        return self._latent_kernels(q, None, cache, meta, value_dim, scale)
+
+    def _latent_kernels(self, q: torch.Tensor, q_pe: torch.Tensor | None, cache: torch.Tensor,
+                        meta: AttentionMeta, lora: int, scale: float) -> torch.Tensor:
+        """The absorbed kernels over the layer's latents: the decode kernel for a decode step,
+        else the prefill kernel (q joined, or its latent part with q_pe apart)."""
         bs = self.cache.block_size
         if meta.decode:
             return paged_mla_decode(q, cache, meta.block_tables, meta.seq_lens, bs, scale,
-                                    meta.num_splits, value_dim)
+                                    meta.num_splits, lora, q_pe=q_pe)
         return paged_mla_prefill(q, cache, meta.block_tables, meta.query_starts, meta.seq_lens,
-                                 meta.max_query_len, bs, scale, value_dim)
+                                 meta.max_query_len, bs, scale, lora, q_pe=q_pe)
 
     def mla_latent(self, kv: torch.Tensor, k_pe: torch.Tensor, weight: torch.Tensor,
                    eps: float) -> torch.Tensor:
@@ -176,14 +182,9 @@ class CUDAOps(MoEOps, MLAOps, DeepSeekV4Ops, ModelOps):
         (cache,) = self._layer_kv(layer)
         store_latent(latent, cache, meta.slot_mapping)
         bs, lora = self.cache.block_size, w_uk.shape[-1]
-        if meta.decode:
-            return self._absorbed(q_nope, q_pe, w_uk, w_uv, lambda q_latent: paged_mla_decode(
-                q_latent, cache, meta.block_tables, meta.seq_lens, bs, scale, meta.num_splits,
-                lora, q_pe=q_pe))
-        if not self._expands(q_nope, q_pe, w_uv, meta):
-            return self._absorbed(q_nope, q_pe, w_uk, w_uv, lambda q_latent: paged_mla_prefill(
-                q_latent, cache, meta.block_tables, meta.query_starts, meta.seq_lens,
-                meta.max_query_len, bs, scale, lora, q_pe=q_pe))
+        if not self._expands(q_nope, q_pe, w_uv, meta):  # never a decode step
+            return self._absorbed(q_nope, q_pe, w_uk, w_uv, lambda q_latent:
+                                  self._latent_kernels(q_latent, q_pe, cache, meta, lora, scale))
         n = meta.num_decodes
         out = torch.empty(q_nope.shape[:2] + (w_uv.shape[-1],), dtype=q_nope.dtype,
                           device=q_nope.device)
