@@ -57,7 +57,10 @@ class Shape(NamedTuple):
     top_k: int
 
 
-SHAPES = {"qwen3-30b-a3b": Shape(2048, 768, 128, 8), "mixtral-8x7b": Shape(4096, 14336, 8, 2)}
+# deepseek-v3-widths: V3's expert widths with 128 experts top-4 (its rows an expert at every T,
+# T / 32, in half its 256 experts' memory: bf16, FP8 and the fp32 reference fit one 80 GB card).
+SHAPES = {"qwen3-30b-a3b": Shape(2048, 768, 128, 8), "mixtral-8x7b": Shape(4096, 14336, 8, 2),
+          "deepseek-v3-widths": Shape(7168, 2048, 128, 4)}
 TOKENS = (1, 2, 4, 8, 32, 128, 512, 2048, 4096, 8192, 16384)
 HBM_BYTES_PER_S, BF16_FLOPS = 4.8e12, 989e12
 ROUTINGS, REFERENCE_MAX_TOKENS = 4, 128
@@ -293,7 +296,8 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="time the tile grid first")
     parser.add_argument("--gemv-sweep", action="store_true",
                         help="time the few-token path's tiles (and only that)")
-    parser.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=list(SHAPES))
+    parser.add_argument("--shapes", nargs="+", choices=sorted(SHAPES),
+                        default=["qwen3-30b-a3b", "mixtral-8x7b"])
     parser.add_argument("--sweep-tokens", type=int, nargs="+", default=list(TOKENS),
                         help="the token counts --sweep times (default: every one)")
     args = parser.parse_args()
