@@ -31,8 +31,9 @@ import triton
 from deepinfer.backends.cuda.kernels.activation import silu_and_mul
 from deepinfer.backends.cuda.kernels.gemv import GemvConfig, config_for, gemv
 from deepinfer.backends.cuda.kernels.moe_gemv import moe_gemv
-from deepinfer.backends.cuda.kernels.moe_router import softmax_topk
+from deepinfer.backends.cuda.kernels.moe_router import route_topk
 from deepinfer.backends.cuda.kernels.norm import add_rms_norm
+from deepinfer.models.moe.routing import RouterSpec
 
 HIDDEN, FFN, Q, KV, VOCAB, LAYERS = 4096, 14336, 4096, 1024, 128256, 32
 SHAPES = {"qkv": (Q + 2 * KV, HIDDEN), "o": (HIDDEN, Q), "gate_up": (2 * FFN, HIDDEN),
@@ -224,6 +225,7 @@ def moe_chain() -> dict:
     h, q = MOE_SHAPES["o"]
     hidden0 = torch.randn(1, h, device="cuda", dtype=torch.bfloat16)
     per_layer = (MOE_SHAPES["qkv"][0] * h + h * q + EXPERTS * h + TOP_K * 3 * MOE_FFN * h) * 2
+    router = RouterSpec(EXPERTS, TOP_K)
 
     def run():
         hidden, residual = hidden0, hidden0.clone()
@@ -231,7 +233,7 @@ def moe_chain() -> dict:
             x, residual = add_rms_norm(hidden, residual, lw["n"], EPS)
             hidden = gemv(gemv(x, lw["qkv"])[:, :q].contiguous(), lw["o"])
             x, residual = add_rms_norm(hidden, residual, lw["n"], EPS)
-            weights, ids = softmax_topk(gemv(x, lw["router"]), TOP_K, True)
+            weights, ids = route_topk(gemv(x, lw["router"]), router)
             hidden = moe_gemv(x, lw["w13"], lw["w2"], weights, ids)
 
     total = per_layer * MOE_LAYERS

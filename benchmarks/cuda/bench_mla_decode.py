@@ -31,6 +31,7 @@ from deepinfer.backends.cuda.kernels.decode_attention import (  # noqa: E402
     choose_num_splits,
 )
 from deepinfer.backends.cuda.kernels.mla_attention import (  # noqa: E402
+    _MAX_BLOCK_H,
     _decode_config,
     choose_mla_num_splits,
     launch_mla_decode,
@@ -66,7 +67,7 @@ class Case:
 
     def default(self) -> torch.Tensor:
         splits = choose_mla_num_splits(self.batch, self.heads, self.context, _sms())
-        return self.run(_decode_config(LORA), 32, splits)
+        return self.run(_decode_config(LORA), _MAX_BLOCK_H, splits)
 
     def splits_for(self, block_h: int) -> int:
         groups = triton.cdiv(self.heads, block_h)

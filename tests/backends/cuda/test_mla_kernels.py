@@ -96,6 +96,7 @@ DECODE_CASES = [
     (4, 32, 8, 4, 4, torch.float32, [31, 2]),
     (4, 32, 16, 16, 4, torch.bfloat16, [12, 77, 1]),
     (2, 16, 16, 8, 1, torch.bfloat16, [40, 3, 60]),
+    (80, 16, 8, 4, 2, torch.float32, [9, 40]),  # two programs of heads, the second partial
 ]
 
 
@@ -254,12 +255,12 @@ def test_mla_launchers_never_read_tensor_values(monkeypatch):
     cache = torch.empty(64 * 16, 576, dtype=torch.bfloat16, **meta)
     tables = torch.empty(5, 4, dtype=torch.int32, **meta)
     lens = torch.empty(5, dtype=torch.int32, **meta)
-    for heads in (16, 128):  # one program per sequence and split; four 32-head groups
+    for heads in (16, 128):  # one program per sequence and split; two 64-head groups
         q = torch.empty(5, heads, 576, dtype=torch.bfloat16, **meta)
         paged_mla_decode(q, cache, tables, lens, 16, 0.1, 8, 512)
     merges = [(5, math.ceil(h / decode_attention.merge_heads_per_program(h, 8, 512)))
               for h in (16, 128)]
-    assert split.grids == [(5, 1, 8), (5, 4, 8)] and merge.grids == merges
+    assert split.grids == [(5, 1, 8), (5, 2, 8)] and merge.grids == merges
     q = torch.empty(40, 16, 576, dtype=torch.bfloat16, **meta)
     starts = torch.empty(6, dtype=torch.int32, **meta)
     paged_mla_prefill(q, cache, tables, starts, lens, 20, 16, 0.1, 512)

@@ -44,9 +44,10 @@ from deepinfer.backends.cuda.settings import interpreted
 _LOG2E = 1.0 / math.log(2.0)
 # tl.dot needs every dimension >= 16: head rows and the rotary part are padded up to it.
 _MIN_DOT = 16
-# Heads per decode program: at L = 512 (H200, sm_90) 32 rows of query and fp32 accumulator
-# fit in 8 warps' registers (200 each); 64 rows spill.
-_MAX_BLOCK_H = 32
+# Heads per decode program: at L = 512 64 rows of query and fp32 accumulator spill a little in
+# 8 warps, yet each key tile then serves twice the heads: 128 heads ran 1.6-1.8x faster at B = 256
+# than with 32 (bench_mla_decode.py --sweep, docs/benchmarks.md); fewer heads take one program.
+_MAX_BLOCK_H = 64
 
 
 @triton.jit
