@@ -11,9 +11,8 @@ Per T, both as a CUDA graph of one call for each of 4 routings (moe_bench's meth
 - the FP8 rooflines: the distinct experts' FP8 bytes (scales included) over 4.8 TB/s, or the
   FLOPs over 1,979 TFLOP/s (H200 datasheet, dense FP8), whichever is longer;
 - the error of each against the reference loop in float32 on the weights it was given.
---sweep first times the grouped path under a few FP8 tile sets at every T it serves, w8a8 and
-w8a16 (MoeConfig.dequant) (the data for fused_moe.FP8_MOE_CONFIGS). Writes the JSON and a PNG
-of the same base name.
+--sweep first times the grouped path under a few FP8 tile sets at every T it serves (the data
+for fused_moe.FP8_MOE_CONFIGS). Writes the JSON and a PNG of the same base name.
 """
 from __future__ import annotations
 
@@ -58,13 +57,7 @@ SWEEP = tuple(MoeConfig(m, Tiles(nu, 128, wu, su), Tiles(nd, 128, wd, sd)) for m
               nd, wd, sd in ((16, 64, 4, 4, 128, 4, 4), (16, 128, 4, 3, 128, 4, 3),
                              (32, 64, 4, 3, 128, 4, 3), (64, 64, 4, 3, 128, 4, 3),
                              (64, 128, 8, 3, 128, 8, 3), (64, 64, 4, 4, 64, 4, 4),
-                             (128, 64, 8, 3, 128, 8, 3))) + tuple(
-    # w8a16 (MoeConfig.dequant): the weights decoded to bf16 in the kernel, bf16's tiles
-    MoeConfig(m, Tiles(nu, ku, wu, su), Tiles(nd, kd, wd, sd), dequant=True)
-    for m, nu, ku, wu, su, nd, kd, wd, sd in ((64, 64, 64, 4, 3, 128, 64, 8, 3),
-                                              (128, 128, 64, 8, 3, 128, 64, 8, 3),
-                                              (128, 128, 64, 8, 4, 256, 64, 8, 4),
-                                              (128, 64, 128, 8, 3, 128, 128, 8, 3)))
+                             (128, 64, 8, 3, 128, 8, 3)))
 
 
 def quantize(w: torch.Tensor) -> FP8Experts:

@@ -125,39 +125,6 @@ def test_fp8_grouped_gemms_equal_the_w8a8_reference(tokens, top_k, dtype) -> Non
         _assert_near(out, exact, 0.06)
 
 
-# w8a16 (MoeConfig.dequant): BLOCK_K 32 and 64 inside the 128-column scale groups (F 192: a
-# masked last step); BLOCK_M 16 and 32.
-DEQUANT_CONFIGS = [MoeConfig(16, Tiles(32, 32, 4, 1), Tiles(64, 64, 4, 1), dequant=True),
-                   MoeConfig(32, Tiles(64, 64, 4, 2), Tiles(32, 32, 4, 2), dequant=True)]
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("tokens,top_k", [(3, 2), (17, 3)])
-def test_fp8_dequant_grouped_gemms_equal_the_reference_on_dequantized_weights(
-        tokens, top_k, dtype) -> None:
-    """w8a16: the weights decoded tile by tile with their scales and x unquantized, so the
-    only error is float rounding (float32: exact products); a swiglu limit applies too. The
-    w8a8 path on the same problem is ~2-3% off (its activation rounding): the tolerance here
-    tells the two apart."""
-    g = torch.Generator().manual_seed(200 + 10 * tokens + top_k)
-    x, w13, w2, weights, slots = _problem(g, tokens, top_k, dtype)
-    x = (x.float() + 1e-3 * torch.randn(x.shape, generator=g).to(DEVICE)).to(dtype)  # off FP8
-    tol = 1e-5 if dtype == torch.float32 else 2e-2
-    for limit in (None, 0.5):
-        ref = fused_experts_reference(x.float(), _dequantize(w13), _dequantize(w2), weights,
-                                      slots, limit)
-        for config in DEQUANT_CONFIGS:
-            out = fused_experts(x, w13, w2, weights, slots, config, swiglu_limit=limit)
-            assert out.dtype == dtype
-            torch.testing.assert_close(out.float(), ref, rtol=tol, atol=tol)
-    if dtype == torch.float32:
-        w8a8 = fused_experts(x, w13, w2, weights, slots, CONFIGS[0])
-        assert not torch.allclose(w8a8, ref, rtol=tol, atol=tol)
-    with pytest.raises(ValueError, match="divide"):
-        fused_experts(x, w13, w2, weights, slots,
-                      MoeConfig(16, Tiles(32, 256, 4, 1), Tiles(32, 64, 4, 1), dequant=True))
-
-
 def test_fp8_swiglu_limit_in_both_paths() -> None:
     g = torch.Generator().manual_seed(5)
     x, w13, w2, weights, slots = _problem(g, 6, 2, torch.float32)

@@ -54,7 +54,6 @@ from deepinfer.backends.cuda.kernels.tiles import rows_per_program
 _ALIGN_CHUNK = 1024  # routes one align program sorts in registers
 _ALIGN_BLOCKS = 32  # blocks one align program labels per iteration
 _GROUP_M = tl.constexpr(8)  # row blocks that sweep the N tiles together, so their A rows stay in L2
-_SCALE_GROUP = tl.constexpr(GROUP)  # columns of an FP8 weight's scale
 _SUM_BLOCK = 1024
 # Route and block counts change every step: the kernels do not specialise on them (== 1,
 # multiple of 16), so each config compiles once.
@@ -74,11 +73,6 @@ class MoeConfig:
     block_m: int  # routes per block; shared by both GEMMs (the align step pads to it)
     gate_up: Tiles  # N over F (gate and up tiles of block_n each), K over H
     down: Tiles  # N over H, K over F
-    # FP8 experts only: each weight tile decoded to x's dtype (codes times their scales) and
-    # multiplied by x as it is, the dots chained on the accumulator as bf16's are (w8a16):
-    # no quantization of x or the intermediate and no wait on each dot to scale it, at bf16's
-    # FLOP rate. BLOCK_K divides the 128-column scale group.
-    dequant: bool = False
 
 
 # (most routes per expert slot, config): the first row whose bound is >= T*k/S applies. Routes
@@ -248,13 +242,12 @@ def _gate_up_kernel(x_ptr, w_ptr, routes_ptr, block_slots_ptr, h_ptr, xs_ptr, ws
                     top_k, F, H, num_blocks, sx, sw_e, sw_n, sh, sxs, sws_e, sws_n,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     EVEN_K: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr,
-                    LIMIT: tl.constexpr = None, DEQUANT: tl.constexpr = False):
+                    LIMIT: tl.constexpr = None):
     """h[row] = silu(x[t] @ gate.T) * (x[t] @ up.T) for the route in each sorted row; with a
     LIMIT, silu(min(gate, LIMIT)) * clamp(up, -LIMIT, LIMIT). FP8: x and the weights are
     float8 codes with one scale per row and 128 columns (xs [T, groups], ws [S, 2F, groups])
     and BLOCK_K is 128: each step's product is scaled in float32 as it is added (vLLM's
-    block-scaled fused MoE). DEQUANT: x in its own dtype, the weights' codes decoded to it
-    with their scales tile by tile (MoeConfig.dequant)."""
+    block-scaled fused MoE)."""
     pid_m, pid_n = _tile(num_blocks, F, BLOCK_N)
     slot = tl.load(block_slots_ptr + pid_m)
     if slot < 0:
@@ -295,12 +288,6 @@ def _gate_up_kernel(x_ptr, w_ptr, routes_ptr, block_slots_ptr, h_ptr, xs_ptr, ws
             u_dot = tl.dot(a, u)
             gate += g_dot * g_scale
             up += u_dot * u_scale
-        elif DEQUANT:
-            group = k0 // _SCALE_GROUP
-            g = (g.to(tl.float32) * tl.load(gs_ptrs + group)[None, :]).to(a.dtype)
-            u = (u.to(tl.float32) * tl.load(us_ptrs + group)[None, :]).to(a.dtype)
-            gate = tl.dot(a, g, gate, input_precision=PRECISION)
-            up = tl.dot(a, u, up, input_precision=PRECISION)
         else:
             gate = tl.dot(a, g, gate, input_precision=PRECISION)
             up = tl.dot(a, u, up, input_precision=PRECISION)
@@ -316,11 +303,9 @@ def _gate_up_kernel(x_ptr, w_ptr, routes_ptr, block_slots_ptr, h_ptr, xs_ptr, ws
 def _down_kernel(h_ptr, w_ptr, routes_ptr, block_slots_ptr, weights_ptr, y_ptr, hs_ptr, ws_ptr,
                  n_routes, H, F, num_blocks, sh, sw_e, sw_n, sy, shs, sws_e, sws_n,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 EVEN_K: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr,
-                 DEQUANT: tl.constexpr = False):
-    """y[route] = weight[route] * (h[row] @ w2[slot].T) for the route in each sorted row. FP8
-    and DEQUANT: as in _gate_up_kernel, h's scales hs [rows, groups] and w2's ws [S, H,
-    groups]."""
+                 EVEN_K: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr):
+    """y[route] = weight[route] * (h[row] @ w2[slot].T) for the route in each sorted row. FP8:
+    as in _gate_up_kernel, h's scales hs [rows, groups] and w2's ws [S, H, groups]."""
     pid_m, pid_n = _tile(num_blocks, H, BLOCK_N)
     slot = tl.load(block_slots_ptr + pid_m)
     if slot < 0:
@@ -347,9 +332,6 @@ def _down_kernel(h_ptr, w_ptr, routes_ptr, block_slots_ptr, weights_ptr, y_ptr, 
         if FP8:
             scale = tl.load(hs_ptrs + k0 // BLOCK_K)[:, None] * tl.load(bs_ptrs + k0 // BLOCK_K)
             acc += tl.dot(a, b) * scale
-        elif DEQUANT:
-            b = (b.to(tl.float32) * tl.load(bs_ptrs + k0 // _SCALE_GROUP)[None, :]).to(a.dtype)
-            acc = tl.dot(a, b, acc, input_precision=PRECISION)
         else:
             acc = tl.dot(a, b, acc, input_precision=PRECISION)
         a_ptrs += BLOCK_K
@@ -389,21 +371,12 @@ def _codes(t: torch.Tensor | Scaled) -> torch.Tensor:
 def _scale_args(a: torch.Tensor | Scaled, w: torch.Tensor | Scaled) -> tuple[list, list]:
     """The FP8 scale pointers (a's, w's) and strides (a's rows, w's slots and rows) of a
     GEMM; for a float GEMM, placeholders the FP8 constexpr never reads."""
-    if isinstance(a, Scaled) and not isinstance(w, Scaled):
-        raise ValueError("FP8 activations need FP8 weights")
+    if isinstance(w, Scaled) != isinstance(a, Scaled):
+        raise ValueError("the grouped GEMMs run FP8 weights with FP8 activations (w8a8) only")
     if not isinstance(w, Scaled):
         return [w, w], [0, 0, 0]
-    a_scales, a_stride = (a.scales, a.scales.stride(0)) if isinstance(a, Scaled) else (w.scales, 0)
-    return [a_scales, w.scales], [a_stride, w.scales.stride(0), w.scales.stride(1)]
-
-
-def dequant_tiles(tiles: Tiles, block_m: int, b_tiles: int) -> Tiles:
-    """The tiles of a w8a16 GEMM (MoeConfig.dequant): fitted in shared memory as bf16's, each
-    K step inside one scale group."""
-    fitted = fit_tiles(tiles, block_m, 2, b_tiles)
-    if GROUP % fitted.block_k:
-        raise ValueError(f"w8a16 tiles {tiles}: BLOCK_K must divide {GROUP}")
-    return fitted
+    return ([a.scales, w.scales],
+            [a.scales.stride(0), w.scales.stride(0), w.scales.stride(1)])
 
 
 def fp8_tiles(tiles: Tiles, block_m: int, b_tiles: int) -> Tiles:
@@ -419,8 +392,7 @@ def moe_gate_up(x: torch.Tensor | Scaled, w13: torch.Tensor | Scaled, al: Alignm
                 out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """The first GEMM: silu(gate) * up of each aligned row's route, [rows, F] in x's dtype
     or out_dtype (gate and up clamped first under a swiglu_limit). x and w13 Scaled: the FP8
-    GEMM, whose tiles must have BLOCK_K 128 (fp8_tiles); w13 alone Scaled: w8a16
-    (dequant_tiles)."""
+    GEMM, whose tiles must have BLOCK_K 128 (fp8_tiles)."""
     xq, wq = _codes(x), _codes(w13)
     f, h = wq.shape[1] // 2, wq.shape[2]
     blocks = al.block_slots.numel()
@@ -432,9 +404,8 @@ def moe_gate_up(x: torch.Tensor | Scaled, w13: torch.Tensor | Scaled, al: Alignm
         blocks, xq.stride(0), wq.stride(0), wq.stride(1), out.stride(0), *strides,
         BLOCK_M=al.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
         EVEN_K=h % tiles.block_k == 0, PRECISION=_precision(xq.dtype),
-        FP8=isinstance(x, Scaled), LIMIT=_limit(swiglu_limit),
-        DEQUANT=isinstance(w13, Scaled) and not isinstance(x, Scaled),
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+        FP8=isinstance(w13, Scaled), LIMIT=_limit(swiglu_limit), num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages)
     return out
 
 
@@ -443,7 +414,7 @@ def moe_down(inter: torch.Tensor | Scaled, w2: torch.Tensor | Scaled, al: Alignm
              ) -> torch.Tensor:
     """The second GEMM: weight * (row @ w2[slot].T) into row t*k + j of [T*k, H] (weights
     flat [T*k]), in inter's dtype or out_dtype; rows of routes not served here are left
-    unwritten. inter and w2 Scaled: the FP8 GEMM (tiles from fp8_tiles); w2 alone: w8a16."""
+    unwritten. inter and w2 Scaled: the FP8 GEMM (tiles from fp8_tiles)."""
     iq, wq = _codes(inter), _codes(w2)
     h, f = wq.shape[1], wq.shape[2]
     blocks = al.block_slots.numel()
@@ -455,8 +426,7 @@ def moe_down(inter: torch.Tensor | Scaled, w2: torch.Tensor | Scaled, al: Alignm
         blocks, iq.stride(0), wq.stride(0), wq.stride(1), out.stride(0), *strides,
         BLOCK_M=al.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
         EVEN_K=f % tiles.block_k == 0, PRECISION=_precision(iq.dtype),
-        FP8=isinstance(inter, Scaled), DEQUANT=isinstance(w2, Scaled) and not isinstance(
-            inter, Scaled), num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+        FP8=isinstance(w2, Scaled), num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     return out
 
 
@@ -514,9 +484,8 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor | Scaled, w2: torch.Tensor 
     weights [T, k] float32; slots [T, k] int32. Returns [T, H] in x's dtype. No host sync.
     swiglu_limit: silu(min(gate, limit)) * clamp(up, -limit, limit) instead (DeepSeek-V4).
     w13 and w2 Scaled (FP8 codes and scales per row and 128 columns): x and the intermediate
-    are quantized per token and 128 columns, and both GEMMs run in FP8 (w8a8), or, where the
-    config says dequant, in x's dtype on the decoded weights (w8a16); a few tokens (moe_gemv)
-    read the FP8 weights with x as it is."""
+    are quantized per token and 128 columns, and both GEMMs run in FP8 (w8a8); a few tokens
+    (moe_gemv) read the FP8 weights with x as it is."""
     _check(x, w13, w2, weights, slots)
     tokens, top_k = slots.shape
     num_slots = _codes(w13).shape[0]
@@ -533,12 +502,6 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor | Scaled, w2: torch.Tensor 
                             swiglu_limit)
         y = moe_down(inter, w2, al, weights.reshape(-1),
                      fit_tiles(cfg.down, cfg.block_m, size, 1))
-        return _sum_routes(y, slots, num_slots)
-    if cfg.dequant:
-        inter = moe_gate_up(x, w13, al, top_k, dequant_tiles(cfg.gate_up, cfg.block_m, 2),
-                            swiglu_limit)
-        y = moe_down(inter, w2, al, weights.reshape(-1),
-                     dequant_tiles(cfg.down, cfg.block_m, 1))
         return _sum_routes(y, slots, num_slots)
     inter = moe_gate_up(Scaled(*quantize_tokens_fp8(x)), w13, al, top_k,
                         fp8_tiles(cfg.gate_up, cfg.block_m, 2), swiglu_limit, x.dtype)
