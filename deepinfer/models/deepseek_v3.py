@@ -136,13 +136,13 @@ class MLAttention(nn.Module):
         self.dims, self.layer, self.ops, self.scale = dims, layer, ops, scale
         d, bias = dims, dims.attention_bias
         q_out = d.num_heads * d.qk_head_dim
-        if d.q_lora_rank is None:
-            self.q_proj = nn.Linear(d.hidden_size, q_out, bias=False)
-        else:
-            self.q_a_proj = nn.Linear(d.hidden_size, d.q_lora_rank, bias=bias)
+        # The checkpoint's q_proj (or q_a_proj) and kv_a_proj_with_mqa both read the hidden
+        # state: one GEMM, rows [query | c_kv | k_pe] (fused_rows), one launch a layer fewer.
+        self.q_rows = q_out if d.q_lora_rank is None else d.q_lora_rank
+        self.qkv_a_proj = nn.Linear(d.hidden_size, self.q_rows + d.latent_dim, bias=bias)
+        if d.q_lora_rank is not None:
             self.q_a_layernorm = nn.Parameter(torch.ones(d.q_lora_rank))
             self.q_b_proj = nn.Linear(d.q_lora_rank, q_out, bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(d.hidden_size, d.latent_dim, bias=bias)
         self.kv_a_layernorm = nn.Parameter(torch.ones(d.kv_lora_rank))
         # kv_b_proj, split and laid out for batched matmuls over heads:
         # w_uk [H, qk_nope, L] takes q_nope into latent space; w_uv [H, L, v_head] (W_UV
@@ -155,9 +155,10 @@ class MLAttention(nn.Module):
                 sin: torch.Tensor, meta: Any) -> torch.Tensor:
         d, ops = self.dims, self.ops
         tokens = hidden.shape[0]
-        q = self._query(hidden).view(tokens, d.num_heads, d.qk_head_dim)
+        qkv_a = ops.linear(hidden, self.qkv_a_proj.weight, self.qkv_a_proj.bias)
+        q = self._query(qkv_a[:, :self.q_rows]).view(tokens, d.num_heads, d.qk_head_dim)
         q_nope, q_pe = q.split([d.qk_nope_head_dim, d.qk_rope_head_dim], dim=-1)
-        kv = ops.linear(hidden, self.kv_a_proj_with_mqa.weight, self.kv_a_proj_with_mqa.bias)
+        kv = qkv_a[:, self.q_rows:]
         # One shared rope key: a single "kv head". A backend may rotate in place.
         q_pe, k_pe = ops.rotary(q_pe, kv[:, d.kv_lora_rank:].unsqueeze(1), positions, cos, sin)
         latent = ops.mla_latent(kv, k_pe.squeeze(1), self.kv_a_layernorm, d.rms_norm_eps)
@@ -166,13 +167,20 @@ class MLAttention(nn.Module):
         return ops.linear(values.reshape(tokens, d.num_heads * d.v_head_dim),
                           self.o_proj.weight, self.o_proj.bias)
 
-    def _query(self, hidden: torch.Tensor) -> torch.Tensor:
-        ops = self.ops
+    def _query(self, q_a: torch.Tensor) -> torch.Tensor:
+        """The heads' queries from qkv_a_proj's query rows: those rows themselves (q_proj), or
+        q_b_proj of their norm (q_lora_rank)."""
         if self.dims.q_lora_rank is None:
-            return ops.linear(hidden, self.q_proj.weight)
-        q_a = ops.linear(hidden, self.q_a_proj.weight, self.q_a_proj.bias)
-        q_a = ops.rms_norm(q_a, self.q_a_layernorm, self.dims.rms_norm_eps)
-        return ops.linear(q_a, self.q_b_proj.weight)
+            return q_a
+        q_a = self.ops.rms_norm(q_a, self.q_a_layernorm, self.dims.rms_norm_eps)
+        return self.ops.linear(q_a, self.q_b_proj.weight)
+
+    def fused_rows(self, proj: str) -> tuple[int, int]:
+        """The rows of qkv_a_proj that the checkpoint's q_proj / q_a_proj or
+        kv_a_proj_with_mqa fill."""
+        if proj == "kv_a_proj_with_mqa":
+            return self.q_rows, self.q_rows + self.dims.latent_dim
+        return 0, self.q_rows
 
 
 class DeepseekV3ForCausalLM(DecoderStack):
@@ -229,7 +237,8 @@ class DeepseekV3ForCausalLM(DecoderStack):
     def _absorbed(self, weights: Iterable[tuple[str, torch.Tensor]]
                   ) -> Iterator[tuple[str, torch.Tensor]]:
         """The checkpoint as this model stores it: rope rows in NeoX order, kv_b_proj split
-        into w_uk / w_uv (named `...self_attn.w_uk` / `.w_uv`)."""
+        into w_uk / w_uv (named `...self_attn.w_uk` / `.w_uv`), and zeros for q_proj's part of
+        a fused bias (q_proj has none where kv_a_proj_with_mqa has one)."""
         d = self.dims
         for name, tensor in weights:
             match = re.match(r"(.*self_attn\.)(\w+)\.(weight|bias)$", name)
@@ -246,6 +255,9 @@ class DeepseekV3ForCausalLM(DecoderStack):
                 yield name, self._rope_rows_to_halves(proj, tensor)
             else:
                 yield name, tensor
+            if proj == "kv_a_proj_with_mqa" and name.endswith(".bias") and d.q_lora_rank is None:
+                # q_proj has no bias: its rows of the fused qkv_a_proj bias are zeros
+                yield match.group(1) + "q_proj.bias", tensor.new_zeros(d.num_heads * d.qk_head_dim)
 
     def _rope_rows_to_halves(self, proj: str, tensor: torch.Tensor) -> torch.Tensor:
         d = self.dims
@@ -315,6 +327,10 @@ def _layer_target(layer: DecoderLayer, prefix: str, rest: str) -> Target:
                     r"|self_attn\.kv_a_layernorm)\.weight$", rest)
     if norm:
         return f"{prefix}.{norm.group(1)}", None
+    attn = re.match(r"self_attn\.(q_proj|q_a_proj|kv_a_proj_with_mqa)\.(weight|bias)$", rest)
+    if attn:
+        rows = layer.self_attn.fused_rows(attn.group(1))
+        return f"{prefix}.self_attn.qkv_a_proj.{attn.group(2)}", rows
     fused = re.match(r"mlp\.(gate_proj|up_proj)\.(weight|bias)$", rest)
     if fused:
         rows = layer.mlp.fused_rows(_FUSED_MLP[fused.group(1)])
