@@ -19,7 +19,8 @@ Workloads, greedy with EOS ignored, every request submitted through Engine.add_r
   mixed    1,024 requests, log-normal prompt lengths (median 600) and output lengths (median
            180), 256 closed-loop clients: a finished request's client submits the next.
 Through the server (--server) the same requests are streamed by 256 closed-loop clients spread
-over CLIENT_PROCESSES processes.
+over CLIENT_PROCESSES processes. Offline, each workload first runs once untimed with 2-token
+outputs (warm_up), so that the timed run finds its kernels compiled.
 
 The bound of a run is its prefill FLOPs (2 x active parameters x prompt tokens, plus causal
 attention) at the measured GEMM rate (FP8 weights: the FP8 rate) plus, for each decode step it
@@ -183,21 +184,24 @@ class Run:
     decode_steps: list[float] = dataclasses.field(default_factory=list)
 
 
-def fixed(engine: Engine, n: int, vocab: int, seed: int) -> Run:
-    """n x (PROMPT + OUTPUT) submitted at once."""
-    run = Run([PROMPT] * n, [OUTPUT] * n)
-    params = SamplingParams(temperature=0.0, max_tokens=OUTPUT, ignore_eos=True)
+def fixed(engine: Engine, n: int, vocab: int, seed: int, output: int = OUTPUT) -> Run:
+    """n x (PROMPT + output) submitted at once."""
+    run = Run([PROMPT] * n, [output] * n)
+    params = SamplingParams(temperature=0.0, max_tokens=output, ignore_eos=True)
     for i, prompt in enumerate(random_prompts(n, PROMPT, vocab, seed)):
         engine.add_request(f"f{seed}-{i}", prompt, params, prefix_cache=False)
     _drain(engine, run, lambda: None)
     return run
 
 
-def mixed(engine: Engine, vocab: int, seed: int) -> Run:
-    """MIXED_REQUESTS log-normal requests kept CLIENTS in flight (closed loop)."""
+def mixed(engine: Engine, vocab: int, seed: int, requests: int = MIXED_REQUESTS,
+          output: int | None = None) -> Run:
+    """The first `requests` of MIXED_REQUESTS log-normal requests kept CLIENTS in flight
+    (closed loop); outputs capped at `output` tokens if given."""
     rng = random.Random(seed)
     prompts, outputs = _mixed_lengths(rng)
-    run, queue = Run(prompts, outputs), list(range(MIXED_REQUESTS))[::-1]
+    prompts, outputs = prompts[:requests], [min(o, output or o) for o in outputs[:requests]]
+    run, queue = Run(prompts, outputs), list(range(requests))[::-1]
 
     def submit() -> None:
         while queue and len(engine.scheduler.running) + len(engine.scheduler.waiting) < CLIENTS:
@@ -474,6 +478,7 @@ def offline(args: argparse.Namespace, path: str, values: dict, device: dict) -> 
         args.tag += "_profile"
         result["profile"] = profile_steps(engine, vocab)
     for w in [] if args.profile else args.workloads.split(","):
+        warm_up(engine, w, vocab)
         preempted = sched.num_preemptions
         run = mixed(engine, vocab, 1) if w == "mixed" else fixed(engine, int(w[5:]), vocab, 1)
         result["workloads"][w] = report(w, run, shape, device, _weight_bytes(args),
@@ -484,6 +489,16 @@ def offline(args: argparse.Namespace, path: str, values: dict, device: dict) -> 
     gc.collect()
     torch.cuda.empty_cache()
     return result
+
+
+def warm_up(engine: Engine, workload: str, vocab: int) -> None:
+    """The workload's steps once, untimed, with 2-token outputs (mixed: its first CLIENTS
+    requests): Triton compiles the kernel variants its prefill and mixed steps call here, not
+    inside the timed run (a machine's first process lost up to half its throughput to it)."""
+    if workload == "mixed":
+        mixed(engine, vocab, 2, requests=CLIENTS, output=2)
+    else:
+        fixed(engine, int(workload[5:]), vocab, 2, output=2)
 
 
 def rebound(folder: str) -> None:
