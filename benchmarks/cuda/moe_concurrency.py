@@ -201,6 +201,7 @@ def mixed(engine: Engine, vocab: int, seed: int, requests: int = MIXED_REQUESTS,
     rng = random.Random(seed)
     prompts, outputs = _mixed_lengths(rng)
     prompts, outputs = prompts[:requests], [min(o, output or o) for o in outputs[:requests]]
+    requests = len(prompts)
     run, queue = Run(prompts, outputs), list(range(requests))[::-1]
 
     def submit() -> None:
