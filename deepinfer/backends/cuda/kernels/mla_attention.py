@@ -45,8 +45,8 @@ _LOG2E = 1.0 / math.log(2.0)
 # tl.dot needs every dimension >= 16: head rows and the rotary part are padded up to it.
 _MIN_DOT = 16
 # Heads per decode program: at L = 512 64 rows of query and fp32 accumulator spill a little in
-# 8 warps, yet each key tile then serves twice the heads: 128 heads ran 1.6-1.8x faster at B = 256
-# than with 32 (bench_mla_decode.py --sweep, docs/benchmarks.md); fewer heads take one program.
+# 8 warps, but each key tile then serves twice the heads of 32, which wins at 128 heads
+# (bench_mla_decode.py --sweep; docs/benchmarks.md). Fewer heads take one program.
 _MAX_BLOCK_H = 64
 
 
