@@ -121,6 +121,15 @@ done
 # tile sweep (heads a program among them).
 wanted mla_decode_tiles && step mla_decode_tiles python3 benchmarks/cuda/bench_mla_decode.py \
     --sweep --out "$out/mla_decode"
+# DeepSeek-V3's widths in 3 layers, FP8 against bf16 at batch 1 and 256 streams, alternately in
+# one lease (separate processes; each workload warms up untimed first).
+for run in ${AB_RUNS:-1 2}; do
+    for quant in fp8 auto; do
+        wanted v3_fp8_ratio && step "v3_$quant-$run" python3 benchmarks/cuda/moe_concurrency.py \
+            --shape deepseek_v3 --layers 3 --quantization $quant --workloads batch1,batch256 \
+            --tag "_3layers-$run" --out "$out/v3_fp8_ratio"
+    done
+done
 # Top-1 agreement of FP8 with bf16 on a real model: FP8_AGREEMENT_MODEL, SmolLM2's GGUF.
 wanted fp8_agreement && step fp8_agreement python3 benchmarks/cuda/fp8_agreement.py \
     --model "${FP8_AGREEMENT_MODEL:?set FP8_AGREEMENT_MODEL to a .gguf or HF folder}" \
