@@ -474,8 +474,8 @@ def offline(args: argparse.Namespace, path: str, values: dict, device: dict) -> 
               "weights_bytes": engine.accelerator.memory_stats().weights_bytes,
               "active_params": shape.active(), "workloads": {}}
     vocab = values["vocab_size"]
-    fixed(engine, 8, vocab, 0)  # warm-up
     if args.profile:
+        fixed(engine, 8, vocab, 0)  # warm-up (the workloads warm up one by one: warm_up)
         args.tag += "_profile"
         result["profile"] = profile_steps(engine, vocab)
     for w in [] if args.profile else args.workloads.split(","):
