@@ -66,8 +66,17 @@ SHAPES = {
                             initializer_range=0.05, moe_intermediate_size=128,
                             n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2,
                             n_shared_experts=2),
+    # DeepSeek-V2-Lite's attention: q_proj without a q_lora rank (its rows beside kv_a's in one
+    # fused projection).
+    "deepseek_v2_moe": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=3,
+                            num_attention_heads=4, vocab_size=1024, max_position_embeddings=1024,
+                            initializer_range=0.05, moe_intermediate_size=128,
+                            n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2,
+                            n_shared_experts=2, q_lora_rank=None),
 }
-MOE_FAMILIES = ("qwen3_moe", "mixtral", "deepseek_v3_moe")
+# The transformers family each SHAPES entry is written with, where its name is not one.
+FAMILY_OF = {"qwen3_windowed": "qwen3", "deepseek_v2_moe": "deepseek_v3_moe"}
+MOE_FAMILIES = ("qwen3_moe", "mixtral", "deepseek_v3_moe", "deepseek_v2_moe")
 PROMPT_LENS = (5, 23, 41, 100, 300)
 NEW_TOKENS = 48
 
@@ -123,9 +132,9 @@ def engine_greedy(path: str, prompts: list[list[int]], block_size: int) -> list[
 
 
 def _checkpoint(path: str, family: str, dtype: torch.dtype) -> str:
-    """SHAPES[family]'s random checkpoint; `<family>_windowed` names a transformers family
-    made with sliding and full layers (two KV groups)."""
-    return make_checkpoint(path, family.removesuffix("_windowed"), dtype, **SHAPES[family])
+    """SHAPES[family]'s random checkpoint, written by the transformers family FAMILY_OF names
+    (`qwen3_windowed`: sliding and full layers, two KV groups)."""
+    return make_checkpoint(path, FAMILY_OF.get(family, family), dtype, **SHAPES[family])
 
 
 def check_greedy(family: str, block_size: int, workdir: str) -> dict:
@@ -214,9 +223,7 @@ def check_hicache(workdir: str) -> dict:
     # (two KV groups) and MLA: the host tier and the shared pool give the tokens of no cache.
     families = {}
     for family in ("mistral", "qwen3_windowed", "deepseek_v3"):
-        fpath = make_checkpoint(os.path.join(workdir, f"hicache-{family}"),
-                                family.removesuffix("_windowed"),
-                                torch.float32, **SHAPES[family])
+        fpath = _checkpoint(os.path.join(workdir, f"hicache-{family}"), family, torch.float32)
         host = check_host_tier(fpath, CUDAAccelerator, vocab=SHAPES[family]["vocab_size"])
         with tempfile.TemporaryDirectory(dir="/dev/shm") as folder:
             pooled = check_shared_pool(fpath, CUDAAccelerator, SHAPES[family]["vocab_size"],

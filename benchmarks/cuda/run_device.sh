@@ -39,7 +39,7 @@ wanted engine_bench && step engine_bench python3 benchmarks/cuda/engine_bench.py
     ${ENGINE_BENCH_ARGS:-}
 wanted mla_bench && step mla_bench python3 benchmarks/cuda/mla_bench.py --out "$out" $quick
 wanted check_moe && step check_moe python3 benchmarks/cuda/check_engine.py --out "$out" \
-    --skip-conformance --families qwen3_moe mixtral deepseek_v3_moe
+    --skip-conformance --families qwen3_moe mixtral deepseek_v3_moe deepseek_v2_moe
 wanted moe_engine && step moe_engine python3 benchmarks/cuda/moe_engine_bench.py --out "$out" $quick
 wanted moe_bench && step moe_bench python3 benchmarks/cuda/moe_bench.py --out "$out/fused_moe.json"
 # The grouped GEMMs' tiles at the token counts of mixed steps (MOE_SWEEP_TOKENS), one shape.
