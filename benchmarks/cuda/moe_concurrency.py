@@ -184,23 +184,22 @@ class Run:
     decode_steps: list[float] = dataclasses.field(default_factory=list)
 
 
-def fixed(engine: Engine, n: int, vocab: int, seed: int, output: int = OUTPUT) -> Run:
-    """n x (PROMPT + output) submitted at once."""
-    run = Run([PROMPT] * n, [output] * n)
-    params = SamplingParams(temperature=0.0, max_tokens=output, ignore_eos=True)
+def fixed(engine: Engine, n: int, vocab: int, seed: int) -> Run:
+    """n x (PROMPT + OUTPUT) submitted at once."""
+    run = Run([PROMPT] * n, [OUTPUT] * n)
+    params = SamplingParams(temperature=0.0, max_tokens=OUTPUT, ignore_eos=True)
     for i, prompt in enumerate(random_prompts(n, PROMPT, vocab, seed)):
         engine.add_request(f"f{seed}-{i}", prompt, params, prefix_cache=False)
     _drain(engine, run, lambda: None)
     return run
 
 
-def mixed(engine: Engine, vocab: int, seed: int, requests: int = MIXED_REQUESTS,
-          output: int | None = None) -> Run:
+def mixed(engine: Engine, vocab: int, seed: int, requests: int = MIXED_REQUESTS) -> Run:
     """The first `requests` of MIXED_REQUESTS log-normal requests kept CLIENTS in flight
-    (closed loop); outputs capped at `output` tokens if given."""
+    (closed loop)."""
     rng = random.Random(seed)
     prompts, outputs = _mixed_lengths(rng)
-    prompts, outputs = prompts[:requests], [min(o, output or o) for o in outputs[:requests]]
+    prompts, outputs = prompts[:requests], outputs[:requests]
     requests = len(prompts)
     run, queue = Run(prompts, outputs), list(range(requests))[::-1]
 
@@ -493,13 +492,14 @@ def offline(args: argparse.Namespace, path: str, values: dict, device: dict) -> 
 
 
 def warm_up(engine: Engine, workload: str, vocab: int) -> None:
-    """The workload's steps once, untimed, with 2-token outputs (mixed: its first CLIENTS
-    requests): Triton compiles the kernel variants its prefill and mixed steps call here, not
-    inside the timed run (a machine's first process lost up to half its throughput to it)."""
+    """The workload once, untimed (mixed: its first CLIENTS requests): Triton compiles the
+    kernel variants its steps call here, not inside the timed run. Whole outputs: with short
+    ones, variants that only longer contexts call still compiled inside the timed run (a
+    machine's first process, docs/benchmarks.md)."""
     if workload == "mixed":
-        mixed(engine, vocab, 2, requests=CLIENTS, output=2)
+        mixed(engine, vocab, 2, requests=CLIENTS)
     else:
-        fixed(engine, int(workload[5:]), vocab, 2, output=2)
+        fixed(engine, int(workload[5:]), vocab, 2)
 
 
 def rebound(folder: str) -> None:
