@@ -492,10 +492,9 @@ def offline(args: argparse.Namespace, path: str, values: dict, device: dict) -> 
 
 
 def warm_up(engine: Engine, workload: str, vocab: int) -> None:
-    """The workload once, untimed (mixed: its first CLIENTS requests): Triton compiles the
-    kernel variants its steps call here, not inside the timed run. Whole outputs: with short
-    ones, variants that only longer contexts call still compiled inside the timed run (a
-    machine's first process, docs/benchmarks.md)."""
+    """The workload once, untimed (mixed: its first CLIENTS requests), so that a machine's
+    first process times what the next ones do: kernels compiled, caches and pools grown. With
+    2-token outputs a first process still ran slower (docs/benchmarks.md)."""
     if workload == "mixed":
         mixed(engine, vocab, 2, requests=CLIENTS)
     else:
